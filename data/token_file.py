@@ -1,0 +1,227 @@
+"""Memory-mapped token files: a directory with `tokens.bin` and `meta.json`.
+
+`tokens.bin` is one flat little-endian array of ids (documents concatenated, each
+followed by EOS), so training reads any window straight from the page cache with
+no parsing. `meta.json` says how to read it and lets `open` catch truncated or
+mismatched files with a one-line error instead of a garbage batch hours later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from data.tokenizer import EOS_ID
+
+FORMAT = "jaxlm-tokens"
+VERSION = 1
+TOKENS_NAME = "tokens.bin"
+META_NAME = "meta.json"
+_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+class TokenFileError(ValueError):
+    """A token file is missing, malformed, or does not fit the model."""
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """The smallest stored dtype holding every id below `vocab_size`."""
+    if not 0 < vocab_size <= 2**32:
+        raise TokenFileError(f"vocab_size must be in [1, 2**32], got {vocab_size}")
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def write_token_file(
+    out_dir: str | os.PathLike,
+    documents: Iterable[np.ndarray],
+    *,
+    vocab_size: int,
+    tokenizer: str = "bytes",
+    sources: Sequence[str] = (),
+    overwrite: bool = False,
+    eos_id: int = EOS_ID,
+) -> Path:
+    """Streams `documents` (1-D id arrays) into a token file at `out_dir`, EOS after each.
+
+    The file is built in a temp dir beside `out_dir` and renamed into place, so a
+    killed process never leaves a half-written token file where readers look.
+    """
+    out_dir = Path(out_dir)
+    dtype_name = dtype_for_vocab(vocab_size)
+    dtype = _DTYPES[dtype_name]
+    if not 0 <= eos_id < vocab_size:
+        raise TokenFileError(f"{out_dir}: eos_id {eos_id} is outside vocab_size {vocab_size}")
+    _check_writable(out_dir, overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would make the result private after the rename
+        num_tokens = num_documents = max_id = 0
+        eos = np.array([eos_id], dtype=dtype)
+        with open(tmp / TOKENS_NAME, "wb") as f:
+            for doc in documents:
+                ids = np.asarray(doc)
+                if ids.ndim != 1 or not (ids.dtype.kind in "iu" or ids.size == 0):
+                    raise TokenFileError(
+                        f"{out_dir}: document {num_documents} must be a 1-D integer array, "
+                        f"got shape {ids.shape} dtype {ids.dtype}")
+                if ids.size:
+                    lo, hi = int(ids.min()), int(ids.max())
+                    if lo < 0 or hi >= vocab_size:
+                        bad = lo if lo < 0 else hi
+                        raise TokenFileError(
+                            f"{out_dir}: document {num_documents} has token id {bad} "
+                            f"outside [0, vocab_size={vocab_size})")
+                    max_id = max(max_id, hi)
+                f.write(ids.astype(dtype).tobytes())
+                f.write(eos.tobytes())
+                num_tokens += ids.size + 1
+                num_documents += 1
+            f.flush()
+            os.fsync(f.fileno())
+        meta = {
+            "format": FORMAT, "version": VERSION, "dtype": dtype_name,
+            "num_tokens": num_tokens, "vocab_size": vocab_size, "tokenizer": tokenizer,
+            "num_documents": num_documents, "max_token_id": max(max_id, eos_id),
+            "eos_id": eos_id, "sources": list(sources),
+        }
+        (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+        _move_into_place(tmp, out_dir, overwrite)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _is_token_file(path: Path) -> bool:
+    try:
+        return json.loads((path / META_NAME).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _check_writable(out_dir: Path, overwrite: bool) -> None:
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise TokenFileError(f"{out_dir}: output exists and is not a directory")
+    if not any(out_dir.iterdir()):
+        return
+    if not _is_token_file(out_dir):
+        raise TokenFileError(f"{out_dir}: output directory is not empty and is not a token file; refusing to overwrite it")
+    if not overwrite:
+        raise TokenFileError(f"{out_dir}: token file already exists (pass overwrite=True / --overwrite to replace it)")
+
+
+def _move_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    """Renames `tmp` to `out_dir`; an old token file is moved aside first, then deleted."""
+    old = None
+    if out_dir.exists() and any(out_dir.iterdir()):
+        _check_writable(out_dir, overwrite)  # may have appeared while we were writing
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, old / "x")
+    try:
+        os.replace(tmp, out_dir)  # atomic; fails if another writer got there first
+    except OSError as e:
+        raise TokenFileError(f"{out_dir}: could not move the new token file into place ({e}); "
+                             "another process may have written it") from e
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenFile:
+    """An opened, validated token file; `tokens` is a read-only 1-D memmap."""
+
+    path: Path
+    meta: dict
+    tokens: np.memmap
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.meta["num_tokens"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "TokenFile":
+        """Opens the directory (or its meta.json); raises TokenFileError naming the problem."""
+        path = Path(path)
+        if path.name == META_NAME and not path.is_dir():
+            path = path.parent
+
+        def fail(problem: str):
+            raise TokenFileError(f"{path}: {problem}")
+
+        if not path.exists():
+            fail("token file directory does not exist")
+        if not path.is_dir():
+            fail("not a directory (a token file is a directory with tokens.bin and meta.json)")
+        meta_path, bin_path = path / META_NAME, path / TOKENS_NAME
+        try:
+            meta = json.loads(meta_path.read_text())
+        except FileNotFoundError:
+            fail(f"missing {META_NAME}")
+        except json.JSONDecodeError as e:
+            fail(f"{META_NAME} is not valid JSON ({e})")
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"cannot read {META_NAME}: {e}")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            fail(f"{META_NAME} format is {got!r}, expected {FORMAT!r}")
+        if meta.get("version") != VERSION:
+            fail(f"unsupported version {meta.get('version')!r}, expected {VERSION}")
+        for key in ("num_tokens", "vocab_size", "max_token_id"):
+            if not isinstance(meta.get(key), int) or meta[key] < 0:
+                fail(f"{META_NAME} field {key!r} must be a non-negative integer, got {meta.get(key)!r}")
+        dtype = _DTYPES.get(meta.get("dtype"))
+        if dtype is None:
+            fail(f"unknown dtype {meta.get('dtype')!r}, expected one of {sorted(_DTYPES)}")
+        if not bin_path.is_file():
+            fail(f"missing {TOKENS_NAME}")
+        try:
+            with open(bin_path, "rb"):
+                pass
+        except OSError as e:
+            fail(f"cannot read {TOKENS_NAME}: {e}")
+        n = meta["num_tokens"]
+        expected, actual = n * dtype.itemsize, bin_path.stat().st_size
+        if actual != expected:
+            kind = "truncated" if actual < expected else "size mismatch"
+            fail(f"{kind}: {META_NAME} says {n} tokens ({expected} bytes) but {TOKENS_NAME} has {actual} bytes")
+        if n == 0:
+            fail("empty token file (0 tokens)")
+        if meta["max_token_id"] >= meta["vocab_size"]:
+            fail(f"max_token_id {meta['max_token_id']} >= vocab_size {meta['vocab_size']}")
+        tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,))
+        return cls(path=path, meta=meta, tokens=tokens)
+
+    def validate_ids(self, vocab_size: int, *, deep: bool = False, chunk_size: int = 1 << 24) -> int:
+        """Checks every id fits a model with `vocab_size`; returns the max id.
+
+        meta.json's max_token_id is trusted unless `deep`, which scans tokens.bin
+        in chunks (bounded memory) and also catches a meta.json that lies.
+        """
+        max_id = int(self.meta["max_token_id"])
+        if deep:
+            scanned = max(int(self.tokens[i:i + chunk_size].max()) for i in range(0, self.num_tokens, chunk_size))
+            if scanned > max_id:
+                raise TokenFileError(
+                    f"{self.path}: {TOKENS_NAME} holds token id {scanned} but {META_NAME} says max_token_id {max_id}")
+            max_id = scanned
+        if max_id >= vocab_size:
+            raise TokenFileError(f"{self.path}: token id {max_id} does not fit model vocab_size {vocab_size}")
+        return max_id

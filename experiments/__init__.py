@@ -1,0 +1,1 @@
+"""Runnable experiments (`python -m experiments.NAME`), their Python config files and mesh layouts."""

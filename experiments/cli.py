@@ -1,0 +1,126 @@
+"""The experiment CLI contract shared by every training experiment (see DESIGN.md).
+
+    --workdir DIR --steps N --seed S --mesh PATH.py --config PATH.py --log-every K --checkpoint-every K
+    --set dotted.key=value (repeatable) [--cpu-devices N] [--no-progress]
+
+Everything a user can get wrong (flags, config, layout, data) is checked before JAX compiles anything; a problem
+exits with status 2 and one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage + error
+        raise UsageError(message)
+
+
+def build_parser(prog: str, default_workdir: str) -> argparse.ArgumentParser:
+    p = _Parser(prog=f"python -m experiments.{prog}", description=sys.modules["__main__"].__doc__)
+    p.add_argument("--workdir", default=default_workdir, help=f"outputs + checkpoints (default: {default_workdir})")
+    p.add_argument("--config", help="Python config file defining `config` (default: the experiment's own)")
+    p.add_argument("--mesh", help="Python mesh layout file defining `layout` (default: data parallel over all devices)")
+    p.add_argument("--steps", type=int, help="total optimizer steps (a resumed run continues up to this)")
+    p.add_argument("--seed", type=int, help="seed for init and data order")
+    p.add_argument("--log-every", type=int, help="log metrics every K steps")
+    p.add_argument("--checkpoint-every", type=int, help="checkpoint every K steps (0: only at the end)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set model.d_model=512 (repeatable)")
+    p.add_argument("--cpu-devices", type=int, default=0,
+                   help="simulate N CPU devices (set before JAX starts); 0 keeps JAX's default")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run_training(prog: str, default_config: Path, default_workdir: str, argv: list[str] | None = None) -> int:
+    """Parses the CLI, validates everything, then trains. Returns the process exit code."""
+    try:
+        args = build_parser(prog, default_workdir).parse_args(argv)
+        if args.cpu_devices < 0:
+            raise UsageError(f"--cpu-devices must be >= 0, got {args.cpu_devices}")
+        setup = _prepare(args, default_config)
+    except UsageError as e:
+        return _fail(prog, str(e))
+    except (ValueError, OSError) as e:  # ConfigError, LayoutError, TokenFileError, unwritable workdir
+        return _fail(prog, str(e))
+    return _train(prog, args, *setup)
+
+
+def _fail(prog: str, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _prepare(args, default_config: Path):
+    import jax
+
+    if args.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+
+    from jaxlm import config as config_lib
+    from sharding import MeshLayout, load_layout
+
+    cfg = config_lib.load_config(args.config or default_config)
+    flags = {"steps": args.steps, "seed": args.seed, "log_every": args.log_every,
+             "checkpoint_every": args.checkpoint_every}
+    cfg = config_lib.apply_overrides(cfg, [f"{k}={v}" for k, v in flags.items() if v is not None] + args.set)
+    config_lib.validate(cfg)
+
+    num_devices = jax.device_count()
+    layout = load_layout(args.mesh, num_devices) if args.mesh else MeshLayout(data=num_devices).validate(num_devices)
+    m, d = cfg.model, cfg.data
+    layout.check_divisibility(batch_size=d.batch_size, microbatches=d.microbatches, num_heads=m.num_heads,
+                              num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, num_layers=m.num_layers)
+
+    train_iter, eval_data = _open_data(cfg)
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
+    return cfg, layout, train_iter, eval_data
+
+
+def _open_data(cfg):
+    from data import SeededBatchIterator, TokenFile, default_corpus, eval_batches, split_train_val
+
+    d = cfg.data
+    token_file = TokenFile.open(d.path or default_corpus())
+    if token_file.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"token file {token_file.path} has vocab_size {token_file.vocab_size} but "
+                         f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
+    token_file.validate_ids(cfg.model.vocab_size)
+    (train_lo, train_hi), (val_lo, val_hi) = split_train_val(token_file.num_tokens, d.val_fraction, d.seq_len)
+    train_iter = SeededBatchIterator(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len, seed=cfg.seed,
+                                     start=train_lo, stop=train_hi)
+    eval_data = []
+    if d.eval_batches and val_hi > val_lo:
+        eval_data = eval_batches(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len, start=val_lo,
+                                 stop=val_hi, max_batches=d.eval_batches)
+    return train_iter, eval_data
+
+
+def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
+    from jaxlm.config import ConfigError
+    from jaxlm.train import Trainer
+    from sharding import build_mesh
+
+    trainer = Trainer(cfg, build_mesh(layout), args.workdir, train_iter, eval_data, rules=layout.rules,
+                      progress=not args.no_progress)
+    try:
+        final = trainer.run()
+    except ConfigError as e:  # e.g. resuming a workdir written with another model config
+        return _fail(prog, str(e))
+    if final:
+        summary = ", ".join(f"{k} {v:.4g}" for k, v in final.items() if k != "step")
+        print(f"{prog}: step {final['step']}: {summary}; outputs in {args.workdir}", file=sys.stderr)
+    return 0

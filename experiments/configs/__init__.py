@@ -1,0 +1,1 @@
+"""Python config files: each defines `config`, a jaxlm.config.TrainConfig (or a function returning one)."""

@@ -1,0 +1,14 @@
+"""tiny_lm: a ~6M-parameter Llama-style model on byte-level Python source; a few minutes on a 2-core CPU."""
+
+from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
+
+config = TrainConfig(
+    model=ModelConfig(vocab_size=384, d_model=256, num_layers=6, num_heads=4, num_kv_heads=2, mlp_dim=1024,
+                      max_seq_len=256),
+    optim=OptimConfig(learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0),
+    data=DataConfig(seq_len=256, batch_size=16, val_fraction=0.01, eval_batches=4),
+    steps=200,
+    log_every=10,
+    eval_every=50,
+    checkpoint_every=50,
+)

@@ -1,0 +1,1 @@
+"""Mesh layout files: each defines `layout`, a sharding.MeshLayout, a dict, or `layout(num_devices)`."""

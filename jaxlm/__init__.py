@@ -1,0 +1,1 @@
+"""jaxlm: the model and the training program (config, model, attention, train, checkpoint, metrics)."""

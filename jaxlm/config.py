@@ -1,0 +1,253 @@
+"""Run configuration: frozen dataclasses, Python config files loaded by path, and `--set` overrides.
+
+A config file is plain Python that defines `config` (a `TrainConfig`) or `def config() -> TrainConfig`.
+Everything is validated here, before JAX compiles anything, so a typo costs a second, not a compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message names the problem in one line."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 384
+    d_model: int = 256
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0 -> d_model // num_heads
+    mlp_dim: int = 1024  # SwiGLU hidden size
+    max_seq_len: int = 256
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    dtype: str = "float32"  # activation/compute dtype; params are always float32
+    scan_layers: bool = True  # lax.scan over stacked layers (compile time flat in depth)
+    scan_unroll: int = 1  # lax.scan unroll factor; num_layers == fully unrolled
+    remat: bool = False  # recompute each layer in the backward pass to save memory
+    attention_impl: str = "xla"  # see jaxlm.attention.IMPLEMENTATIONS
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    decay_steps: int = 0  # 0 -> decay over the run's total steps
+    min_lr_ratio: float = 0.1  # final lr = learning_rate * min_lr_ratio
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # a token file directory (python -m data.prepare); "" -> the default stdlib corpus
+    seq_len: int = 256
+    batch_size: int = 16  # global batch, in sequences
+    microbatches: int = 1  # gradient accumulation: batch_size is split into this many microbatches
+    val_fraction: float = 0.01
+    eval_batches: int = 4
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    steps: int = 200
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 50  # 0 disables periodic eval (a final eval still runs when a val split exists)
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    async_checkpointing: bool = True
+    tensorboard: bool = True
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """Executes a Python config file and returns its `config` (an instance or a zero-arg function)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    module = _exec_python_file(path, "config")
+    if not hasattr(module, "config"):
+        raise ConfigError(f"config file {path} must define `config` (a TrainConfig or a function returning one)")
+    cfg = module.config
+    if callable(cfg) and not isinstance(cfg, TrainConfig):
+        cfg = cfg()
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigError(f"config file {path}: `config` is a {type(cfg).__name__}, expected TrainConfig")
+    return cfg
+
+
+def _exec_python_file(path: Path, kind: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_jaxlm_{kind}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"{kind} file {path}: syntax error at line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # a user's file may raise anything; report it in one line
+        raise ConfigError(f"{kind} file {path} raised {type(e).__name__}: {e}") from None
+    return module
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def apply_overrides(cfg: TrainConfig, assignments: list[str]) -> TrainConfig:
+    """Applies `dotted.key=value` strings, parsing each value by the field's declared type."""
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects dotted.key=value, got {assignment!r}")
+        cfg = _set_path(cfg, key.strip().split("."), raw.strip(), key.strip())
+    return cfg
+
+
+def _set_path(obj: Any, parts: list[str], raw: str, full_key: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    name = parts[0]
+    if name not in fields:
+        where = type(obj).__name__
+        raise ConfigError(f"unknown config key {full_key!r}: {where} has no field {name!r} (fields: {', '.join(fields)})")
+    current = getattr(obj, name)
+    if dataclasses.is_dataclass(current):
+        if len(parts) == 1:
+            raise ConfigError(f"config key {full_key!r} is a section; set one of its fields, e.g. {full_key}.<field>=...")
+        return dataclasses.replace(obj, **{name: _set_path(current, parts[1:], raw, full_key)})
+    if len(parts) > 1:
+        raise ConfigError(f"unknown config key {full_key!r}: {name!r} is not a section")
+    hint = typing.get_type_hints(type(obj))[name]
+    return dataclasses.replace(obj, **{name: _parse_value(raw, hint, full_key)})
+
+
+def _parse_value(raw: str, hint: Any, key: str) -> Any:
+    try:
+        if hint is bool:
+            lowered = raw.lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if hint is int:
+            return int(raw)
+        if hint is float:
+            value = float(raw)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+        if hint is str:
+            return raw
+    except ValueError:
+        raise ConfigError(f"bad value for {key}: {raw!r} is not a valid {hint.__name__}") from None
+    raise ConfigError(f"config key {key} has unsupported type {hint}")
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Checks types and cross-field constraints; raises ConfigError naming the first problem."""
+    _check_types(cfg, "")
+    m, o, d = cfg.model, cfg.optim, cfg.data
+    positive = {
+        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.num_layers": m.num_layers,
+        "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads, "model.mlp_dim": m.mlp_dim,
+        "model.max_seq_len": m.max_seq_len, "model.scan_unroll": m.scan_unroll,
+        "data.seq_len": d.seq_len, "data.batch_size": d.batch_size, "data.microbatches": d.microbatches,
+        "steps": cfg.steps, "log_every": cfg.log_every, "keep_checkpoints": cfg.keep_checkpoints,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    non_negative = {"model.head_dim": m.head_dim, "optim.warmup_steps": o.warmup_steps, "optim.decay_steps": o.decay_steps,
+                    "eval_every": cfg.eval_every, "checkpoint_every": cfg.checkpoint_every, "data.eval_batches": d.eval_batches,
+                    "seed": cfg.seed, "optim.grad_clip": o.grad_clip, "optim.weight_decay": o.weight_decay}
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if o.learning_rate <= 0:
+        raise ConfigError(f"optim.learning_rate must be positive, got {o.learning_rate}")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    if not 0 <= d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    if m.head_dim == 0 and m.d_model % m.num_heads:
+        raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads}) or set model.head_dim")
+    if m.resolved_head_dim % 2:
+        raise ConfigError(f"head dim must be even for rotary embeddings, got {m.resolved_head_dim}")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
+    if m.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {m.dtype!r}")
+    from jaxlm.attention import IMPLEMENTATIONS  # local: attention imports jax, config must stay light
+
+    if m.attention_impl not in IMPLEMENTATIONS:
+        raise ConfigError(f"model.attention_impl must be one of {sorted(IMPLEMENTATIONS)}, got {m.attention_impl!r}")
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    if d.batch_size % d.microbatches:
+        raise ConfigError(f"data.batch_size ({d.batch_size}) must be divisible by data.microbatches ({d.microbatches})")
+    return cfg
+
+
+def _check_types(obj: Any, prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, hint, key = getattr(obj, f.name), hints[f.name], prefix + f.name
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, hint):
+                raise ConfigError(f"config {key} must be a {hint.__name__}, got {type(value).__name__}")
+            _check_types(value, key + ".")
+        elif hint is float and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        elif not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+            raise ConfigError(f"config {key} must be {hint.__name__}, got {type(value).__name__} {value!r}")
+
+
+# ----------------------------------------------------------------------------- serialization
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict) -> TrainConfig:
+    sections = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig}
+    kwargs = {k: (sections[k](**v) if k in sections else v) for k, v in data.items()}
+    return TrainConfig(**kwargs)
+
+
+def diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Keys whose values differ between two config dicts, as 'key: saved -> current'."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out

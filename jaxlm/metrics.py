@@ -1,0 +1,97 @@
+"""Where a run's numbers go: metrics.jsonl (the record), TensorBoard events, a progress bar, and a loss plot.
+
+On resume, records of steps after the restored checkpoint are dropped from metrics.jsonl first: those steps are
+about to be recomputed, and the file should read as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+class MetricsLogger:
+    def __init__(self, workdir: str | Path, *, total_steps: int, start_step: int = 0, progress: bool = True,
+                 tensorboard: bool = True):
+        self.workdir = Path(workdir)
+        self.path = self.workdir / METRICS_FILE
+        _truncate_after(self.path, start_step)
+        self.file = open(self.path, "a")
+        self.tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.workdir / "tensorboard"))
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                        disable=not progress, file=sys.stderr)
+        self.step = start_step
+        self.shown: dict[str, float] = {}
+
+    def log(self, record: dict) -> None:
+        """Appends one record ({"step": int, ...numbers}) everywhere."""
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        step = record["step"]
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, step)
+        if step > self.step:
+            self.bar.update(step - self.step)
+            self.step = step
+        self.shown.update({k: record[k] for k in ("loss", "eval_loss", "tokens_per_s") if k in record})
+        self.bar.set_postfix({k: f"{v:.4g}" for k, v in self.shown.items()}, refresh=True)
+
+    def info(self, message: str) -> None:
+        self.bar.write(message, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        records = read_metrics(self.path)
+        if records:
+            plot_loss(records, self.workdir / PLOT_FILE)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    if path.exists():
+        kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(path)
+
+
+def plot_loss(records: list[dict], out: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for key, style in (("loss", "-"), ("eval_loss", "o-")):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, values, style, label=key.replace("_", " "), markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)

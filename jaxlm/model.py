@@ -1,0 +1,168 @@
+"""A Llama-style decoder-only transformer in flax.nnx.
+
+Every parameter carries `logical_axes` metadata (e.g. ("embed", "mlp")); `sharding.rules` maps those names to mesh
+axes, so the model never knows how it is parallelised. The layers are created stacked (a leading "layers" axis) and
+run with `lax.scan`, so compile time does not grow with depth.
+
+Shapes: B batch, T sequence, D d_model, V vocab, K kv heads, G query heads per kv head, H = K*G heads,
+E head dim, F mlp hidden.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlm.attention import attention
+from jaxlm.config import ModelConfig
+
+LOGICAL_AXES = "logical_axes"  # metadata key read by sharding.rules
+
+
+def _param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float | None) -> nnx.Param:
+    value = jnp.ones(shape, jnp.float32) if std is None else std * jax.random.normal(key, shape, jnp.float32)
+    return nnx.Param(value, **{LOGICAL_AXES: axes})
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = _param(None, (dim,), ("embed",), None)
+        self.eps = eps
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        x = x_BTD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...]).astype(x_BTD.dtype)
+
+
+def rotary_tables(positions_BT: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """sin/cos tables [B, T, 1, E/2] for rotary embeddings, in float32."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+
+
+def apply_rotary(x_BTHE: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    x1, x2 = jnp.split(x_BTHE.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BTHE.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with one fused QKV projection.
+
+    wqkv is [D, K, G+2, E]: for each kv head, its G query heads then its key and its value. Splitting the `kv_heads`
+    axis over a tensor-parallel mesh axis therefore keeps every group whole.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, E, K = cfg.d_model, cfg.resolved_head_dim, cfg.num_kv_heads
+        G = cfg.num_heads // K
+        self.cfg = cfg
+        self.wqkv = _param(rngs.params(), (D, K, G + 2, E), ("embed", "kv_heads", None, "head_dim"), D**-0.5)
+        out_std = (cfg.num_heads * E) ** -0.5 / (2 * cfg.num_layers) ** 0.5
+        self.wo = _param(rngs.params(), (cfg.num_heads, E, D), ("heads", "head_dim", "embed"), out_std)
+
+    def __call__(self, x_BTD, sin, cos, segment_ids_BT=None):
+        cfg = self.cfg
+        B, T, _ = x_BTD.shape
+        K, E = cfg.num_kv_heads, cfg.resolved_head_dim
+        G = cfg.num_heads // K
+        qkv = jnp.einsum("btd,dkge->btkge", x_BTD, self.wqkv[...].astype(x_BTD.dtype))
+        q_BTHE = qkv[:, :, :, :G].reshape(B, T, K * G, E)
+        k_BTKE, v_BTKE = qkv[:, :, :, G], qkv[:, :, :, G + 1]
+        q_BTHE, k_BTKE = apply_rotary(q_BTHE, sin, cos), apply_rotary(k_BTKE, sin, cos)
+        out_BTHE = attention(q_BTHE, k_BTKE, v_BTKE, causal=True, segment_ids_BT=segment_ids_BT,
+                             impl=cfg.attention_impl)
+        return jnp.einsum("bthe,hed->btd", out_BTHE, self.wo[...].astype(x_BTD.dtype))
+
+
+class SwiGLU(nnx.Module):
+    """silu(x W_gate) * (x W_up) W_down, with gate and up fused into one [D, 2, F] matmul."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.mlp_dim
+        self.w_in = _param(rngs.params(), (D, 2, F), ("embed", None, "mlp"), D**-0.5)
+        self.w_out = _param(rngs.params(), (F, D), ("mlp", "embed"), F**-0.5 / (2 * cfg.num_layers) ** 0.5)
+
+    def __call__(self, x_BTD):
+        h = jnp.einsum("btd,dcf->btcf", x_BTD, self.w_in[...].astype(x_BTD.dtype))
+        h_BTF = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
+        return jnp.einsum("btf,fd->btd", h_BTF, self.w_out[...].astype(x_BTD.dtype))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg, rngs=rngs)
+
+    def __call__(self, x_BTD, sin, cos, segment_ids_BT=None):
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), sin, cos, segment_ids_BT)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _param(rngs.params(), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
+        self.blocks = _stacked_blocks(cfg, rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs.params(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
+
+    def __call__(self, tokens_BT: jax.Array, *, segment_ids_BT=None, positions_BT=None) -> jax.Array:
+        """Returns float32 logits [B, T, V]."""
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        B, T = tokens_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        sin, cos = rotary_tables(positions_BT, cfg.resolved_head_dim, cfg.rope_theta)
+        x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
+        x_BTD = self._run_blocks(x_BTD, sin, cos, segment_ids_BT)
+        x_BTD = self.final_norm(x_BTD)
+        head_DV = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+        return jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32)
+
+    def _run_blocks(self, x_BTD, sin, cos, segment_ids_BT):
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, sin, cos, segment_ids_BT), None
+
+        if self.cfg.remat:
+            layer = jax.checkpoint(layer, prevent_cse=False)
+        if self.cfg.scan_layers:
+            x_BTD, _ = jax.lax.scan(layer, x_BTD, stacked, unroll=self.cfg.scan_unroll)
+            return x_BTD
+        for i in range(self.cfg.num_layers):
+            x_BTD, _ = layer(x_BTD, jax.tree.map(lambda a: a[i], stacked))
+        return x_BTD
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """num_layers Blocks whose params carry a leading `layers` axis."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Block(cfg, rngs=rngs)
+
+    blocks = make(rngs)
+    for _, variable in nnx.iter_graph(blocks):
+        if isinstance(variable, nnx.Param):
+            variable.set_metadata(LOGICAL_AXES, ("layers",) + tuple(variable.get_metadata(LOGICAL_AXES)))
+    return blocks
+
+
+def count_params(model: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def model_flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12*L*H*E*T for attention scores
+    and values (the PaLM / nanoGPT convention, counting the full T x T, not only the causal half)."""
+    return 6 * num_params + 12 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len

@@ -1,0 +1,235 @@
+"""The compiled training program: train state, loss, `train_step` / `eval_step`, and the Trainer loop around them.
+
+The step is one jit-compiled function with the state donated; the Python loop only feeds batches, logs every
+`log_every` steps and checkpoints. Gradient accumulation is a `lax.scan` over microbatches inside the same program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxlm import config as config_lib
+from jaxlm.checkpoint import Checkpointer
+from jaxlm.config import OptimConfig, TrainConfig
+from jaxlm.metrics import MetricsLogger
+from jaxlm.model import Transformer, count_params, model_flops_per_token
+from sharding.rules import batch_sharding, tree_shardings
+
+Batch = dict[str, Any]  # "inputs" [B, T] int32, "targets" [B, T] int32, "loss_mask" [B, T] float32
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: completed optimizer steps
+    params: nnx.State
+    opt_state: Any
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def lr_schedule(ocfg: OptimConfig, total_steps: int) -> Callable[[jax.Array], jax.Array]:
+    """Linear warmup to the peak (step 0 already trains), then cosine decay to peak * min_lr_ratio."""
+    peak, warmup = ocfg.learning_rate, ocfg.warmup_steps
+    decay = max((ocfg.decay_steps or total_steps) - warmup, 1)
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = peak * (step + 1) / max(warmup, 1)
+        progress = jnp.clip((step - warmup) / decay, 0.0, 1.0)
+        cosine = peak * (ocfg.min_lr_ratio + (1 - ocfg.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress)))
+        return jnp.where(step < warmup, warm, cosine)
+
+    return schedule
+
+
+def make_optimizer(ocfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+    schedule = lr_schedule(ocfg, total_steps)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norm scales
+    adamw = optax.adamw(schedule, b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps, weight_decay=ocfg.weight_decay, mask=decay_mask)
+    clip = optax.clip_by_global_norm(ocfg.grad_clip) if ocfg.grad_clip > 0 else optax.identity()
+    return optax.chain(clip, adamw), schedule
+
+
+# ----------------------------------------------------------------------------- loss and steps
+
+
+def loss_sums(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """(sum of masked next-token cross-entropies, number of unmasked tokens): sums, so microbatches add up exactly."""
+    model = nnx.merge(graphdef, params)
+    logits_BTV = model(batch["inputs"], segment_ids_BT=batch.get("segment_ids"))
+    losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+    mask_BT = batch["loss_mask"].astype(jnp.float32)
+    return jnp.sum(losses_BT * mask_BT), jnp.sum(mask_BT)
+
+
+def split_microbatches(batch: Batch, k: int) -> Batch:
+    """[B, ...] -> [k, B/k, ...], microbatch j = rows j, j+k, ... so every data shard holds rows of every microbatch."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, microbatches: int):
+    grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+    if microbatches == 1:
+        (loss_sum, count), grads = grad_fn(state.params, graphdef, batch)
+    else:
+        def accumulate(carry, microbatch):
+            g_acc, l_acc, n_acc = carry
+            (l, n), g = grad_fn(state.params, graphdef, microbatch)
+            return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, n_acc + n), None
+
+        zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(()))
+        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, zeros, split_microbatches(batch, microbatches))
+    count = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss_sum / count, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def eval_step(params: nnx.State, batch: Batch, *, graphdef) -> tuple[jax.Array, jax.Array]:
+    return loss_sums(params, graphdef, batch)
+
+
+# ----------------------------------------------------------------------------- the compiled program
+
+
+class Program:
+    """Model graph, optimizer, shardings and the jitted init / train / eval functions for one config and mesh."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, rules: dict | None = None):
+        self.cfg, self.mesh = cfg, mesh
+        self.tx, self.schedule = make_optimizer(cfg.optim, cfg.steps)
+        abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+        self.graphdef, _ = nnx.split(abstract_model)
+        self.abstract_state = jax.eval_shape(self._init)
+        self.state_shardings = tree_shardings(self.abstract_state, mesh, rules)
+        self.batch_sharding = batch_sharding(mesh, rules)
+        replicated = NamedSharding(mesh, P())
+        self.init = jax.jit(self._init, out_shardings=self.state_shardings)
+        self.train_step = jax.jit(
+            lambda state, batch: train_step(state, batch, graphdef=self.graphdef, tx=self.tx, schedule=self.schedule,
+                                            microbatches=cfg.data.microbatches),
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(
+            lambda params, batch: eval_step(params, batch, graphdef=self.graphdef),
+            in_shardings=(self.state_shardings.params, self.batch_sharding),
+            out_shardings=replicated,
+        )
+
+    def _init(self) -> TrainState:
+        model = Transformer(self.cfg.model, rngs=nnx.Rngs(self.cfg.seed))
+        params = nnx.state(model)
+        return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+
+    @property
+    def num_params(self) -> int:
+        return sum(x.size for x in jax.tree.leaves(self.abstract_state.params))
+
+    def device_batch(self, batch: Batch) -> Batch:
+        return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in batch.items()}
+
+    def abstract_with_shardings(self):
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            self.abstract_state, self.state_shardings)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class Trainer:
+    """Runs `cfg.steps` optimizer steps, resuming from the workdir's latest checkpoint if there is one."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, workdir, train_iter: Iterator[Batch], eval_batches: list[Batch],
+                 *, rules: dict | None = None, progress: bool = True):
+        self.cfg, self.workdir = cfg, workdir
+        self.train_iter, self.eval_batches = train_iter, eval_batches
+        self.program = Program(cfg, mesh, rules)
+        self.checkpointer = Checkpointer(f"{workdir}/checkpoints", keep=cfg.keep_checkpoints,
+                                         async_save=cfg.async_checkpointing)
+        self.progress = progress
+
+    def restore_or_init(self) -> TrainState:
+        latest = self.checkpointer.latest_step()
+        if latest is None:
+            return self.program.init()
+        state, data_state, saved_cfg = self.checkpointer.restore(latest, self.program.abstract_with_shardings())
+        changed = [d for d in config_lib.diff(saved_cfg["model"], config_lib.to_dict(self.cfg.model), "model.")]
+        changed += config_lib.diff(saved_cfg["data"], config_lib.to_dict(self.cfg.data), "data.")
+        if changed:
+            raise config_lib.ConfigError(f"checkpoint at step {latest} in {self.workdir} was written with a different "
+                                         f"config ({'; '.join(changed)}); use a new --workdir or the original config")
+        self.train_iter.set_state(data_state)
+        return state
+
+    def run(self) -> dict:
+        cfg, program = self.cfg, self.program
+        state = self.restore_or_init()
+        start = int(state.step)
+        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        flops_per_token = model_flops_per_token(cfg.model, program.num_params, cfg.data.seq_len)
+        logger = MetricsLogger(self.workdir, total_steps=cfg.steps, start_step=start, progress=self.progress,
+                               tensorboard=cfg.tensorboard)
+        logger.info(f"params {program.num_params / 1e6:.2f}M, {flops_per_token / 1e6:.1f} MFLOP/token, "
+                    f"{'resuming at step ' + str(start) if start else 'starting from scratch'}")
+        last = {}
+        try:
+            if start >= cfg.steps:
+                logger.info(f"already at step {start} >= steps {cfg.steps}; nothing to do")
+                return last
+            batch = program.device_batch(next(self.train_iter))
+            t0 = time.perf_counter()
+            step_fn = program.train_step.lower(state, batch).compile()
+            logger.info(f"compiled train step in {time.perf_counter() - t0:.1f}s")
+            t_last, steps_since = time.perf_counter(), 0
+            for step in range(start + 1, cfg.steps + 1):
+                state, metrics = step_fn(state, batch)
+                steps_since += 1
+                is_last = step == cfg.steps
+                if step < cfg.steps:
+                    batch = program.device_batch(next(self.train_iter))  # overlaps with the running step
+                if step % cfg.log_every == 0 or is_last:
+                    metrics = jax.device_get(metrics)
+                    now = time.perf_counter()
+                    tokens_per_s = steps_since * tokens_per_step / (now - t_last)
+                    last = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
+                            "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
+                            "model_gflops_per_s": tokens_per_s * flops_per_token / 1e9}
+                    if not np.isfinite(last["loss"]):
+                        raise FloatingPointError(f"loss became {last['loss']} at step {step}")
+                    logger.log(last)
+                    t_last, steps_since = now, 0
+                if self.eval_batches and ((cfg.eval_every and step % cfg.eval_every == 0) or is_last):
+                    eval_loss = self.evaluate(state.params)
+                    logger.log({"step": step, "eval_loss": eval_loss})
+                    last["eval_loss"] = eval_loss
+                    t_last = time.perf_counter()  # eval time is not training throughput
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last:
+                    self.checkpointer.save(step, state, self.train_iter.get_state(), config_lib.to_dict(cfg))
+                    t_last = time.perf_counter()  # nor is the blocking part of a checkpoint save
+            return last
+        finally:
+            self.checkpointer.close()
+            logger.close()
+
+    def evaluate(self, params) -> float:
+        total, count = 0.0, 0.0
+        for batch in self.eval_batches:
+            loss_sum, n = jax.device_get(self.program.eval_step(params, self.program.device_batch(batch)))
+            total, count = total + float(loss_sum), count + float(n)
+        return total / max(count, 1.0)

@@ -1,0 +1,108 @@
+"""A mesh layout is a few integers (one per mesh axis) written in a Python file; this turns it into a `Mesh`.
+
+Layout files define `layout` as a `MeshLayout`, a dict of axis sizes, or `def layout(num_devices)` returning either.
+Everything is checked before compilation, with messages naming the axis and the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+MESH_AXES = ("replica", "data", "fsdp", "pipeline", "tensor")  # outermost (slowest links) first
+SUPPORTED_AXES = ("data", "fsdp", "tensor")  # pipeline and replica arrive with the sharding and DiLoCo issues
+
+
+class LayoutError(ValueError):
+    """An invalid mesh layout; the message names the axis and the numbers."""
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    replica: int = 1
+    rules: dict = field(default_factory=dict)  # logical axis -> mesh axis (or tuple, or None); overrides DEFAULT_RULES
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    def validate(self, num_devices: int) -> "MeshLayout":
+        for axis, size in self.axis_sizes.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise LayoutError(f"mesh axis '{axis}' must be a positive int, got {size!r}")
+        for axis in MESH_AXES:
+            if axis not in SUPPORTED_AXES and getattr(self, axis) != 1:
+                raise LayoutError(f"mesh axis '{axis}' = {getattr(self, axis)} is not supported yet (use 1); "
+                                  f"supported axes: {', '.join(SUPPORTED_AXES)}")
+        product = math.prod(self.axis_sizes.values())
+        if product != num_devices:
+            sizes = " x ".join(f"{a}={s}" for a, s in self.axis_sizes.items() if s != 1) or "all axes 1"
+            raise LayoutError(f"mesh layout {sizes} covers {product} devices but {num_devices} are available")
+        from sharding.rules import check_rules
+
+        check_rules(self.rules)
+        return self
+
+    def check_divisibility(self, *, batch_size: int, microbatches: int, num_heads: int, num_kv_heads: int,
+                           mlp_dim: int, num_layers: int) -> None:
+        """Model and batch dimensions must split evenly over the mesh axes they are sharded on."""
+        batch_shards = self.data * self.fsdp
+        if (batch_size // microbatches) % batch_shards:
+            raise LayoutError(f"microbatch size {batch_size // microbatches} (batch {batch_size} / {microbatches} "
+                              f"microbatches) is not divisible by data x fsdp = {batch_shards}")
+        for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("mlp_dim", mlp_dim)):
+            if size % self.tensor:
+                raise LayoutError(f"model.{name} = {size} is not divisible by mesh axis 'tensor' = {self.tensor}")
+        if num_layers % self.pipeline:
+            raise LayoutError(f"model.num_layers = {num_layers} is not divisible by mesh axis 'pipeline' = {self.pipeline}")
+
+
+def load_layout(path: str | Path, num_devices: int) -> MeshLayout:
+    path = Path(path)
+    if not path.is_file():
+        raise LayoutError(f"mesh layout file not found: {path}")
+    spec = importlib.util.spec_from_file_location(f"_jaxlm_mesh_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise LayoutError(f"mesh layout file {path}: syntax error at line {e.lineno}: {e.msg}") from None
+    except Exception as e:
+        raise LayoutError(f"mesh layout file {path} raised {type(e).__name__}: {e}") from None
+    if not hasattr(module, "layout"):
+        raise LayoutError(f"mesh layout file {path} must define `layout` (a MeshLayout, a dict, or layout(num_devices))")
+    layout = module.layout
+    if callable(layout) and not isinstance(layout, MeshLayout):
+        layout = layout(num_devices)
+    return as_layout(layout, where=str(path)).validate(num_devices)
+
+
+def as_layout(value, where: str = "layout") -> MeshLayout:
+    if isinstance(value, MeshLayout):
+        return value
+    if isinstance(value, dict):
+        known = {f.name for f in dataclasses.fields(MeshLayout)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise LayoutError(f"{where}: unknown mesh axis {unknown[0]!r}; known axes: {', '.join(MESH_AXES)}")
+        return MeshLayout(**value)
+    raise LayoutError(f"{where}: `layout` is a {type(value).__name__}, expected MeshLayout or dict")
+
+
+def build_mesh(layout: MeshLayout, devices=None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    layout.validate(len(devices))
+    shape = tuple(layout.axis_sizes.values())
+    grid = np.asarray(devices, dtype=object).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
