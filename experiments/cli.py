@@ -10,7 +10,6 @@ exits with status 2 and one line naming it.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -86,7 +85,6 @@ def _prepare(args, default_config: Path):
     train_iter, eval_data = _open_data(cfg)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
     return cfg, layout, train_iter, eval_data
 
 
@@ -112,10 +110,13 @@ def _open_data(cfg):
 def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
     from jaxlm.config import ConfigError
     from jaxlm.train import Trainer
-    from sharding import build_mesh
+    from sharding import LayoutError, build_mesh
 
-    trainer = Trainer(cfg, build_mesh(layout), args.workdir, train_iter, eval_data, rules=layout.rules,
-                      progress=not args.no_progress)
+    try:  # builds shardings from the layout's rules (no compilation yet): a clash or an indivisible dim fails here
+        trainer = Trainer(cfg, build_mesh(layout), args.workdir, train_iter, eval_data, rules=layout.rules,
+                          progress=not args.no_progress)
+    except LayoutError as e:
+        return _fail(prog, str(e))
     try:
         final = trainer.run()
     except ConfigError as e:  # e.g. resuming a workdir written with another model config

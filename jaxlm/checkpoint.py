@@ -41,6 +41,11 @@ class Checkpointer:
         ))
         return restored.state, dict(restored.data), dict(restored.config)
 
+    def restore_config(self, step: int) -> dict:
+        """Only the config saved with `step` (cheap: lets a caller check it before restoring arrays)."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        return dict(restored.config)
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 

@@ -6,9 +6,10 @@ The step is one jit-compiled function with the state donated; the Python loop on
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import jax
@@ -22,7 +23,7 @@ from jaxlm import config as config_lib
 from jaxlm.checkpoint import Checkpointer
 from jaxlm.config import OptimConfig, TrainConfig
 from jaxlm.metrics import MetricsLogger
-from jaxlm.model import Transformer, count_params, model_flops_per_token
+from jaxlm.model import LOGICAL_AXES, Transformer, count_params, model_flops_per_token
 from sharding.rules import batch_sharding, tree_shardings
 
 Batch = dict[str, Any]  # "inputs" [B, T] int32, "targets" [B, T] int32, "loss_mask" [B, T] float32
@@ -54,10 +55,21 @@ def lr_schedule(ocfg: OptimConfig, total_steps: int) -> Callable[[jax.Array], ja
     return schedule
 
 
+def decay_mask(params) -> Any:
+    """Weight decay on matrices and embeddings, not on norm scales: those are 1-D per layer, 2-D once stacked, so
+    the stacked `layers` axis does not count."""
+
+    def decays(p) -> bool:
+        axes = p.get_metadata(LOGICAL_AXES, None) if isinstance(p, nnx.Variable) else None
+        return p.ndim >= 2 if axes is None else sum(a != "layers" for a in axes) >= 2
+
+    return jax.tree.map(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def make_optimizer(ocfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
     schedule = lr_schedule(ocfg, total_steps)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norm scales
-    adamw = optax.adamw(schedule, b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps, weight_decay=ocfg.weight_decay, mask=decay_mask)
+    adamw = optax.adamw(schedule, b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps, weight_decay=ocfg.weight_decay,
+                        mask=decay_mask)
     clip = optax.clip_by_global_norm(ocfg.grad_clip) if ocfg.grad_clip > 0 else optax.identity()
     return optax.chain(clip, adamw), schedule
 
@@ -95,7 +107,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, micro
     grads = jax.tree.map(lambda g: g / count, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss_sum / count, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+    metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
     return TrainState(state.step + 1, params, opt_state), metrics
 
 
@@ -168,19 +180,27 @@ class Trainer:
         latest = self.checkpointer.latest_step()
         if latest is None:
             return self.program.init()
-        state, data_state, saved_cfg = self.checkpointer.restore(latest, self.program.abstract_with_shardings())
+        # The config is compared before the state is restored: a different model would fail inside Orbax with a
+        # shape mismatch instead of a message naming the field.
+        saved_cfg = self.checkpointer.restore_config(latest)
         changed = [d for d in config_lib.diff(saved_cfg["model"], config_lib.to_dict(self.cfg.model), "model.")]
         changed += config_lib.diff(saved_cfg["data"], config_lib.to_dict(self.cfg.data), "data.")
         if changed:
             raise config_lib.ConfigError(f"checkpoint at step {latest} in {self.workdir} was written with a different "
                                          f"config ({'; '.join(changed)}); use a new --workdir or the original config")
+        state, data_state, _ = self.checkpointer.restore(latest, self.program.abstract_with_shardings())
         self.train_iter.set_state(data_state)
         return state
 
     def run(self) -> dict:
         cfg, program = self.cfg, self.program
-        state = self.restore_or_init()
+        try:
+            state = self.restore_or_init()
+        except BaseException:
+            self.checkpointer.close()  # an unclosed manager leaves Orbax threads erroring at exit
+            raise
         start = int(state.step)
+        (Path(self.workdir) / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         flops_per_token = model_flops_per_token(cfg.model, program.num_params, cfg.data.seq_len)
         logger = MetricsLogger(self.workdir, total_steps=cfg.steps, start_step=start, progress=self.progress,
@@ -199,6 +219,7 @@ class Trainer:
             t_last, steps_since = time.perf_counter(), 0
             for step in range(start + 1, cfg.steps + 1):
                 state, metrics = step_fn(state, batch)
+                data_state = self.train_iter.get_state()  # the next step's batch, before it is prefetched below
                 steps_since += 1
                 is_last = step == cfg.steps
                 if step < cfg.steps:
@@ -220,7 +241,7 @@ class Trainer:
                     last["eval_loss"] = eval_loss
                     t_last = time.perf_counter()  # eval time is not training throughput
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last:
-                    self.checkpointer.save(step, state, self.train_iter.get_state(), config_lib.to_dict(cfg))
+                    self.checkpointer.save(step, state, data_state, config_lib.to_dict(cfg))
                     t_last = time.perf_counter()  # nor is the blocking part of a checkpoint save
             return last
         finally:

@@ -7,6 +7,8 @@ vocab over `tensor`; the batch is split over data x fsdp.
 
 from __future__ import annotations
 
+import math
+
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -47,8 +49,10 @@ def logical_spec(axes: tuple[str | None, ...], rules: dict | None = None) -> P:
             if mesh_axis is None:
                 continue
             if mesh_axis in used:
-                raise ValueError(f"logical axes {used[mesh_axis]!r} and {name!r} of array {axes} both map to mesh "
-                                 f"axis {mesh_axis!r}")
+                from sharding.mesh import LayoutError
+
+                raise LayoutError(f"logical axes {used[mesh_axis]!r} and {name!r} of array {axes} both map to mesh "
+                                  f"axis {mesh_axis!r}")
             used[mesh_axis] = name
         spec.append(target)
     return P(*spec)
@@ -61,10 +65,24 @@ def tree_shardings(tree, mesh: Mesh, rules: dict | None = None):
         if isinstance(leaf, nnx.Variable):
             axes = leaf.get_metadata(LOGICAL_AXES_KEY, None)
             spec = logical_spec(tuple(axes), rules) if axes is not None else P()
+            if axes is not None:
+                check_divisible(tuple(axes), tuple(leaf.shape), spec, mesh)
             return leaf.replace(NamedSharding(mesh, spec))
         return NamedSharding(mesh, P())
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def check_divisible(axes: tuple, shape: tuple[int, ...], spec: P, mesh: Mesh) -> None:
+    """Every sharded dimension must split evenly over its mesh axes (JAX would fail later, deep in a traceback)."""
+    for name, size, target in zip(axes, shape, spec):
+        mesh_axes = target if isinstance(target, tuple) else (target,)
+        shards = math.prod(mesh.shape[a] for a in mesh_axes if a is not None)
+        if size % shards:
+            from sharding.mesh import LayoutError
+
+            raise LayoutError(f"logical axis {name!r} of size {size} (array {axes}, shape {shape}) is not divisible by "
+                              f"mesh axis {' x '.join(repr(a) for a in mesh_axes)} = {shards}")
 
 
 def batch_sharding(mesh: Mesh, rules: dict | None = None) -> NamedSharding:

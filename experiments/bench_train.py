@@ -1,0 +1,132 @@
+"""Training throughput benchmark: achieved model FLOP/s of the compiled train step / this machine's matmul peak.
+
+    python -m experiments.bench_train                     # the gpt-bench config
+    python -m experiments.bench_train --compare           # also the variants (unrolled layers, remat, ...)
+    python -m experiments.bench_train --set model.dtype=bfloat16
+
+Both numbers are measured in the same run: the peak is the best of 5 float32 `jnp.dot` 2048x2048 products; the
+step's model FLOPs are 6*N*tokens plus attention (12*L*H*E*T per token). The last line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, apply_overrides, validate
+from jaxlm.model import model_flops_per_token
+from jaxlm.train import Program
+from sharding import MeshLayout, build_mesh
+
+GPT_BENCH = TrainConfig(
+    model=ModelConfig(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, num_kv_heads=6, mlp_dim=1024,
+                      max_seq_len=256, tie_embeddings=True, dtype="float32"),
+    optim=OptimConfig(learning_rate=1e-3, warmup_steps=10),
+    data=DataConfig(seq_len=256, batch_size=16),
+    steps=1000,
+)
+
+VARIANTS = {  # name -> --set overrides, measured against the baseline in one run with --compare
+    "scanned layers (default)": [],
+    "unrolled layers": ["model.scan_layers=false"],
+    "scan unroll=2": ["model.scan_unroll=2"],
+    "jax.nn.dot_product_attention": ["model.attention_impl=jax"],
+    "remat each layer": ["model.remat=true"],
+    "2 microbatches": ["data.microbatches=2"],
+}
+
+
+def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
+    """Best-of-`repeats` float32 jnp.dot throughput on the default device."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, b).block_until_ready()
+    best = min(_timed(lambda: dot(a, b).block_until_ready()) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure_train_step(cfg: TrainConfig, steps: int, windows: int) -> dict:
+    """Compiles the train step, runs a warm-up step, then times `windows` windows of `steps` steps; best window."""
+    program = Program(cfg, build_mesh(MeshLayout(data=1), devices=jax.devices()[:1]))
+    rng = np.random.default_rng(0)
+    B, T, V = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
+    tokens = rng.integers(0, V, size=(B, T + 1), dtype=np.int32)
+    batch = program.device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                                  "loss_mask": np.ones((B, T), np.float32)})
+    state = program.init()
+    t0 = time.perf_counter()
+    step_fn = program.train_step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    state, metrics = step_fn(state, batch)
+    jax.block_until_ready(metrics)
+    best = float("inf")
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = step_fn(state, batch)
+        jax.block_until_ready((state, metrics))
+        best = min(best, (time.perf_counter() - t0) / steps)
+    flops_per_token = model_flops_per_token(cfg.model, program.num_params, T)
+    tokens_per_s = B * T / best
+    return {"params": program.num_params, "mflop_per_token": flops_per_token / 1e6, "compile_s": compile_s,
+            "step_s": best, "tokens_per_s": tokens_per_s, "model_gflops_per_s": tokens_per_s * flops_per_token / 1e9,
+            "loss": float(metrics["loss"])}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a gpt-bench field")
+    p.add_argument("--steps", type=int, default=5, help="steps per timed window")
+    p.add_argument("--windows", type=int, default=3, help="timed windows; the best is reported")
+    p.add_argument("--compare", action="store_true", help="also measure the VARIANTS, in this same run")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.windows < 1:
+        p.error("--steps and --windows must be >= 1")
+    try:
+        base = validate(apply_overrides(GPT_BENCH, args.set))
+        variants = {name: validate(apply_overrides(base, sets)) for name, sets in VARIANTS.items()} \
+            if args.compare else {"gpt-bench": base}
+    except ValueError as e:
+        print(f"bench_train: error: {e}", file=sys.stderr)
+        return 2
+
+    device = jax.devices()[0]
+    peak = matmul_peak_flops()
+    print(f"device: {device.platform} ({device.device_kind}), {jax.device_count()} device(s); "
+          f"jnp.dot float32 2048^2 peak: {peak / 1e9:.1f} GFLOP/s")
+    print(f"{'variant':34s} {'params':>7s} {'step s':>7s} {'tok/s':>8s} {'GFLOP/s':>8s} {'MFU':>6s} {'compile s':>9s}")
+    results = {}
+    for name, cfg in variants.items():
+        r = measure_train_step(cfg, args.steps, args.windows)
+        r["mfu"] = r["model_gflops_per_s"] * 1e9 / peak
+        results[name] = r
+        print(f"{name:34s} {r['params'] / 1e6:6.2f}M {r['step_s']:7.3f} {r['tokens_per_s']:8.0f} "
+              f"{r['model_gflops_per_s']:8.1f} {r['mfu']:6.3f} {r['compile_s']:9.1f}", flush=True)
+    head = next(iter(results.values()))
+    summary = {"tokens_per_s": round(head["tokens_per_s"], 1), "model_gflops_per_s": round(head["model_gflops_per_s"], 2),
+               "peak_gflops_per_s": round(peak / 1e9, 2), "mfu": round(head["mfu"], 4),
+               "mflop_per_token": round(head["mflop_per_token"], 2), "params": head["params"],
+               "device": device.device_kind}
+    if args.compare:
+        summary["variants_mfu"] = {name: round(r["mfu"], 4) for name, r in results.items()}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

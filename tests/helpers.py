@@ -1,0 +1,57 @@
+"""Tiny configs, meshes, batches and token files shared by the model / train / resume tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+
+from data import write_token_file
+from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
+from sharding import MeshLayout, build_mesh
+
+VOCAB = 64
+
+
+def tiny_model(**overrides) -> ModelConfig:
+    base = ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
+                       max_seq_len=32)
+    return dataclasses.replace(base, **overrides)
+
+
+def tiny_config(*, model: dict | None = None, optim: dict | None = None, data: dict | None = None,
+                **train) -> TrainConfig:
+    return TrainConfig(
+        model=tiny_model(**(model or {})),
+        optim=dataclasses.replace(OptimConfig(warmup_steps=2), **(optim or {})),
+        data=dataclasses.replace(DataConfig(seq_len=16, batch_size=8, val_fraction=0.0), **(data or {})),
+        **{"steps": 30, "log_every": 1, "tensorboard": False, **train},
+    )
+
+
+def one_device_mesh():
+    return build_mesh(MeshLayout(data=1), devices=jax.devices()[:1])
+
+
+def random_batch(seed: int, batch: int = 8, seq: int = 16, vocab: int = VOCAB) -> dict:
+    rng = np.random.default_rng(seed)
+    window = rng.integers(0, vocab, (batch, seq + 1)).astype(np.int32)
+    return {"inputs": window[:, :-1], "targets": window[:, 1:], "loss_mask": np.ones((batch, seq), np.float32)}
+
+
+def repetitive_token_file(path, *, period: int = 16, repeats: int = 400, vocab: int = VOCAB):
+    """One long document cycling through `period` ids: easy to learn, so a working optimizer drives the loss down."""
+    doc = np.tile(np.arange(period, dtype=np.int64) % (vocab - 1), repeats)
+    return write_token_file(path, [doc], vocab_size=vocab, eos_id=vocab - 1)
+
+
+def random_token_file(path, *, num_tokens: int = 6000, vocab: int = VOCAB, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return write_token_file(path, [rng.integers(0, vocab - 1, num_tokens)], vocab_size=vocab, eos_id=vocab - 1)
+
+
+def pure(state) -> dict:
+    """nnx.State -> nested dict of numpy arrays (host copies, safe after donation)."""
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(state))

@@ -1,0 +1,151 @@
+"""The experiment CLI contract (DESIGN.md), exercised as a user would: `python -m experiments.tiny_lm ...`."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data import write_token_file
+from jaxlm.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+TINY = ["--set", "model.d_model=64", "--set", "model.num_layers=2", "--set", "model.mlp_dim=128"]
+
+
+def tiny_lm(*args, timeout=300):
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "experiments.tiny_lm", *map(str, args)], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.perf_counter() - t0
+
+
+def loss_records(workdir):
+    return [r for r in read_metrics(workdir / "metrics.jsonl") if "loss" in r]
+
+
+def checkpoint_steps(workdir):
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_tiny_run_end_to_end_then_resume(tmp_path):
+    workdir = tmp_path / "run"
+    proc, _ = tiny_lm("--steps", 3, "--workdir", workdir, "--log-every", 1, *TINY, "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    records = loss_records(workdir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert isinstance(r["step"], int)
+        for key in ("loss", "lr", "tokens_per_s"):
+            assert isinstance(r[key], float) and np.isfinite(r[key]) and r[key] > 0, (key, r)
+    assert checkpoint_steps(workdir) == [3]
+    events = list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    assert (workdir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((workdir / "config.json").read_text())
+    assert saved["model"]["d_model"] == 64 and saved["steps"] == 3
+
+    proc, _ = tiny_lm("--steps", 5, "--workdir", workdir, "--log-every", 1, *TINY, "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming at step 3" in proc.stderr
+    resumed = loss_records(workdir)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    assert resumed[:3] == records  # the first run's record is kept as it was
+    assert checkpoint_steps(workdir)[-1] == 5
+
+    # Same workdir, different model: refused in one line, before compiling, with the record untouched.
+    before = (workdir / "metrics.jsonl").read_text()
+    proc, seconds = tiny_lm("--steps", 6, "--workdir", workdir, *TINY, "--set", "model.d_model=32", "--no-progress")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tiny_lm: error: "), proc.stderr
+    assert "model.d_model: 64 -> 32" in lines[0]
+    assert seconds < 20
+    assert (workdir / "metrics.jsonl").read_text() == before
+
+
+def test_no_flags_but_steps_and_workdir(tmp_path):
+    """Exactly the command from the issue: the default config, the default corpus, one CPU device."""
+    workdir = tmp_path / "tmp"
+    proc, _ = tiny_lm("--steps", 3, "--workdir", workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "3/3" in proc.stderr  # the progress bar ran to the end
+    records = loss_records(workdir)
+    assert records and records[-1]["step"] == 3
+    assert all(k in records[-1] for k in ("loss", "lr", "tokens_per_s"))
+    assert 0 < records[-1]["loss"] < np.log(384) + 0.5  # a few steps from a uniform guess, not diverging
+    assert any("eval_loss" in r for r in read_metrics(workdir / "metrics.jsonl"))
+    assert checkpoint_steps(workdir) == [3]
+    assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (workdir / "loss.png").is_file()
+
+
+# ----------------------------------------------------------------------------- bad input: exit 2, one line, fast
+
+
+def token_dir(tmp_path, damage=None, vocab=64):
+    path = write_token_file(tmp_path / "tokens", [np.arange(2000) % (vocab - 1)], vocab_size=vocab, eos_id=vocab - 1)
+    if damage == "truncate":
+        data = (path / "tokens.bin").read_bytes()
+        (path / "tokens.bin").write_bytes(data[:-10])
+    elif damage == "no_meta":
+        (path / "meta.json").unlink()
+    return path
+
+
+def mesh_file(tmp_path, source):
+    path = tmp_path / "mesh.py"
+    path.write_text(source)
+    return path
+
+
+BAD_INPUTS = {
+    "negative_steps": (lambda tmp: ["--steps", -3], r"steps must be positive, got -3"),
+    "unknown_key": (lambda tmp: ["--set", "model.nonexistent=1"],
+                    r"unknown config key 'model.nonexistent': ModelConfig has no field 'nonexistent'"),
+    "missing_config": (lambda tmp: ["--config", "missing.py"], r"config file not found: missing.py"),
+    "bad_int": (lambda tmp: ["--set", "model.d_model=abc"], r"bad value for model.d_model: 'abc' is not a valid int"),
+    "mesh_product": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 2, 'fsdp': 2}\n")],
+                     r"data=2 x fsdp=2 covers 4 devices but 1 are available"),
+    "mesh_unknown_axis": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1, 'model': 1}\n")],
+                          r"unknown mesh axis 'model'"),
+    "truncated_tokens": (lambda tmp: ["--set", f"data.path={token_dir(tmp, 'truncate')}"],
+                         r"truncated: meta.json says 2001 tokens \(4002 bytes\) but tokens.bin has 3992 bytes"),
+    "missing_meta": (lambda tmp: ["--set", f"data.path={token_dir(tmp, 'no_meta')}"], r"missing meta.json"),
+    "vocab_too_big": (lambda tmp: ["--set", f"data.path={token_dir(tmp, vocab=1000)}"],
+                      r"has vocab_size 1000 but model.vocab_size is 384"),
+    "unknown_flag": (lambda tmp: ["--stesp", 3], r"unrecognized arguments: --stesp"),
+    "heads_vs_kv_heads": (lambda tmp: ["--set", "model.num_kv_heads=3"], r"must be divisible by model.num_kv_heads"),
+    "rules_clash": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1, 'rules': {'mlp': 'fsdp'}}\n")],
+                    r"logical axes 'embed' and 'mlp' .* both map to mesh axis 'fsdp'"),
+    "indivisible_embed": (lambda tmp: ["--cpu-devices", 8, "--mesh", mesh_file(tmp, "layout = {'fsdp': 8}\n"),
+                                       "--set", "model.num_heads=2", "--set", "model.d_model=260"],
+                          r"logical axis 'embed' of size 260 .* mesh axis 'fsdp' = 8"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_fails_fast_with_one_line(tmp_path, case):
+    make_args, message = BAD_INPUTS[case]
+    workdir = tmp_path / "run"
+    args = make_args(tmp_path)
+    if "--steps" not in args:
+        args += ["--steps", 3]
+    proc, seconds = tiny_lm("--workdir", workdir, "--no-progress", *args, timeout=60)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("tiny_lm: error: ")
+    assert "Traceback" not in proc.stderr
+    assert re.search(message, lines[0]), lines[0]
+    assert seconds < 20, f"took {seconds:.1f}s: bad input must fail before compilation"
+    assert not (workdir / "checkpoints").exists() and not (workdir / "metrics.jsonl").exists()

@@ -1,0 +1,256 @@
+"""jaxlm.config (config files, --set overrides, validation) and sharding (layout files, logical rules)."""
+
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import tiny_config
+from jaxlm import config as config_lib
+from jaxlm.config import ConfigError, DataConfig, ModelConfig, TrainConfig, apply_overrides, load_config, validate
+from sharding import DEFAULT_RULES, LayoutError, MeshLayout, build_mesh, load_layout, logical_spec
+from sharding.rules import check_rules
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, name, source):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+# ----------------------------------------------------------------------------- loading config files
+
+
+def test_load_config_instance_and_function_forms(tmp_path):
+    instance = write(tmp_path, "inst.py", """
+        from jaxlm.config import ModelConfig, TrainConfig
+        config = TrainConfig(model=ModelConfig(d_model=128), steps=7)
+    """)
+    function = write(tmp_path, "func.py", """
+        from jaxlm.config import DataConfig, TrainConfig
+        def config():
+            return TrainConfig(data=DataConfig(batch_size=4), seed=3)
+    """)
+    a, b = load_config(instance), load_config(function)
+    assert isinstance(a, TrainConfig) and a.model.d_model == 128 and a.steps == 7
+    assert isinstance(b, TrainConfig) and b.data.batch_size == 4 and b.seed == 3
+    assert validate(load_config(REPO / "experiments" / "configs" / "tiny_lm.py")).model.num_layers == 6
+
+
+@pytest.mark.parametrize("source, message", [
+    ("x = 1\n", "must define `config`"),
+    ("config = 3\n", "`config` is a int, expected TrainConfig"),
+    ("def config():\n    return {'steps': 1}\n", "`config` is a dict, expected TrainConfig"),
+    ("import nonexistent_module_xyz\n", "raised ModuleNotFoundError: No module named 'nonexistent_module_xyz'"),
+])
+def test_load_config_errors(tmp_path, source, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+        load_config(write(tmp_path, "c.py", source))
+    assert "\n" not in str(info.value)
+
+
+def test_config_syntax_error_names_the_line(tmp_path):
+    path = write(tmp_path, "broken.py", """\
+        from jaxlm.config import TrainConfig
+
+        config = = TrainConfig(steps=3)
+    """)
+    with pytest.raises(ConfigError, match=r"syntax error at line 3\b") as info:
+        load_config(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*missing.py"):
+        load_config(tmp_path / "missing.py")
+
+
+# ----------------------------------------------------------------------------- --set overrides
+
+
+def test_overrides_parse_each_type():
+    cfg = apply_overrides(TrainConfig(), [
+        "model.d_model=64", "optim.learning_rate=1e-3", "optim.weight_decay=0", "model.tie_embeddings=false",
+        "model.scan_layers=True", "model.dtype=bfloat16", "steps=5", " data.path = /tmp/x ",
+    ])
+    assert cfg.model.d_model == 64 and type(cfg.model.d_model) is int
+    assert cfg.optim.learning_rate == 1e-3 and type(cfg.optim.learning_rate) is float
+    assert cfg.optim.weight_decay == 0.0 and type(cfg.optim.weight_decay) is float
+    assert cfg.model.tie_embeddings is False and cfg.model.scan_layers is True
+    assert cfg.model.dtype == "bfloat16" and cfg.steps == 5 and cfg.data.path == "/tmp/x"
+    assert TrainConfig().model.d_model == 256  # frozen originals are untouched
+    for raw, expected in [("1", True), ("yes", True), ("on", True), ("0", False), ("no", False), ("OFF", False)]:
+        assert apply_overrides(TrainConfig(), [f"tensorboard={raw}"]).tensorboard is expected
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("model.d_model=abc", r"bad value for model.d_model: 'abc' is not a valid int"),
+    ("model.d_model=1.5", r"bad value for model.d_model: '1.5' is not a valid int"),
+    ("optim.learning_rate=fast", r"bad value for optim.learning_rate: 'fast' is not a valid float"),
+    ("optim.learning_rate=nan", r"not a valid float"),
+    ("tensorboard=maybe", r"bad value for tensorboard: 'maybe' is not a valid bool"),
+    ("model.d_model", r"--set expects dotted.key=value"),
+    ("=3", r"--set expects dotted.key=value"),
+    ("model=3", r"'model' is a section"),
+    ("model.d_model.x=3", r"'d_model' is not a section"),
+])
+def test_bad_overrides(assignment, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_overrides(TrainConfig(), [assignment])
+
+
+def test_unknown_key_lists_the_section_fields():
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(TrainConfig(), ["model.nonexistent=1"])
+    message = str(info.value)
+    assert "model.nonexistent" in message and "ModelConfig has no field 'nonexistent'" in message
+    for name in (f.name for f in dataclasses.fields(ModelConfig)):
+        assert name in message
+    with pytest.raises(ConfigError, match=r"TrainConfig has no field 'modle'.*model, optim, data, steps"):
+        apply_overrides(TrainConfig(), ["modle.d_model=1"])
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_default_and_tiny_configs_are_valid():
+    assert validate(TrainConfig()) == TrainConfig()
+    validate(tiny_config())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_heads=4", "model.num_kv_heads=3"], r"model.num_heads \(4\) must be divisible by model.num_kv_heads \(3\)"),
+    (["data.batch_size=10", "data.microbatches=4"], r"data.batch_size \(10\) must be divisible by data.microbatches \(4\)"),
+    (["data.seq_len=512", "model.max_seq_len=256"], r"data.seq_len \(512\) exceeds model.max_seq_len \(256\)"),
+    (["model.d_model=250", "model.num_heads=4"], r"model.d_model \(250\) must be divisible by model.num_heads \(4\)"),
+    (["model.d_model=36", "model.num_heads=4"], r"head dim must be even"),
+    (["steps=-3"], r"steps must be positive, got -3"),
+    (["model.num_layers=0"], r"model.num_layers must be positive, got 0"),
+    (["optim.warmup_steps=-1"], r"optim.warmup_steps must be >= 0"),
+    (["optim.learning_rate=0"], r"optim.learning_rate must be positive"),
+    (["optim.min_lr_ratio=1.5"], r"optim.min_lr_ratio must be in \[0, 1\]"),
+    (["data.val_fraction=1"], r"data.val_fraction must be in \[0, 1\)"),
+    (["model.dtype=float16"], r"model.dtype must be 'float32' or 'bfloat16'"),
+    (["model.attention_impl=flash"], r"model.attention_impl must be one of"),
+])
+def test_validate_rejects_bad_combinations(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(apply_overrides(TrainConfig(), overrides))
+
+
+def test_validate_checks_types_of_python_configs():
+    bad = dataclasses.replace(TrainConfig(), model=dataclasses.replace(ModelConfig(), d_model="64"))
+    with pytest.raises(ConfigError, match=r"config model.d_model must be int, got str '64'"):
+        validate(bad)
+    with pytest.raises(ConfigError, match=r"config steps must be int, got bool"):
+        validate(dataclasses.replace(TrainConfig(), steps=True))
+    with pytest.raises(ConfigError, match=r"config data must be a DataConfig"):
+        validate(dataclasses.replace(TrainConfig(), data={"seq_len": 1}))
+    validate(dataclasses.replace(TrainConfig(), optim=dataclasses.replace(TrainConfig().optim, learning_rate=1)))
+
+
+def test_dict_roundtrip_and_diff():
+    cfg = apply_overrides(TrainConfig(), ["model.d_model=128", "data.path=x"])
+    assert config_lib.from_dict(config_lib.to_dict(cfg)) == cfg
+    changes = config_lib.diff(config_lib.to_dict(TrainConfig()), config_lib.to_dict(cfg))
+    assert changes == ["data.path: '' -> 'x'", "model.d_model: 256 -> 128"]
+
+
+# ----------------------------------------------------------------------------- mesh layouts
+
+
+@pytest.mark.parametrize("source", [
+    "layout = {'data': 2, 'fsdp': 4}\n",
+    "from sharding import MeshLayout\nlayout = MeshLayout(data=2, fsdp=4)\n",
+    "from sharding import MeshLayout\ndef layout(num_devices):\n    return MeshLayout(data=2, fsdp=num_devices // 2)\n",
+    "def layout(num_devices):\n    return {'data': 2, 'fsdp': num_devices // 2}\n",
+])
+def test_load_layout_forms(tmp_path, source):
+    layout = load_layout(write(tmp_path, "mesh.py", source), 8)
+    assert layout == MeshLayout(data=2, fsdp=4)
+    mesh = build_mesh(layout)
+    assert dict(mesh.shape) == {"replica": 1, "data": 2, "fsdp": 4, "pipeline": 1, "tensor": 1}
+    assert mesh.devices.size == len(jax.devices()) == 8
+
+
+def test_shipped_layout_files():
+    root = REPO / "experiments" / "meshes"
+    assert load_layout(root / "data_parallel.py", 8) == MeshLayout(data=8)
+    assert load_layout(root / "fsdp.py", 4) == MeshLayout(fsdp=4)
+
+
+def test_layout_product_mismatch_names_the_numbers(tmp_path):
+    with pytest.raises(LayoutError, match=r"data=2 x tensor=3 covers 6 devices but 8 are available"):
+        load_layout(write(tmp_path, "m.py", "layout = {'data': 2, 'tensor': 3}\n"), 8)
+    with pytest.raises(LayoutError, match=r"covers 8 devices but 1 are available"):
+        build_mesh(MeshLayout(data=8), devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("source, message", [
+    ("layout = {'data': 8, 'model': 1}\n", r"unknown mesh axis 'model'; known axes: replica, data, fsdp"),
+    ("from sharding import MeshLayout\nlayout = MeshLayout(data=4, pipeline=2)\n", r"mesh axis 'pipeline' = 2 is not supported"),
+    ("layout = {'data': 0}\n", r"mesh axis 'data' must be a positive int, got 0"),
+    ("layout = [8]\n", r"`layout` is a list, expected MeshLayout or dict"),
+    ("x = 1\n", r"must define `layout`"),
+    ("layout = {'data': 8\n", r"syntax error at line 1"),
+    ("from sharding import MeshLayout\nlayout = MeshLayout(data=8, rules={'embed': 'model'})\n",
+     r"rule 'embed' -> 'model': unknown mesh axis"),
+])
+def test_bad_layouts(tmp_path, source, message):
+    with pytest.raises(LayoutError, match=message):
+        load_layout(write(tmp_path, "m.py", source), 8)
+
+
+def test_missing_layout_file(tmp_path):
+    with pytest.raises(LayoutError, match="mesh layout file not found"):
+        load_layout(tmp_path / "nope.py", 8)
+
+
+def test_check_divisibility():
+    layout = MeshLayout(data=2, fsdp=2, tensor=2)
+    ok = dict(batch_size=8, microbatches=2, num_heads=4, num_kv_heads=2, mlp_dim=64, num_layers=2)
+    layout.check_divisibility(**ok)
+    with pytest.raises(LayoutError, match=r"microbatch size 2 .* not divisible by data x fsdp = 4"):
+        layout.check_divisibility(**{**ok, "microbatches": 4})
+    with pytest.raises(LayoutError, match=r"model.num_kv_heads = 1 is not divisible by mesh axis 'tensor' = 2"):
+        layout.check_divisibility(**{**ok, "num_kv_heads": 1})
+
+
+def test_indivisible_param_dimension_is_a_layout_error():
+    from jaxlm.train import Program
+
+    cfg = tiny_config(model=dict(d_model=44, num_heads=2, num_kv_heads=1, mlp_dim=64))
+    validate(cfg)
+    with pytest.raises(LayoutError, match=r"logical axis 'embed' of size 44 .* mesh axis 'fsdp' = 8"):
+        Program(cfg, build_mesh(MeshLayout(fsdp=8)))
+
+
+# ----------------------------------------------------------------------------- logical rules
+
+
+def test_logical_spec_defaults_and_overrides():
+    assert logical_spec(("layers", "embed", "kv_heads", None, "head_dim")) == P(None, "fsdp", "tensor", None, None)
+    assert logical_spec(("batch", "seq")) == P(("data", "fsdp"), None)
+    assert logical_spec(("vocab", "embed"), {"vocab": None, "embed": ("fsdp", "tensor")}) == P(None, ("fsdp", "tensor"))
+    assert logical_spec(("unknown_name",)) == P(None)
+    assert set(DEFAULT_RULES) >= {"batch", "embed", "vocab", "heads", "kv_heads", "mlp", "head_dim", "layers"}
+
+
+def test_logical_spec_rejects_two_axes_on_one_mesh_axis():
+    with pytest.raises(ValueError, match=r"logical axes 'embed' and 'mlp' .* both map to mesh axis 'fsdp'"):
+        logical_spec(("embed", "mlp"), {"mlp": "fsdp"})
+    with pytest.raises(ValueError, match=r"both map to mesh axis 'tensor'"):
+        logical_spec(("heads", "mlp"))
+    with pytest.raises(ValueError, match=r"both map to mesh axis 'data'"):
+        logical_spec(("batch", "embed"), {"embed": ("data",)})
+
+
+def test_check_rules():
+    check_rules({"embed": ("fsdp", "tensor"), "mlp": None})
+    with pytest.raises(LayoutError, match=r"rule 'mlp' -> 'gpu': unknown mesh axis"):
+        check_rules({"mlp": ("tensor", "gpu")})

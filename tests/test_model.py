@@ -1,0 +1,248 @@
+"""jaxlm.model and jaxlm.attention against plain references: shapes, dtypes, causality, GQA, scan/remat, metadata."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings, strategies as st
+
+from helpers import VOCAB, random_batch, tiny_model
+from jaxlm.attention import IMPLEMENTATIONS, attention
+from jaxlm.model import LOGICAL_AXES, Transformer
+from jaxlm.train import loss_sums
+
+T = 16
+
+
+def build(cfg, seed=0):
+    return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def jitted_forward(model):
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+    return lambda tokens: np.asarray(fwd(state, jnp.asarray(tokens)))
+
+
+def tokens(seed, batch=2, seq=T, vocab=VOCAB):
+    return np.random.default_rng(seed).integers(0, vocab, (batch, seq)).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------- shapes and dtypes
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_logits_shape_and_dtype(tie):
+    cfg = tiny_model(tie_embeddings=tie)
+    model = build(cfg)
+    assert hasattr(model, "lm_head") != tie
+    logits = jitted_forward(model)(tokens(0, batch=3, seq=T))
+    assert logits.shape == (3, T, VOCAB) and logits.dtype == np.float32
+    assert np.all(np.isfinite(np.asarray(logits)))
+
+
+def test_bfloat16_activations_close_to_float32():
+    toks = tokens(1, batch=4)
+    f32 = build(tiny_model())
+    bf16 = build(tiny_model(dtype="bfloat16"))
+    # Params are float32 in both and identical (same seed); only the compute dtype differs.
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(f32)), nnx.to_pure_dict(nnx.state(bf16)))
+    jaxpr = str(jax.make_jaxpr(lambda t: bf16(t))(toks))
+    assert "bf16" in jaxpr, "bfloat16 config should compute in bfloat16"
+    ref, low = jitted_forward(f32)(toks), jitted_forward(bf16)(toks)
+    assert low.dtype == np.float32
+    assert not np.array_equal(ref, low)
+    scale = np.abs(ref).max()
+    assert np.abs(ref - low).max() < 0.05 * scale, (np.abs(ref - low).max(), scale)
+    # Agreement well beyond chance: the per-position argmax mostly matches.
+    assert (ref.argmax(-1) == low.argmax(-1)).mean() > 0.8
+
+
+# ----------------------------------------------------------------------------- causality
+
+
+_causal_forward = None
+
+
+def _causal_setup():
+    global _causal_forward
+    if _causal_forward is None:
+        _causal_forward = jitted_forward(build(tiny_model(), seed=3))
+    return _causal_forward
+
+
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(0, T - 1), delta=st.integers(1, VOCAB - 1), seed=st.integers(0, 2**16))
+def test_causal_masking(t, delta, seed):
+    fwd = _causal_setup()
+    toks = tokens(seed)
+    changed = toks.copy()
+    changed[:, t] = (changed[:, t] + delta) % VOCAB
+    a, b = fwd(toks), fwd(changed)
+    np.testing.assert_array_equal(a[:, :t], b[:, :t])  # the past never sees the future
+    assert not np.allclose(a[:, t], b[:, t])  # ...while position t itself does see the change
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def reference_attention(q, k, v, *, causal, mask=None, segment_ids=None, scale=None):
+    """Per-head float64 softmax attention; query head h uses kv head h // G."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, Tq, H, D = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = H // K
+    scale = D**-0.5 if scale is None else scale
+    allowed = np.ones((B, Tq, S), bool)
+    if causal:
+        allowed &= np.tril(np.ones((Tq, S), bool))
+    if mask is not None:
+        allowed &= np.asarray(mask)
+    if segment_ids is not None:
+        seg = np.asarray(segment_ids)
+        allowed &= seg[:, :, None] == seg[:, None, :]
+    out = np.zeros((B, Tq, H, D))
+    for h in range(H):
+        scores = np.einsum("btd,bsd->bts", q[:, :, h], k[:, :, h // G]) * scale
+        scores = np.where(allowed, scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[:, :, h] = np.einsum("bts,bsd->btd", p, v[:, :, h // G])
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("causal, use_segments, use_mask", [
+    (True, False, False), (False, False, False), (True, True, False), (True, False, True), (False, True, True),
+    (True, True, True),
+])
+def test_attention_matches_reference(impl, causal, use_segments, use_mask):
+    B, S, K, G, D = 2, 12, 2, 3, 8
+    rng = np.random.default_rng(hash((causal, use_segments, use_mask)) % 2**32)
+    q = rng.normal(size=(B, S, K * G, D)).astype(np.float32)
+    k = rng.normal(size=(B, S, K, D)).astype(np.float32)
+    v = rng.normal(size=(B, S, K, D)).astype(np.float32)
+    segment_ids = np.sort(rng.integers(0, 3, (B, S)), axis=1).astype(np.int32) if use_segments else None
+    mask = None
+    if use_mask:
+        mask = rng.random((B, S, S)) < 0.5
+        mask[:, np.arange(S), np.arange(S)] = True  # every query keeps at least itself
+    out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=causal, impl=impl,
+                    segment_ids_BT=None if segment_ids is None else jnp.asarray(segment_ids),
+                    mask_BTS=None if mask is None else jnp.asarray(mask))
+    assert out.shape == (B, S, K * G, D)
+    ref = reference_attention(q, k, v, causal=causal, mask=mask, segment_ids=segment_ids)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_attention_explicit_scale_and_bad_heads(impl):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=s).astype(np.float32) for s in ((1, 6, 4, 8), (1, 6, 2, 8), (1, 6, 2, 8)))
+    out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True, scale=0.3, impl=impl)
+    np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, causal=True, scale=0.3),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        attention(jnp.asarray(q[:, :, :3]), jnp.asarray(k), jnp.asarray(v), impl=impl)
+
+
+def test_unknown_attention_impl():
+    x = jnp.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="unknown attention impl"):
+        attention(x, x, x, impl="nope")
+
+
+def test_gqa_equals_mha_with_expanded_kv_heads():
+    gqa_cfg = tiny_model(num_heads=4, num_kv_heads=2)
+    mha_cfg = dataclasses.replace(gqa_cfg, num_kv_heads=4)
+    gqa, mha = build(gqa_cfg, seed=5), build(mha_cfg, seed=9)
+    G = gqa_cfg.num_heads // gqa_cfg.num_kv_heads
+
+    params = nnx.to_pure_dict(nnx.state(gqa, nnx.Param))
+    w = params["blocks"]["attn"]["wqkv"]  # [L, D, K, G+2, E]: per kv head, its G query heads, then key, value
+    L, D, K, _, E = w.shape
+    q = w[:, :, :, :G].reshape(L, D, K * G, E)  # query head h = k * G + g
+    k = jnp.repeat(w[:, :, :, G], G, axis=2)  # query head h uses kv head h // G
+    v = jnp.repeat(w[:, :, :, G + 1], G, axis=2)
+    params["blocks"]["attn"]["wqkv"] = jnp.stack([q, k, v], axis=3)  # [L, D, H, 1+2, E]
+
+    mha_state = nnx.state(mha, nnx.Param)
+    assert mha_state["blocks"]["attn"]["wqkv"].shape == (L, D, K * G, 3, E)
+    nnx.replace_by_pure_dict(mha_state, params)
+    nnx.update(mha, mha_state)
+
+    toks = tokens(2, batch=2)
+    np.testing.assert_allclose(jitted_forward(mha)(toks), jitted_forward(gqa)(toks), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- loss at init
+
+
+def test_untrained_loss_is_log_vocab():
+    cfg = tiny_model(vocab_size=384, d_model=64, max_seq_len=32)
+    graphdef, params = nnx.split(build(cfg))
+    batch = random_batch(7, batch=8, seq=32, vocab=384)
+    loss_sum, count = jax.jit(lambda p, b: loss_sums(p, graphdef, b))(params, batch)
+    loss = float(loss_sum / count)
+    assert count == 8 * 32
+    assert abs(loss - math.log(384)) < 0.1, loss
+
+
+# ----------------------------------------------------------------------------- scan / unroll / remat
+
+
+def test_scan_unrolled_and_remat_agree():
+    batch = random_batch(11)
+    variants = {
+        "scan": dict(scan_layers=True),
+        "unrolled": dict(scan_layers=False),
+        "scan_remat": dict(scan_layers=True, remat=True),
+        "unrolled_remat": dict(scan_layers=False, remat=True),
+        "scan_unroll2": dict(scan_layers=True, scan_unroll=2),
+    }
+    results = {}
+    for name, overrides in variants.items():
+        graphdef, params = nnx.split(build(tiny_model(**overrides), seed=1))
+
+        @jax.jit
+        def logits_and_grads(params):
+            logits = nnx.merge(graphdef, params)(batch["inputs"])
+            return logits, jax.grad(lambda p: loss_sums(p, graphdef, batch)[0])(params)
+
+        logits, grads = logits_and_grads(params)
+        results[name] = (np.asarray(logits), jax.tree.map(np.asarray, nnx.to_pure_dict(params)),
+                         jax.tree.map(np.asarray, nnx.to_pure_dict(grads)))
+    ref_logits, ref_params, ref_grads = results.pop("scan")
+    for name, (logits, params, grads) in results.items():
+        jax.tree.map(np.testing.assert_array_equal, params, ref_params)  # same init regardless of execution
+        np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-6, err_msg=name)
+        # Summation order differs between the variants: compare each gradient at float32 precision of its scale.
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max(),
+                                                             err_msg=name), grads, ref_grads)
+    assert any(np.abs(g).max() > 0 for g in jax.tree.leaves(ref_grads))
+
+
+# ----------------------------------------------------------------------------- logical-axis metadata
+
+
+def test_every_param_has_logical_axes():
+    cfg = tiny_model(tie_embeddings=False)
+    model = build(cfg)
+    flat = list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    assert len(flat) >= 8
+    for path, param in flat:
+        axes = param.get_metadata(LOGICAL_AXES, None)
+        assert axes is not None, path
+        assert len(axes) == param.ndim, (path, axes, param.shape)
+        stacked = path[0] == "blocks"
+        assert (axes[0] == "layers") == stacked, (path, axes)
+        if stacked:
+            assert param.shape[0] == cfg.num_layers, (path, param.shape)
+    axes = {path: p.get_metadata(LOGICAL_AXES) for path, p in flat}
+    assert axes[("embed",)] == ("vocab", "embed")
+    assert axes[("lm_head",)] == ("embed", "vocab")
+    assert axes[("blocks", "attn", "wqkv")] == ("layers", "embed", "kv_heads", None, "head_dim")
