@@ -11,8 +11,8 @@ step's model FLOPs are 6*N*tokens plus attention (12*L*H*E*T per token). The las
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -38,8 +38,10 @@ VARIANTS = {  # name -> --set overrides, measured against the baseline in one ru
     "unrolled layers": ["model.scan_layers=false"],
     "scan unroll=2": ["model.scan_unroll=2"],
     "jax.nn.dot_product_attention": ["model.attention_impl=jax"],
-    "remat each layer": ["model.remat=true"],
+    "remat full": ["model.remat=full"],
+    "remat dots_no_batch": ["model.remat=dots_no_batch"],
     "2 microbatches": ["data.microbatches=2"],
+    "4 microbatches": ["data.microbatches=4"],
 }
 
 
@@ -59,7 +61,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def measure_train_step(cfg: TrainConfig, steps: int, windows: int) -> dict:
+def measure_train_step(cfg: TrainConfig, steps: int, windows: int, profile_dir: str | None = None) -> dict:
     """Compiles the train step, runs a warm-up step, then times `windows` windows of `steps` steps; best window."""
     program = Program(cfg, build_mesh(MeshLayout(data=1), devices=jax.devices()[:1]))
     rng = np.random.default_rng(0)
@@ -80,11 +82,36 @@ def measure_train_step(cfg: TrainConfig, steps: int, windows: int) -> dict:
             state, metrics = step_fn(state, batch)
         jax.block_until_ready((state, metrics))
         best = min(best, (time.perf_counter() - t0) / steps)
+    if profile_dir:
+        print_profile(lambda: step_fn(state, batch), profile_dir)
     flops_per_token = model_flops_per_token(cfg.model, program.num_params, T)
     tokens_per_s = B * T / best
     return {"params": program.num_params, "mflop_per_token": flops_per_token / 1e6, "compile_s": compile_s,
             "step_s": best, "tokens_per_s": tokens_per_s, "model_gflops_per_s": tokens_per_s * flops_per_token / 1e9,
             "loss": float(metrics["loss"])}
+
+
+def print_profile(run_step, profile_dir: str, top: int = 15) -> None:
+    """Traces one step with jax.profiler (view it with xprof / TensorBoard) and prints the ops that took longest,
+    summed over threads: the quickest way to see whether time goes to matmuls, layout copies or scan buffers."""
+    import collections
+    import glob
+
+    from jax._src.lib import _profile_data
+
+    jax.profiler.start_trace(profile_dir)
+    jax.block_until_ready(run_step())
+    jax.profiler.stop_trace()
+    trace = sorted(glob.glob(f"{profile_dir}/**/*.xplane.pb", recursive=True), key=lambda f: os.path.getmtime(f))[-1]
+    per_op: collections.Counter = collections.Counter()
+    for plane in _profile_data.ProfileData.from_file(trace).planes:
+        for line in plane.lines:
+            for event in line.events:
+                if "Execute" not in event.name and not line.name.startswith("python"):
+                    per_op[event.name] += event.duration_ns
+    print(f"profile of one step ({trace}), thread-time per op:")
+    for name, ns in per_op.most_common(top):
+        print(f"  {ns / 1e6:9.1f} ms  {name}")
 
 
 def main(argv=None) -> int:
@@ -94,6 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="steps per timed window")
     p.add_argument("--windows", type=int, default=3, help="timed windows; the best is reported")
     p.add_argument("--compare", action="store_true", help="also measure the VARIANTS, in this same run")
+    p.add_argument("--profile", metavar="DIR", help="trace one step of the first variant into DIR and print top ops")
     args = p.parse_args(argv)
     if args.steps < 1 or args.windows < 1:
         p.error("--steps and --windows must be >= 1")
@@ -111,8 +139,8 @@ def main(argv=None) -> int:
           f"jnp.dot float32 2048^2 peak: {peak / 1e9:.1f} GFLOP/s")
     print(f"{'variant':34s} {'params':>7s} {'step s':>7s} {'tok/s':>8s} {'GFLOP/s':>8s} {'MFU':>6s} {'compile s':>9s}")
     results = {}
-    for name, cfg in variants.items():
-        r = measure_train_step(cfg, args.steps, args.windows)
+    for i, (name, cfg) in enumerate(variants.items()):
+        r = measure_train_step(cfg, args.steps, args.windows, args.profile if i == 0 else None)
         r["mfu"] = r["model_gflops_per_s"] * 1e9 / peak
         results[name] = r
         print(f"{name:34s} {r['params'] / 1e6:6.2f}M {r['step_s']:7.3f} {r['tokens_per_s']:8.0f} "

@@ -36,7 +36,7 @@ class ModelConfig:
     dtype: str = "float32"  # activation/compute dtype; params are always float32
     scan_layers: bool = True  # lax.scan over stacked layers (compile time flat in depth)
     scan_unroll: int = 1  # lax.scan unroll factor; num_layers == fully unrolled
-    remat: bool = False  # recompute each layer in the backward pass to save memory
+    remat: str = "none"  # per-layer rematerialisation: see jaxlm.model.REMAT_POLICIES
     attention_impl: str = "xla"  # see jaxlm.attention.IMPLEMENTATIONS
 
     @property
@@ -203,7 +203,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
     if m.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {m.dtype!r}")
-    from jaxlm.attention import IMPLEMENTATIONS  # local: attention imports jax, config must stay light
+    from jaxlm.attention import IMPLEMENTATIONS  # local: these import jax, config must stay light
+    from jaxlm.model import REMAT_POLICIES
+
+    if m.remat not in REMAT_POLICIES:
+        raise ConfigError(f"model.remat must be one of {sorted(REMAT_POLICIES)}, got {m.remat!r}")
 
     if m.attention_impl not in IMPLEMENTATIONS:
         raise ConfigError(f"model.attention_impl must be one of {sorted(IMPLEMENTATIONS)}, got {m.attention_impl!r}")

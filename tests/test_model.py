@@ -200,8 +200,8 @@ def test_scan_unrolled_and_remat_agree():
     variants = {
         "scan": dict(scan_layers=True),
         "unrolled": dict(scan_layers=False),
-        "scan_remat": dict(scan_layers=True, remat=True),
-        "unrolled_remat": dict(scan_layers=False, remat=True),
+        "scan_remat": dict(scan_layers=True, remat="full"),
+        "unrolled_remat": dict(scan_layers=False, remat="dots_no_batch"),
         "scan_unroll2": dict(scan_layers=True, scan_unroll=2),
     }
     results = {}
