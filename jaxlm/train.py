@@ -224,7 +224,7 @@ class Trainer:
                 is_last = step == cfg.steps
                 if step < cfg.steps:
                     batch = program.device_batch(next(self.train_iter))  # overlaps with the running step
-                if step % cfg.log_every == 0 or is_last:
+                if step % cfg.log_every == 0 or is_last or step == start + 1:
                     metrics = jax.device_get(metrics)
                     now = time.perf_counter()
                     tokens_per_s = steps_since * tokens_per_step / (now - t_last)

@@ -7,8 +7,8 @@ config = TrainConfig(
                       max_seq_len=256),
     optim=OptimConfig(learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0),
     data=DataConfig(seq_len=256, batch_size=16, val_fraction=0.01, eval_batches=4),
-    steps=200,
+    steps=160,
     log_every=10,
-    eval_every=50,
-    checkpoint_every=50,
+    eval_every=40,
+    checkpoint_every=40,
 )
