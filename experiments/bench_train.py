@@ -109,7 +109,13 @@ def print_profile(run_step, profile_dir: str, top: int = 15) -> None:
             for event in line.events:
                 if "Execute" not in event.name and not line.name.startswith("python"):
                     per_op[event.name] += event.duration_ns
-    print(f"profile of one step ({trace}), thread-time per op:")
+    per_kind: collections.Counter = collections.Counter()
+    for name, ns in per_op.items():
+        per_kind[name.split(".")[0]] += ns
+    print(f"profile of one step ({trace}), thread-time per op kind (total {sum(per_kind.values()) / 1e6:.0f} ms):")
+    for name, ns in per_kind.most_common(top):
+        print(f"  {ns / 1e6:9.1f} ms  {name}")
+    print("slowest single ops:")
     for name, ns in per_op.most_common(top):
         print(f"  {ns / 1e6:9.1f} ms  {name}")
 

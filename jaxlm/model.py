@@ -157,8 +157,12 @@ class Transformer(nnx.Module):
         if self.cfg.scan_layers:
             x_BTD, _ = jax.lax.scan(layer, x_BTD, stacked, unroll=self.cfg.scan_unroll)
             return x_BTD
-        for i in range(self.cfg.num_layers):
-            x_BTD, _ = layer(x_BTD, jax.tree.map(lambda a: a[i], stacked))
+        # Unrolled: split the stacked params once (its gradient is one concatenate, where per-layer indexing would
+        # pad every layer's gradient to the full stack and add them up).
+        L = self.cfg.num_layers
+        per_layer = jax.tree.map(lambda a: [p.squeeze(0) for p in jnp.split(a, L)], stacked)
+        for i in range(L):
+            x_BTD, _ = layer(x_BTD, jax.tree.map(lambda parts: parts[i], per_layer, is_leaf=lambda x: isinstance(x, list)))
         return x_BTD
 
 
