@@ -1,6 +1,6 @@
 """Train a small Llama-style language model on CPU, on the Python standard library's own source code.
 
-    python -m experiments.tiny_lm                      # ~6M params, 160 steps, ~5 minutes on 2 CPU cores
+    python -m experiments.tiny_lm                      # ~6M params, 160 steps, ~4 minutes on 2 CPU cores
     python -m experiments.tiny_lm --steps 500 --workdir runs/longer --set optim.learning_rate=1e-3
 
 Rerunning the same command resumes from the workdir's latest checkpoint.
