@@ -128,7 +128,8 @@ BAD_INPUTS = {
     "rules_clash": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1, 'rules': {'mlp': 'fsdp'}}\n")],
                     r"logical axes 'embed' and 'mlp' .* both map to mesh axis 'fsdp'"),
     "indivisible_embed": (lambda tmp: ["--cpu-devices", 8, "--mesh", mesh_file(tmp, "layout = {'fsdp': 8}\n"),
-                                       "--set", "model.num_heads=2", "--set", "model.d_model=260"],
+                                       "--set", "model.num_heads=2", "--set", "model.d_model=260",
+                                       "--set", "data.microbatches=1"],
                           r"logical axis 'embed' of size 260 .* mesh axis 'fsdp' = 8"),
 }
 
