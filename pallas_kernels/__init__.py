@@ -1,2 +1,25 @@
 """Pallas kernels (block-sparse attention, low-precision matmuls) with their masks, references and custom_vjp
 wrappers. Imports nothing from jaxlm; jaxlm.attention picks an implementation from here by config."""
+
+from .block_mask import EMPTY, FULL, PARTIAL, BlockMask, BlockSizes, make_block_mask
+from .masks import (
+    Mask,
+    ScoreMod,
+    alibi,
+    alibi_slopes,
+    causal,
+    chain,
+    chunked_causal,
+    document,
+    full,
+    global_tokens,
+    prefix_lm,
+    sliding_window,
+    soft_cap,
+)
+
+__all__ = [
+    "EMPTY", "FULL", "PARTIAL", "BlockMask", "BlockSizes", "make_block_mask",
+    "Mask", "ScoreMod", "alibi", "alibi_slopes", "causal", "chain", "chunked_causal", "document", "full",
+    "global_tokens", "prefix_lm", "sliding_window", "soft_cap",
+]
