@@ -17,9 +17,12 @@ from .masks import (
     sliding_window,
     soft_cap,
 )
+from .reference import reference_attention
+from .xla_attention import block_sparse_attention_xla
 
 __all__ = [
     "EMPTY", "FULL", "PARTIAL", "BlockMask", "BlockSizes", "make_block_mask",
     "Mask", "ScoreMod", "alibi", "alibi_slopes", "causal", "chain", "chunked_causal", "document", "full",
     "global_tokens", "prefix_lm", "sliding_window", "soft_cap",
+    "reference_attention", "block_sparse_attention_xla",
 ]
