@@ -103,7 +103,7 @@ def print_profile(run_step, profile_dir: str, top: int = 15) -> None:
     jax.profiler.start_trace(profile_dir)
     jax.block_until_ready(run_step())
     jax.profiler.stop_trace()
-    trace = sorted(glob.glob(f"{profile_dir}/**/*.xplane.pb", recursive=True), key=lambda f: os.path.getmtime(f))[-1]
+    trace = sorted(glob.glob(f"{profile_dir}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)[-1]
     per_op: collections.Counter = collections.Counter()
     for plane in _profile_data.ProfileData.from_file(trace).planes:
         for line in plane.lines:

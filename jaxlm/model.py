@@ -159,10 +159,10 @@ class Transformer(nnx.Module):
             return x_BTD
         # Unrolled: split the stacked params once (its gradient is one concatenate, where per-layer indexing would
         # pad every layer's gradient to the full stack and add them up).
-        L = self.cfg.num_layers
-        per_layer = jax.tree.map(lambda a: [p.squeeze(0) for p in jnp.split(a, L)], stacked)
-        for i in range(L):
-            x_BTD, _ = layer(x_BTD, jax.tree.map(lambda parts: parts[i], per_layer, is_leaf=lambda x: isinstance(x, list)))
+        leaves, treedef = jax.tree.flatten(stacked)
+        split_leaves = [jnp.split(leaf, self.cfg.num_layers) for leaf in leaves]
+        for i in range(self.cfg.num_layers):
+            x_BTD, _ = layer(x_BTD, treedef.unflatten([parts[i].squeeze(0) for parts in split_leaves]))
         return x_BTD
 
 

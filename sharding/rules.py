@@ -13,6 +13,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from sharding.mesh import MESH_AXES, LayoutError  # mesh imports rules only inside functions: no cycle
+
 LOGICAL_AXES_KEY = "logical_axes"  # the metadata key jaxlm.model writes
 
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -29,8 +31,6 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
 
 
 def check_rules(rules: dict) -> None:
-    from sharding.mesh import MESH_AXES, LayoutError
-
     for logical, target in rules.items():
         targets = target if isinstance(target, tuple) else (target,)
         for t in targets:
@@ -49,8 +49,6 @@ def logical_spec(axes: tuple[str | None, ...], rules: dict | None = None) -> P:
             if mesh_axis is None:
                 continue
             if mesh_axis in used:
-                from sharding.mesh import LayoutError
-
                 raise LayoutError(f"logical axes {used[mesh_axis]!r} and {name!r} of array {axes} both map to mesh "
                                   f"axis {mesh_axis!r}")
             used[mesh_axis] = name
@@ -79,8 +77,6 @@ def check_divisible(axes: tuple, shape: tuple[int, ...], spec: P, mesh: Mesh) ->
         mesh_axes = target if isinstance(target, tuple) else (target,)
         shards = math.prod(mesh.shape[a] for a in mesh_axes if a is not None)
         if size % shards:
-            from sharding.mesh import LayoutError
-
             raise LayoutError(f"logical axis {name!r} of size {size} (array {axes}, shape {shape}) is not divisible by "
                               f"mesh axis {' x '.join(repr(a) for a in mesh_axes)} = {shards}")
 
