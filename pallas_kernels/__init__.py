@@ -17,6 +17,7 @@ from .masks import (
     sliding_window,
     soft_cap,
 )
+from .pallas_attention import block_sparse_attention
 from .reference import reference_attention
 from .xla_attention import block_sparse_attention_xla
 
@@ -24,5 +25,5 @@ __all__ = [
     "EMPTY", "FULL", "PARTIAL", "BlockMask", "BlockSizes", "make_block_mask",
     "Mask", "ScoreMod", "alibi", "alibi_slopes", "causal", "chain", "chunked_causal", "document", "full",
     "global_tokens", "prefix_lm", "sliding_window", "soft_cap",
-    "reference_attention", "block_sparse_attention_xla",
+    "reference_attention", "block_sparse_attention", "block_sparse_attention_xla",
 ]

@@ -1,13 +1,18 @@
 """Block-sparse structure of a mask: which (q-block, kv-block) tiles are empty, partial or full.
 
-``make_block_mask(mask, q_len, kv_len, BlockSizes(block_q, block_kv))`` evaluates the mask on the host with numpy,
-one q-block row ([block_q, kv_len]) at a time, so memory stays O(block_q * kv_len) even at 32k x 32k. Kernels
-iterate a q-block row over ``kv_block_indices[i, :kv_block_counts[i]]`` only, and apply the element mask only where
-``kind`` is PARTIAL; the dK/dV pass iterates kv-block columns over ``q_block_indices`` the same way.
+``make_block_mask(mask, q_len, kv_len, BlockSizes(block_q, block_kv))`` tiles the [q_len, kv_len] score matrix,
+padded up to whole blocks (padding rows and columns count as masked), and lists for every q-block row its non-empty
+kv blocks, PARTIAL ones first and then FULL ones, so a kernel runs two loops: one applying the element mask, one
+without it. The dK/dV pass walks kv-block columns over the transposed lists the same way.
 
-Static masks (everything but ``document``) are cached by value: every layer, and every step, gets the identical
-``BlockMask``. Document masks carry per-batch arrays and are recomputed per call, with a leading batch dim on every
-array.
+Host path: the mask is evaluated with numpy one q-block row ([block_q, kv_len]) at a time, so memory stays
+O(block_q * kv_len) even at 32k x 32k. Static masks (everything but ``document``) are cached by value: every layer
+and every step gets the identical ``BlockMask``.
+
+Traced path: a ``document`` mask whose segment ids are traced (they come from the batch inside ``jax.jit``) is
+classified on device with jnp, the lists sized for the worst case (every block) and the counts saying how many are
+real; kernels loop ``counts`` times, so the skipped work is skipped all the same. An empty query row cannot raise
+under tracing; masks with document terms should include a term that lets every query see itself (e.g. causal).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .masks import Mask
@@ -38,14 +45,18 @@ class BlockSizes:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockMask:
-    """Block classification of ``mask`` over a [q_len, kv_len] score matrix. Arrays are read-only numpy.
+    """Block classification of ``mask`` over a [q_len, kv_len] score matrix padded to whole blocks.
 
-    Shapes carry the mask's leading batch dims ``(B,)`` (none for static masks):
-      kind              int8  [(B,) nq, nkv]   EMPTY / PARTIAL / FULL
-      kv_block_indices  int32 [(B,) nq, max_kv] non-empty kv blocks of each q-block row, increasing, padded with
-                                                the row's last valid index (0 if it has none) so a kernel can clamp
-      kv_block_counts   int32 [(B,) nq]
+    Arrays are read-only numpy (host path) or jax arrays (traced path). Shapes carry the mask's leading batch dims
+    ``(B,)`` (none for static masks); nq = ceil(q_len / block_q), nkv = ceil(kv_len / block_kv):
+      kind              int8  [(B,) nq, nkv]    EMPTY / PARTIAL / FULL
+      kv_block_indices  int32 [(B,) nq, max_kv] non-empty kv blocks of each q-block row: the PARTIAL ones in
+                                                increasing order, then the FULL ones; padded with the row's last
+                                                entry (0 if it has none) so a kernel can clamp
+      kv_partial_counts int32 [(B,) nq]         how many of the row's entries are PARTIAL (they come first)
+      kv_block_counts   int32 [(B,) nq]         how many entries are real
       q_block_indices   int32 [(B,) nkv, max_q] the transpose: non-empty q blocks of each kv-block column
+      q_partial_counts  int32 [(B,) nkv]
       q_block_counts    int32 [(B,) nkv]        (may be 0: keys no query sees, e.g. causal with q_len < kv_len)
     """
 
@@ -55,13 +66,15 @@ class BlockMask:
     block_sizes: BlockSizes
     kind: np.ndarray
     kv_block_indices: np.ndarray
+    kv_partial_counts: np.ndarray
     kv_block_counts: np.ndarray
     q_block_indices: np.ndarray
+    q_partial_counts: np.ndarray
     q_block_counts: np.ndarray
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
-        return self.kind.shape[:-2]
+        return tuple(self.kind.shape[:-2])
 
     @property
     def num_q_blocks(self) -> int:
@@ -72,9 +85,21 @@ class BlockMask:
         return self.kind.shape[-1]
 
     @property
+    def padded_q_len(self) -> int:
+        return self.num_q_blocks * self.block_sizes.block_q
+
+    @property
+    def padded_kv_len(self) -> int:
+        return self.num_kv_blocks * self.block_sizes.block_kv
+
+    @property
+    def is_traced(self) -> bool:
+        return not isinstance(self.kind, np.ndarray)
+
+    @property
     def density(self) -> float:
         """Fraction of non-empty blocks (the share of the dense work a block-sparse kernel does)."""
-        return float(np.mean(self.kind != EMPTY))
+        return float(np.mean(np.asarray(self.kind) != EMPTY))
 
     def dense(self) -> np.ndarray:
         """The element-wise bool mask [(B,) q_len, kv_len], for tests and the reference path."""
@@ -83,30 +108,37 @@ class BlockMask:
         return np.broadcast_to(np.asarray(self.mask(q, kv), dtype=bool), (*self.batch_shape, self.q_len, self.kv_len))
 
     def __repr__(self):
+        density = "traced" if self.is_traced else f"{self.density:.3f}"
         return (f"BlockMask({self.mask!r}, q_len={self.q_len}, kv_len={self.kv_len}, {self.block_sizes}, "
-                f"batch_shape={self.batch_shape}, density={self.density:.3f})")
+                f"batch_shape={self.batch_shape}, density={density})")
+
+
+def _is_traced(mask: Mask) -> bool:
+    if mask.is_static:
+        return False
+    leaves = [getattr(mask, n, None) for n in ("q_segment_ids", "kv_segment_ids")]
+    children = getattr(mask, "masks", ())
+    return any(isinstance(x, jax.core.Tracer) for x in leaves) or any(_is_traced(m) for m in children)
 
 
 def make_block_mask(mask: Mask, q_len: int, kv_len: int, block_sizes: BlockSizes = BlockSizes()) -> BlockMask:
     """Classify every (q-block, kv-block) tile of ``mask`` and list the non-empty ones; cached for static masks.
 
-    Raises ValueError if q_len / kv_len are not multiples of the block sizes (pad the sequence first), or if some
-    query attends to no key (its softmax would be undefined).
+    Lengths need not be multiples of the block sizes: the grid is padded up and the padding is masked. Raises
+    ValueError (host path) if some query attends to no key: its softmax would be undefined.
     """
     if not isinstance(mask, Mask):
         raise TypeError(f"make_block_mask: expected a Mask, got {type(mask).__name__}")
     if not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"make_block_mask: expected BlockSizes, got {type(block_sizes).__name__}")
-    for name, n, b, bname in (("q_len", q_len, block_sizes.block_q, "block_q"),
-                              ("kv_len", kv_len, block_sizes.block_kv, "block_kv")):
+    for name, n in (("q_len", q_len), ("kv_len", kv_len)):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"make_block_mask: {name} must be a positive integer, got {n!r}")
-        if n % b:
-            raise ValueError(f"make_block_mask: {name}={n} is not a multiple of {bname}={b}; pad the sequence or "
-                             f"pick a block size that divides it")
     q_len, kv_len = int(q_len), int(kv_len)
     if mask.is_static:
         return _cached(mask, q_len, kv_len, block_sizes)
+    if _is_traced(mask):
+        return _build_traced(mask, q_len, kv_len, block_sizes)
     return _build(mask, q_len, kv_len, block_sizes)
 
 
@@ -119,42 +151,65 @@ make_block_mask.cache_clear = _cached.cache_clear  # type: ignore[attr-defined]
 make_block_mask.cache_info = _cached.cache_info  # type: ignore[attr-defined]
 
 
+def _tile_kinds(m, bq: int, nkv: int, bkv: int, xp):
+    """[..., bq, nkv * bkv] bool -> [..., nkv] int8 kinds."""
+    tiles = m.reshape(*m.shape[:-2], bq, nkv, bkv)
+    any_, all_ = tiles.any(axis=(-3, -1)), tiles.all(axis=(-3, -1))
+    return xp.where(all_, FULL, xp.where(any_, PARTIAL, EMPTY)).astype(xp.int8)
+
+
 def _build(mask: Mask, q_len: int, kv_len: int, bs: BlockSizes) -> BlockMask:
     bq, bkv = bs.block_q, bs.block_kv
-    nq, nkv = q_len // bq, kv_len // bkv
+    nq, nkv = -(-q_len // bq), -(-kv_len // bkv)
     kv = np.arange(kv_len, dtype=np.int32)[None, :]
     rows = []
     for i in range(nq):
-        q = np.arange(i * bq, (i + 1) * bq, dtype=np.int32)[:, None]
+        q = np.arange(i * bq, min((i + 1) * bq, q_len), dtype=np.int32)[:, None]
         m = np.asarray(mask(q, kv), dtype=bool)
-        m = np.broadcast_to(m, (*m.shape[:-2], bq, kv_len))
-        seen = m.any(axis=-1)  # [..., bq]
+        m = np.broadcast_to(m, (*m.shape[:-2], len(q), kv_len))
+        seen = m.any(axis=-1)  # [..., rows]
         if not seen.all():
             _raise_empty_row(mask, seen, i * bq)
-        tiles = m.reshape(*m.shape[:-2], bq, nkv, bkv)
-        any_, all_ = tiles.any(axis=(-3, -1)), tiles.all(axis=(-3, -1))  # [..., nkv]
-        rows.append(np.where(all_, FULL, np.where(any_, PARTIAL, EMPTY)).astype(np.int8))
+        pad = [(0, 0)] * (m.ndim - 2) + [(0, bq - len(q)), (0, nkv * bkv - kv_len)]
+        rows.append(_tile_kinds(np.pad(m, pad), bq, nkv, bkv, np))
     batch = np.broadcast_shapes(*(r.shape[:-1] for r in rows))
     kind = np.stack([np.broadcast_to(r, (*batch, nkv)) for r in rows], axis=-2)
-
-    nonempty = kind != EMPTY
-    kv_idx, kv_cnt = _compact(nonempty)
-    q_idx, q_cnt = _compact(np.swapaxes(nonempty, -1, -2))
-    arrays = [np.ascontiguousarray(a) for a in (kind, kv_idx, kv_cnt, q_idx, q_cnt)]
+    arrays = (kind, *_compact(kind, np), *_compact(np.swapaxes(kind, -1, -2), np))
+    arrays = [np.ascontiguousarray(a) for a in arrays]
     for a in arrays:
         a.setflags(write=False)
     return BlockMask(mask, q_len, kv_len, bs, *arrays)
 
 
-def _compact(nonempty: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of a bool [..., r, c]: the True columns in increasing order, padded with the last one (or 0)."""
-    counts = nonempty.sum(axis=-1).astype(np.int32)
-    width = max(1, int(counts.max(initial=0)))
-    order = np.argsort(~nonempty, axis=-1, kind="stable")[..., :width].astype(np.int32)
-    last = np.take_along_axis(order, np.maximum(counts - 1, 0)[..., None], axis=-1)
-    last = np.where(counts[..., None] > 0, last, 0)
-    idx = np.where(np.arange(width) < counts[..., None], order, last).astype(np.int32)
-    return idx, counts
+def _build_traced(mask: Mask, q_len: int, kv_len: int, bs: BlockSizes) -> BlockMask:
+    bq, bkv = bs.block_q, bs.block_kv
+    nq, nkv = -(-q_len // bq), -(-kv_len // bkv)
+    kv = jnp.arange(nkv * bkv, dtype=jnp.int32)[None, :]
+
+    def row(i):
+        q = i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None]
+        m = jnp.asarray(mask(q, kv), dtype=bool) & (q < q_len) & (kv < kv_len)
+        return _tile_kinds(m, bq, nkv, bkv, jnp)
+
+    kind = jnp.moveaxis(jax.lax.map(row, jnp.arange(nq)), 0, -2)  # [..., nq, nkv]
+    return BlockMask(mask, q_len, kv_len, bs, kind, *_compact(kind, jnp), *_compact(jnp.swapaxes(kind, -1, -2), jnp))
+
+
+def _compact(kind, xp):
+    """Per row of kinds [..., r, c]: (indices [..., r, width], partial counts [..., r], counts [..., r]).
+
+    Indices list the PARTIAL columns then the FULL ones, each increasing, padded with the last real one (or 0).
+    The host path sizes ``width`` to the longest row; the traced path cannot, and uses every column.
+    """
+    partial = (kind == PARTIAL).sum(axis=-1).astype(xp.int32)
+    counts = (kind != EMPTY).sum(axis=-1).astype(xp.int32)
+    width = max(1, int(counts.max(initial=0))) if xp is np else kind.shape[-1]
+    rank = xp.where(kind == PARTIAL, 0, xp.where(kind == FULL, 1, 2)).astype(xp.int8)
+    order = xp.argsort(rank, axis=-1, stable=True)[..., :width].astype(xp.int32)
+    last = xp.take_along_axis(order, xp.maximum(counts - 1, 0)[..., None], axis=-1)
+    last = xp.where(counts[..., None] > 0, last, 0)
+    idx = xp.where(xp.arange(width) < counts[..., None], order, last).astype(xp.int32)
+    return idx, partial, counts
 
 
 def _raise_empty_row(mask: Mask, seen: np.ndarray, q_offset: int):

@@ -329,7 +329,12 @@ class Alibi(ScoreMod):
     def __call__(self, score, q_idx, kv_idx, head=0):
         q_idx, kv_idx, head = _as_index(q_idx), _as_index(kv_idx), _as_index(head)
         xp = _xp(score, q_idx, kv_idx, head)
-        slope = xp.asarray(self.slopes, dtype=score.dtype)[head]
+        if head.ndim == 0:  # one head (inside a kernel): a select chain, since kernels cannot capture an array
+            slope = xp.asarray(0.0, dtype=score.dtype)
+            for i, s in enumerate(self.slopes):
+                slope = xp.where(head == i, xp.asarray(s, dtype=score.dtype), slope)
+        else:
+            slope = xp.asarray(self.slopes, dtype=score.dtype)[head]
         return score - slope * (q_idx - kv_idx).astype(score.dtype)
 
     def __repr__(self):

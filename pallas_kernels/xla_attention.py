@@ -2,7 +2,8 @@
 
 Every q block (all of them at once, vectorized with every head) scans j over ``range(max_kv)`` and visits kv block
 ``kv_block_indices[qb, j]`` only: steps with j >= ``kv_block_counts[qb]`` are masked out, and the element mask is
-applied only where the block's kind is PARTIAL. Running max / sum / accumulator stay in float32 (the flash-attention
+applied only to the PARTIAL entries (the first ``kv_partial_counts[qb]``). Sequences that are not whole blocks are
+padded; padded keys are masked, padded queries dropped. Running max / sum / accumulator stay in float32 (the flash-attention
 recurrences), so memory is O(T * block_kv) per head, never O(T * S).
 """
 
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .block_mask import FULL, PARTIAL, BlockMask
+from .block_mask import BlockMask
 from .masks import And, Document, Mask, Or, ScoreMod
 
 
@@ -64,30 +65,34 @@ def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float |
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     G = Hq // Hkv
     bq, bkv = block_mask.block_sizes.block_q, block_mask.block_sizes.block_kv
-    nq, nkv = T // bq, S // bkv
+    nq, nkv = block_mask.num_q_blocks, block_mask.num_kv_blocks
+    Tp, Sp = nq * bq, nkv * bkv
+    q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[2]), (0, 0))) for x, n in ((q, Tp), (k, Sp), (v, Sp)))
 
     def batched(a, tail):
         return jnp.broadcast_to(jnp.asarray(a), (B, *tail))
 
-    kind_BxNQxNKV = batched(block_mask.kind, (nq, nkv))
+    npart_BxNQ = batched(block_mask.kv_partial_counts, (nq,))
     idx_BxNQxJ = batched(block_mask.kv_block_indices, block_mask.kv_block_indices.shape[-2:])
     cnt_BxNQ = batched(block_mask.kv_block_counts, (nq,))
     max_kv = idx_BxNQxJ.shape[-1]
 
-    q_idx_NQxBQ = jnp.arange(T, dtype=jnp.int32).reshape(nq, bq)
+    q_idx_NQxBQ = jnp.arange(Tp, dtype=jnp.int32).reshape(nq, bq)
     head_HxG = jnp.arange(Hq, dtype=jnp.int32).reshape(Hkv, G)
 
-    def one_batch(b, q_HxTxD, k_HxSxD, v_HxSxD, kind_NQxNKV, idx_NQxJ, cnt_NQ):
+    def one_batch(b, q_HxTxD, k_HxSxD, v_HxSxD, npart_NQ, idx_NQxJ, cnt_NQ):
         mask = _mask_for_batch(block_mask.mask, b, B)
         q_NQxHxGxBQxD = q_HxTxD.reshape(Hkv, G, nq, bq, D).transpose(2, 0, 1, 3, 4).astype(jnp.float32)
-        k_NKVxHxBKVxD = k_HxSxD.reshape(Hkv, nkv, bkv, D).transpose(1, 0, 2, 3)
-        v_NKVxHxBKVxD = v_HxSxD.reshape(Hkv, nkv, bkv, D).transpose(1, 0, 2, 3)
+        # float32 before the gathers: their transposes (scatter-adds over every visiting q block) then accumulate
+        # the dK/dV contributions in float32, not in the input dtype
+        k_NKVxHxBKVxD = k_HxSxD.reshape(Hkv, nkv, bkv, D).transpose(1, 0, 2, 3).astype(jnp.float32)
+        v_NKVxHxBKVxD = v_HxSxD.reshape(Hkv, nkv, bkv, D).transpose(1, 0, 2, 3).astype(jnp.float32)
 
         def step(carry, j):
             m_prev, l_prev, acc_prev = carry  # [NQ, H, G, BQ], same, [NQ, H, G, BQ, D]
             kv_block_NQ = idx_NQxJ[:, j]
-            k_blk = k_NKVxHxBKVxD[kv_block_NQ].astype(jnp.float32)  # [NQ, H, BKV, D]
-            v_blk = v_NKVxHxBKVxD[kv_block_NQ].astype(jnp.float32)
+            k_blk = k_NKVxHxBKVxD[kv_block_NQ]  # [NQ, H, BKV, D]
+            v_blk = v_NKVxHxBKVxD[kv_block_NQ]
             s = jnp.einsum("nhgqd,nhkd->nhgqk", q_NQxHxGxBQxD, k_blk) * scale
 
             q_pos = q_idx_NQxBQ[:, :, None]  # [NQ, BQ, 1]
@@ -95,11 +100,8 @@ def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float |
             if score_mod is not None:
                 s = score_mod(s, q_pos[:, None, None], kv_pos[:, None, None], head_HxG[None, :, :, None, None])
 
-            kind_NQ = kind_NQxNKV[jnp.arange(nq), kv_block_NQ]
-            live_NQ = j < cnt_NQ
-            elem = jnp.broadcast_to(jnp.asarray(mask(q_pos, kv_pos), dtype=bool), (nq, bq, bkv))
-            keep = live_NQ[:, None, None] & ((kind_NQ == FULL)[:, None, None]
-                                             | ((kind_NQ == PARTIAL)[:, None, None] & elem))
+            elem = jnp.asarray(mask(q_pos, kv_pos), dtype=bool) & (q_pos < T) & (kv_pos < S)
+            keep = (j < cnt_NQ)[:, None, None] & ((j >= npart_NQ)[:, None, None] | elem)
             s = jnp.where(keep[:, None, None], s, -jnp.inf)
 
             m_new = jnp.maximum(m_prev, s.max(-1))
@@ -114,10 +116,11 @@ def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float |
         init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
                 jnp.zeros((*shape, D), jnp.float32))
         (m, l, acc), _ = lax.scan(step, init, jnp.arange(max_kv))
-        out = acc / l[..., None]
-        lse = m + jnp.log(l)
-        out_HxTxD = out.transpose(1, 2, 0, 3, 4).reshape(Hq, T, D)
-        lse_HxT = lse.transpose(1, 2, 0, 3).reshape(Hq, T)
+        seen = l > 0  # False only on padding rows (and rows a traced mask leaves empty)
+        out = acc / jnp.where(seen, l, 1.0)[..., None]
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+        out_HxTxD = out.transpose(1, 2, 0, 3, 4).reshape(Hq, Tp, D)[:, :T]
+        lse_HxT = lse.transpose(1, 2, 0, 3).reshape(Hq, Tp)[:, :T]
         return out_HxTxD.astype(q.dtype), lse_HxT
 
-    return jax.vmap(one_batch)(jnp.arange(B), q, k, v, kind_BxNQxNKV, idx_BxNQxJ, cnt_BxNQ)
+    return jax.vmap(one_batch)(jnp.arange(B), q, k, v, npart_BxNQ, idx_BxNQxJ, cnt_BxNQ)

@@ -135,30 +135,37 @@ def test_alibi_values_per_head():
 
 
 def check_block_mask(bm, dense):
-    """The block mask's kinds and index lists agree with the dense element mask [..., T, S]."""
+    """The block mask's kinds and index lists agree with the dense element mask [..., T, S] (padded with False)."""
     bq, bkv = bm.block_sizes.block_q, bm.block_sizes.block_kv
-    nq, nkv = bm.q_len // bq, bm.kv_len // bkv
+    nq, nkv = -(-bm.q_len // bq), -(-bm.kv_len // bkv)
     np.testing.assert_array_equal(bm.dense(), dense)
-    tiles = dense.reshape(*dense.shape[:-2], nq, bq, nkv, bkv)
+    assert (bm.num_q_blocks, bm.num_kv_blocks, bm.padded_q_len, bm.padded_kv_len) == (nq, nkv, nq * bq, nkv * bkv)
+    pad = [(0, 0)] * (dense.ndim - 2) + [(0, nq * bq - bm.q_len), (0, nkv * bkv - bm.kv_len)]
+    tiles = np.pad(dense, pad).reshape(*dense.shape[:-2], nq, bq, nkv, bkv)
     any_, all_ = tiles.any(axis=(-3, -1)), tiles.all(axis=(-3, -1))
     want_kind = np.where(all_, FULL, np.where(any_, PARTIAL, EMPTY))
     assert bm.kind.dtype == np.int8 and bm.kind.shape == want_kind.shape
     np.testing.assert_array_equal(bm.kind, want_kind)
     assert bm.density == pytest.approx(any_.mean())
-    ne = bm.kind != EMPTY
-    for b in np.ndindex(*bm.batch_shape):
-        for i in range(nq):
-            n = bm.kv_block_counts[b + (i,)]
-            row = bm.kv_block_indices[b + (i,)]
-            assert list(row[:n]) == list(np.flatnonzero(ne[b + (i,)]))
-            assert np.all(row[n:] == (row[n - 1] if n else 0))
-        for j in range(nkv):
-            n = bm.q_block_counts[b + (j,)]
-            col = bm.q_block_indices[b + (j,)]
-            assert list(col[:n]) == list(np.flatnonzero(ne[b + (slice(None), j)]))
-            assert np.all(col[n:] == (col[n - 1] if n else 0))
-    for a in (bm.kv_block_indices, bm.kv_block_counts, bm.q_block_indices, bm.q_block_counts):
-        assert a.dtype == np.int32 and not a.flags.writeable
+    kind = np.asarray(bm.kind)
+
+    def check_lists(idx, npart, cnt, kinds_rows):
+        for b in np.ndindex(*bm.batch_shape):
+            for r, kinds in enumerate(kinds_rows[b]):
+                n, p = int(cnt[b + (r,)]), int(npart[b + (r,)])
+                row = list(np.asarray(idx[b + (r,)]))
+                # PARTIAL blocks first, then FULL ones, each increasing; padded with the last real entry (or 0)
+                assert row[:p] == list(np.flatnonzero(kinds == PARTIAL))
+                assert row[p:n] == list(np.flatnonzero(kinds == FULL))
+                assert all(x == (row[n - 1] if n else 0) for x in row[n:])
+
+    check_lists(bm.kv_block_indices, bm.kv_partial_counts, bm.kv_block_counts, kind)
+    check_lists(bm.q_block_indices, bm.q_partial_counts, bm.q_block_counts, np.swapaxes(kind, -1, -2))
+    for a in (bm.kv_block_indices, bm.kv_partial_counts, bm.kv_block_counts, bm.q_block_indices,
+              bm.q_partial_counts, bm.q_block_counts):
+        assert a.dtype == np.int32
+        if not bm.is_traced:
+            assert not a.flags.writeable
 
 
 leaves = st.one_of(
@@ -188,9 +195,10 @@ def assert_block_mask_or_empty_row_error(mask, q_len, kv_len, bs):
 
 @settings(max_examples=150, deadline=None)
 @given(mask=masks, bq=st.sampled_from([1, 2, 4, 8]), bkv=st.sampled_from([1, 2, 4, 8]),
-       nq=st.integers(1, 6), nkv=st.integers(1, 6))
-def test_block_mask_agrees_with_dense_mask(mask, bq, bkv, nq, nkv):
-    assert_block_mask_or_empty_row_error(mask, nq * bq, nkv * bkv, BlockSizes(bq, bkv))
+       q_len=st.integers(1, 40), kv_len=st.integers(1, 40))
+def test_block_mask_agrees_with_dense_mask(mask, bq, bkv, q_len, kv_len):
+    """Any lengths: the grid is padded up to whole blocks and the padding counts as masked."""
+    assert_block_mask_or_empty_row_error(mask, q_len, kv_len, BlockSizes(bq, bkv))
 
 
 @settings(max_examples=60, deadline=None)
@@ -213,10 +221,39 @@ def test_document_causal_block_mask_example():
     seg = np.array([[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 2, 2]])
     bm = make_block_mask(causal() & document(seg), 8, 8, BlockSizes(2, 2))
     np.testing.assert_array_equal(bm.kind[1], [[1, 0, 0, 0], [2, 1, 0, 0], [2, 2, 1, 0], [0, 0, 0, 1]])
-    np.testing.assert_array_equal(bm.kv_block_indices[1], [[0, 0, 0], [0, 1, 1], [0, 1, 2], [3, 3, 3]])
+    # partial blocks first (the diagonal), then full ones
+    np.testing.assert_array_equal(bm.kv_block_indices[1], [[0, 0, 0], [1, 0, 0], [2, 0, 1], [3, 3, 3]])
+    np.testing.assert_array_equal(bm.kv_partial_counts[1], [1, 1, 1, 1])
     np.testing.assert_array_equal(bm.kv_block_counts, [[1, 2, 2, 3], [1, 2, 3, 1]])
     # not cached by identity: a new call computes afresh (the arrays may have changed)
     assert make_block_mask(causal() & document(seg), 8, 8, BlockSizes(2, 2)) is not bm
+
+
+@settings(max_examples=40, deadline=None)
+@given(mask=masks, data=st.data(), bq=st.sampled_from([1, 2, 4]), bkv=st.sampled_from([1, 2, 4]),
+       length=st.integers(1, 24))
+def test_traced_block_mask_equals_host_block_mask(mask, data, bq, bkv, length):
+    """Segment ids traced under jit (they come from the batch): the device-built lists hold the same blocks."""
+    seg = np.sort(np.array(data.draw(st.lists(st.integers(0, 3), min_size=2 * length, max_size=2 * length)),
+                           np.int32).reshape(2, length), axis=-1)
+    m = (mask | causal()) & document(seg)  # every query sees itself: no empty rows
+    host = make_block_mask(m, length, length, BlockSizes(bq, bkv))
+    fields = ("kind", "kv_block_indices", "kv_partial_counts", "kv_block_counts", "q_block_indices",
+              "q_partial_counts", "q_block_counts")
+
+    @jax.jit
+    def traced(ids):
+        bm = make_block_mask((mask | causal()) & document(ids), length, length, BlockSizes(bq, bkv))
+        assert bm.is_traced
+        return {f: getattr(bm, f) for f in fields}
+
+    dev = jax.tree.map(np.asarray, traced(jnp.asarray(seg)))
+    for f in ("kind", "kv_partial_counts", "kv_block_counts", "q_partial_counts", "q_block_counts"):
+        np.testing.assert_array_equal(dev[f], getattr(host, f), err_msg=f)
+    for f, cnt in (("kv_block_indices", host.kv_block_counts), ("q_block_indices", host.q_block_counts)):
+        for b in range(2):
+            for r, n in enumerate(cnt[b]):
+                np.testing.assert_array_equal(dev[f][b, r, :n], getattr(host, f)[b, r, :n], err_msg=f)
 
 
 def test_causal_block_mask_and_density():
@@ -249,8 +286,10 @@ def test_empty_row_error_names_first_query():
         make_block_mask(global_tokens(0), 4, 4, BlockSizes(2, 2))
 
 
-def test_lengths_must_divide_block_sizes():
-    with pytest.raises(ValueError, match="q_len=10 is not a multiple of block_q=4"):
-        make_block_mask(causal(), 10, 16, BlockSizes(4, 4))
-    with pytest.raises(ValueError, match="kv_len=10 is not a multiple of block_kv=8"):
-        make_block_mask(causal(), 16, 10, BlockSizes(4, 8))
+def test_lengths_need_not_divide_block_sizes():
+    bm = make_block_mask(causal(), 10, 16, BlockSizes(4, 4))
+    assert (bm.num_q_blocks, bm.padded_q_len) == (3, 12)
+    # the last q block holds 2 real rows and 2 padding rows: never FULL
+    np.testing.assert_array_equal(bm.kind[2], [PARTIAL, PARTIAL, PARTIAL, EMPTY])
+    with pytest.raises(ValueError, match="q_len must be a positive integer"):
+        make_block_mask(causal(), 0, 16, BlockSizes(4, 4))

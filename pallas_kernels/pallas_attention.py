@@ -1,0 +1,375 @@
+"""Block-sparse flash attention as Pallas kernels: forward, dQ and dK/dV, tied together with ``jax.custom_vjp``.
+
+One kernel body serves every backend: Triton on GPU, Mosaic on TPU, and the Pallas interpreter on CPU (what the
+tests run). Each program owns one tile of its output and loops only over the non-empty tiles of its row (forward,
+dQ) or column (dK/dV) of the block mask: first the PARTIAL tiles, with the element mask, then the FULL ones, with
+none. K and V (or Q and dO for dK/dV) stay whole per head in the kernel's view and tiles are sliced out of them at
+the block offsets the mask lists, the way the JAX GPU flash-attention kernel walks its keys.
+
+Sequences that are not whole blocks are padded here; padded keys are masked out, padded queries are dropped.
+Grouped-query attention: query head h reads kv head h // (Hq // Hkv); the dK/dV program of a kv head loops over
+its query heads, so nothing is repeated in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .block_mask import BlockMask
+from .kernel_mask import bind_documents, split_documents
+from .masks import Mask, ScoreMod
+
+BACKENDS = ("gpu", "tpu", "interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything a kernel is specialised on (hashable: the custom_vjp's non-differentiable argument)."""
+
+    template: Mask  # the mask with document terms as slots
+    score_mod: ScoreMod | None
+    scale: float
+    block_q: int
+    block_kv: int
+    q_len: int
+    kv_len: int
+    groups: int  # query heads per kv head
+    mask_batched: bool  # block-mask arrays have a batch dim of B (else 1)
+    docs_batched: tuple[bool, ...]  # per document slot
+    backend: str
+
+
+def block_sparse_attention(q, k, v, block_mask: BlockMask, *, scale: float | None = None,
+                           score_mod: ScoreMod | None = None, interpret: bool | None = None,
+                           backend: str | None = None):
+    """Attention over the non-empty tiles of ``block_mask``, as Pallas kernels; differentiable.
+
+    q [B, Hq, T, D], k/v [B, Hkv, S, D] with Hkv dividing Hq, float32 or bfloat16 (accumulation is float32);
+    ``block_mask = make_block_mask(mask, T, S, block_sizes)``. Returns (out [B, Hq, T, D] in q.dtype,
+    lse [B, Hq, T] float32), equal to ``reference_attention(q, k, v, block_mask.mask, ...)``.
+
+    ``interpret`` defaults to True on CPU. ``backend`` ("gpu", "tpu") picks the lowering; it defaults to the
+    default JAX backend, and setting it lets a CPU machine lower (export) the kernels for an accelerator.
+    """
+    B, Hq, T, D = q.shape
+    _, Hkv, S, _ = k.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"block_sparse_attention: q {list(q.shape)} and k/v {list(k.shape)}/{list(v.shape)} "
+                         f"shapes do not fit [B, Hq, T, D] / [B, Hkv, S, D]")
+    if Hq % Hkv:
+        raise ValueError(f"block_sparse_attention: kv heads {Hkv} must divide query heads {Hq}")
+    if (T, S) != (block_mask.q_len, block_mask.kv_len):
+        raise ValueError(f"block_sparse_attention: q/kv lengths {(T, S)} do not match the block mask's "
+                         f"{(block_mask.q_len, block_mask.kv_len)}")
+    if len(block_mask.batch_shape) > 1 or block_mask.batch_shape not in ((), (1,), (B,)):
+        raise ValueError(f"block_sparse_attention: block mask batch shape {block_mask.batch_shape} does not match "
+                         f"batch size {B}")
+    template, docs = split_documents(block_mask.mask)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    backend = "interpret" if interpret else (backend or ("tpu" if jax.default_backend() == "tpu" else "gpu"))
+    if backend not in BACKENDS:
+        raise ValueError(f"block_sparse_attention: unknown backend {backend!r}; choose one of {BACKENDS[:2]}")
+
+    bs = block_mask.block_sizes
+    Tp, Sp = block_mask.padded_q_len, block_mask.padded_kv_len
+    doc_arrays, docs_batched = [], []
+    for d in docs:
+        q_ids, kv_ids = (jnp.atleast_2d(jnp.asarray(x, jnp.int32)) for x in (d.q_segment_ids, d.kv_segment_ids))
+        if q_ids.shape[0] not in (1, B) or q_ids.shape[-1] != T or kv_ids.shape[-1] != S:
+            raise ValueError(f"block_sparse_attention: document segment ids {list(q_ids.shape)} / "
+                             f"{list(kv_ids.shape)} do not fit batch {B}, q length {T}, kv length {S}")
+        doc_arrays += [_pad_axis(q_ids, 1, Tp)[:, :, None], _pad_axis(kv_ids, 1, Sp)[:, None, :]]
+        docs_batched.append(q_ids.shape[0] == B and B > 1)
+
+    def batched(a):
+        a = jnp.asarray(a)
+        return a if block_mask.batch_shape else a[None]
+
+    mask_arrays = [batched(a) for a in (block_mask.kv_block_indices, block_mask.kv_partial_counts,
+                                        block_mask.kv_block_counts, block_mask.q_block_indices,
+                                        block_mask.q_partial_counts, block_mask.q_block_counts)]
+    static = _Static(template, score_mod, 1.0 / math.sqrt(D) if scale is None else float(scale), bs.block_q,
+                     bs.block_kv, T, S, Hq // Hkv, mask_arrays[0].shape[0] == B and B > 1, tuple(docs_batched),
+                     backend)
+    qp, kp, vp = _pad_axis(q, 2, Tp), _pad_axis(k, 2, Sp), _pad_axis(v, 2, Sp)
+    out, lse = _attention(static, qp, kp, vp, tuple(mask_arrays), tuple(doc_arrays))
+    return out[:, :, :T], lse[:, :, :T, 0]
+
+
+def _pad_axis(x, axis, size):
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(static, q, k, v, mask_arrays, doc_arrays):
+    return _forward(static, q, k, v, mask_arrays, doc_arrays)
+
+
+def _attention_fwd(static, q, k, v, mask_arrays, doc_arrays):
+    out, lse = _forward(static, q, k, v, mask_arrays, doc_arrays)
+    return (out, lse), (q, k, v, out, lse, mask_arrays, doc_arrays)
+
+
+def _attention_bwd(static, residuals, cotangents):
+    q, k, v, out, lse, mask_arrays, doc_arrays = residuals
+    d_out, d_lse = cotangents
+    # d lse / d s = p, so a cotangent on lse enters every ds = p * (dp - delta) as -d_lse in delta.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True) - d_lse
+    dq = _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
+    dk, dv = _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
+    return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------------------- shared tile math
+
+
+def _dot(a, b, contract_a, contract_b):
+    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _scores(static, q, k, q_pos, kv_pos, head, masked, doc_tiles, with_grad=False):
+    """Scaled, score-modded scores of one tile [bq, bkv] (float32), -inf where masked; optionally d mod / d s."""
+    s = _dot(q, k, 1, 1) * static.scale
+    d_mod = None
+    if static.score_mod is not None:
+        def mod(x):
+            return static.score_mod(x, q_pos, kv_pos, head)
+        if with_grad:  # score mods are elementwise in the score: a jvp with ones is the derivative
+            s, d_mod = jax.jvp(mod, (s,), (jnp.ones_like(s),))
+        else:
+            s = mod(s)
+    if masked:
+        keep = bind_documents(static.template, doc_tiles)(q_pos, kv_pos)
+        keep = keep & (q_pos < static.q_len) & (kv_pos < static.kv_len)
+        s = jnp.where(keep, s, -jnp.inf)
+    return s, d_mod
+
+
+def _iota(n, axis):
+    shape = (n, 1) if axis == 0 else (1, n)
+    return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def _two_loops(body, n_partial, n_total, carry):
+    """Run body(j, carry, masked) over the PARTIAL entries (masked) then the FULL ones."""
+    carry = lax.fori_loop(0, n_partial, functools.partial(body, masked=True), carry)
+    return lax.fori_loop(n_partial, n_total, functools.partial(body, masked=False), carry)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_ref, *refs):
+    *doc_refs, o_ref, lse_ref = refs
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm = b if static.mask_batched else 0
+    bq, bkv = static.block_q, static.block_kv
+    q = q_ref[...]
+    q_pos = i * bq + _iota(bq, 0)
+    q_segs = [r[...] for r in doc_refs[0::2]]
+
+    def body(j, carry, masked):
+        m_prev, l_prev, acc_prev = carry
+        start = pl.multiple_of(kv_idx_ref[bm, i, j] * bkv, bkv)
+        k = k_ref[pl.ds(start, bkv), :]
+        v = v_ref[pl.ds(start, bkv), :]
+        tiles = [(qs, r[:, pl.ds(start, bkv)]) for qs, r in zip(q_segs, doc_refs[1::2])]
+        s, _ = _scores(static, q, k, q_pos, start + _iota(bkv, 1), h, masked, tiles)
+        m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet in this row
+        alpha = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(s - m_safe)
+        l_new = alpha * l_prev + p.sum(axis=-1, keepdims=True)
+        acc_new = alpha * acc_prev + _dot(p.astype(v.dtype), v, 1, 0)
+        return m_new, l_new, acc_new
+
+    init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+            jnp.zeros((bq, q.shape[-1]), jnp.float32))
+    m, l, acc = _two_loops(body, kv_np_ref[bm, i], kv_cnt_ref[bm, i], init)
+    seen = l > 0  # False only on padding rows (and, for traced masks, on rows that see nothing)
+    o_ref[...] = (acc / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
+    # +inf makes the backward's p = exp(s - lse) zero on such rows
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+
+
+def _forward(static, q, k, v, mask_arrays, doc_arrays):
+    B, Hq, Tp, D = q.shape
+    Sp = k.shape[2]
+    G, bq = static.groups, static.block_q
+    grid = (B, Hq, Tp // bq)
+    q_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i: (b, h, i, 0))
+    kv_spec = pl.BlockSpec((None, None, Sp, D), lambda b, h, i: (b, h // G, 0, 0))
+    doc_specs = []
+    for batched in static.docs_batched:
+        doc_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, i, bb=batched: (b if bb else 0, i, 0)),
+                      pl.BlockSpec((None, 1, Sp), lambda b, h, i, bb=batched: (b if bb else 0, 0, 0))]
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, static),
+        grid=grid,
+        in_specs=[q_spec, kv_spec, kv_spec, *[_index_spec(static)] * 3, *doc_specs],
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, Hq, Tp, 1), jnp.float32)],
+        interpret=static.backend == "interpret",
+        compiler_params=_compiler_params(static, 3),
+        name="block_sparse_attention_fwd",
+    )(q, k, v, *mask_arrays[:3], *doc_arrays)
+
+
+# ----------------------------------------------------------------------------- backward: dQ
+
+
+def _dq_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_idx_ref, kv_np_ref, kv_cnt_ref, *refs):
+    *doc_refs, dq_ref = refs
+    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm = b if static.mask_batched else 0
+    bq, bkv = static.block_q, static.block_kv
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q_pos = i * bq + _iota(bq, 0)
+    q_segs = [r[...] for r in doc_refs[0::2]]
+
+    def body(j, dq, masked):
+        start = pl.multiple_of(kv_idx_ref[bm, i, j] * bkv, bkv)
+        k = k_ref[pl.ds(start, bkv), :]
+        v = v_ref[pl.ds(start, bkv), :]
+        tiles = [(qs, r[:, pl.ds(start, bkv)]) for qs, r in zip(q_segs, doc_refs[1::2])]
+        s, d_mod = _scores(static, q, k, q_pos, start + _iota(bkv, 1), h, masked, tiles, with_grad=True)
+        p = jnp.exp(s - lse)
+        ds = p * (_dot(do, v, 1, 1) - delta)
+        if d_mod is not None:
+            ds = ds * d_mod
+        return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+
+    dq = _two_loops(body, kv_np_ref[bm, i], kv_cnt_ref[bm, i], jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * static.scale).astype(dq_ref.dtype)
+
+
+def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
+    B, Hq, Tp, D = q.shape
+    Sp = k.shape[2]
+    G, bq = static.groups, static.block_q
+    q_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i: (b, h, i, 0))
+    row_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))
+    kv_spec = pl.BlockSpec((None, None, Sp, D), lambda b, h, i: (b, h // G, 0, 0))
+    doc_specs = []
+    for batched in static.docs_batched:
+        doc_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, i, bb=batched: (b if bb else 0, i, 0)),
+                      pl.BlockSpec((None, 1, Sp), lambda b, h, i, bb=batched: (b if bb else 0, 0, 0))]
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, static),
+        grid=(B, Hq, Tp // bq),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *[_index_spec(static)] * 3, *doc_specs],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=static.backend == "interpret",
+        compiler_params=_compiler_params(static, 3),
+        name="block_sparse_attention_dq",
+    )(q, k, v, d_out, lse, delta, *mask_arrays[:3], *doc_arrays)
+
+
+# ----------------------------------------------------------------------------- backward: dK, dV
+
+
+def _dkv_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_ref, q_np_ref, q_cnt_ref, *refs):
+    *doc_refs, dk_ref, dv_ref = refs
+    b, hk, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm = b if static.mask_batched else 0
+    bq, bkv = static.block_q, static.block_kv
+    k, v = k_ref[...], v_ref[...]
+    kv_pos = j * bkv + _iota(bkv, 1)
+    kv_segs = [r[...] for r in doc_refs[1::2]]
+
+    def per_head(g, carry):
+        head = hk * static.groups + g
+
+        def body(t, carry, masked):
+            dk, dv = carry
+            start = pl.multiple_of(q_idx_ref[bm, j, t] * bq, bq)
+            q = q_ref[g, pl.ds(start, bq), :]
+            do = do_ref[g, pl.ds(start, bq), :]
+            lse = lse_ref[g, pl.ds(start, bq), :]
+            delta = delta_ref[g, pl.ds(start, bq), :]
+            tiles = [(r[pl.ds(start, bq), :], ks) for r, ks in zip(doc_refs[0::2], kv_segs)]
+            s, d_mod = _scores(static, q, k, start + _iota(bq, 0), kv_pos, head, masked, tiles, with_grad=True)
+            p = jnp.exp(s - lse)
+            # p stays float32 here: dV sums p over every query of the column and has the tightest error budget
+            dv = dv + _dot(p, do.astype(jnp.float32), 0, 0)
+            ds = p * (_dot(do, v, 1, 1) - delta)
+            if d_mod is not None:
+                ds = ds * d_mod
+            return dk + _dot(ds.astype(q.dtype), q, 0, 0), dv
+
+        return _two_loops(body, q_np_ref[bm, j], q_cnt_ref[bm, j], carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(0, static.groups, per_head, (zeros, zeros))
+    dk_ref[...] = (dk * static.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
+    B, Hq, Tp, D = q.shape
+    Hkv, Sp = k.shape[1], k.shape[2]
+    G, bkv = static.groups, static.block_kv
+
+    def grouped(x):  # [B, Hq, Tp, X] -> [B, Hkv, G, Tp, X]: a kv head's query heads side by side, no copy
+        return x.reshape(B, Hkv, G, Tp, x.shape[-1])
+
+    kv_spec = pl.BlockSpec((None, None, bkv, D), lambda b, h, j: (b, h, j, 0))
+    group_spec = pl.BlockSpec((None, None, G, Tp, D), lambda b, h, j: (b, h, 0, 0, 0))
+    row_spec = pl.BlockSpec((None, None, G, Tp, 1), lambda b, h, j: (b, h, 0, 0, 0))
+    doc_specs = []
+    for batched in static.docs_batched:
+        doc_specs += [pl.BlockSpec((None, Tp, 1), lambda b, h, j, bb=batched: (b if bb else 0, 0, 0)),
+                      pl.BlockSpec((None, 1, bkv), lambda b, h, j, bb=batched: (b if bb else 0, 0, j))]
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, static),
+        grid=(B, Hkv, Sp // bkv),
+        in_specs=[group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec, *[_index_spec(static)] * 3,
+                  *doc_specs],
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        interpret=static.backend == "interpret",
+        compiler_params=_compiler_params(static, 3),
+        name="block_sparse_attention_dkv",
+    )(grouped(q), k, v, grouped(d_out), grouped(lse), grouped(delta), *mask_arrays[3:], *doc_arrays)
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def _index_spec(static):
+    """Block lists and counts: whole arrays, read as scalars (SMEM on TPU)."""
+    if static.backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        return pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.BlockSpec()
+
+
+def _compiler_params(static, grid_rank):
+    if static.backend == "gpu":
+        from jax.experimental.pallas import triton as pltriton
+        warps = 4 if static.block_q * static.block_kv <= 64 * 64 else 8
+        return pltriton.CompilerParams(num_warps=warps, num_stages=2)
+    if static.backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
+    return None
