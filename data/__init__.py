@@ -7,11 +7,12 @@ only, never jaxlm: higher layers depend on this one, not the reverse.
 """
 
 from data.corpus import default_corpus
-from data.iterator import Batch, BatchIterator, SeededBatchIterator, eval_batches, split_train_val
+from data.iterator import Batch, BatchIterator, SeededBatchIterator, eval_batches, segment_ids, split_train_val
 from data.token_file import TokenFile, TokenFileError, write_token_file
 from data.tokenizer import BYTE_TOKENIZER_VOCAB_SIZE, EOS_ID, decode, encode
 
 __all__ = [
     "BYTE_TOKENIZER_VOCAB_SIZE", "EOS_ID", "Batch", "BatchIterator", "SeededBatchIterator", "TokenFile",
-    "TokenFileError", "decode", "default_corpus", "encode", "eval_batches", "split_train_val", "write_token_file",
+    "TokenFileError", "decode", "default_corpus", "encode", "eval_batches", "segment_ids", "split_train_val",
+    "write_token_file",
 ]

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-Batch = dict[str, np.ndarray]  # inputs/targets [B, T] int32, loss_mask [B, T] float32
+Batch = dict[str, np.ndarray]  # inputs/targets [B, T] int32, loss_mask [B, T] float32, segment_ids [B, T] int32
 
 
 @runtime_checkable
@@ -50,14 +50,25 @@ def split_train_val(num_tokens: int, val_fraction: float, seq_len: int) -> tuple
     return (0, num_train), (num_train, num_tokens)
 
 
-def _gather(tokens: np.ndarray, window_ids_B: np.ndarray, start: int, seq_len: int) -> Batch:
+def segment_ids(inputs_BT: np.ndarray, eos_id: int) -> np.ndarray:
+    """Document index of every input token within its window: an EOS ends its document, the next token starts one.
+
+    Feeds the model's ``document`` attention mask (packed sequences attend only within their document)."""
+    is_eos = inputs_BT == eos_id
+    return (np.cumsum(is_eos, axis=1) - is_eos).astype(np.int32)
+
+
+def _gather(tokens: np.ndarray, window_ids_B: np.ndarray, start: int, seq_len: int, eos_id: int | None) -> Batch:
     """Reads windows with one fancy index of shape [B, T+1] (one pass over the memmap)."""
     index_BT1 = start + window_ids_B[:, None].astype(np.int64) * seq_len + np.arange(seq_len + 1)
     windows_BT1 = np.asarray(tokens[index_BT1]).astype(np.int32)
     inputs_BT = np.ascontiguousarray(windows_BT1[:, :-1])
-    return {"inputs": inputs_BT,
-            "targets": np.ascontiguousarray(windows_BT1[:, 1:]),
-            "loss_mask": np.ones(inputs_BT.shape, np.float32)}
+    batch = {"inputs": inputs_BT,
+             "targets": np.ascontiguousarray(windows_BT1[:, 1:]),
+             "loss_mask": np.ones(inputs_BT.shape, np.float32)}
+    if eos_id is not None:
+        batch["segment_ids"] = segment_ids(inputs_BT, eos_id)
+    return batch
 
 
 def _check_region(tokens, start: int, stop: int | None, seq_len: int, batch_size: int) -> tuple[int, int, int]:
@@ -90,14 +101,14 @@ class SeededBatchIterator:
     """
 
     def __init__(self, tokens, *, batch_size: int, seq_len: int, seed: int, start: int = 0,
-                 stop: int | None = None, process_index: int = 0, process_count: int = 1):
+                 stop: int | None = None, process_index: int = 0, process_count: int = 1, eos_id: int | None = None):
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
         self.tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
         self.start, self.stop, self.num_windows = _check_region(self.tokens, start, stop, seq_len, batch_size)
         self.local_batch_size = _check_processes(batch_size, process_index, process_count)
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
-        self.process_index = process_index
+        self.process_index, self.eos_id = process_index, eos_id
         self.batches_per_epoch = self.num_windows // batch_size
         self.epoch = self.batch_in_epoch = 0
         self._perm_epoch, self._perm = -1, None
@@ -114,7 +125,7 @@ class SeededBatchIterator:
     def __next__(self) -> Batch:
         first = self.batch_in_epoch * self.batch_size + self.process_index * self.local_batch_size
         window_ids_B = self._permutation(self.epoch)[first:first + self.local_batch_size]
-        batch = _gather(self.tokens, window_ids_B, self.start, self.seq_len)
+        batch = _gather(self.tokens, window_ids_B, self.start, self.seq_len, self.eos_id)
         self.batch_in_epoch += 1
         if self.batch_in_epoch == self.batches_per_epoch:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
@@ -137,7 +148,7 @@ class SeededBatchIterator:
 
 
 def eval_batches(tokens, *, batch_size: int, seq_len: int, start: int, stop: int, max_batches: int,
-                 process_index: int = 0, process_count: int = 1) -> list[Batch]:
+                 process_index: int = 0, process_count: int = 1, eos_id: int | None = None) -> list[Batch]:
     """Sequential, unshuffled batches from tokens[start:stop]: the same every eval."""
     tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     start, stop, n = _check_region(tokens, start, stop, seq_len, batch_size)
@@ -147,5 +158,5 @@ def eval_batches(tokens, *, batch_size: int, seq_len: int, start: int, stop: int
     batches = []
     for b in range(min(max_batches, n // batch_size)):
         first = b * batch_size + process_index * local
-        batches.append(_gather(tokens, np.arange(first, first + local), start, seq_len))
+        batches.append(_gather(tokens, np.arange(first, first + local), start, seq_len, eos_id))
     return batches

@@ -90,6 +90,7 @@ def _prepare(args, default_config: Path):
 
 def _open_data(cfg):
     from data import SeededBatchIterator, TokenFile, default_corpus, eval_batches, split_train_val
+    from jaxlm.attention import parse_mask, uses_documents
 
     d = cfg.data
     token_file = TokenFile.open(d.path or default_corpus())
@@ -98,12 +99,16 @@ def _open_data(cfg):
                          f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
     token_file.validate_ids(cfg.model.vocab_size)
     (train_lo, train_hi), (val_lo, val_hi) = split_train_val(token_file.num_tokens, d.val_fraction, d.seq_len)
+    eos_id = token_file.meta.get("eos_id")  # batches carry segment_ids for the "document" attention mask
+    if eos_id is None and uses_documents(parse_mask(cfg.model.attention_mask)):
+        raise ValueError(f"model.attention_mask {cfg.model.attention_mask!r} uses document(), but token file "
+                         f"{token_file.path} records no eos_id to find document boundaries")
     train_iter = SeededBatchIterator(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len, seed=cfg.seed,
-                                     start=train_lo, stop=train_hi)
+                                     start=train_lo, stop=train_hi, eos_id=eos_id)
     eval_data = []
     if d.eval_batches and val_hi > val_lo:
         eval_data = eval_batches(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len, start=val_lo,
-                                 stop=val_hi, max_batches=d.eval_batches)
+                                 stop=val_hi, max_batches=d.eval_batches, eos_id=eos_id)
     return train_iter, eval_data
 
 

@@ -1,4 +1,13 @@
-"""The one attention entry point. Backends (XLA reference today, Pallas block-sparse kernels later) sit behind it.
+"""The one attention entry point: a mask spec and an implementation name in, [B, T, H, D] out.
+
+Implementations:
+  reference        dense masked softmax in XLA (grouped, no K/V repeat); the plain baseline
+  jax              jax.nn.dot_product_attention (XLA; cuDNN-capable on GPU)
+  xla_blocksparse  pallas_kernels.block_sparse_attention_xla: blocked online softmax over non-empty blocks only
+  pallas           pallas_kernels.block_sparse_attention: the Pallas kernels (interpret mode on CPU)
+
+Masks are pallas_kernels masks, given as objects or as a spec string from the config, e.g.
+``"causal & sliding_window(1024)"`` or ``"causal & document"``; ``document`` stands for the batch's segment ids.
 
 Shapes: B batch, T query length, S key length, K kv heads, G query heads per kv head (H = K * G), D head dim.
 Query head h uses kv head h // G (the usual grouped-query convention).
@@ -6,10 +15,76 @@ Query head h uses kv head h // G (the usual grouped-query convention).
 
 from __future__ import annotations
 
+import ast
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
-IMPLEMENTATIONS = ("xla", "jax")
+import pallas_kernels as pk
+from pallas_kernels.kernel_mask import DocumentSlot
+
+IMPLEMENTATIONS = ("reference", "jax", "xla_blocksparse", "pallas")
+BLOCK_SPARSE = ("xla_blocksparse", "pallas")
+BATCH_MESH_AXES = ("data", "fsdp")  # mesh axes the block-sparse kernels shard the batch over (see _shard_map)
+HEAD_MESH_AXIS = "tensor"
+
+_SPEC_CONSTRUCTORS = {"sliding_window": pk.sliding_window, "chunked_causal": pk.chunked_causal,
+                      "prefix_lm": pk.prefix_lm, "global_tokens": pk.global_tokens}
+_SPEC_NAMES = {"causal": pk.causal, "full": pk.full}
+
+
+@functools.lru_cache(maxsize=64)
+def parse_mask(spec: str) -> pk.Mask:
+    """A mask spec string -> a static mask, with ``document`` as a slot for the batch's segment ids.
+
+    Grammar: names ``causal``, ``full``, ``document``; calls ``sliding_window(n)``, ``chunked_causal(n)``,
+    ``prefix_lm(n)``, ``global_tokens(n)`` with integer literals; ``&``, ``|`` and parentheses.
+    """
+    try:
+        tree = ast.parse(spec.strip(), mode="eval").body
+    except SyntaxError:
+        raise ValueError(f"attention mask spec {spec!r} is not a valid expression") from None
+
+    def build(node):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+            a, b = build(node.left), build(node.right)
+            return a & b if isinstance(node.op, ast.BitAnd) else a | b
+        if isinstance(node, ast.Name) and node.id in _SPEC_NAMES:
+            return _SPEC_NAMES[node.id]()
+        if isinstance(node, ast.Name) and node.id == "document":
+            return DocumentSlot(0)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            name = node.func.id
+            if name in _SPEC_NAMES | {"document": None} and not node.args and not node.keywords:
+                return build(node.func)
+            if name in _SPEC_CONSTRUCTORS and len(node.args) == 1 and not node.keywords \
+                    and isinstance(node.args[0], ast.Constant) and type(node.args[0].value) is int:
+                return _SPEC_CONSTRUCTORS[name](node.args[0].value)
+        known = sorted(_SPEC_NAMES) + ["document"] + [f"{n}(int)" for n in _SPEC_CONSTRUCTORS]
+        raise ValueError(f"attention mask spec {spec!r}: cannot read {ast.unparse(node)!r}; use {', '.join(known)} "
+                         f"combined with & and |")
+
+    return build(tree)
+
+
+def uses_documents(mask: pk.Mask) -> bool:
+    if isinstance(mask, DocumentSlot):
+        return True
+    return any(uses_documents(m) for m in getattr(mask, "masks", ()))
+
+
+def _bind_segments(mask: pk.Mask, segment_ids_BT) -> pk.Mask:
+    if isinstance(mask, DocumentSlot):
+        if segment_ids_BT is None:
+            raise ValueError("the attention mask uses document() but no segment ids were given (the batch needs "
+                             "'segment_ids')")
+        return pk.document(segment_ids_BT)
+    if isinstance(mask, (pk.masks.And, pk.masks.Or)):
+        return type(mask)(tuple(_bind_segments(m, segment_ids_BT) for m in mask.masks))
+    return mask
 
 
 def attention(
@@ -17,53 +92,102 @@ def attention(
     k_BSKD: jax.Array,
     v_BSKD: jax.Array,
     *,
-    causal: bool = True,
-    mask_BTS: jax.Array | None = None,
+    mask: str | pk.Mask = "causal",
     segment_ids_BT: jax.Array | None = None,
     scale: float | None = None,
-    impl: str = "xla",
+    score_mod: pk.ScoreMod | None = None,
+    impl: str = "reference",
+    block_sizes: pk.BlockSizes = pk.BlockSizes(),
 ) -> jax.Array:
-    """Softmax attention returning [B, T, H, D].
+    """Softmax attention under ``mask`` (a Mask or a spec string), returning [B, T, H, D].
 
-    `mask_BTS` (True = may attend) and `segment_ids_BT` (tokens attend only within their own segment, for
-    packed documents) combine with `causal` by logical AND.
+    ``segment_ids_BT`` feeds the mask's ``document`` term (packed sequences) and is ignored by masks without one.
+    Block-sparse implementations shrink ``block_sizes`` to the sequence (rounded up to a power of two) and, when a
+    mesh with data/fsdp/tensor axes is in context, run per shard under ``jax.shard_map`` (batch and heads split).
     """
     B, T, H, D = q_BTHD.shape
-    K = k_BSKD.shape[2]
+    S, K = k_BSKD.shape[1], k_BSKD.shape[2]
     if H % K:
         raise ValueError(f"query heads ({H}) must be a multiple of kv heads ({K})")
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
+    template = parse_mask(mask) if isinstance(mask, str) else mask
+    if uses_documents(template) and segment_ids_BT is None:
+        _bind_segments(template, None)  # raises the clear error
     scale = D**-0.5 if scale is None else scale
-    if impl == "xla":
-        return _xla_attention(q_BTHD, k_BSKD, v_BSKD, causal, mask_BTS, segment_ids_BT, scale)
+
+    if impl in BLOCK_SPARSE:
+        return _shard_map(functools.partial(_block_sparse, template=template, scale=scale, score_mod=score_mod,
+                                            impl=impl, block_sizes=block_sizes),
+                          q_BTHD, k_BSKD, v_BSKD, segment_ids_BT)
+    mask_obj = _bind_segments(template, segment_ids_BT)
     if impl == "jax":
-        mask = _combined_mask(T, k_BSKD.shape[1], False, mask_BTS, segment_ids_BT)
+        if score_mod is not None:
+            raise ValueError("attention impl 'jax' (jax.nn.dot_product_attention) does not support score mods")
+        is_causal = mask_obj == pk.causal()
+        dense = None if is_causal else _dense_mask(mask_obj, T, S)
         return jax.nn.dot_product_attention(
-            q_BTHD, k_BSKD, v_BSKD, mask=None if mask is None else mask[:, None], is_causal=causal,
+            q_BTHD, k_BSKD, v_BSKD, mask=None if dense is None else dense[:, None], is_causal=is_causal,
             scale=scale, implementation="xla")
-    raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
+    return _reference(q_BTHD, k_BSKD, v_BSKD, _dense_mask(mask_obj, T, S), scale, score_mod)
 
 
-def _combined_mask(T, S, causal, mask_BTS, segment_ids_BT):
-    mask = None
-    if causal:
-        mask = (jnp.arange(T)[:, None] >= jnp.arange(S)[None, :])[None]  # [1, T, S]
-    if mask_BTS is not None:
-        mask = mask_BTS if mask is None else mask & mask_BTS
-    if segment_ids_BT is not None:
-        same = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-        mask = same if mask is None else mask & same
-    return mask
+def _dense_mask(mask: pk.Mask, T: int, S: int):
+    m = jnp.asarray(mask(jnp.arange(T, dtype=jnp.int32)[:, None], jnp.arange(S, dtype=jnp.int32)[None, :]))
+    return m if m.ndim == 3 else m[None]  # [B or 1, T, S]
 
 
-def _xla_attention(q_BTHD, k_BSKD, v_BSKD, causal, mask_BTS, segment_ids_BT, scale):
+def _reference(q_BTHD, k_BSKD, v_BSKD, mask_BTS, scale, score_mod):
     """Grouped attention without materialising repeated K/V: scores are [B, K, G, T, S]."""
     B, T, H, D = q_BTHD.shape
     S, K = k_BSKD.shape[1], k_BSKD.shape[2]
     q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
     scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD * scale, k_BSKD, preferred_element_type=jnp.float32)
-    mask = _combined_mask(T, S, causal, mask_BTS, segment_ids_BT)
-    if mask is not None:
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    if score_mod is not None:
+        head = jnp.arange(H, dtype=jnp.int32).reshape(1, K, H // K, 1, 1)
+        scores = score_mod(scores, jnp.arange(T)[:, None], jnp.arange(S)[None, :], head)
+    scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
     out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD)
     return out_BTKGD.reshape(B, T, H, D)
+
+
+def _fit_block(block: int, length: int) -> int:
+    """The configured block, or the sequence rounded up to a power of two when that is smaller."""
+    return min(block, 1 << max(0, (length - 1).bit_length()))
+
+
+def _block_sparse(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT, *, template, scale, score_mod, impl, block_sizes):
+    T, S = q_BTHD.shape[1], k_BSKD.shape[1]
+    bs = pk.BlockSizes(_fit_block(block_sizes.block_q, T), _fit_block(block_sizes.block_kv, S))
+    block_mask = pk.make_block_mask(_bind_segments(template, segment_ids_BT), T, S, bs)
+    fn = pk.block_sparse_attention if impl == "pallas" else pk.block_sparse_attention_xla
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BTHD, k_BSKD, v_BSKD))
+    out_BHTD, _ = fn(q, k, v, block_mask, scale=scale, score_mod=score_mod)
+    return out_BHTD.transpose(0, 2, 1, 3)
+
+
+def _shard_map(fn, q_BTHD, k_BSKD, v_BSKD, segment_ids_BT):
+    """Run ``fn`` per shard when a mesh is in context: a kernel is a custom call XLA cannot partition itself.
+
+    Batch goes over the mesh's data/fsdp axes and heads over tensor, where those are free (not already manual,
+    e.g. inside a user's shard_map) and divide the sizes; everything else is replicated.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return fn(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT)
+    free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
+    B, K = q_BTHD.shape[0], k_BSKD.shape[2]
+    batch_axes, size = [], 1
+    for a in BATCH_MESH_AXES:
+        if a in free and mesh.shape[a] > 1 and B % (size * mesh.shape[a]) == 0:
+            batch_axes.append(a)
+            size *= mesh.shape[a]
+    head = HEAD_MESH_AXIS if HEAD_MESH_AXIS in free and K % mesh.shape.get(HEAD_MESH_AXIS, 1) == 0 else None
+    if not batch_axes and head is None:
+        return fn(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT)
+    batch = tuple(batch_axes) or None
+    x_spec = P(batch, None, head, None)
+    seg_spec = None if segment_ids_BT is None else P(batch, None)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, seg_spec), out_specs=x_spec,
+                         axis_names=free, check_vma=False)(q_BTHD, k_BSKD, v_BSKD, segment_ids_BT)

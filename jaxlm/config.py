@@ -37,7 +37,11 @@ class ModelConfig:
     scan_layers: bool = True  # lax.scan over stacked layers (compile time flat in depth)
     scan_unroll: int = 1  # lax.scan unroll factor; num_layers == fully unrolled
     remat: str = "none"  # per-layer rematerialisation: see jaxlm.model.REMAT_POLICIES
-    attention_impl: str = "xla"  # see jaxlm.attention.IMPLEMENTATIONS
+    attention_impl: str = "reference"  # reference | jax | xla_blocksparse | pallas (jaxlm.attention)
+    attention_mask: str = "causal"  # a mask spec, e.g. "causal & sliding_window(128)" or "causal & document"
+    attention_block_q: int = 128  # tile sizes of the block-sparse implementations
+    attention_block_kv: int = 128
+    attention_softcap: float = 0.0  # > 0: cap * tanh(score / cap) on attention logits (Gemma 2 style)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -177,6 +181,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.num_layers": m.num_layers,
         "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads, "model.mlp_dim": m.mlp_dim,
         "model.max_seq_len": m.max_seq_len, "model.scan_unroll": m.scan_unroll,
+        "model.attention_block_q": m.attention_block_q, "model.attention_block_kv": m.attention_block_kv,
         "data.seq_len": d.seq_len, "data.batch_size": d.batch_size, "data.microbatches": d.microbatches,
         "steps": cfg.steps, "log_every": cfg.log_every, "keep_checkpoints": cfg.keep_checkpoints,
     }
@@ -185,7 +190,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"{key} must be positive, got {value}")
     non_negative = {"model.head_dim": m.head_dim, "optim.warmup_steps": o.warmup_steps, "optim.decay_steps": o.decay_steps,
                     "eval_every": cfg.eval_every, "checkpoint_every": cfg.checkpoint_every, "data.eval_batches": d.eval_batches,
-                    "seed": cfg.seed, "optim.grad_clip": o.grad_clip, "optim.weight_decay": o.weight_decay}
+                    "seed": cfg.seed, "optim.grad_clip": o.grad_clip, "optim.weight_decay": o.weight_decay,
+                    "model.attention_softcap": m.attention_softcap}
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
@@ -203,7 +209,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})")
     if m.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {m.dtype!r}")
-    from jaxlm.attention import IMPLEMENTATIONS  # local: these import jax, config must stay light
+    from jaxlm.attention import IMPLEMENTATIONS, parse_mask  # local: these import jax, config must stay light
     from jaxlm.model import REMAT_POLICIES
 
     if m.remat not in REMAT_POLICIES:
@@ -211,6 +217,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
     if m.attention_impl not in IMPLEMENTATIONS:
         raise ConfigError(f"model.attention_impl must be one of {sorted(IMPLEMENTATIONS)}, got {m.attention_impl!r}")
+    try:
+        parse_mask(m.attention_mask)
+    except ValueError as e:
+        raise ConfigError(f"model.attention_mask: {e}") from None
+    if m.attention_impl == "jax" and m.attention_softcap:
+        raise ConfigError("model.attention_softcap needs attention_impl reference, xla_blocksparse or pallas; "
+                          "jax.nn.dot_product_attention takes no score mod")
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     if d.batch_size % d.microbatches:

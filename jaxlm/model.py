@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.attention import attention
+from pallas_kernels import BlockSizes, soft_cap
 from jaxlm.config import ModelConfig
 
 LOGICAL_AXES = "logical_axes"  # metadata key read by sharding.rules
@@ -94,8 +95,10 @@ class Attention(nnx.Module):
         q_BTHE = qkv[:, :, :, :G].reshape(B, T, K * G, E)
         k_BTKE, v_BTKE = qkv[:, :, :, G], qkv[:, :, :, G + 1]
         q_BTHE, k_BTKE = apply_rotary(q_BTHE, sin, cos), apply_rotary(k_BTKE, sin, cos)
-        out_BTHE = attention(q_BTHE, k_BTKE, v_BTKE, causal=True, segment_ids_BT=segment_ids_BT,
-                             impl=cfg.attention_impl)
+        out_BTHE = attention(
+            q_BTHE, k_BTKE, v_BTKE, mask=cfg.attention_mask, segment_ids_BT=segment_ids_BT, impl=cfg.attention_impl,
+            score_mod=soft_cap(cfg.attention_softcap) if cfg.attention_softcap else None,
+            block_sizes=BlockSizes(cfg.attention_block_q, cfg.attention_block_kv))
         return jnp.einsum("bthe,hed->btd", out_BTHE, self.wo[...].astype(x_BTD.dtype))
 
 

@@ -132,17 +132,28 @@ class Program:
         replicated = NamedSharding(mesh, P())
         self.init = jax.jit(self._init, out_shardings=self.state_shardings)
         self.train_step = jax.jit(
-            lambda state, batch: train_step(state, batch, graphdef=self.graphdef, tx=self.tx, schedule=self.schedule,
-                                            microbatches=cfg.data.microbatches),
+            self._in_mesh(lambda state, batch: train_step(state, batch, graphdef=self.graphdef, tx=self.tx,
+                                                          schedule=self.schedule, microbatches=cfg.data.microbatches)),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,
         )
         self.eval_step = jax.jit(
-            lambda params, batch: eval_step(params, batch, graphdef=self.graphdef),
+            self._in_mesh(lambda params, batch: eval_step(params, batch, graphdef=self.graphdef)),
             in_shardings=(self.state_shardings.params, self.batch_sharding),
             out_shardings=replicated,
         )
+
+    def _in_mesh(self, fn):
+        """Trace ``fn`` with the mesh in context, so code that must split work per device (attention kernels under
+        shard_map) sees the mesh axes."""
+        abstract_mesh = self.mesh.abstract_mesh
+
+        def traced(*args):
+            with jax.sharding.use_abstract_mesh(abstract_mesh):
+                return fn(*args)
+
+        return traced
 
     def _init(self) -> TrainState:
         model = Transformer(self.cfg.model, rngs=nnx.Rngs(self.cfg.seed))

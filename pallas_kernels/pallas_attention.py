@@ -55,7 +55,8 @@ def block_sparse_attention(q, k, v, block_mask: BlockMask, *, scale: float | Non
     ``block_mask = make_block_mask(mask, T, S, block_sizes)``. Returns (out [B, Hq, T, D] in q.dtype,
     lse [B, Hq, T] float32), equal to ``reference_attention(q, k, v, block_mask.mask, ...)``.
 
-    ``interpret`` defaults to True on CPU. ``backend`` ("gpu", "tpu") picks the lowering; it defaults to the
+    Works under ``jax.shard_map`` on local shards; in interpret mode the shard_map needs ``check_vma=False`` (the
+    Pallas interpreter's slices do not track varying mesh axes in jax 0.10). ``interpret`` defaults to True on CPU. ``backend`` ("gpu", "tpu") picks the lowering; it defaults to the
     default JAX backend, and setting it lets a CPU machine lower (export) the kernels for an accelerator.
     """
     B, Hq, T, D = q.shape
@@ -227,7 +228,7 @@ def _forward(static, q, k, v, mask_arrays, doc_arrays):
         grid=grid,
         in_specs=[q_spec, kv_spec, kv_spec, *[_index_spec(static)] * 3, *doc_specs],
         out_specs=[q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, Hq, Tp, 1), jnp.float32)],
+        out_shape=[_like(q.shape, q.dtype, q), _like((B, Hq, Tp, 1), jnp.float32, q)],
         interpret=static.backend == "interpret",
         compiler_params=_compiler_params(static, 3),
         name="block_sparse_attention_fwd",
@@ -278,7 +279,7 @@ def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
         grid=(B, Hq, Tp // bq),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *[_index_spec(static)] * 3, *doc_specs],
         out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=_like(q.shape, q.dtype, q),
         interpret=static.backend == "interpret",
         compiler_params=_compiler_params(static, 3),
         name="block_sparse_attention_dq",
@@ -346,7 +347,7 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
         in_specs=[group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec, *[_index_spec(static)] * 3,
                   *doc_specs],
         out_specs=[kv_spec, kv_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[_like(k.shape, k.dtype, k), _like(v.shape, v.dtype, v)],
         interpret=static.backend == "interpret",
         compiler_params=_compiler_params(static, 3),
         name="block_sparse_attention_dkv",
@@ -354,6 +355,11 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
 
 
 # ----------------------------------------------------------------------------- backends
+
+
+def _like(shape, dtype, like):
+    """An output type that varies over the same manual mesh axes as ``like`` (needed inside shard_map)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
 
 
 def _index_spec(static):

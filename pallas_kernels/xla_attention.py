@@ -112,9 +112,9 @@ def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float |
             acc_new = alpha[..., None] * acc_prev + jnp.einsum("nhgqk,nhkd->nhgqd", p, v_blk)
             return (m_new, l_new, acc_new), None
 
-        shape = (nq, Hkv, G, bq)
-        init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-                jnp.zeros((*shape, D), jnp.float32))
+        # carries built from q, so that under a user's shard_map they vary over the same mesh axes as the outputs
+        acc0 = jnp.zeros_like(q_NQxHxGxBQxD)
+        init = (acc0[..., 0] - jnp.inf, acc0[..., 0], acc0)
         (m, l, acc), _ = lax.scan(step, init, jnp.arange(max_kv))
         seen = l > 0  # False only on padding rows (and rows a traced mask leaves empty)
         out = acc / jnp.where(seen, l, 1.0)[..., None]

@@ -44,3 +44,15 @@ def test_torch_reference_without_torch_says_so():
     proc = run("experiments.bench_torch_reference")
     assert proc.returncode == 2
     assert "torch is not installed" in proc.stderr
+
+
+def test_bench_attention_prints_table_then_json():
+    proc = run("experiments.bench_attention", "--seq-lens", "256", "--head-dims", "16", "--block", "32",
+               "--window", "64", "--docs", "4", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert any("blocksparse ms" in line for line in lines[:-1])
+    results = json.loads(lines[-1])["results"]
+    assert set(results) == {"causal_T256_D16", "sliding_T256_D16", "document_T256_D16", "prefix-LM_T256_D16"}
+    assert results["causal_T256_D16"]["blocks"] == 36 / 64  # 8 x 8 blocks, 8 * 9 / 2 non-empty
+    assert all(r["speedup"] > 0 and 0 < r["blocks"] <= 1 for r in results.values())

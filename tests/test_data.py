@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from data import (BYTE_TOKENIZER_VOCAB_SIZE, EOS_ID, BatchIterator, SeededBatchIterator, TokenFile,
-                  TokenFileError, decode, default_corpus, encode, eval_batches, split_train_val,
+                  TokenFileError, decode, default_corpus, encode, eval_batches, segment_ids, split_train_val,
                   write_token_file)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,6 +198,22 @@ def test_batches_shapes_and_shift():
     np.testing.assert_array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])
     np.testing.assert_array_equal(batch["targets"], batch["inputs"] + 1)  # arange: shift by one token
     assert (batch["inputs"][:, 0] % 8 == 0).all()  # window starts on the seq_len grid
+
+
+def test_segment_ids_follow_eos():
+    """An EOS ends its document: it shares the segment of the tokens before it; the next token starts a new one."""
+    eos = 9
+    tokens = np.array([1, 2, eos, 3, eos, eos, 4, 5, 6, eos, 7, 8, 1, 2, 3, 4, 5], np.uint16)
+    it = SeededBatchIterator(tokens, batch_size=2, seq_len=8, seed=0, eos_id=eos)
+    batch = next(it)
+    for inputs, seg in zip(batch["inputs"], batch["segment_ids"]):
+        assert seg.dtype == np.int32 and seg[0] == 0
+        want = np.concatenate([[0], np.cumsum(inputs[:-1] == eos)])
+        np.testing.assert_array_equal(seg, want)
+    assert segment_ids(np.array([[1, eos, 2, eos, eos, 3]]), eos).tolist() == [[0, 0, 1, 1, 2, 3]]
+    assert "segment_ids" not in next(SeededBatchIterator(tokens, batch_size=2, seq_len=8, seed=0))
+    val = eval_batches(tokens, batch_size=2, seq_len=8, start=0, stop=len(tokens), max_batches=1, eos_id=eos)
+    assert val[0]["segment_ids"].shape == (2, 8)
 
 
 def test_determinism_and_seeds():

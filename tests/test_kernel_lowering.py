@@ -63,3 +63,18 @@ def test_lowers_for_tpu_mosaic(tpu_target, name):
     mask, kw = MASKS[name]
     text = lower("tpu", "tpu", mask, **kw)
     assert text.count("@tpu_custom_call") == 3
+
+
+def test_lowers_for_gpu_under_shard_map():
+    """Per-shard kernels inside a user's shard_map (check_vma=True): outputs are typed as varying like q."""
+    from jax.sharding import AxisType, PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    bm = make_block_mask(causal(), T, T, BlockSizes(128, 128))
+    attn = jax.shard_map(lambda q, k, v: block_sparse_attention(q, k, v, bm, interpret=False, backend="gpu")[0],
+                         mesh=mesh, in_specs=(P("data", "tensor"),) * 3, out_specs=P("data", "tensor"))
+    x = jax.ShapeDtypeStruct((B, H, T, D), jnp.bfloat16)
+    grad = jax.jit(jax.grad(lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    exported = export.export(grad, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(x, x, x)
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 3

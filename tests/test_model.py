@@ -11,7 +11,8 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 from helpers import VOCAB, random_batch, tiny_model
-from jaxlm.attention import IMPLEMENTATIONS, attention
+from jaxlm.attention import IMPLEMENTATIONS, attention, parse_mask
+from pallas_kernels import BlockSizes, soft_cap
 from jaxlm.model import LOGICAL_AXES, Transformer
 from jaxlm.train import loss_sums
 
@@ -90,24 +91,18 @@ def test_causal_masking(t, delta, seed):
 # ----------------------------------------------------------------------------- attention
 
 
-def reference_attention(q, k, v, *, causal, mask=None, segment_ids=None, scale=None):
-    """Per-head float64 softmax attention; query head h uses kv head h // G."""
+def reference_attention(q, k, v, *, allowed, scale=None, softcap=0.0):
+    """Per-head float64 softmax attention; query head h uses kv head h // G. allowed: bool [B, T, S]."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     B, Tq, H, D = q.shape
-    S, K = k.shape[1], k.shape[2]
+    K = k.shape[2]
     G = H // K
     scale = D**-0.5 if scale is None else scale
-    allowed = np.ones((B, Tq, S), bool)
-    if causal:
-        allowed &= np.tril(np.ones((Tq, S), bool))
-    if mask is not None:
-        allowed &= np.asarray(mask)
-    if segment_ids is not None:
-        seg = np.asarray(segment_ids)
-        allowed &= seg[:, :, None] == seg[:, None, :]
     out = np.zeros((B, Tq, H, D))
     for h in range(H):
         scores = np.einsum("btd,bsd->bts", q[:, :, h], k[:, :, h // G]) * scale
+        if softcap:
+            scores = softcap * np.tanh(scores / softcap)
         scores = np.where(allowed, scores, -np.inf)
         p = np.exp(scores - scores.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
@@ -115,45 +110,99 @@ def reference_attention(q, k, v, *, causal, mask=None, segment_ids=None, scale=N
     return out
 
 
+def allowed_by(spec, segment_ids, B, T):
+    """The spec's element mask, written out by hand in numpy (independent of pallas_kernels)."""
+    q, kv = np.arange(T)[:, None], np.arange(T)[None, :]
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    table = {
+        "causal": q >= kv,
+        "full": np.ones((T, T), bool),
+        "causal & document": (q >= kv) & same_doc,
+        "sliding_window(5)": (q - kv >= 0) & (q - kv < 5),
+        "prefix_lm(4) & document": ((kv < 4) | (q >= kv)) & same_doc,
+        "causal & (sliding_window(3) | global_tokens(2))": (q >= kv) & (((q - kv >= 0) & (q - kv < 3)) | (kv < 2) | (q < 2)),
+    }
+    return np.broadcast_to(table[spec], (B, T, T))
+
+
+MASK_SPECS = ["causal", "full", "causal & document", "sliding_window(5)", "prefix_lm(4) & document",
+              "causal & (sliding_window(3) | global_tokens(2))"]
+
+
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("causal, use_segments, use_mask", [
-    (True, False, False), (False, False, False), (True, True, False), (True, False, True), (False, True, True),
-    (True, True, True),
-])
-def test_attention_matches_reference(impl, causal, use_segments, use_mask):
+@pytest.mark.parametrize("spec", MASK_SPECS)
+def test_attention_matches_reference(impl, spec):
     B, S, K, G, D = 2, 12, 2, 3, 8
-    rng = np.random.default_rng(hash((causal, use_segments, use_mask)) % 2**32)
+    rng = np.random.default_rng(MASK_SPECS.index(spec))
     q = rng.normal(size=(B, S, K * G, D)).astype(np.float32)
     k = rng.normal(size=(B, S, K, D)).astype(np.float32)
     v = rng.normal(size=(B, S, K, D)).astype(np.float32)
-    segment_ids = np.sort(rng.integers(0, 3, (B, S)), axis=1).astype(np.int32) if use_segments else None
-    mask = None
-    if use_mask:
-        mask = rng.random((B, S, S)) < 0.5
-        mask[:, np.arange(S), np.arange(S)] = True  # every query keeps at least itself
-    out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=causal, impl=impl,
-                    segment_ids_BT=None if segment_ids is None else jnp.asarray(segment_ids),
-                    mask_BTS=None if mask is None else jnp.asarray(mask))
+    segment_ids = np.sort(rng.integers(0, 3, (B, S)), axis=1).astype(np.int32)
+    out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask=spec, impl=impl,
+                    segment_ids_BT=jnp.asarray(segment_ids), block_sizes=BlockSizes(8, 8))
     assert out.shape == (B, S, K * G, D)
-    ref = reference_attention(q, k, v, causal=causal, mask=mask, segment_ids=segment_ids)
+    ref = reference_attention(q, k, v, allowed=allowed_by(spec, segment_ids, B, S))
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_attention_explicit_scale_and_bad_heads(impl):
+def test_attention_explicit_scale_softcap_and_bad_heads(impl):
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=s).astype(np.float32) for s in ((1, 6, 4, 8), (1, 6, 2, 8), (1, 6, 2, 8)))
-    out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True, scale=0.3, impl=impl)
-    np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, causal=True, scale=0.3),
+    allowed = allowed_by("causal", np.zeros((1, 6), np.int32), 1, 6)
+    out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), scale=0.3, impl=impl)
+    np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, allowed=allowed, scale=0.3),
                                rtol=1e-5, atol=1e-5)
+    if impl != "jax":
+        out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), impl=impl, score_mod=soft_cap(0.5))
+        np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, allowed=allowed, softcap=0.5),
+                                   rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         attention(jnp.asarray(q[:, :, :3]), jnp.asarray(k), jnp.asarray(v), impl=impl)
+    with pytest.raises(ValueError, match="uses document.. but no segment ids"):
+        attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), impl=impl, mask="causal & document")
 
 
-def test_unknown_attention_impl():
+def test_unknown_attention_impl_and_bad_mask_specs():
     x = jnp.zeros((1, 4, 2, 8))
     with pytest.raises(ValueError, match="unknown attention impl"):
         attention(x, x, x, impl="nope")
+    for spec, problem in [("causal &", "not a valid expression"), ("sliding_window(w)", "cannot read"),
+                          ("causal + full", "cannot read"), ("__import__('os')", "cannot read"),
+                          ("sliding_window(0)", "window must be an integer >= 1")]:
+        with pytest.raises(ValueError, match=problem):
+            parse_mask(spec)
+    assert parse_mask("causal & document()") == parse_mask("causal&document")
+
+
+def test_block_sparse_attention_under_mesh_and_shard_map():
+    """In a mesh context the kernels run per shard (batch over data, heads over tensor); inside a user's shard_map
+    they run on the local shard as they are. Both equal the unsharded result."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    B, T, H, K, D = 4, 40, 4, 2, 8
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, T, K, D)), jnp.float32) for _ in range(2))
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32)
+    spec = "causal & document"
+    want = reference_attention(q, k, v, allowed=allowed_by(spec, np.asarray(seg), B, T))
+    for impl in ("xla_blocksparse", "pallas"):
+        def f(q, k, v, seg):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return attention(q, k, v, mask=spec, segment_ids_BT=seg, impl=impl, block_sizes=BlockSizes(16, 16))
+        x_sh = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))
+        args = [jax.device_put(a, x_sh) for a in (q, k, v)] + [jax.device_put(seg, NamedSharding(mesh, P(("data", "fsdp"))))]
+        hlo = jax.jit(f).lower(*args).as_text()
+        assert "shard_map" in hlo or "manual" in hlo.lower()
+        np.testing.assert_allclose(np.asarray(jax.jit(f)(*args)), want, rtol=1e-5, atol=1e-5)
+
+        # the Pallas interpreter cannot track varying mesh axes through its slices: check_vma=False for it
+        inner = jax.shard_map(lambda q, k, v, s: attention(q, k, v, mask=spec, segment_ids_BT=s, impl=impl),
+                              mesh=mesh, in_specs=(P("data", None, "tensor"),) * 3 + (P("data"),),
+                              out_specs=P("data", None, "tensor"), check_vma=impl != "pallas")
+        np.testing.assert_allclose(np.asarray(jax.jit(inner)(q, k, v, seg)), want, rtol=1e-5, atol=1e-5)
 
 
 def test_gqa_equals_mha_with_expanded_kv_heads():
