@@ -1,14 +1,21 @@
-"""Block-sparse flash attention in plain XLA: the same algorithm as the Pallas kernel, differentiable by autodiff.
+"""Block-sparse flash attention in plain XLA: the Pallas kernels' algorithm, for CPU training and as a fallback.
 
-Every q block (all of them at once, vectorized with every head) scans j over ``range(max_kv)`` and visits kv block
-``kv_block_indices[qb, j]`` only: steps with j >= ``kv_block_counts[qb]`` are masked out, and the element mask is
-applied only to the PARTIAL entries (the first ``kv_partial_counts[qb]``). Sequences that are not whole blocks are
-padded; padded keys are masked, padded queries dropped. Running max / sum / accumulator stay in float32 (the flash-attention
-recurrences), so memory is O(T * block_kv) per head, never O(T * S).
+Forward: every q block (all of them at once, vectorized with every head) scans j over ``range(max_kv)`` and visits
+kv block ``kv_block_indices[qb, j]`` only: steps with j >= ``kv_block_counts[qb]`` are masked out, and the element
+mask is applied only to the PARTIAL entries (the first ``kv_partial_counts[qb]``). Running max / sum / accumulator
+stay in float32 (the flash-attention recurrences), so memory is O(T * block_kv) per head, never O(T * S).
+
+Backward (``jax.custom_vjp``, FlashAttention-2 style): probabilities are recomputed from the saved log-sum-exp; dQ
+scans the same kv lists, dK/dV scan the transposed q lists. Both only gather: autodiff of the forward scan would
+store every step's probabilities and scatter-add dK/dV over every visiting q block.
+
+Sequences that are not whole blocks are padded; padded keys are masked, padded queries dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -16,41 +23,33 @@ import jax.numpy as jnp
 from jax import lax
 
 from .block_mask import BlockMask
-from .masks import And, Document, Mask, Or, ScoreMod
+from .kernel_mask import bind_documents, split_documents
+from .masks import Mask, ScoreMod
 
 
-def _mask_for_batch(mask: Mask, b, batch: int):
-    """``mask`` restricted to batch element ``b`` (a traced scalar), so it returns no leading batch dim."""
-    if mask.is_static:
-        return mask
-    if isinstance(mask, (And, Or)):
-        return type(mask)(tuple(_mask_for_batch(m, b, batch) for m in mask.masks))
-    if isinstance(mask, Document):
-        def pick(ids):
-            if ids.ndim == 1:
-                return ids
-            if ids.ndim != 2 or ids.shape[0] not in (1, batch):
-                raise ValueError(f"block_sparse_attention_xla: document segment ids {list(ids.shape)} do not match "
-                                 f"batch size {batch}")
-            return jnp.asarray(ids)[b if ids.shape[0] == batch else 0]
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    template: Mask  # the mask with document terms as slots
+    score_mod: ScoreMod | None
+    scale: float
+    block_q: int
+    block_kv: int
+    q_len: int
+    kv_len: int
+    groups: int
+    chunk: int  # list entries handled per scan step
 
-        return Document(pick(mask.q_segment_ids), pick(mask.kv_segment_ids))
 
-    def call(q_idx, kv_idx):  # an unknown array-holding mask: evaluate for every batch element, keep ours
-        out = mask(q_idx, kv_idx)
-        extra = out.ndim - max(jnp.ndim(q_idx), jnp.ndim(kv_idx))
-        return out[b] if extra > 0 and out.shape[0] == batch else out.reshape(out.shape[extra:]) if extra else out
-
-    return call
+CHUNK_WIDTH = 128  # positions per scan step: small blocks are batched up to this width (wider steps measured no faster for 128-blocks on CPU)
 
 
 def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float | None = None,
                                score_mod: ScoreMod | None = None):
-    """Attention over the non-empty tiles of ``block_mask`` only.
+    """Attention over the non-empty tiles of ``block_mask`` only; differentiable.
 
-    q [B, Hq, T, D], k/v [B, Hkv, S, D] (Hkv divides Hq); ``block_mask`` from ``make_block_mask(mask, T, S, ...)``,
-    static (close over it, e.g. with functools.partial, to jit). Returns (out [B, Hq, T, D] in q.dtype,
-    lse [B, Hq, T] float32), equal to ``reference_attention(q, k, v, block_mask.mask, ...)``.
+    q [B, Hq, T, D], k/v [B, Hkv, S, D] (Hkv divides Hq); ``block_mask`` from ``make_block_mask(mask, T, S, ...)``.
+    Returns (out [B, Hq, T, D] in q.dtype, lse [B, Hq, T] float32), equal to
+    ``reference_attention(q, k, v, block_mask.mask, ...)``.
     """
     B, Hq, T, D = q.shape
     _, Hkv, S, _ = k.shape
@@ -62,65 +61,222 @@ def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float |
     if len(block_mask.batch_shape) > 1 or block_mask.batch_shape not in ((), (1,), (B,)):
         raise ValueError(f"block_sparse_attention_xla: block mask batch shape {block_mask.batch_shape} does not "
                          f"match batch size {B}")
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    G = Hq // Hkv
-    bq, bkv = block_mask.block_sizes.block_q, block_mask.block_sizes.block_kv
-    nq, nkv = block_mask.num_q_blocks, block_mask.num_kv_blocks
-    Tp, Sp = nq * bq, nkv * bkv
-    q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[2]), (0, 0))) for x, n in ((q, Tp), (k, Sp), (v, Sp)))
+    template, docs = split_documents(block_mask.mask)
+    Tp, Sp = block_mask.padded_q_len, block_mask.padded_kv_len
 
-    def batched(a, tail):
+    def per_batch(a, tail):
         return jnp.broadcast_to(jnp.asarray(a), (B, *tail))
 
-    npart_BxNQ = batched(block_mask.kv_partial_counts, (nq,))
-    idx_BxNQxJ = batched(block_mask.kv_block_indices, block_mask.kv_block_indices.shape[-2:])
-    cnt_BxNQ = batched(block_mask.kv_block_counts, (nq,))
-    max_kv = idx_BxNQxJ.shape[-1]
+    mask_arrays = tuple(per_batch(a, a.shape[-(a.ndim - len(block_mask.batch_shape)):]) for a in (
+        block_mask.kv_block_indices, block_mask.kv_partial_counts, block_mask.kv_block_counts,
+        block_mask.q_block_indices, block_mask.q_partial_counts, block_mask.q_block_counts))
+    doc_arrays = []
+    for d in docs:
+        for ids, n, n_pad in ((d.q_segment_ids, T, Tp), (d.kv_segment_ids, S, Sp)):
+            ids = jnp.atleast_2d(jnp.asarray(ids, jnp.int32))
+            if ids.shape[0] not in (1, B) or ids.shape[-1] != n:
+                raise ValueError(f"block_sparse_attention_xla: document segment ids {list(ids.shape)} do not fit "
+                                 f"batch {B} and length {n}")
+            doc_arrays.append(jnp.broadcast_to(jnp.pad(ids, ((0, 0), (0, n_pad - n))), (B, n_pad)))
+    bq, bkv = block_mask.block_sizes.block_q, block_mask.block_sizes.block_kv
+    static = _Static(template, score_mod, 1.0 / math.sqrt(D) if scale is None else float(scale), bq, bkv, T, S,
+                     Hq // Hkv, max(1, CHUNK_WIDTH // max(bq, bkv)))
+    qp = jnp.pad(q, ((0, 0), (0, 0), (0, Tp - T), (0, 0)))
+    kp, vp = (jnp.pad(x, ((0, 0), (0, 0), (0, Sp - S), (0, 0))) for x in (k, v))
+    out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
+    return out[:, :, :T], lse[:, :, :T]
 
-    q_idx_NQxBQ = jnp.arange(Tp, dtype=jnp.int32).reshape(nq, bq)
-    head_HxG = jnp.arange(Hq, dtype=jnp.int32).reshape(Hkv, G)
 
-    def one_batch(b, q_HxTxD, k_HxSxD, v_HxSxD, npart_NQ, idx_NQxJ, cnt_NQ):
-        mask = _mask_for_batch(block_mask.mask, b, B)
-        q_NQxHxGxBQxD = q_HxTxD.reshape(Hkv, G, nq, bq, D).transpose(2, 0, 1, 3, 4).astype(jnp.float32)
-        # float32 before the gathers: their transposes (scatter-adds over every visiting q block) then accumulate
-        # the dK/dV contributions in float32, not in the input dtype
-        k_NKVxHxBKVxD = k_HxSxD.reshape(Hkv, nkv, bkv, D).transpose(1, 0, 2, 3).astype(jnp.float32)
-        v_NKVxHxBKVxD = v_HxSxD.reshape(Hkv, nkv, bkv, D).transpose(1, 0, 2, 3).astype(jnp.float32)
+# ----------------------------------------------------------------------------- custom_vjp
 
-        def step(carry, j):
-            m_prev, l_prev, acc_prev = carry  # [NQ, H, G, BQ], same, [NQ, H, G, BQ, D]
-            kv_block_NQ = idx_NQxJ[:, j]
-            k_blk = k_NKVxHxBKVxD[kv_block_NQ]  # [NQ, H, BKV, D]
-            v_blk = v_NKVxHxBKVxD[kv_block_NQ]
-            s = jnp.einsum("nhgqd,nhkd->nhgqk", q_NQxHxGxBQxD, k_blk) * scale
 
-            q_pos = q_idx_NQxBQ[:, :, None]  # [NQ, BQ, 1]
-            kv_pos = (kv_block_NQ[:, None] * bkv + jnp.arange(bkv, dtype=jnp.int32))[:, None, :]  # [NQ, 1, BKV]
-            if score_mod is not None:
-                s = score_mod(s, q_pos[:, None, None], kv_pos[:, None, None], head_HxG[None, :, :, None, None])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(static, q, k, v, mask_arrays, doc_arrays):
+    return jax.vmap(functools.partial(_forward, static))(q, k, v, mask_arrays, doc_arrays)
 
-            elem = jnp.asarray(mask(q_pos, kv_pos), dtype=bool) & (q_pos < T) & (kv_pos < S)
-            keep = (j < cnt_NQ)[:, None, None] & ((j >= npart_NQ)[:, None, None] | elem)
-            s = jnp.where(keep[:, None, None], s, -jnp.inf)
 
-            m_new = jnp.maximum(m_prev, s.max(-1))
-            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a row with nothing seen yet
-            alpha = jnp.exp(m_prev - m_safe)
-            p = jnp.exp(s - m_safe[..., None])
-            l_new = alpha * l_prev + p.sum(-1)
-            acc_new = alpha[..., None] * acc_prev + jnp.einsum("nhgqk,nhkd->nhgqd", p, v_blk)
-            return (m_new, l_new, acc_new), None
+def _attention_fwd(static, q, k, v, mask_arrays, doc_arrays):
+    out, lse = _attention(static, q, k, v, mask_arrays, doc_arrays)
+    return (out, lse), (q, k, v, out, lse, mask_arrays, doc_arrays)
 
-        # carries built from q, so that under a user's shard_map they vary over the same mesh axes as the outputs
-        acc0 = jnp.zeros_like(q_NQxHxGxBQxD)
-        init = (acc0[..., 0] - jnp.inf, acc0[..., 0], acc0)
-        (m, l, acc), _ = lax.scan(step, init, jnp.arange(max_kv))
-        seen = l > 0  # False only on padding rows (and rows a traced mask leaves empty)
-        out = acc / jnp.where(seen, l, 1.0)[..., None]
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
-        out_HxTxD = out.transpose(1, 2, 0, 3, 4).reshape(Hq, Tp, D)[:, :T]
-        lse_HxT = lse.transpose(1, 2, 0, 3).reshape(Hq, Tp)[:, :T]
-        return out_HxTxD.astype(q.dtype), lse_HxT
 
-    return jax.vmap(one_batch)(jnp.arange(B), q, k, v, npart_BxNQ, idx_BxNQxJ, cnt_BxNQ)
+def _attention_bwd(static, residuals, cotangents):
+    q, k, v, out, lse, mask_arrays, doc_arrays = residuals
+    d_out, d_lse = cotangents
+    # d lse / d s = p, so a cotangent on lse enters ds = p * (dp - delta) as -d_lse in delta.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+    dq = jax.vmap(functools.partial(_dq, static))(q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
+    dk, dv = jax.vmap(functools.partial(_dkv, static))(q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------------------- one batch element
+
+# Shapes below: N q blocks (or kv blocks in _dkv), K kv heads, G query heads per kv head, Q block_q, V block_kv.
+
+
+def _q_blocks(static, x_HxTxD):
+    H, T, D = x_HxTxD.shape
+    K, G, bq = H // static.groups, static.groups, static.block_q
+    return x_HxTxD.astype(jnp.float32).reshape(K, G, T // bq, bq, D).transpose(2, 0, 1, 3, 4)
+
+
+def _q_rows(static, x_HxT):
+    H, T = x_HxT.shape
+    K, G, bq = H // static.groups, static.groups, static.block_q
+    return x_HxT.reshape(K, G, T // bq, bq).transpose(2, 0, 1, 3)
+
+
+def _kv_blocks(static, x_KxSxD):
+    K, S, D = x_KxSxD.shape
+    return x_KxSxD.astype(jnp.float32).reshape(K, S // static.block_kv, static.block_kv, D).transpose(1, 0, 2, 3)
+
+
+def _scores(static, q_NKGQD, k_NKVD, q_pos_NQ1, kv_pos_N1V, live, masked, doc_tiles, with_grad=False):
+    """Scaled, score-modded scores [N, K, G, Q, V], -inf outside the mask; optionally d mod / d s."""
+    s = jnp.einsum("nkgqd,nkvd->nkgqv", q_NKGQD, k_NKVD) * static.scale
+    d_mod = None
+    if static.score_mod is not None:
+        K, G = q_NKGQD.shape[1], q_NKGQD.shape[2]
+        head = jnp.arange(K * G, dtype=jnp.int32).reshape(1, K, G, 1, 1)
+        q_pos, kv_pos = q_pos_NQ1[:, None, None], kv_pos_N1V[:, None, None]
+
+        def mod(x):
+            return static.score_mod(x, q_pos, kv_pos, head)
+
+        if with_grad:  # score mods are elementwise in the score: a jvp with ones is the derivative
+            s, d_mod = jax.jvp(mod, (s,), (jnp.ones_like(s),))
+        else:
+            s = mod(s)
+    elem = jnp.asarray(bind_documents(static.template, doc_tiles)(q_pos_NQ1, kv_pos_N1V), dtype=bool)
+    elem = elem & (q_pos_NQ1 < static.q_len) & (kv_pos_N1V < static.kv_len)
+    keep = live & (~masked | elem)  # [N, Q, V]; live / masked per position along the chunked axis
+    return jnp.where(keep[:, None, None], s, -jnp.inf), d_mod
+
+
+def _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V):
+    return [(q_ids[q_pos_NQ1], kv_ids[kv_pos_N1V]) for q_ids, kv_ids in zip(doc_arrays[0::2], doc_arrays[1::2])]
+
+
+def _chunks(static, idx_NxJ, cnt_N, np_N, block):
+    """Split list entries into scan steps of ``static.chunk``: indices [steps, N, c] and, per position of a step
+    (c * block of them), whether it is live (a real entry) and whether it needs the element mask (PARTIAL)."""
+    N, J = idx_NxJ.shape
+    c = static.chunk
+    steps = -(-J // c)
+    idx = jnp.pad(idx_NxJ, ((0, 0), (0, steps * c - J)), mode="edge").reshape(N, steps, c).transpose(1, 0, 2)
+    entry = jnp.arange(steps * c, dtype=jnp.int32).reshape(steps, 1, c)
+    live = jnp.repeat(entry < cnt_N[None, :, None], block, axis=-1)  # [steps, N, c * block]
+    masked = jnp.repeat(entry < np_N[None, :, None], block, axis=-1)
+    return idx, live, masked
+
+
+def _positions(blocks_NC, block):
+    return (blocks_NC[:, :, None] * block + jnp.arange(block, dtype=jnp.int32)).reshape(blocks_NC.shape[0], -1)
+
+
+def _gather_kv(x_MKVD, blocks_NC):
+    """[M, K, V, D] blocks at [N, c] -> [N, K, c * V, D]."""
+    x = x_MKVD[blocks_NC]  # [N, c, K, V, D]
+    N, c, K, V, D = x.shape
+    return x.transpose(0, 2, 1, 3, 4).reshape(N, K, c * V, D)
+
+
+def _gather_q(x_MKGQ_, blocks_NC):
+    """[M, K, G, Q, ...] blocks at [N, c] -> [N, K, G, c * Q, ...]."""
+    x = x_MKGQ_[blocks_NC]  # [N, c, K, G, Q, ...]
+    N, c, K, G, Q = x.shape[:5]
+    x = jnp.moveaxis(x, 1, 3)  # [N, K, G, c, Q, ...]
+    return x.reshape(N, K, G, c * Q, *x.shape[5:])
+
+
+def _forward(static, q_HxTxD, k_KxSxD, v_KxSxD, mask_arrays, doc_arrays):
+    H, T, D = q_HxTxD.shape
+    bq, bkv = static.block_q, static.block_kv
+    idx, live, masked = _chunks(static, *(mask_arrays[i] for i in (0, 2, 1)), bkv)
+    q_NKGQD = _q_blocks(static, q_HxTxD)
+    k_MKVD, v_MKVD = _kv_blocks(static, k_KxSxD), _kv_blocks(static, v_KxSxD)
+    q_pos_NQ1 = jnp.arange(T, dtype=jnp.int32).reshape(-1, bq, 1)
+
+    def step(carry, xs):
+        m_prev, l_prev, acc_prev = carry  # [N, K, G, Q], same, [N, K, G, Q, D]
+        blocks_NC, live_NV, masked_NV = xs
+        kv_pos_N1V = _positions(blocks_NC, bkv)[:, None, :]
+        s, _ = _scores(static, q_NKGQD, _gather_kv(k_MKVD, blocks_NC), q_pos_NQ1, kv_pos_N1V, live_NV[:, None],
+                       masked_NV[:, None], _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V))
+        m_new = jnp.maximum(m_prev, s.max(-1))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a row with nothing seen yet
+        alpha = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(s - m_safe[..., None])
+        l_new = alpha * l_prev + p.sum(-1)
+        acc_new = alpha[..., None] * acc_prev + jnp.einsum("nkgqv,nkvd->nkgqd", p, _gather_kv(v_MKVD, blocks_NC))
+        return (m_new, l_new, acc_new), None
+
+    # carries built from q, so that under a user's shard_map they vary over the same mesh axes as the outputs
+    acc0 = jnp.zeros_like(q_NKGQD)
+    (m, l, acc), _ = lax.scan(step, (acc0[..., 0] - jnp.inf, acc0[..., 0], acc0), (idx, live, masked))
+    seen = l > 0  # False only on padding rows (and rows a traced mask leaves empty)
+    out = acc / jnp.where(seen, l, 1.0)[..., None]
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)  # +inf: p = 0 there in the backward
+    return (out.transpose(1, 2, 0, 3, 4).reshape(H, T, D).astype(q_HxTxD.dtype),
+            lse.transpose(1, 2, 0, 3).reshape(H, T))
+
+
+def _dq(static, q_HxTxD, k_KxSxD, v_KxSxD, do_HxTxD, lse_HxT, delta_HxT, mask_arrays, doc_arrays):
+    H, T, D = q_HxTxD.shape
+    bq, bkv = static.block_q, static.block_kv
+    idx, live, masked = _chunks(static, *(mask_arrays[i] for i in (0, 2, 1)), bkv)
+    q_NKGQD, do_NKGQD = _q_blocks(static, q_HxTxD), _q_blocks(static, do_HxTxD)
+    lse_NKGQ, delta_NKGQ = _q_rows(static, lse_HxT), _q_rows(static, delta_HxT)
+    k_MKVD, v_MKVD = _kv_blocks(static, k_KxSxD), _kv_blocks(static, v_KxSxD)
+    q_pos_NQ1 = jnp.arange(T, dtype=jnp.int32).reshape(-1, bq, 1)
+
+    def step(dq, xs):
+        blocks_NC, live_NV, masked_NV = xs
+        kv_pos_N1V = _positions(blocks_NC, bkv)[:, None, :]
+        k_NKVD, v_NKVD = _gather_kv(k_MKVD, blocks_NC), _gather_kv(v_MKVD, blocks_NC)
+        s, d_mod = _scores(static, q_NKGQD, k_NKVD, q_pos_NQ1, kv_pos_N1V, live_NV[:, None], masked_NV[:, None],
+                           _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V), with_grad=True)
+        p = jnp.exp(s - lse_NKGQ[..., None])
+        ds = p * (jnp.einsum("nkgqd,nkvd->nkgqv", do_NKGQD, v_NKVD) - delta_NKGQ[..., None])
+        if d_mod is not None:
+            ds = ds * d_mod
+        return dq + jnp.einsum("nkgqv,nkvd->nkgqd", ds, k_NKVD), None
+
+    dq, _ = lax.scan(step, jnp.zeros_like(q_NKGQD), (idx, live, masked))
+    return (dq * static.scale).transpose(1, 2, 0, 3, 4).reshape(H, T, D)
+
+
+def _dkv(static, q_HxTxD, k_KxSxD, v_KxSxD, do_HxTxD, lse_HxT, delta_HxT, mask_arrays, doc_arrays):
+    K, S, D = k_KxSxD.shape
+    bq, bkv = static.block_q, static.block_kv
+    idx, live, masked = _chunks(static, *(mask_arrays[i] for i in (3, 5, 4)), bq)
+    q_MKGQD, do_MKGQD = _q_blocks(static, q_HxTxD), _q_blocks(static, do_HxTxD)
+    lse_MKGQ, delta_MKGQ = _q_rows(static, lse_HxT), _q_rows(static, delta_HxT)
+    k_NKVD, v_NKVD = _kv_blocks(static, k_KxSxD), _kv_blocks(static, v_KxSxD)
+    kv_pos_N1V = jnp.arange(S, dtype=jnp.int32).reshape(-1, 1, bkv)
+
+    def step(carry, xs):
+        dk, dv = carry
+        blocks_NC, live_NQ, masked_NQ = xs
+        q_pos_NQ1 = _positions(blocks_NC, bq)[:, :, None]
+        q_NKGQD, do_NKGQD = _gather_q(q_MKGQD, blocks_NC), _gather_q(do_MKGQD, blocks_NC)
+        s, d_mod = _scores(static, q_NKGQD, k_NKVD, q_pos_NQ1, kv_pos_N1V, live_NQ[:, :, None],
+                           masked_NQ[:, :, None], _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V), with_grad=True)
+        p = jnp.exp(s - _gather_q(lse_MKGQ, blocks_NC)[..., None])
+        dv = dv + jnp.einsum("nkgqv,nkgqd->nkvd", p, do_NKGQD)
+        ds = p * (jnp.einsum("nkgqd,nkvd->nkgqv", do_NKGQD, v_NKVD) - _gather_q(delta_MKGQ, blocks_NC)[..., None])
+        if d_mod is not None:
+            ds = ds * d_mod
+        return (dk + jnp.einsum("nkgqv,nkgqd->nkvd", ds, q_NKGQD), dv), None
+
+    zeros = jnp.zeros_like(k_NKVD)
+    (dk, dv), _ = lax.scan(step, (zeros, zeros), (idx, live, masked))
+
+    def unblock(x_NKVD):
+        return x_NKVD.transpose(1, 0, 2, 3).reshape(K, S, D)
+
+    return unblock(dk * static.scale), unblock(dv)
