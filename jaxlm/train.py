@@ -23,7 +23,7 @@ from jaxlm import config as config_lib
 from jaxlm.checkpoint import Checkpointer
 from jaxlm.config import OptimConfig, TrainConfig
 from jaxlm.metrics import MetricsLogger
-from jaxlm.model import LOGICAL_AXES, Transformer, count_params, model_flops_per_token
+from jaxlm.model import LOGICAL_AXES, Transformer, model_flops_per_token
 from sharding.rules import batch_sharding, tree_shardings
 
 Batch = dict[str, Any]  # "inputs" [B, T] int32, "targets" [B, T] int32, "loss_mask" [B, T] float32

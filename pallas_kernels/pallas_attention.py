@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .block_mask import BlockMask
+from .block_mask import BlockMask, check_attention_inputs
 from .kernel_mask import bind_documents, split_documents
 from .masks import Mask, ScoreMod
 
@@ -59,19 +59,9 @@ def block_sparse_attention(q, k, v, block_mask: BlockMask, *, scale: float | Non
     Pallas interpreter's slices do not track varying mesh axes in jax 0.10). ``interpret`` defaults to True on CPU. ``backend`` ("gpu", "tpu") picks the lowering; it defaults to the
     default JAX backend, and setting it lets a CPU machine lower (export) the kernels for an accelerator.
     """
+    check_attention_inputs("block_sparse_attention", q, k, v, block_mask)
     B, Hq, T, D = q.shape
     _, Hkv, S, _ = k.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"block_sparse_attention: q {list(q.shape)} and k/v {list(k.shape)}/{list(v.shape)} "
-                         f"shapes do not fit [B, Hq, T, D] / [B, Hkv, S, D]")
-    if Hq % Hkv:
-        raise ValueError(f"block_sparse_attention: kv heads {Hkv} must divide query heads {Hq}")
-    if (T, S) != (block_mask.q_len, block_mask.kv_len):
-        raise ValueError(f"block_sparse_attention: q/kv lengths {(T, S)} do not match the block mask's "
-                         f"{(block_mask.q_len, block_mask.kv_len)}")
-    if len(block_mask.batch_shape) > 1 or block_mask.batch_shape not in ((), (1,), (B,)):
-        raise ValueError(f"block_sparse_attention: block mask batch shape {block_mask.batch_shape} does not match "
-                         f"batch size {B}")
     template, docs = split_documents(block_mask.mask)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -219,10 +209,7 @@ def _forward(static, q, k, v, mask_arrays, doc_arrays):
     grid = (B, Hq, Tp // bq)
     q_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i: (b, h, i, 0))
     kv_spec = pl.BlockSpec((None, None, Sp, D), lambda b, h, i: (b, h // G, 0, 0))
-    doc_specs = []
-    for batched in static.docs_batched:
-        doc_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, i, bb=batched: (b if bb else 0, i, 0)),
-                      pl.BlockSpec((None, 1, Sp), lambda b, h, i, bb=batched: (b if bb else 0, 0, 0))]
+    doc_specs = _row_doc_specs(static, Sp)
     return pl.pallas_call(
         functools.partial(_forward_kernel, static),
         grid=grid,
@@ -270,10 +257,7 @@ def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
     q_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i: (b, h, i, 0))
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))
     kv_spec = pl.BlockSpec((None, None, Sp, D), lambda b, h, i: (b, h // G, 0, 0))
-    doc_specs = []
-    for batched in static.docs_batched:
-        doc_specs += [pl.BlockSpec((None, bq, 1), lambda b, h, i, bb=batched: (b if bb else 0, i, 0)),
-                      pl.BlockSpec((None, 1, Sp), lambda b, h, i, bb=batched: (b if bb else 0, 0, 0))]
+    doc_specs = _row_doc_specs(static, Sp)
     return pl.pallas_call(
         functools.partial(_dq_kernel, static),
         grid=(B, Hq, Tp // bq),
@@ -360,6 +344,15 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
 def _like(shape, dtype, like):
     """An output type that varies over the same manual mesh axes as ``like`` (needed inside shard_map)."""
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+
+
+def _row_doc_specs(static, Sp):
+    """Segment-id specs of programs that own a q block: that block's q ids, every kv id of the batch row."""
+    specs = []
+    for batched in static.docs_batched:
+        specs += [pl.BlockSpec((None, static.block_q, 1), lambda b, h, i, bb=batched: (b if bb else 0, i, 0)),
+                  pl.BlockSpec((None, 1, Sp), lambda b, h, i, bb=batched: (b if bb else 0, 0, 0))]
+    return specs
 
 
 def _index_spec(static):

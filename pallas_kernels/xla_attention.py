@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .block_mask import BlockMask
+from .block_mask import BlockMask, check_attention_inputs
 from .kernel_mask import bind_documents, split_documents
 from .masks import Mask, ScoreMod
 
@@ -51,16 +51,9 @@ def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float |
     Returns (out [B, Hq, T, D] in q.dtype, lse [B, Hq, T] float32), equal to
     ``reference_attention(q, k, v, block_mask.mask, ...)``.
     """
+    check_attention_inputs("block_sparse_attention_xla", q, k, v, block_mask)
     B, Hq, T, D = q.shape
     _, Hkv, S, _ = k.shape
-    if Hq % Hkv:
-        raise ValueError(f"block_sparse_attention_xla: kv heads {Hkv} must divide query heads {Hq}")
-    if (T, S) != (block_mask.q_len, block_mask.kv_len):
-        raise ValueError(f"block_sparse_attention_xla: q/kv lengths {(T, S)} do not match the block mask's "
-                         f"{(block_mask.q_len, block_mask.kv_len)}")
-    if len(block_mask.batch_shape) > 1 or block_mask.batch_shape not in ((), (1,), (B,)):
-        raise ValueError(f"block_sparse_attention_xla: block mask batch shape {block_mask.batch_shape} does not "
-                         f"match batch size {B}")
     template, docs = split_documents(block_mask.mask)
     Tp, Sp = block_mask.padded_q_len, block_mask.padded_kv_len
 

@@ -2,7 +2,6 @@
 (Triton) and TPU (Mosaic). This catches what interpret mode cannot (unsupported ops, non-power-of-two Triton tiles,
 Mosaic layout and memory-space rules); compiling the lowered kernels still needs the device."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
