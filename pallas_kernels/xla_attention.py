@@ -37,10 +37,6 @@ class _Static:
     q_len: int
     kv_len: int
     groups: int
-    chunk: int  # list entries handled per scan step
-
-
-CHUNK_WIDTH = 128  # positions per scan step: small blocks are batched up to this width (wider steps measured no faster for 128-blocks on CPU)
 
 
 def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float | None = None,
@@ -73,7 +69,7 @@ def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float |
             doc_arrays.append(jnp.broadcast_to(jnp.pad(ids, ((0, 0), (0, n_pad - n))), (B, n_pad)))
     bq, bkv = block_mask.block_sizes.block_q, block_mask.block_sizes.block_kv
     static = _Static(template, score_mod, 1.0 / math.sqrt(D) if scale is None else float(scale), bq, bkv, T, S,
-                     Hq // Hkv, max(1, CHUNK_WIDTH // max(bq, bkv)))
+                     Hq // Hkv)
     qp = jnp.pad(q, ((0, 0), (0, 0), (0, Tp - T), (0, 0)))
     kp, vp = (jnp.pad(x, ((0, 0), (0, 0), (0, Sp - S), (0, 0))) for x in (k, v))
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
@@ -146,7 +142,7 @@ def _scores(static, q_NKGQD, k_NKVD, q_pos_NQ1, kv_pos_N1V, live, masked, doc_ti
             s = mod(s)
     elem = jnp.asarray(bind_documents(static.template, doc_tiles)(q_pos_NQ1, kv_pos_N1V), dtype=bool)
     elem = elem & (q_pos_NQ1 < static.q_len) & (kv_pos_N1V < static.kv_len)
-    keep = live & (~masked | elem)  # [N, Q, V]; live / masked per position along the chunked axis
+    keep = live[:, None, None] & (~masked[:, None, None] | elem)  # [N, Q, V]
     return jnp.where(keep[:, None, None], s, -jnp.inf), d_mod
 
 
@@ -154,63 +150,42 @@ def _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V):
     return [(q_ids[q_pos_NQ1], kv_ids[kv_pos_N1V]) for q_ids, kv_ids in zip(doc_arrays[0::2], doc_arrays[1::2])]
 
 
-def _chunks(static, idx_NxJ, cnt_N, np_N, block):
-    """Split list entries into scan steps of ``static.chunk``: indices [steps, N, c] and, per position of a step
-    (c * block of them), whether it is live (a real entry) and whether it needs the element mask (PARTIAL)."""
-    N, J = idx_NxJ.shape
-    c = static.chunk
-    steps = -(-J // c)
-    idx = jnp.pad(idx_NxJ, ((0, 0), (0, steps * c - J)), mode="edge").reshape(N, steps, c).transpose(1, 0, 2)
-    entry = jnp.arange(steps * c, dtype=jnp.int32).reshape(steps, 1, c)
-    live = jnp.repeat(entry < cnt_N[None, :, None], block, axis=-1)  # [steps, N, c * block]
-    masked = jnp.repeat(entry < np_N[None, :, None], block, axis=-1)
-    return idx, live, masked
+def _entries(idx_NxJ, np_N, cnt_N):
+    """Scan inputs, one list entry per step: block indices [J, N], live (a real entry) and masked (a PARTIAL entry,
+    needing the element mask) [J, N]. Batching several entries per step (wider tiles) measured slower on CPU."""
+    j_J1 = jnp.arange(idx_NxJ.shape[1], dtype=jnp.int32)[:, None]
+    return idx_NxJ.T, j_J1 < cnt_N[None], j_J1 < np_N[None]
 
 
-def _positions(blocks_NC, block):
-    return (blocks_NC[:, :, None] * block + jnp.arange(block, dtype=jnp.int32)).reshape(blocks_NC.shape[0], -1)
-
-
-def _gather_kv(x_MKVD, blocks_NC):
-    """[M, K, V, D] blocks at [N, c] -> [N, K, c * V, D]."""
-    x = x_MKVD[blocks_NC]  # [N, c, K, V, D]
-    N, c, K, V, D = x.shape
-    return x.transpose(0, 2, 1, 3, 4).reshape(N, K, c * V, D)
-
-
-def _gather_q(x_MKGQ_, blocks_NC):
-    """[M, K, G, Q, ...] blocks at [N, c] -> [N, K, G, c * Q, ...]."""
-    x = x_MKGQ_[blocks_NC]  # [N, c, K, G, Q, ...]
-    N, c, K, G, Q = x.shape[:5]
-    x = jnp.moveaxis(x, 1, 3)  # [N, K, G, c, Q, ...]
-    return x.reshape(N, K, G, c * Q, *x.shape[5:])
+def _positions(blocks_N, block):
+    return blocks_N[:, None] * block + jnp.arange(block, dtype=jnp.int32)  # [N, block]
 
 
 def _forward(static, q_HxTxD, k_KxSxD, v_KxSxD, mask_arrays, doc_arrays):
     H, T, D = q_HxTxD.shape
     bq, bkv = static.block_q, static.block_kv
-    idx, live, masked = _chunks(static, *(mask_arrays[i] for i in (0, 2, 1)), bkv)
+    xs = _entries(*mask_arrays[:3])
     q_NKGQD = _q_blocks(static, q_HxTxD)
     k_MKVD, v_MKVD = _kv_blocks(static, k_KxSxD), _kv_blocks(static, v_KxSxD)
     q_pos_NQ1 = jnp.arange(T, dtype=jnp.int32).reshape(-1, bq, 1)
 
     def step(carry, xs):
         m_prev, l_prev, acc_prev = carry  # [N, K, G, Q], same, [N, K, G, Q, D]
-        blocks_NC, live_NV, masked_NV = xs
-        kv_pos_N1V = _positions(blocks_NC, bkv)[:, None, :]
-        s, _ = _scores(static, q_NKGQD, _gather_kv(k_MKVD, blocks_NC), q_pos_NQ1, kv_pos_N1V, live_NV[:, None],
-                       masked_NV[:, None], _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V))
+        blocks_N, live_N, masked_N = xs
+        kv_pos_N1V = _positions(blocks_N, bkv)[:, None, :]
+        s, _ = _scores(static, q_NKGQD, k_MKVD[blocks_N], q_pos_NQ1, kv_pos_N1V, live_N, masked_N,
+                       _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V))
         m_new = jnp.maximum(m_prev, s.max(-1))
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a row with nothing seen yet
         alpha = jnp.exp(m_prev - m_safe)
         p = jnp.exp(s - m_safe[..., None])
         l_new = alpha * l_prev + p.sum(-1)
-        acc_new = alpha[..., None] * acc_prev + jnp.einsum("nkgqv,nkvd->nkgqd", p, _gather_kv(v_MKVD, blocks_NC))
+        acc_new = alpha[..., None] * acc_prev + jnp.einsum("nkgqv,nkvd->nkgqd", p, v_MKVD[blocks_N])
         return (m_new, l_new, acc_new), None
 
     # carries built from q, so that under a user's shard_map they vary over the same mesh axes as the outputs
     acc0 = jnp.zeros_like(q_NKGQD)
-    (m, l, acc), _ = lax.scan(step, (acc0[..., 0] - jnp.inf, acc0[..., 0], acc0), (idx, live, masked))
+    (m, l, acc), _ = lax.scan(step, (acc0[..., 0] - jnp.inf, acc0[..., 0], acc0), xs)
     seen = l > 0  # False only on padding rows (and rows a traced mask leaves empty)
     out = acc / jnp.where(seen, l, 1.0)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)  # +inf: p = 0 there in the backward
@@ -221,17 +196,17 @@ def _forward(static, q_HxTxD, k_KxSxD, v_KxSxD, mask_arrays, doc_arrays):
 def _dq(static, q_HxTxD, k_KxSxD, v_KxSxD, do_HxTxD, lse_HxT, delta_HxT, mask_arrays, doc_arrays):
     H, T, D = q_HxTxD.shape
     bq, bkv = static.block_q, static.block_kv
-    idx, live, masked = _chunks(static, *(mask_arrays[i] for i in (0, 2, 1)), bkv)
+    xs = _entries(*mask_arrays[:3])
     q_NKGQD, do_NKGQD = _q_blocks(static, q_HxTxD), _q_blocks(static, do_HxTxD)
     lse_NKGQ, delta_NKGQ = _q_rows(static, lse_HxT), _q_rows(static, delta_HxT)
     k_MKVD, v_MKVD = _kv_blocks(static, k_KxSxD), _kv_blocks(static, v_KxSxD)
     q_pos_NQ1 = jnp.arange(T, dtype=jnp.int32).reshape(-1, bq, 1)
 
     def step(dq, xs):
-        blocks_NC, live_NV, masked_NV = xs
-        kv_pos_N1V = _positions(blocks_NC, bkv)[:, None, :]
-        k_NKVD, v_NKVD = _gather_kv(k_MKVD, blocks_NC), _gather_kv(v_MKVD, blocks_NC)
-        s, d_mod = _scores(static, q_NKGQD, k_NKVD, q_pos_NQ1, kv_pos_N1V, live_NV[:, None], masked_NV[:, None],
+        blocks_N, live_N, masked_N = xs
+        kv_pos_N1V = _positions(blocks_N, bkv)[:, None, :]
+        k_NKVD, v_NKVD = k_MKVD[blocks_N], v_MKVD[blocks_N]
+        s, d_mod = _scores(static, q_NKGQD, k_NKVD, q_pos_NQ1, kv_pos_N1V, live_N, masked_N,
                            _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V), with_grad=True)
         p = jnp.exp(s - lse_NKGQ[..., None])
         ds = p * (jnp.einsum("nkgqd,nkvd->nkgqv", do_NKGQD, v_NKVD) - delta_NKGQ[..., None])
@@ -239,14 +214,14 @@ def _dq(static, q_HxTxD, k_KxSxD, v_KxSxD, do_HxTxD, lse_HxT, delta_HxT, mask_ar
             ds = ds * d_mod
         return dq + jnp.einsum("nkgqv,nkvd->nkgqd", ds, k_NKVD), None
 
-    dq, _ = lax.scan(step, jnp.zeros_like(q_NKGQD), (idx, live, masked))
+    dq, _ = lax.scan(step, jnp.zeros_like(q_NKGQD), xs)
     return (dq * static.scale).transpose(1, 2, 0, 3, 4).reshape(H, T, D)
 
 
 def _dkv(static, q_HxTxD, k_KxSxD, v_KxSxD, do_HxTxD, lse_HxT, delta_HxT, mask_arrays, doc_arrays):
     K, S, D = k_KxSxD.shape
     bq, bkv = static.block_q, static.block_kv
-    idx, live, masked = _chunks(static, *(mask_arrays[i] for i in (3, 5, 4)), bq)
+    xs = _entries(*mask_arrays[3:])
     q_MKGQD, do_MKGQD = _q_blocks(static, q_HxTxD), _q_blocks(static, do_HxTxD)
     lse_MKGQ, delta_MKGQ = _q_rows(static, lse_HxT), _q_rows(static, delta_HxT)
     k_NKVD, v_NKVD = _kv_blocks(static, k_KxSxD), _kv_blocks(static, v_KxSxD)
@@ -254,20 +229,20 @@ def _dkv(static, q_HxTxD, k_KxSxD, v_KxSxD, do_HxTxD, lse_HxT, delta_HxT, mask_a
 
     def step(carry, xs):
         dk, dv = carry
-        blocks_NC, live_NQ, masked_NQ = xs
-        q_pos_NQ1 = _positions(blocks_NC, bq)[:, :, None]
-        q_NKGQD, do_NKGQD = _gather_q(q_MKGQD, blocks_NC), _gather_q(do_MKGQD, blocks_NC)
-        s, d_mod = _scores(static, q_NKGQD, k_NKVD, q_pos_NQ1, kv_pos_N1V, live_NQ[:, :, None],
-                           masked_NQ[:, :, None], _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V), with_grad=True)
-        p = jnp.exp(s - _gather_q(lse_MKGQ, blocks_NC)[..., None])
+        blocks_N, live_N, masked_N = xs
+        q_pos_NQ1 = _positions(blocks_N, bq)[:, :, None]
+        q_NKGQD, do_NKGQD = q_MKGQD[blocks_N], do_MKGQD[blocks_N]
+        s, d_mod = _scores(static, q_NKGQD, k_NKVD, q_pos_NQ1, kv_pos_N1V, live_N, masked_N,
+                           _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V), with_grad=True)
+        p = jnp.exp(s - lse_MKGQ[blocks_N][..., None])
         dv = dv + jnp.einsum("nkgqv,nkgqd->nkvd", p, do_NKGQD)
-        ds = p * (jnp.einsum("nkgqd,nkvd->nkgqv", do_NKGQD, v_NKVD) - _gather_q(delta_MKGQ, blocks_NC)[..., None])
+        ds = p * (jnp.einsum("nkgqd,nkvd->nkgqv", do_NKGQD, v_NKVD) - delta_MKGQ[blocks_N][..., None])
         if d_mod is not None:
             ds = ds * d_mod
         return (dk + jnp.einsum("nkgqv,nkgqd->nkvd", ds, q_NKGQD), dv), None
 
     zeros = jnp.zeros_like(k_NKVD)
-    (dk, dv), _ = lax.scan(step, (zeros, zeros), (idx, live, masked))
+    (dk, dv), _ = lax.scan(step, (zeros, zeros), xs)
 
     def unblock(x_NKVD):
         return x_NKVD.transpose(1, 0, 2, 3).reshape(K, S, D)
