@@ -221,18 +221,3 @@ def _raise_empty_row(mask: Mask, seen: np.ndarray, q_offset: int):
     raise ValueError(f"query {q}{batch} attends to no key under mask {mask!r}; every query must see at least one "
                      f"key (its softmax would be undefined)")
 
-
-def check_attention_inputs(name: str, q, k, v, block_mask: BlockMask) -> None:
-    """The shape contract every block-sparse implementation shares; raises ValueError naming ``name``."""
-    B, Hq, T, D = q.shape
-    _, Hkv, S, _ = k.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"{name}: q {list(q.shape)} and k/v {list(k.shape)}/{list(v.shape)} shapes do not fit "
-                         f"[B, Hq, T, D] / [B, Hkv, S, D]")
-    if Hq % Hkv:
-        raise ValueError(f"{name}: kv heads {Hkv} must divide query heads {Hq}")
-    if (T, S) != (block_mask.q_len, block_mask.kv_len):
-        raise ValueError(f"{name}: q/kv lengths {(T, S)} do not match the block mask's "
-                         f"{(block_mask.q_len, block_mask.kv_len)}")
-    if len(block_mask.batch_shape) > 1 or block_mask.batch_shape not in ((), (1,), (B,)):
-        raise ValueError(f"{name}: block mask batch shape {block_mask.batch_shape} does not match batch size {B}")

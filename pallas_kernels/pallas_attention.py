@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .block_mask import BlockMask, check_attention_inputs
+from .block_mask import BlockMask
+from .kernel_inputs import check_attention_inputs, list_arrays, pad_axis, segment_arrays
 from .kernel_mask import bind_documents, split_documents
 from .masks import Mask, ScoreMod
 
@@ -56,8 +57,9 @@ def block_sparse_attention(q, k, v, block_mask: BlockMask, *, scale: float | Non
     lse [B, Hq, T] float32), equal to ``reference_attention(q, k, v, block_mask.mask, ...)``.
 
     Works under ``jax.shard_map`` on local shards; in interpret mode the shard_map needs ``check_vma=False`` (the
-    Pallas interpreter's slices do not track varying mesh axes in jax 0.10). ``interpret`` defaults to True on CPU. ``backend`` ("gpu", "tpu") picks the lowering; it defaults to the
-    default JAX backend, and setting it lets a CPU machine lower (export) the kernels for an accelerator.
+    Pallas interpreter's slices do not track varying mesh axes in jax 0.10). ``interpret`` defaults to True on
+    CPU. ``backend`` ("gpu", "tpu") picks the lowering; it defaults to the default JAX backend, and setting it lets
+    a CPU machine lower (export) the kernels for an accelerator.
     """
     check_attention_inputs("block_sparse_attention", q, k, v, block_mask)
     B, Hq, T, D = q.shape
@@ -71,37 +73,15 @@ def block_sparse_attention(q, k, v, block_mask: BlockMask, *, scale: float | Non
 
     bs = block_mask.block_sizes
     Tp, Sp = block_mask.padded_q_len, block_mask.padded_kv_len
-    doc_arrays, docs_batched = [], []
-    for d in docs:
-        q_ids, kv_ids = (jnp.atleast_2d(jnp.asarray(x, jnp.int32)) for x in (d.q_segment_ids, d.kv_segment_ids))
-        if q_ids.shape[0] not in (1, B) or q_ids.shape[-1] != T or kv_ids.shape[-1] != S:
-            raise ValueError(f"block_sparse_attention: document segment ids {list(q_ids.shape)} / "
-                             f"{list(kv_ids.shape)} do not fit batch {B}, q length {T}, kv length {S}")
-        doc_arrays += [_pad_axis(q_ids, 1, Tp)[:, :, None], _pad_axis(kv_ids, 1, Sp)[:, None, :]]
-        docs_batched.append(q_ids.shape[0] == B and B > 1)
-
-    def batched(a):
-        a = jnp.asarray(a)
-        return a if block_mask.batch_shape else a[None]
-
-    mask_arrays = [batched(a) for a in (block_mask.kv_block_indices, block_mask.kv_partial_counts,
-                                        block_mask.kv_block_counts, block_mask.q_block_indices,
-                                        block_mask.q_partial_counts, block_mask.q_block_counts)]
+    segments = segment_arrays("block_sparse_attention", docs, block_mask, B)
+    doc_arrays = [a for q_ids, kv_ids in segments for a in (q_ids[:, :, None], kv_ids[:, None, :])]
+    mask_arrays = list_arrays(block_mask)
     static = _Static(template, score_mod, 1.0 / math.sqrt(D) if scale is None else float(scale), bs.block_q,
-                     bs.block_kv, T, S, Hq // Hkv, mask_arrays[0].shape[0] == B and B > 1, tuple(docs_batched),
-                     backend)
-    qp, kp, vp = _pad_axis(q, 2, Tp), _pad_axis(k, 2, Sp), _pad_axis(v, 2, Sp)
-    out, lse = _attention(static, qp, kp, vp, tuple(mask_arrays), tuple(doc_arrays))
+                     bs.block_kv, T, S, Hq // Hkv, mask_arrays[0].shape[0] == B and B > 1,
+                     tuple(q_ids.shape[0] == B and B > 1 for q_ids, _ in segments), backend)
+    qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
+    out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
     return out[:, :, :T], lse[:, :, :T, 0]
-
-
-def _pad_axis(x, axis, size):
-    pad = size - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
 
 
 # ----------------------------------------------------------------------------- custom_vjp

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .block_mask import BlockMask, check_attention_inputs
+from .block_mask import BlockMask
+from .kernel_inputs import check_attention_inputs, list_arrays, pad_axis, segment_arrays
 from .kernel_mask import bind_documents, split_documents
 from .masks import Mask, ScoreMod
 
@@ -51,27 +52,15 @@ def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float |
     B, Hq, T, D = q.shape
     _, Hkv, S, _ = k.shape
     template, docs = split_documents(block_mask.mask)
-    Tp, Sp = block_mask.padded_q_len, block_mask.padded_kv_len
 
-    def per_batch(a, tail):
-        return jnp.broadcast_to(jnp.asarray(a), (B, *tail))
-
-    mask_arrays = tuple(per_batch(a, a.shape[-(a.ndim - len(block_mask.batch_shape)):]) for a in (
-        block_mask.kv_block_indices, block_mask.kv_partial_counts, block_mask.kv_block_counts,
-        block_mask.q_block_indices, block_mask.q_partial_counts, block_mask.q_block_counts))
-    doc_arrays = []
-    for d in docs:
-        for ids, n, n_pad in ((d.q_segment_ids, T, Tp), (d.kv_segment_ids, S, Sp)):
-            ids = jnp.atleast_2d(jnp.asarray(ids, jnp.int32))
-            if ids.shape[0] not in (1, B) or ids.shape[-1] != n:
-                raise ValueError(f"block_sparse_attention_xla: document segment ids {list(ids.shape)} do not fit "
-                                 f"batch {B} and length {n}")
-            doc_arrays.append(jnp.broadcast_to(jnp.pad(ids, ((0, 0), (0, n_pad - n))), (B, n_pad)))
+    mask_arrays = tuple(jnp.broadcast_to(a, (B, *a.shape[1:])) for a in list_arrays(block_mask))
+    doc_arrays = [jnp.broadcast_to(ids, (B, ids.shape[1]))
+                  for pair in segment_arrays("block_sparse_attention_xla", docs, block_mask, B) for ids in pair]
     bq, bkv = block_mask.block_sizes.block_q, block_mask.block_sizes.block_kv
     static = _Static(template, score_mod, 1.0 / math.sqrt(D) if scale is None else float(scale), bq, bkv, T, S,
                      Hq // Hkv)
-    qp = jnp.pad(q, ((0, 0), (0, 0), (0, Tp - T), (0, 0)))
-    kp, vp = (jnp.pad(x, ((0, 0), (0, 0), (0, Sp - S), (0, 0))) for x in (k, v))
+    qp = pad_axis(q, 2, block_mask.padded_q_len)
+    kp, vp = (pad_axis(x, 2, block_mask.padded_kv_len) for x in (k, v))
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
     return out[:, :, :T], lse[:, :, :T]
 
