@@ -99,10 +99,12 @@ def _open_data(cfg):
                          f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
     token_file.validate_ids(cfg.model.vocab_size)
     (train_lo, train_hi), (val_lo, val_hi) = split_train_val(token_file.num_tokens, d.val_fraction, d.seq_len)
-    eos_id = token_file.meta.get("eos_id")  # batches carry segment_ids for the "document" attention mask
-    if eos_id is None and uses_documents(parse_mask(cfg.model.attention_mask)):
-        raise ValueError(f"model.attention_mask {cfg.model.attention_mask!r} uses document(), but token file "
-                         f"{token_file.path} records no eos_id to find document boundaries")
+    eos_id = None  # given, batches carry segment_ids: only when the "document" attention mask needs them
+    if uses_documents(parse_mask(cfg.model.attention_mask)):
+        eos_id = token_file.meta.get("eos_id")
+        if eos_id is None:
+            raise ValueError(f"model.attention_mask {cfg.model.attention_mask!r} uses document(), but token file "
+                             f"{token_file.path} records no eos_id to find document boundaries")
     train_iter = SeededBatchIterator(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len, seed=cfg.seed,
                                      start=train_lo, stop=train_hi, eos_id=eos_id)
     eval_data = []

@@ -78,9 +78,6 @@ def uses_documents(mask: pk.Mask) -> bool:
 
 def _bind_segments(mask: pk.Mask, segment_ids_BT) -> pk.Mask:
     if isinstance(mask, DocumentSlot):
-        if segment_ids_BT is None:
-            raise ValueError("the attention mask uses document() but no segment ids were given (the batch needs "
-                             "'segment_ids')")
         return pk.document(segment_ids_BT)
     if isinstance(mask, (pk.masks.And, pk.masks.Or)):
         return type(mask)(tuple(_bind_segments(m, segment_ids_BT) for m in mask.masks))
@@ -112,8 +109,11 @@ def attention(
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
     template = parse_mask(mask) if isinstance(mask, str) else mask
-    if uses_documents(template) and segment_ids_BT is None:
-        _bind_segments(template, None)  # raises the clear error
+    if not uses_documents(template):
+        segment_ids_BT = None  # nothing reads them: don't carry them into the kernels' shard_map
+    elif segment_ids_BT is None:
+        raise ValueError("the attention mask uses document() but no segment ids were given (the batch needs "
+                         "'segment_ids')")
     scale = D**-0.5 if scale is None else scale
 
     if impl in BLOCK_SPARSE:
