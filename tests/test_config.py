@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import tiny_config
 from jaxlm import config as config_lib
-from jaxlm.config import ConfigError, DataConfig, ModelConfig, TrainConfig, apply_overrides, load_config, validate
+from jaxlm.config import ConfigError, ModelConfig, TrainConfig, apply_overrides, load_config, validate
 from sharding import DEFAULT_RULES, LayoutError, MeshLayout, build_mesh, load_layout, logical_spec
 from sharding.rules import check_rules
 

@@ -1,7 +1,6 @@
 """Tests for data/: token files, default corpus, prepare CLI, seeded iterator."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
