@@ -84,34 +84,51 @@ def _check_region(tokens, start: int, stop: int | None, seq_len: int, batch_size
     return start, stop, n
 
 
-def _check_processes(batch_size: int, process_index: int, process_count: int) -> int:
+def _check_processes(batch_size: int, process_index: int, process_count: int) -> tuple[int, int]:
+    """Rows [start, stop) of process p of P when processes split the batch into equal contiguous blocks."""
     if process_count < 1 or not 0 <= process_index < process_count:
         raise ValueError(f"need 0 <= process_index < process_count, got {process_index} and {process_count}")
     if batch_size % process_count:
         raise ValueError(f"global batch_size={batch_size} is not divisible by process_count={process_count}")
-    return batch_size // process_count
+    local = batch_size // process_count
+    return process_index * local, (process_index + 1) * local
+
+
+def _check_rows(batch_size: int, rows) -> tuple[int, int]:
+    start, stop = (int(r) for r in rows)
+    if not 0 <= start < stop <= batch_size:
+        raise ValueError(f"rows must be [start, stop) with 0 <= start < stop <= batch_size={batch_size}, "
+                         f"got [{start}, {stop})")
+    return start, stop
 
 
 class SeededBatchIterator:
     """Infinite shuffled batches over tokens[start:stop]; `batch_size` is global.
 
     Epoch e visits windows in `default_rng([seed, e]).permutation(num_windows)`,
-    B at a time, dropping the remainder. Process p of P returns rows
-    [p*B/P, (p+1)*B/P) of each global batch.
+    B at a time, dropping the remainder. Each call returns rows [start, stop) of
+    the global batch: `rows` (or `set_rows`, which a multi-process trainer calls
+    with the rows its devices hold), else process p of P gets [p*B/P, (p+1)*B/P).
+    Rows do not affect the state: every process keeps the same position.
     """
 
     def __init__(self, tokens, *, batch_size: int, seq_len: int, seed: int, start: int = 0,
-                 stop: int | None = None, process_index: int = 0, process_count: int = 1, eos_id: int | None = None):
+                 stop: int | None = None, process_index: int = 0, process_count: int = 1, eos_id: int | None = None,
+                 rows: tuple[int, int] | None = None):
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
         self.tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
         self.start, self.stop, self.num_windows = _check_region(self.tokens, start, stop, seq_len, batch_size)
-        self.local_batch_size = _check_processes(batch_size, process_index, process_count)
-        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
-        self.process_index, self.eos_id = process_index, eos_id
+        self.batch_size, self.seq_len, self.seed, self.eos_id = batch_size, seq_len, seed, eos_id
+        self.set_rows(*(rows if rows is not None else _check_processes(batch_size, process_index, process_count)))
         self.batches_per_epoch = self.num_windows // batch_size
         self.epoch = self.batch_in_epoch = 0
         self._perm_epoch, self._perm = -1, None
+
+    def set_rows(self, start: int, stop: int) -> None:
+        """Return rows [start, stop) of each global batch from now on."""
+        self.rows = _check_rows(self.batch_size, (start, stop))
+        self.local_batch_size = self.rows[1] - self.rows[0]
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
@@ -123,7 +140,7 @@ class SeededBatchIterator:
         return self
 
     def __next__(self) -> Batch:
-        first = self.batch_in_epoch * self.batch_size + self.process_index * self.local_batch_size
+        first = self.batch_in_epoch * self.batch_size + self.rows[0]
         window_ids_B = self._permutation(self.epoch)[first:first + self.local_batch_size]
         batch = _gather(self.tokens, window_ids_B, self.start, self.seq_len, self.eos_id)
         self.batch_in_epoch += 1
@@ -148,15 +165,16 @@ class SeededBatchIterator:
 
 
 def eval_batches(tokens, *, batch_size: int, seq_len: int, start: int, stop: int, max_batches: int,
-                 process_index: int = 0, process_count: int = 1, eos_id: int | None = None) -> list[Batch]:
-    """Sequential, unshuffled batches from tokens[start:stop]: the same every eval."""
+                 process_index: int = 0, process_count: int = 1, eos_id: int | None = None,
+                 rows: tuple[int, int] | None = None) -> list[Batch]:
+    """Sequential, unshuffled batches from tokens[start:stop]: the same every eval. Rows as in SeededBatchIterator."""
     tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     start, stop, n = _check_region(tokens, start, stop, seq_len, batch_size)
-    local = _check_processes(batch_size, process_index, process_count)
+    lo, hi = _check_rows(batch_size, rows) if rows is not None else _check_processes(batch_size, process_index,
+                                                                                     process_count)
     if max_batches < 1:
         raise ValueError(f"max_batches must be >= 1, got {max_batches}")
     batches = []
     for b in range(min(max_batches, n // batch_size)):
-        first = b * batch_size + process_index * local
-        batches.append(_gather(tokens, np.arange(first, first + local), start, seq_len, eos_id))
+        batches.append(_gather(tokens, np.arange(b * batch_size + lo, b * batch_size + hi), start, seq_len, eos_id))
     return batches

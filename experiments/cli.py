@@ -2,6 +2,7 @@
 
     --workdir DIR --steps N --seed S --mesh PATH.py --config PATH.py --log-every K --checkpoint-every K
     --set dotted.key=value (repeatable) [--cpu-devices N] [--no-progress]
+    [--coordinator HOST:PORT --num-processes N --process-id I]   (multi-process; see sharding.launch)
 
 Everything a user can get wrong (flags, config, layout, data) is checked before JAX compiles anything; a problem
 exits with status 2 and one line naming it.
@@ -39,6 +40,11 @@ def build_parser(prog: str, default_workdir: str) -> argparse.ArgumentParser:
     p.add_argument("--cpu-devices", type=int, default=0,
                    help="simulate N CPU devices (set before JAX starts); 0 keeps JAX's default")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    mp = p.add_argument_group("multi-process (default: $JAXLM_COORDINATOR etc. as set by sharding.launch, else a "
+                              "SLURM / Open MPI / Cloud TPU cluster if detected, else one process)")
+    mp.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
+    mp.add_argument("--num-processes", type=int, metavar="N", help="number of processes in the run")
+    mp.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
     return p
 
 
@@ -66,6 +72,9 @@ def _prepare(args, default_config: Path):
 
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    from sharding.distributed import initialize
+
+    initialize(args.coordinator, args.num_processes, args.process_id)  # before anything queries devices
 
     from jaxlm import config as config_lib
     from sharding import MeshLayout, load_layout
@@ -118,17 +127,18 @@ def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
     from jaxlm.config import ConfigError
     from jaxlm.train import Trainer
     from sharding import LayoutError, build_mesh
+    from sharding.distributed import DistributedError
 
     try:  # builds shardings from the layout's rules (no compilation yet): a clash or an indivisible dim fails here
-        trainer = Trainer(cfg, build_mesh(layout), args.workdir, train_iter, eval_data, rules=layout.rules,
+        trainer = Trainer(cfg, build_mesh(layout), args.workdir, train_iter, eval_data, layout=layout,
                           progress=not args.no_progress)
-    except LayoutError as e:
+    except (LayoutError, DistributedError) as e:  # e.g. a process whose devices hold non-contiguous batch rows
         return _fail(prog, str(e))
     try:
         final = trainer.run()
     except ConfigError as e:  # e.g. resuming a workdir written with another model config
         return _fail(prog, str(e))
-    if final:
+    if final and trainer.primary:
         summary = ", ".join(f"{k} {v:.4g}" for k, v in final.items() if k != "step")
         print(f"{prog}: step {final['step']}: {summary}; outputs in {args.workdir}", file=sys.stderr)
     return 0

@@ -61,6 +61,19 @@ class MetricsLogger:
             plot_loss(records, self.workdir / PLOT_FILE)
 
 
+class NullLogger:
+    """What processes other than 0 log to in a multi-process run: one process writes the files and the bar."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def info(self, message: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.exists():

@@ -16,10 +16,11 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.attention import attention
-from pallas_kernels import BlockSizes, soft_cap
 from jaxlm.config import ModelConfig
+from pallas_kernels import BlockSizes, soft_cap
+from sharding.rules import LOGICAL_AXES_KEY as LOGICAL_AXES, constrain
 
-LOGICAL_AXES = "logical_axes"  # metadata key read by sharding.rules
+ACTIVATION_AXES = ("batch", "seq", "act_embed")  # x_BTD at every layer boundary
 
 # What the backward pass may keep from each layer's forward; everything else is recomputed. "dots_no_batch" keeps
 # the projection outputs but recomputes attention scores and elementwise ops: less memory, and on CPU no slower
@@ -43,9 +44,13 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        x = x_BTD.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...]).astype(x_BTD.dtype)
+        return rms_norm(x_BTD, self.scale[...], self.eps)
+
+
+def rms_norm(x_BTD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+    x = x_BTD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (x * scale_D).astype(x_BTD.dtype)
 
 
 def rotary_tables(positions_BT: jax.Array | None, seq_len: int, head_dim: int, theta: float):
@@ -139,34 +144,60 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BT: jax.Array, *, segment_ids_BT=None, positions_BT=None) -> jax.Array:
         """Returns float32 logits [B, T, V]."""
-        cfg = self.cfg
-        dtype = jnp.dtype(cfg.dtype)
-        B, T = tokens_BT.shape
-        sin, cos = rotary_tables(positions_BT, T, cfg.resolved_head_dim, cfg.rope_theta)
-        x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype)
-        x_BTD = self._run_blocks(x_BTD, sin, cos, segment_ids_BT)
-        x_BTD = self.final_norm(x_BTD)
-        head_DV = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        return jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32)
-
-    def _run_blocks(self, x_BTD, sin, cos, segment_ids_BT):
+        x_BTD = self.embed_tokens(tokens_BT)
         graphdef, stacked = nnx.split(self.blocks)
+        x_BTD = apply_layers(self.cfg, graphdef, stacked, x_BTD, segment_ids_BT, positions_BT)
+        return self.logits(x_BTD)
 
-        def layer(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, sin, cos, segment_ids_BT), None
+    # The three pieces below are what a pipeline schedule needs separately: the embedding before the first stage,
+    # the layers (split over stages by `apply_layers`), the head after the last one.
 
-        if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, prevent_cse=False, policy=REMAT_POLICIES[self.cfg.remat])
-        if self.cfg.scan_layers:
-            x_BTD, _ = jax.lax.scan(layer, x_BTD, stacked, unroll=self.cfg.scan_unroll)
-            return x_BTD
-        # Unrolled: split the stacked params once (its gradient is one concatenate, where per-layer indexing would
-        # pad every layer's gradient to the full stack and add them up).
-        leaves, treedef = jax.tree.flatten(stacked)
-        split_leaves = [jnp.split(leaf, self.cfg.num_layers) for leaf in leaves]
-        for i in range(self.cfg.num_layers):
-            x_BTD, _ = layer(x_BTD, treedef.unflatten([parts[i].squeeze(0) for parts in split_leaves]))
+    def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
+        # The lookup reads a whole (all-gathered) table, so it splits like the token ids, over the batch; from a
+        # table sharded over vocab and embed XLA can only replicate the gather's result.
+        table_VD = constrain(self.embed[...], (None, None))
+        x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        return constrain(x_BTD, ACTIVATION_AXES)
+
+    def head_params(self) -> dict[str, jax.Array]:
+        """The arrays `head_logits` reads: final norm scale and the [D, V] output projection (tied: embed.T)."""
+        return {"norm_scale": self.final_norm.scale[...],
+                "head_DV": self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]}
+
+    def logits(self, x_BTD: jax.Array) -> jax.Array:
+        return head_logits(self.cfg, self.head_params(), x_BTD)
+
+
+def head_logits(cfg: ModelConfig, head: dict[str, jax.Array], x_BTD: jax.Array) -> jax.Array:
+    """Final RMSNorm and the vocabulary projection: float32 logits [B, T, V]."""
+    x_BTD = rms_norm(x_BTD, head["norm_scale"], cfg.norm_eps)
+    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head["head_DV"].astype(x_BTD.dtype),
+                            preferred_element_type=jnp.float32)
+    return constrain(logits_BTV, ("batch", "seq", "vocab"))
+
+
+def apply_layers(cfg: ModelConfig, graphdef: nnx.GraphDef, stacked: nnx.State, x_BTD: jax.Array,
+                 segment_ids_BT=None, positions_BT=None) -> jax.Array:
+    """Runs the layers whose params are stacked along a leading axis (all of them, or one pipeline stage's)."""
+    sin, cos = rotary_tables(positions_BT, x_BTD.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
+
+    def layer(x, layer_state):
+        x = nnx.merge(graphdef, layer_state)(x, sin, cos, segment_ids_BT)
+        return constrain(x, ACTIVATION_AXES), None
+
+    if cfg.remat != "none":
+        layer = jax.checkpoint(layer, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
+    if cfg.scan_layers:
+        x_BTD, _ = jax.lax.scan(layer, x_BTD, stacked, unroll=cfg.scan_unroll)
         return x_BTD
+    # Unrolled: split the stacked params once (its gradient is one concatenate, where per-layer indexing would
+    # pad every layer's gradient to the full stack and add them up).
+    leaves, treedef = jax.tree.flatten(stacked)
+    num_layers = leaves[0].shape[0]
+    split_leaves = [jnp.split(leaf, num_layers) for leaf in leaves]
+    for i in range(num_layers):
+        x_BTD, _ = layer(x_BTD, treedef.unflatten([parts[i].squeeze(0) for parts in split_leaves]))
+    return x_BTD
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:

@@ -22,9 +22,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxlm import config as config_lib
 from jaxlm.checkpoint import Checkpointer
 from jaxlm.config import OptimConfig, TrainConfig
-from jaxlm.metrics import MetricsLogger
-from jaxlm.model import LOGICAL_AXES, Transformer, model_flops_per_token
-from sharding.rules import batch_sharding, tree_shardings
+from jaxlm.metrics import MetricsLogger, NullLogger
+from jaxlm.model import LOGICAL_AXES, Transformer, apply_layers, head_logits, model_flops_per_token
+from sharding.distributed import process_rows, put_process_rows
+from sharding.mesh import MESH_AXES, MeshLayout
+from sharding.pipeline import bubble_fraction, pipeline_loss, split_stages
+from sharding.rules import batch_sharding, tree_shardings, use_rules
 
 Batch = dict[str, Any]  # "inputs" [B, T] int32, "targets" [B, T] int32, "loss_mask" [B, T] float32
 
@@ -77,13 +80,44 @@ def make_optimizer(ocfg: OptimConfig, total_steps: int) -> tuple[optax.GradientT
 # ----------------------------------------------------------------------------- loss and steps
 
 
-def loss_sums(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """(sum of masked next-token cross-entropies, number of unmasked tokens): sums, so microbatches add up exactly."""
+def loss_sums(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch,
+              layout: MeshLayout | None = None) -> tuple[jax.Array, jax.Array]:
+    """(sum of masked next-token cross-entropies, number of unmasked tokens): sums, so microbatches add up exactly.
+
+    With a layout of more than one pipeline stage, the layers run pipelined (`sharding.pipeline`)."""
     model = nnx.merge(graphdef, params)
+    if layout is not None and layout.pipeline > 1:
+        return _pipelined_loss_sums(model, batch, layout)
     logits_BTV = model(batch["inputs"], segment_ids_BT=batch.get("segment_ids"))
-    losses_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
-    mask_BT = batch["loss_mask"].astype(jnp.float32)
+    return cross_entropy_sums(logits_BTV, batch["targets"], batch["loss_mask"])
+
+
+def cross_entropy_sums(logits_BTV, targets_BT, loss_mask_BT) -> tuple[jax.Array, jax.Array]:
+    """The target's logit is picked with a one-hot product, not a gather: with the vocabulary split over `tensor`
+    that is a local product and a sum (vocab-parallel cross-entropy), and XLA's partitioner cannot split a gather
+    inside the pipeline's shard_map."""
+    target_logit_BT = jnp.sum(logits_BTV * jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype),
+                              axis=-1)
+    losses_BT = jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
+    mask_BT = loss_mask_BT.astype(jnp.float32)
     return jnp.sum(losses_BT * mask_BT), jnp.sum(mask_BT)
+
+
+def _pipelined_loss_sums(model: Transformer, batch: Batch, layout: MeshLayout) -> tuple[jax.Array, jax.Array]:
+    """Embedding before the pipeline, the layers split over stages, the head and loss at the last stage."""
+    cfg, stages = model.cfg, layout.pipeline
+    block_graphdef, stacked = nnx.split(model.blocks)
+    micro = split_microbatches({**batch, "x": model.embed_tokens(batch["inputs"])}, layout.num_microbatches)
+
+    def stage_fn(stage_layers, x_BTD, segment_ids_BT):
+        return apply_layers(cfg, block_graphdef, stage_layers, x_BTD, segment_ids_BT)
+
+    def head_fn(head, y_BTD, side):
+        return cross_entropy_sums(head_logits(cfg, head, y_BTD), side["targets"], side["loss_mask"])
+
+    return pipeline_loss(layout.pipeline_schedule, stage_fn, head_fn, split_stages(stacked, stages),
+                         model.head_params(), micro["x"], micro.get("segment_ids"),
+                         {"targets": micro["targets"], "loss_mask": micro["loss_mask"]}, stages=stages)
 
 
 def split_microbatches(batch: Batch, k: int) -> Batch:
@@ -91,14 +125,15 @@ def split_microbatches(batch: Batch, k: int) -> Batch:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, microbatches: int):
+def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, microbatches: int,
+               layout: MeshLayout | None = None):
     grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
     if microbatches == 1:
-        (loss_sum, count), grads = grad_fn(state.params, graphdef, batch)
+        (loss_sum, count), grads = grad_fn(state.params, graphdef, batch, layout)
     else:
         def accumulate(carry, microbatch):
             g_acc, l_acc, n_acc = carry
-            (l, n), g = grad_fn(state.params, graphdef, microbatch)
+            (l, n), g = grad_fn(state.params, graphdef, microbatch, layout)
             return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, n_acc + n), None
 
         zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(()))
@@ -111,8 +146,8 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, micro
     return TrainState(state.step + 1, params, opt_state), metrics
 
 
-def eval_step(params: nnx.State, batch: Batch, *, graphdef) -> tuple[jax.Array, jax.Array]:
-    return loss_sums(params, graphdef, batch)
+def eval_step(params: nnx.State, batch: Batch, *, graphdef, layout: MeshLayout | None = None):
+    return loss_sums(params, graphdef, batch, layout)
 
 
 # ----------------------------------------------------------------------------- the compiled program
@@ -121,8 +156,11 @@ def eval_step(params: nnx.State, batch: Batch, *, graphdef) -> tuple[jax.Array, 
 class Program:
     """Model graph, optimizer, shardings and the jitted init / train / eval functions for one config and mesh."""
 
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, rules: dict | None = None):
-        self.cfg, self.mesh = cfg, mesh
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None):
+        """`layout` supplies the logical-axis rules and the pipeline schedule; None: defaults for the mesh's shape."""
+        layout = layout or MeshLayout(**{axis: mesh.shape.get(axis, 1) for axis in MESH_AXES})
+        rules = layout.rules
+        self.cfg, self.mesh, self.layout = cfg, mesh, layout
         self.tx, self.schedule = make_optimizer(cfg.optim, cfg.steps)
         abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
         self.graphdef, _ = nnx.split(abstract_model)
@@ -133,24 +171,34 @@ class Program:
         self.init = jax.jit(self._init, out_shardings=self.state_shardings)
         self.train_step = jax.jit(
             self._in_mesh(lambda state, batch: train_step(state, batch, graphdef=self.graphdef, tx=self.tx,
-                                                          schedule=self.schedule, microbatches=cfg.data.microbatches)),
+                                                          schedule=self.schedule, microbatches=cfg.data.microbatches,
+                                                          layout=layout)),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,
         )
         self.eval_step = jax.jit(
-            self._in_mesh(lambda params, batch: eval_step(params, batch, graphdef=self.graphdef)),
+            self._in_mesh(lambda params, batch: eval_step(params, batch, graphdef=self.graphdef, layout=layout)),
             in_shardings=(self.state_shardings.params, self.batch_sharding),
             out_shardings=replicated,
         )
 
+    def loss_and_grads(self, params, batch: Batch):
+        """((loss sum, count), grads) of one batch, compiled for this layout: what equivalence tests compare."""
+        if not hasattr(self, "_loss_and_grads"):
+            fn = jax.value_and_grad(lambda p, b: loss_sums(p, self.graphdef, b, self.layout), has_aux=True)
+            self._loss_and_grads = jax.jit(self._in_mesh(fn), in_shardings=(self.state_shardings.params,
+                                                                             self.batch_sharding))
+        return self._loss_and_grads(params, batch)
+
     def _in_mesh(self, fn):
-        """Trace ``fn`` with the mesh in context, so code that must split work per device (attention kernels under
-        shard_map) sees the mesh axes."""
-        abstract_mesh = self.mesh.abstract_mesh
+        """Trace ``fn`` with the mesh and the layout's rules in context, so code that must split work per device
+        (attention kernels and pipeline stages under shard_map) sees the mesh axes, and activation constraints
+        (`sharding.rules.constrain`) the rules."""
+        abstract_mesh, rules = self.mesh.abstract_mesh, self.layout.rules
 
         def traced(*args):
-            with jax.sharding.use_abstract_mesh(abstract_mesh):
+            with jax.sharding.use_abstract_mesh(abstract_mesh), use_rules(rules):
                 return fn(*args)
 
         return traced
@@ -165,7 +213,12 @@ class Program:
         return sum(x.size for x in jax.tree.leaves(self.abstract_state.params))
 
     def device_batch(self, batch: Batch) -> Batch:
-        return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in batch.items()}
+        """Host batch -> global arrays under `batch_sharding`. With several processes each passes only the rows its
+        devices hold (`sharding.distributed.process_rows`; a whole global batch is also accepted)."""
+        if jax.process_count() == 1:
+            return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in batch.items()}
+        return {k: put_process_rows(np.asarray(v), self.batch_sharding, self.cfg.data.batch_size)
+                for k, v in batch.items()}
 
     def abstract_with_shardings(self):
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -179,13 +232,27 @@ class Trainer:
     """Runs `cfg.steps` optimizer steps, resuming from the workdir's latest checkpoint if there is one."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, workdir, train_iter: Iterator[Batch], eval_batches: list[Batch],
-                 *, rules: dict | None = None, progress: bool = True):
+                 *, layout: MeshLayout | None = None, progress: bool = True):
         self.cfg, self.workdir = cfg, workdir
         self.train_iter, self.eval_batches = train_iter, eval_batches
-        self.program = Program(cfg, mesh, rules)
+        self.program = Program(cfg, mesh, layout)
+        self.primary = jax.process_index() == 0  # the one process that writes logs, plots and config.json
+        if jax.process_count() > 1:
+            self._read_process_rows()
         self.checkpointer = Checkpointer(f"{workdir}/checkpoints", keep=cfg.keep_checkpoints,
                                          async_save=cfg.async_checkpointing)
         self.progress = progress
+
+    def _read_process_rows(self) -> None:
+        """Multi-process: each process reads only the batch rows its devices hold under the batch sharding."""
+        d = self.cfg.data
+        lo, hi = process_rows(self.program.batch_sharding, (d.batch_size, d.seq_len))
+        if not hasattr(self.train_iter, "set_rows"):
+            raise TypeError(f"a multi-process run needs a data iterator with set_rows(start, stop) to read rows "
+                            f"[{lo}, {hi}) of each batch; {type(self.train_iter).__name__} has none")
+        self.train_iter.set_rows(lo, hi)
+        self.eval_batches = [{k: v[lo:hi] if len(v) == d.batch_size else v for k, v in b.items()}
+                             for b in self.eval_batches]
 
     def restore_or_init(self) -> TrainState:
         latest = self.checkpointer.latest_step()
@@ -210,14 +277,21 @@ class Trainer:
         except BaseException:
             self.checkpointer.close()  # an unclosed manager leaves Orbax threads erroring at exit
             raise
-        start = int(state.step)
-        (Path(self.workdir) / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
+        start = int(jax.device_get(state.step))  # replicated: every process reads its local copy
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         flops_per_token = model_flops_per_token(cfg.model, program.num_params, cfg.data.seq_len)
-        logger = MetricsLogger(self.workdir, total_steps=cfg.steps, start_step=start, progress=self.progress,
-                               tensorboard=cfg.tensorboard)
+        if self.primary:
+            (Path(self.workdir) / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
+            logger = MetricsLogger(self.workdir, total_steps=cfg.steps, start_step=start, progress=self.progress,
+                                   tensorboard=cfg.tensorboard)
+        else:
+            logger = NullLogger()
         logger.info(f"params {program.num_params / 1e6:.2f}M, {flops_per_token / 1e6:.1f} MFLOP/token, "
                     f"{'resuming at step ' + str(start) if start else 'starting from scratch'}")
+        layout = program.layout
+        if layout.pipeline > 1:
+            logger.info(f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}, {layout.num_microbatches} "
+                        f"microbatches per step: bubble {bubble_fraction(layout.pipeline, layout.num_microbatches):.1%}")
         last = {}
         try:
             if start >= cfg.steps:
@@ -236,7 +310,7 @@ class Trainer:
                 if step < cfg.steps:
                     batch = program.device_batch(next(self.train_iter))  # overlaps with the running step
                 if step % cfg.log_every == 0 or is_last or step == start + 1:
-                    metrics = jax.device_get(metrics)
+                    metrics = jax.device_get(metrics)  # replicated outputs: a local copy, also across processes
                     now = time.perf_counter()
                     tokens_per_s = steps_since * tokens_per_step / (now - t_last)
                     last = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
@@ -251,7 +325,7 @@ class Trainer:
                     logger.log({"step": step, "eval_loss": eval_loss})
                     last["eval_loss"] = eval_loss
                     t_last = time.perf_counter()  # eval time is not training throughput
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last:
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last:  # every process saves
                     self.checkpointer.save(step, state, data_state, config_lib.to_dict(cfg))
                     t_last = time.perf_counter()  # nor is the blocking part of a checkpoint save
             return last

@@ -17,7 +17,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 MESH_AXES = ("replica", "data", "fsdp", "pipeline", "tensor")  # outermost (slowest links) first
-SUPPORTED_AXES = ("data", "fsdp", "tensor")  # pipeline and replica arrive with the sharding and DiLoCo issues
+SUPPORTED_AXES = ("data", "fsdp", "pipeline", "tensor")  # replica arrives with DiLoCo
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
 class LayoutError(ValueError):
@@ -32,6 +33,15 @@ class MeshLayout:
     pipeline: int = 1
     replica: int = 1
     rules: dict = field(default_factory=dict)  # logical axis -> mesh axis (or tuple, or None); overrides DEFAULT_RULES
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b (sharding.pipeline); used when pipeline > 1
+    pipeline_microbatches: int = 0  # microbatches per pipelined step; 0 -> 2 * pipeline
+
+    @property
+    def num_microbatches(self) -> int:
+        """Pipeline microbatches per (accumulation) microbatch: 1 without pipelining."""
+        if self.pipeline == 1:
+            return 1
+        return self.pipeline_microbatches or 2 * self.pipeline
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -45,6 +55,12 @@ class MeshLayout:
             if axis not in SUPPORTED_AXES and getattr(self, axis) != 1:
                 raise LayoutError(f"mesh axis '{axis}' = {getattr(self, axis)} is not supported yet (use 1); "
                                   f"supported axes: {', '.join(SUPPORTED_AXES)}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise LayoutError(f"pipeline_schedule {self.pipeline_schedule!r} is unknown; choose one of "
+                              f"{', '.join(PIPELINE_SCHEDULES)}")
+        m = self.pipeline_microbatches
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise LayoutError(f"pipeline_microbatches must be an int >= 0 (0: twice the stages), got {m!r}")
         product = math.prod(self.axis_sizes.values())
         if product != num_devices:
             sizes = " x ".join(f"{a}={s}" for a, s in self.axis_sizes.items() if s != 1) or "all axes 1"
@@ -58,9 +74,14 @@ class MeshLayout:
                            mlp_dim: int, num_layers: int) -> None:
         """Model and batch dimensions must split evenly over the mesh axes they are sharded on."""
         batch_shards = self.data * self.fsdp
-        if (batch_size // microbatches) % batch_shards:
-            raise LayoutError(f"microbatch size {batch_size // microbatches} (batch {batch_size} / {microbatches} "
-                              f"microbatches) is not divisible by data x fsdp = {batch_shards}")
+        splits = microbatches * self.num_microbatches
+        if batch_size % splits:
+            raise LayoutError(f"batch {batch_size} does not split into {microbatches} accumulation x "
+                              f"{self.num_microbatches} pipeline microbatches")
+        if (batch_size // splits) % batch_shards:
+            raise LayoutError(f"microbatch size {batch_size // splits} (batch {batch_size} / {microbatches} "
+                              f"accumulation x {self.num_microbatches} pipeline microbatches) is not divisible by "
+                              f"data x fsdp = {batch_shards}")
         for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("mlp_dim", mlp_dim)):
             if size % self.tensor:
                 raise LayoutError(f"model.{name} = {size} is not divisible by mesh axis 'tensor' = {self.tensor}")

@@ -1,12 +1,18 @@
 """Logical axis names (on params and activations) -> mesh axes.
 
 The model tags arrays with names like ("embed", "mlp"); a rules table maps each name to a mesh axis, a tuple of
-mesh axes, or None (replicated). Defaults: FSDP shards `embed` over `fsdp`; tensor parallelism splits heads / mlp /
-vocab over `tensor`; the batch is split over data x fsdp.
+mesh axes, or None (replicated). Defaults: FSDP shards `embed` over `fsdp` (XLA all-gathers each layer's params
+where they are used and reduce-scatters their gradients); tensor parallelism splits heads / mlp / vocab over
+`tensor` (Megatron: QKV and MLP-in by column, attention-out and MLP-out by row); the batch is split over
+data x fsdp; the stacked `layers` axis over `pipeline` (one contiguous block of layers per stage).
+
+Activations are tagged too (`constrain`), with the rules the running program was built with (`use_rules`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -25,9 +31,42 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "head_dim": None,
-    "layers": None,
+    "layers": "pipeline",
     "seq": None,
+    "act_embed": None,  # the model dimension of activations: replicated (no sequence parallelism)
 }
+
+_ACTIVE_RULES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxlm_sharding_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: dict | None):
+    """Rules that `constrain` applies while a program is traced (a layout file's overrides)."""
+    token = _ACTIVE_RULES.set(rules or {})
+    try:
+        yield
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    """Pins an activation's sharding by logical names, e.g. ("batch", "seq", "act_embed") at layer boundaries.
+
+    A no-op outside a mesh context, so the model also runs unsharded. Mesh axes that are manual here (inside a
+    shard_map, e.g. pipeline stages) or of size 1 are left out of the constraint.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = logical_spec(axes, _ACTIVE_RULES.get())
+    auto = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual
+            and mesh.shape[a] > 1}
+
+    def keep(target):
+        kept = tuple(a for a in (target if isinstance(target, tuple) else (target,)) if a in auto)
+        return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*(keep(t) for t in spec))))
 
 
 def check_rules(rules: dict) -> None:

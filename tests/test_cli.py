@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -175,3 +176,25 @@ def test_training_with_sliding_window_and_document_masks(tmp_path, impl):
     assert np.mean(losses[-3:]) < losses[0] - 0.5
     saved = json.loads((workdir / "config.json").read_text())
     assert saved["model"]["attention_mask"] == "causal & sliding_window(48) & document"
+
+
+def test_pipeline_layout_end_to_end_and_resume_under_another_layout(tmp_path):
+    """Train with the FSDP x TP x PP layout file, lose the last checkpoint, resume under DP x FSDP x TP: the resumed
+    step's loss equals the one the pipelined run computed."""
+    meshes = REPO / "experiments" / "meshes"
+    workdir = tmp_path / "run"
+    common = ["--workdir", workdir, "--cpu-devices", 8, "--log-every", 1, "--checkpoint-every", 2, *TINY,
+              "--set", "data.seq_len=64", "--set", "data.microbatches=1", "--no-progress"]
+    proc, _ = tiny_lm("--steps", 3, "--mesh", meshes / "fsdp2_tp2_pp2.py", *common)
+    assert proc.returncode == 0, proc.stderr
+    assert "pipeline: 2 stages, 1f1b, 4 microbatches per step: bubble 20.0%" in proc.stderr
+    pipelined = loss_records(workdir)
+    assert [r["step"] for r in pipelined] == [1, 2, 3] and pipelined[2]["loss"] < pipelined[0]["loss"]
+
+    shutil.rmtree(workdir / "checkpoints" / "3")  # as if the run had died after step 2's checkpoint
+    proc, _ = tiny_lm("--steps", 3, "--mesh", meshes / "dp2_fsdp2_tp2.py", *common)
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming at step 2" in proc.stderr
+    resumed = loss_records(workdir)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    np.testing.assert_allclose(resumed[2]["loss"], pipelined[2]["loss"], rtol=1e-5)

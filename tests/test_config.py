@@ -182,6 +182,13 @@ def test_shipped_layout_files():
     root = REPO / "experiments" / "meshes"
     assert load_layout(root / "data_parallel.py", 8) == MeshLayout(data=8)
     assert load_layout(root / "fsdp.py", 4) == MeshLayout(fsdp=4)
+    assert load_layout(root / "single_device.py", 1) == MeshLayout()
+    assert load_layout(root / "fsdp8.py", 8) == MeshLayout(fsdp=8)
+    assert load_layout(root / "dp2_fsdp2_tp2.py", 8) == MeshLayout(data=2, fsdp=2, tensor=2)
+    pp = load_layout(root / "fsdp2_tp2_pp2.py", 8)
+    assert (pp.fsdp, pp.tensor, pp.pipeline, pp.pipeline_schedule, pp.num_microbatches) == (2, 2, 2, "1f1b", 4)
+    pp = load_layout(root / "dp4_pp2.py", 8)
+    assert (pp.data, pp.pipeline, pp.pipeline_schedule, pp.num_microbatches) == (4, 2, "gpipe", 4)
 
 
 def test_layout_product_mismatch_names_the_numbers(tmp_path):
@@ -193,7 +200,11 @@ def test_layout_product_mismatch_names_the_numbers(tmp_path):
 
 @pytest.mark.parametrize("source, message", [
     ("layout = {'data': 8, 'model': 1}\n", r"unknown mesh axis 'model'; known axes: replica, data, fsdp"),
-    ("from sharding import MeshLayout\nlayout = MeshLayout(data=4, pipeline=2)\n", r"mesh axis 'pipeline' = 2 is not supported"),
+    ("from sharding import MeshLayout\nlayout = MeshLayout(data=4, replica=2)\n", r"mesh axis 'replica' = 2 is not supported"),
+    ("from sharding import MeshLayout\nlayout = MeshLayout(data=4, pipeline=2, pipeline_schedule='zb')\n",
+     r"pipeline_schedule 'zb' is unknown; choose one of gpipe, 1f1b"),
+    ("from sharding import MeshLayout\nlayout = MeshLayout(data=4, pipeline=2, pipeline_microbatches=-1)\n",
+     r"pipeline_microbatches must be an int >= 0"),
     ("layout = {'data': 0}\n", r"mesh axis 'data' must be a positive int, got 0"),
     ("layout = [8]\n", r"`layout` is a list, expected MeshLayout or dict"),
     ("x = 1\n", r"must define `layout`"),
@@ -219,6 +230,15 @@ def test_check_divisibility():
         layout.check_divisibility(**{**ok, "microbatches": 4})
     with pytest.raises(LayoutError, match=r"model.num_kv_heads = 1 is not divisible by mesh axis 'tensor' = 2"):
         layout.check_divisibility(**{**ok, "num_kv_heads": 1})
+    piped = MeshLayout(data=2, pipeline=2, pipeline_microbatches=4)
+    with pytest.raises(LayoutError, match=r"model.num_layers = 3 is not divisible by mesh axis 'pipeline' = 2"):
+        piped.check_divisibility(**{**ok, "num_layers": 3, "microbatches": 1})
+    with pytest.raises(LayoutError, match=r"batch 12 does not split into 2 accumulation x 4 pipeline microbatches"):
+        piped.check_divisibility(**{**ok, "batch_size": 12})
+    with pytest.raises(LayoutError, match=r"microbatch size 1 .* 4 pipeline microbatches\) is not divisible by data x "
+                                          r"fsdp = 2"):
+        piped.check_divisibility(**{**ok, "batch_size": 4, "microbatches": 1})
+    assert MeshLayout(pipeline=4).num_microbatches == 8 and MeshLayout(data=8).num_microbatches == 1
 
 
 def test_indivisible_param_dimension_is_a_layout_error():
@@ -234,7 +254,8 @@ def test_indivisible_param_dimension_is_a_layout_error():
 
 
 def test_logical_spec_defaults_and_overrides():
-    assert logical_spec(("layers", "embed", "kv_heads", None, "head_dim")) == P(None, "fsdp", "tensor", None, None)
+    assert logical_spec(("layers", "embed", "kv_heads", None, "head_dim")) == P("pipeline", "fsdp", "tensor", None,
+                                                                               None)
     assert logical_spec(("batch", "seq")) == P(("data", "fsdp"), None)
     assert logical_spec(("vocab", "embed"), {"vocab": None, "embed": ("fsdp", "tensor")}) == P(None, ("fsdp", "tensor"))
     assert logical_spec(("unknown_name",)) == P(None)

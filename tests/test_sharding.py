@@ -1,0 +1,87 @@
+"""Every shipped mesh layout computes the single-device loss and gradients, with params placed as the rules say."""
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from helpers import one_device_mesh, random_batch, tiny_config
+from jaxlm.train import Program
+from sharding import MeshLayout, build_mesh, load_layout
+from sharding.rules import LOGICAL_AXES_KEY, logical_spec
+
+MESHES = Path(__file__).resolve().parents[1] / "experiments" / "meshes"
+SHIPPED = ["fsdp8", "dp2_fsdp2_tp2", "fsdp2_tp2_pp2", "dp4_pp2"]  # single_device.py is the reference itself
+CFG = tiny_config(model=dict(num_layers=4), data=dict(batch_size=16))
+
+
+def loss_and_grads(program, batch):
+    state = program.init()
+    (loss_sum, count), grads = program.loss_and_grads(state.params, program.device_batch(batch))
+    return state, float(loss_sum), float(count), jax.device_get(nnx.to_pure_dict(grads))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    single = load_layout(MESHES / "single_device.py", 1)
+    plain = loss_and_grads(Program(CFG, one_device_mesh(), single), random_batch(0, batch=16))[1:]
+    document = loss_and_grads(Program(_documents(CFG), one_device_mesh(), single), _doc_batch())[1:]
+    return {"plain": plain, "document": document}
+
+
+def assert_same(got, want):
+    loss, count, grads = got
+    want_loss, want_count, want_grads = want
+    assert count == want_count
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    flat_got, flat_want = jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)
+    for (path, g), w in zip(flat_got, flat_want):
+        rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+        assert rel <= 1e-5, (jax.tree_util.keystr(path), rel)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_layout_matches_single_device(name, reference):
+    layout = load_layout(MESHES / f"{name}.py", 8)
+    program = Program(CFG, build_mesh(layout), layout)
+    state, *result = loss_and_grads(program, random_batch(0, batch=16))
+    assert_same(result, reference["plain"])
+
+    # Params are placed exactly as the rules say, and every parameter-sharding axis of the layout is in use.
+    used = set()
+    for path, variable in jax.tree.leaves_with_path(nnx.state(state.params), is_leaf=lambda x: isinstance(
+            x, nnx.Variable)):
+        array = variable[...]
+        want = NamedSharding(program.mesh, logical_spec(variable.get_metadata(LOGICAL_AXES_KEY), layout.rules))
+        assert array.sharding.is_equivalent_to(want, array.ndim), (jax.tree_util.keystr(path), array.sharding.spec)
+        used |= {a for part in array.sharding.spec if part for a in (part if isinstance(part, tuple) else (part,))}
+    for axis in ("fsdp", "tensor", "pipeline"):
+        if layout.axis_sizes[axis] > 1:
+            assert axis in used, (axis, used)
+
+
+def _documents(cfg):
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_mask="causal & document"))
+
+
+def _doc_batch():
+    batch = random_batch(1, batch=16)
+    batch["segment_ids"] = (np.arange(16)[None, :] >= np.arange(16)[:, None] % 7 + 4).astype(np.int32)
+    return batch
+
+
+@pytest.mark.parametrize("schedule, impl", [("gpipe", "xla_blocksparse"), ("1f1b", "pallas")])
+def test_four_stage_pipeline_with_document_mask(schedule, impl, reference):
+    """Four stages of one layer each, 8 microbatches; segment ids travel with their microbatch to every stage, and
+    the block-sparse attention implementations run their own shard_map inside the stages'."""
+    layout = MeshLayout(data=2, pipeline=4, pipeline_schedule=schedule, pipeline_microbatches=8).validate(8)
+    cfg = _documents(CFG)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl, attention_block_q=8,
+                                                             attention_block_kv=8))
+    program = Program(cfg, build_mesh(layout), layout)
+    _, *result = loss_and_grads(program, _doc_batch())
+    assert_same(result, reference["document"])
