@@ -1,0 +1,138 @@
+"""Plan a parallel layout: rank every mesh layout of N devices by estimated step time (sharding.planner).
+
+    python -m sharding.plan --model 70b --devices 1024 --global-batch-tokens 4194304 --seq 4096 --hardware h100-sxm
+    python -m sharding.plan --model experiments/configs/tiny_lm.py --devices 8 --global-batch-tokens 4096 \\
+        --seq 256 --hardware cpu --out runs/planned_layout.py
+
+Prints the ranked table and notes, then the best layout as a mesh layout file (written to --out when given),
+and as its last line one JSON object with the key figures. Bad inputs: one line `plan: error: ...`, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from jaxlm.config import ConfigError, ModelConfig, load_config
+from sharding.hardware import PRESETS, get_hardware
+from sharding.mesh import LayoutError
+from sharding.planner import MODEL_PRESETS, REMAT_CHOICES, Plan, count_params, describe, plan
+
+PROG = "plan"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage + error
+        raise LayoutError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help=f"a config file (.py) or a preset: {', '.join(MODEL_PRESETS)}")
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--global-batch-tokens", type=int, required=True, help="tokens per optimizer step")
+    p.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
+    p.add_argument("--hardware", required=True, help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--out", help="write the best layout to this mesh layout file")
+    p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    p.add_argument("--remat", choices=REMAT_CHOICES, help="default: the model config's (presets: none)")
+    return p
+
+
+def load_model(spec: str) -> ModelConfig:
+    if spec in MODEL_PRESETS:
+        return MODEL_PRESETS[spec]
+    if not spec.endswith(".py") and not Path(spec).exists():
+        raise LayoutError(f"unknown model {spec!r}: give a config file path or a preset ({', '.join(MODEL_PRESETS)})")
+    try:
+        return load_config(spec).model
+    except ConfigError as e:
+        raise LayoutError(str(e)) from None
+
+
+def layout_file(p: Plan, command: str) -> str:
+    """The best layout as a file `sharding.mesh.load_layout` reads."""
+    best, lay = p.best, p.best.layout
+    fields = f"data={lay.data}, fsdp={lay.fsdp}, tensor={lay.tensor}, pipeline={lay.pipeline}"
+    if lay.pipeline > 1:
+        fields += f", pipeline_schedule={lay.pipeline_schedule!r}, pipeline_microbatches={lay.num_microbatches}"
+    accumulate = (f"\nTrain with {best.accumulation} gradient-accumulation microbatches: "
+                  f"--set data.microbatches={best.accumulation}.\n" if best.accumulation > 1 else "")
+    return (f'"""Planned by `{command}`.\n\nEstimate (sharding.planner): {best.step_s:.3g} s/step, '
+            f'{best.memory.total / 1e9:.1f} GB/device{"" if best.fits else " (does not fit)"}, MFU {best.mfu:.2f}.\n'
+            f'{accumulate}"""\n\nfrom sharding import MeshLayout\n\nlayout = MeshLayout({fields})\n')
+
+
+def table(p: Plan, top: int) -> str:
+    cols = ("#", "layout", "mem GB", "fits", "compute s", "fsdp s", "dp s", "tp s", "pp s", "step s", "bubble",
+            "MFU", "notes")
+    rows = []
+    for i, e in enumerate(p.estimates[:top], 1):
+        times = (e.compute_s, e.fsdp_s, e.dp_s, e.tp_s, e.pp_s, e.step_s)
+        rows.append((str(i), describe(e.layout, e.accumulation), f"{e.memory.total / 1e9:.1f}",
+                     "yes" if e.fits else "NO", *(f"{x:.3f}" for x in times), f"{e.bubble:.2f}", f"{e.mfu:.2f}",
+                     "comms hidden" if e.hidden else "FSDP+DP comms > compute"))
+    widths = [max(len(r[i]) for r in rows + [cols]) for i in range(len(cols))]
+
+    def line(r):
+        return "  ".join(c.ljust(w) if i in (1, 12) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    more = len(p.estimates) - len(rows)
+    return "\n".join([line(cols)] + [line(r) for r in rows] + ([f"... {more} more layouts"] if more > 0 else []))
+
+
+def summary(p: Plan, name: str) -> str:
+    cfg, hw = p.cfg, p.hardware
+    attention = "dense attention" if cfg.attention_impl in ("reference", "jax") else "flash attention"
+    return (f"model {name}: {count_params(cfg) / 1e9:.2f}B params, {cfg.dtype} compute, {attention}, remat {p.remat}\n"
+            f"batch: {p.batch_tokens:,} tokens = {p.batch_tokens // p.seq_len:,} sequences x {p.seq_len:,}\n"
+            f"devices: {p.devices:,} x {hw.name}: {hw.peak_flops / 1e12:.0f} TFLOP/s peak x {hw.mfu:.2f} assumed MFU "
+            f"= {hw.flops / 1e12:.0f} TFLOP/s, {hw.hbm_bytes / 1e9:.0f} GB ({hw.usable_memory:.0%} usable), "
+            f"{hw.devices_per_node}/node, {hw.intra_bw / 1e9:.0f} GB/s in a node, {hw.inter_bw / 1e9:.0f} GB/s across")
+
+
+def key_figures(p: Plan, name: str) -> dict:
+    e, lay = p.best, p.best.layout
+    layout = {"data": lay.data, "fsdp": lay.fsdp, "tensor": lay.tensor, "pipeline": lay.pipeline}
+    if lay.pipeline > 1:
+        layout |= {"pipeline_schedule": lay.pipeline_schedule, "pipeline_microbatches": lay.num_microbatches}
+    return {"model": name, "devices": p.devices, "hardware": p.hardware.name, "layout": layout,
+            "accumulation": e.accumulation,
+            "step_s": round(e.step_s, 4), "memory_gb": round(e.memory.total / 1e9, 2), "fits": e.fits,
+            "mfu": round(e.mfu, 4), "tokens_per_s": round(p.batch_tokens / e.step_s),
+            "compute_s": round(e.compute_s, 4), "comm_s": {k: round(getattr(e, f"{k}_s"), 4) for k in
+                                                          ("fsdp", "dp", "tp", "pp")},
+            "comms_hidden": e.hidden}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+        cfg = load_model(args.model)
+        remat = args.remat or ("full" if cfg.remat == "full" else "none")
+        result = plan(cfg, args.devices, args.global_batch_tokens, args.seq, get_hardware(args.hardware), remat)
+    except (LayoutError, ValueError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    command = "python -m sharding.plan " + shlex.join(argv)
+    name = args.model if args.model in MODEL_PRESETS else Path(args.model).stem
+    print(summary(result, name), "", table(result, args.top), "", sep="\n")
+    for note in result.notes:
+        print(f"note: {note}")
+    text = layout_file(result, command)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+        print(f"\nbest layout written to {args.out}")
+    else:
+        print(f"\nbest layout (pass --out PATH.py to write it):\n\n{text}")
+    print(json.dumps(key_figures(result, name)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
