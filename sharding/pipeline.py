@@ -82,9 +82,9 @@ def _shard_map(body, stage_params, *args, out_specs):
     # check_vma=False: the block-sparse attention inside a stage runs its own shard_map over the other axes (also
     # unchecked: the Pallas interpreter cannot be), whose cotangents would not carry this map's `pipeline` typing.
     # Unchecked, the values a stage receives or writes must be combined explicitly: every psum below is deliberate.
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
-                         check_vma=False)(
-        stage_params, *args)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
+                           check_vma=False)
+    return mapped(stage_params, *args)
 
 
 def _local(stage_params):
