@@ -94,40 +94,35 @@ def _check_processes(batch_size: int, process_index: int, process_count: int) ->
     return process_index * local, (process_index + 1) * local
 
 
-def _check_rows(batch_size: int, rows) -> tuple[int, int]:
-    start, stop = (int(r) for r in rows)
-    if not 0 <= start < stop <= batch_size:
-        raise ValueError(f"rows must be [start, stop) with 0 <= start < stop <= batch_size={batch_size}, "
-                         f"got [{start}, {stop})")
-    return start, stop
-
-
 class SeededBatchIterator:
     """Infinite shuffled batches over tokens[start:stop]; `batch_size` is global.
 
     Epoch e visits windows in `default_rng([seed, e]).permutation(num_windows)`,
     B at a time, dropping the remainder. Each call returns rows [start, stop) of
-    the global batch: `rows` (or `set_rows`, which a multi-process trainer calls
-    with the rows its devices hold), else process p of P gets [p*B/P, (p+1)*B/P).
-    Rows do not affect the state: every process keeps the same position.
+    the global batch: process p of P gets [p*B/P, (p+1)*B/P), unless `set_rows`
+    (which a multi-process trainer calls with the rows its devices hold) says
+    otherwise. Rows do not affect the state: every process keeps the same position.
     """
 
     def __init__(self, tokens, *, batch_size: int, seq_len: int, seed: int, start: int = 0,
-                 stop: int | None = None, process_index: int = 0, process_count: int = 1, eos_id: int | None = None,
-                 rows: tuple[int, int] | None = None):
+                 stop: int | None = None, process_index: int = 0, process_count: int = 1, eos_id: int | None = None):
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
         self.tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
         self.start, self.stop, self.num_windows = _check_region(self.tokens, start, stop, seq_len, batch_size)
         self.batch_size, self.seq_len, self.seed, self.eos_id = batch_size, seq_len, seed, eos_id
-        self.set_rows(*(rows if rows is not None else _check_processes(batch_size, process_index, process_count)))
+        self.set_rows(*_check_processes(batch_size, process_index, process_count))
         self.batches_per_epoch = self.num_windows // batch_size
         self.epoch = self.batch_in_epoch = 0
         self._perm_epoch, self._perm = -1, None
 
     def set_rows(self, start: int, stop: int) -> None:
         """Return rows [start, stop) of each global batch from now on."""
-        self.rows = _check_rows(self.batch_size, (start, stop))
+        start, stop = int(start), int(stop)
+        if not 0 <= start < stop <= self.batch_size:
+            raise ValueError(f"rows must be [start, stop) with 0 <= start < stop <= batch_size={self.batch_size}, "
+                             f"got [{start}, {stop})")
+        self.rows = (start, stop)
         self.local_batch_size = self.rows[1] - self.rows[0]
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -165,13 +160,11 @@ class SeededBatchIterator:
 
 
 def eval_batches(tokens, *, batch_size: int, seq_len: int, start: int, stop: int, max_batches: int,
-                 process_index: int = 0, process_count: int = 1, eos_id: int | None = None,
-                 rows: tuple[int, int] | None = None) -> list[Batch]:
-    """Sequential, unshuffled batches from tokens[start:stop]: the same every eval. Rows as in SeededBatchIterator."""
+                 process_index: int = 0, process_count: int = 1, eos_id: int | None = None) -> list[Batch]:
+    """Sequential, unshuffled batches from tokens[start:stop]: the same every eval."""
     tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     start, stop, n = _check_region(tokens, start, stop, seq_len, batch_size)
-    lo, hi = _check_rows(batch_size, rows) if rows is not None else _check_processes(batch_size, process_index,
-                                                                                     process_count)
+    lo, hi = _check_processes(batch_size, process_index, process_count)
     if max_batches < 1:
         raise ValueError(f"max_batches must be >= 1, got {max_batches}")
     batches = []
