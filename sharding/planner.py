@@ -20,13 +20,13 @@ overlap, kernel efficiency changing with microbatch size (all absorbed into the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from jaxlm.config import ModelConfig
 from sharding.hardware import Hardware
 from sharding.mesh import LayoutError, MeshLayout
 from sharding.pipeline import bubble_fraction, stash_slots
-from sharding.rules import DEFAULT_RULES
+from sharding.rules import logical_spec
 
 FSDP_COLLECTIVES = 3  # all-gather for the forward, again for the backward, reduce-scatter of the gradients
 REMAT_CHOICES = ("none", "full")
@@ -73,23 +73,21 @@ def count_params(cfg: ModelConfig) -> int:
     return sum(math.prod(p.shape) for p in param_specs(cfg))
 
 
-def layout_rules(layout: MeshLayout) -> dict:
-    """The rules the layout shards by; a pipeline stage always holds only its own layers."""
-    rules = {**DEFAULT_RULES, **layout.rules}
-    if layout.pipeline > 1 and rules.get("layers") is None:
-        rules["layers"] = "pipeline"
-    return rules
+def _mesh_axes(target) -> tuple[str, ...]:
+    """A PartitionSpec entry (None, an axis, or a tuple of axes) -> its mesh axes."""
+    return tuple(a for a in (target if isinstance(target, tuple) else (target,)) if a)
 
 
-def _shards(axis: str | None, rules: dict, layout: MeshLayout) -> int:
-    target = rules.get(axis) if axis is not None else None
-    return math.prod(getattr(layout, a) for a in (target if isinstance(target, tuple) else (target,)) if a)
+def _shards(logical: str, layout: MeshLayout) -> int:
+    """Ways the layout's rules split a dimension named `logical` (sharding.rules.logical_spec decides)."""
+    return math.prod(layout.axis_sizes[a] for a in _mesh_axes(logical_spec((logical,), layout.rules)[0]))
 
 
-def _local_size(spec: ParamSpec, rules: dict, layout: MeshLayout, skip: str | None = None) -> int:
+def _local_size(spec: ParamSpec, layout: MeshLayout, skip: str | None = None) -> int:
     """Elements of `spec` on one device (ignoring mesh axis `skip`, e.g. 'fsdp' for the all-gathered size)."""
-    layout = replace(layout, **{skip: 1}) if skip else layout
-    return math.prod(-(-n // _shards(a, rules, layout)) for n, a in zip(spec.shape, spec.axes))
+    sizes = {**layout.axis_sizes, **({skip: 1} if skip else {})}
+    return math.prod(-(-n // math.prod(sizes[a] for a in _mesh_axes(t)))
+                     for n, t in zip(spec.shape, logical_spec(spec.axes, layout.rules)))
 
 
 def _in_group(spec: ParamSpec, cfg: ModelConfig, group: str | None) -> bool:
@@ -103,22 +101,19 @@ def _in_group(spec: ParamSpec, cfg: ModelConfig, group: str | None) -> bool:
 
 
 def params_per_device(cfg: ModelConfig, layout: MeshLayout, group: str | None = None) -> int:
-    rules = layout_rules(layout)
-    return sum(_local_size(p, rules, layout) for p in param_specs(cfg) if _in_group(p, cfg, group))
+    return sum(_local_size(p, layout) for p in param_specs(cfg) if _in_group(p, cfg, group))
 
 
-def _on_mesh_axis(spec: ParamSpec, rules: dict, mesh_axis: str) -> bool:
-    targets = [rules.get(a) for a in spec.axes if a is not None]
-    return any(mesh_axis in (t if isinstance(t, tuple) else (t,)) for t in targets)
+def _on_mesh_axis(spec: ParamSpec, layout: MeshLayout, mesh_axis: str) -> bool:
+    return any(mesh_axis in _mesh_axes(t) for t in logical_spec(spec.axes, layout.rules))
 
 
 def fsdp_gathered_params(cfg: ModelConfig, layout: MeshLayout, group: str | None = None) -> int:
     """Params one device all-gathers over its FSDP ring: its tensor/pipeline slice of every FSDP-sharded array."""
     if layout.fsdp == 1:
         return 0
-    rules = layout_rules(layout)
-    return sum(_local_size(p, rules, layout, skip="fsdp") for p in param_specs(cfg)
-               if _on_mesh_axis(p, rules, "fsdp") and _in_group(p, cfg, group))
+    return sum(_local_size(p, layout, skip="fsdp") for p in param_specs(cfg)
+               if _on_mesh_axis(p, layout, "fsdp") and _in_group(p, cfg, group))
 
 
 # ----------------------------------------------------------------------------- memory
@@ -190,16 +185,16 @@ def memory_per_device(cfg: ModelConfig, layout: MeshLayout, batch_sequences: int
     Not counted: the cotangents formed inside one layer's backward (on CPU, XLA's peak runs 0.1-0.4 of a layer's
     residuals above this estimate; more under remat), XLA's scratch and the runtime's own memory.
     """
-    rules, cb = layout_rules(layout), dtype_bytes(cfg)
+    cb = dtype_bytes(cfg)
     n_params = params_per_device(cfg, layout)
     S, M = layout.pipeline, layout.num_microbatches
-    rows = batch_sequences // (_shards("batch", rules, layout) * accumulation * M)  # per device per microbatch
+    rows = batch_sequences // (_shards("batch", layout) * accumulation * M)  # per device per microbatch
     tokens = rows * seq_len
-    layers = cfg.num_layers // _shards("layers", rules, layout)
-    residuals = layer_residual_bytes(cfg, seq_len, _shards("heads", rules, layout)) * tokens  # one layer, no remat
+    layers = cfg.num_layers // S  # sharding.pipeline runs L/S layers per stage, whatever the `layers` rule
+    residuals = layer_residual_bytes(cfg, seq_len, _shards("heads", layout)) * tokens  # one layer, no remat
     layer_input = cfg.d_model * cb * tokens
     kept = layer_input if remat == "full" else residuals  # what a layer keeps per microbatch for the backward
-    logits = tokens * cfg.vocab_size / _shards("vocab", rules, layout) * 4
+    logits = tokens * cfg.vocab_size / _shards("vocab", layout) * 4
     other = 12 * tokens * M * accumulation  # inputs, targets, loss_mask
     if accumulation > 1:  # train_step's scan over microbatches: the accumulated grads beside this microbatch's
         other += 4 * n_params
