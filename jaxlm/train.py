@@ -182,14 +182,11 @@ class Program:
             in_shardings=(self.state_shardings.params, self.batch_sharding),
             out_shardings=replicated,
         )
-
-    def loss_and_grads(self, params, batch: Batch):
-        """((loss sum, count), grads) of one batch, compiled for this layout: what equivalence tests compare."""
-        if not hasattr(self, "_loss_and_grads"):
-            fn = jax.value_and_grad(lambda p, b: loss_sums(p, self.graphdef, b, self.layout), has_aux=True)
-            self._loss_and_grads = jax.jit(self._in_mesh(fn), in_shardings=(self.state_shardings.params,
-                                                                             self.batch_sharding))
-        return self._loss_and_grads(params, batch)
+        # ((loss sum, count), grads) of one batch under this layout: what the equivalence tests compare.
+        self.loss_and_grads = jax.jit(
+            self._in_mesh(jax.value_and_grad(lambda p, b: loss_sums(p, self.graphdef, b, layout), has_aux=True)),
+            in_shardings=(self.state_shardings.params, self.batch_sharding),
+        )
 
     def _in_mesh(self, fn):
         """Trace ``fn`` with the mesh and the layout's rules in context, so code that must split work per device
@@ -244,15 +241,13 @@ class Trainer:
         self.progress = progress
 
     def _read_process_rows(self) -> None:
-        """Multi-process: each process reads only the batch rows its devices hold under the batch sharding."""
+        """Multi-process: each process reads only the training rows its devices hold under the batch sharding."""
         d = self.cfg.data
         lo, hi = process_rows(self.program.batch_sharding, (d.batch_size, d.seq_len))
         if not hasattr(self.train_iter, "set_rows"):
             raise TypeError(f"a multi-process run needs a data iterator with set_rows(start, stop) to read rows "
                             f"[{lo}, {hi}) of each batch; {type(self.train_iter).__name__} has none")
-        self.train_iter.set_rows(lo, hi)
-        self.eval_batches = [{k: v[lo:hi] if len(v) == d.batch_size else v for k, v in b.items()}
-                             for b in self.eval_batches]
+        self.train_iter.set_rows(lo, hi)  # eval batches stay whole: device_batch takes each device's rows
 
     def restore_or_init(self) -> TrainState:
         latest = self.checkpointer.latest_step()
