@@ -42,6 +42,13 @@ class ModelConfig:
     attention_block_q: int = 128  # tile sizes of the block-sparse implementations
     attention_block_kv: int = 128
     attention_softcap: float = 0.0  # > 0: cap * tanh(score / cap) on attention logits (Gemma 2 style)
+    # Low-precision matmuls (jaxlm.quantized): "fp8", or per layer class "attention=fp8,mlp=fp8,lm_head=default";
+    # precisions default | int8 | fp8 | int8_weight_only.
+    matmul_precision: str = "default"
+    quant_scaling: str = "delayed"  # delayed (per-tensor, amax history) | current (per row / per channel)
+    quant_backward: str = "quantized"  # quantized (dY in e5m2 / int8) | high (backward in the compute dtype)
+    quant_amax_history: int = 16  # steps of amax history for delayed scaling
+    matmul_impl: str = "auto"  # auto (Pallas kernel on one GPU/TPU, else XLA) | pallas | xla
 
     @property
     def resolved_head_dim(self) -> int:
@@ -182,6 +189,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads, "model.mlp_dim": m.mlp_dim,
         "model.max_seq_len": m.max_seq_len, "model.scan_unroll": m.scan_unroll,
         "model.attention_block_q": m.attention_block_q, "model.attention_block_kv": m.attention_block_kv,
+        "model.quant_amax_history": m.quant_amax_history,
         "data.seq_len": d.seq_len, "data.batch_size": d.batch_size, "data.microbatches": d.microbatches,
         "steps": cfg.steps, "log_every": cfg.log_every, "keep_checkpoints": cfg.keep_checkpoints,
     }
@@ -224,11 +232,27 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if m.attention_impl == "jax" and m.attention_softcap:
         raise ConfigError("model.attention_softcap needs attention_impl reference, xla_blocksparse or pallas; "
                           "jax.nn.dot_product_attention takes no score mod")
+    _check_quantization(m)
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     if d.batch_size % d.microbatches:
         raise ConfigError(f"data.batch_size ({d.batch_size}) must be divisible by data.microbatches ({d.microbatches})")
     return cfg
+
+
+def _check_quantization(m: ModelConfig) -> None:
+    from jaxlm.quantized import BACKWARDS, SCALINGS, parse_matmul_precision
+    from pallas_kernels.quantized_matmul import IMPLS
+
+    try:
+        parse_matmul_precision(m.matmul_precision)
+    except ValueError as e:
+        raise ConfigError(f"model.matmul_precision: {e}") from None
+    choices = {"model.quant_scaling": (m.quant_scaling, SCALINGS), "model.quant_backward": (m.quant_backward, BACKWARDS),
+               "model.matmul_impl": (m.matmul_impl, IMPLS)}
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 def _check_types(obj: Any, prefix: str) -> None:

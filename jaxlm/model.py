@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxlm.attention import attention
 from jaxlm.config import ModelConfig
+from jaxlm.quantized import AmaxHistory, amax_history, layer_recipe, project
 from pallas_kernels import BlockSizes, soft_cap
 from sharding.rules import LOGICAL_AXES_KEY as LOGICAL_AXES, constrain
 
@@ -90,13 +91,15 @@ class Attention(nnx.Module):
         self.wqkv = _param(rngs.params(), (D, K, G + 2, E), ("embed", "kv_heads", None, "head_dim"), D**-0.5)
         out_std = (cfg.num_heads * E) ** -0.5 / (2 * cfg.num_layers) ** 0.5
         self.wo = _param(rngs.params(), (cfg.num_heads, E, D), ("heads", "head_dim", "embed"), out_std)
+        self.recipe = layer_recipe(cfg, "attention")  # None: plain einsums
+        self.qkv_amax, self.out_amax = amax_history(cfg, self.recipe), amax_history(cfg, self.recipe)
 
     def __call__(self, x_BTD, sin, cos, segment_ids_BT=None):
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         K, E = cfg.num_kv_heads, cfg.resolved_head_dim
         G = cfg.num_heads // K
-        qkv = jnp.einsum("btd,dkge->btkge", x_BTD, self.wqkv[...].astype(x_BTD.dtype))
+        qkv = project("btd,dkge->btkge", x_BTD, self.wqkv[...], self.recipe, _value(self.qkv_amax))
         q_BTHE = qkv[:, :, :, :G].reshape(B, T, K * G, E)
         k_BTKE, v_BTKE = qkv[:, :, :, G], qkv[:, :, :, G + 1]
         q_BTHE, k_BTKE = apply_rotary(q_BTHE, sin, cos), apply_rotary(k_BTKE, sin, cos)
@@ -104,7 +107,7 @@ class Attention(nnx.Module):
             q_BTHE, k_BTKE, v_BTKE, mask=cfg.attention_mask, segment_ids_BT=segment_ids_BT, impl=cfg.attention_impl,
             score_mod=soft_cap(cfg.attention_softcap) if cfg.attention_softcap else None,
             block_sizes=BlockSizes(cfg.attention_block_q, cfg.attention_block_kv))
-        return jnp.einsum("bthe,hed->btd", out_BTHE, self.wo[...].astype(x_BTD.dtype))
+        return project("bthe,hed->btd", out_BTHE, self.wo[...], self.recipe, _value(self.out_amax))
 
 
 class SwiGLU(nnx.Module):
@@ -114,11 +117,17 @@ class SwiGLU(nnx.Module):
         D, F = cfg.d_model, cfg.mlp_dim
         self.w_in = _param(rngs.params(), (D, 2, F), ("embed", None, "mlp"), D**-0.5)
         self.w_out = _param(rngs.params(), (F, D), ("mlp", "embed"), F**-0.5 / (2 * cfg.num_layers) ** 0.5)
+        self.recipe = layer_recipe(cfg, "mlp")
+        self.in_amax, self.out_amax = amax_history(cfg, self.recipe), amax_history(cfg, self.recipe)
 
     def __call__(self, x_BTD):
-        h = jnp.einsum("btd,dcf->btcf", x_BTD, self.w_in[...].astype(x_BTD.dtype))
+        h = project("btd,dcf->btcf", x_BTD, self.w_in[...], self.recipe, _value(self.in_amax))
         h_BTF = jax.nn.silu(h[:, :, 0]) * h[:, :, 1]
-        return jnp.einsum("btf,fd->btd", h_BTF, self.w_out[...].astype(x_BTD.dtype))
+        return project("btf,fd->btd", h_BTF, self.w_out[...], self.recipe, _value(self.out_amax))
+
+
+def _value(variable):
+    return None if variable is None else variable[...]
 
 
 class Block(nnx.Module):
@@ -141,6 +150,7 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs.params(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
+        self.head_amax = amax_history(cfg, layer_recipe(cfg, "lm_head"))
 
     def __call__(self, tokens_BT: jax.Array, *, segment_ids_BT=None, positions_BT=None) -> jax.Array:
         """Returns float32 logits [B, T, V]."""
@@ -160,9 +170,13 @@ class Transformer(nnx.Module):
         return constrain(x_BTD, ACTIVATION_AXES)
 
     def head_params(self) -> dict[str, jax.Array]:
-        """The arrays `head_logits` reads: final norm scale and the [D, V] output projection (tied: embed.T)."""
-        return {"norm_scale": self.final_norm.scale[...],
+        """The arrays `head_logits` reads: final norm scale, the [D, V] output projection (tied: embed.T) and, for a
+        quantized head with delayed scaling, its amax history."""
+        head = {"norm_scale": self.final_norm.scale[...],
                 "head_DV": self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]}
+        if self.head_amax is not None:
+            head["amax"] = self.head_amax[...]
+        return head
 
     def logits(self, x_BTD: jax.Array) -> jax.Array:
         return head_logits(self.cfg, self.head_params(), x_BTD)
@@ -171,8 +185,12 @@ class Transformer(nnx.Module):
 def head_logits(cfg: ModelConfig, head: dict[str, jax.Array], x_BTD: jax.Array) -> jax.Array:
     """Final RMSNorm and the vocabulary projection: float32 logits [B, T, V]."""
     x_BTD = rms_norm(x_BTD, head["norm_scale"], cfg.norm_eps)
-    logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head["head_DV"].astype(x_BTD.dtype),
-                            preferred_element_type=jnp.float32)
+    recipe = layer_recipe(cfg, "lm_head")
+    if recipe is None:
+        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head["head_DV"].astype(x_BTD.dtype),
+                                preferred_element_type=jnp.float32)
+    else:
+        logits_BTV = project("btd,dv->btv", x_BTD, head["head_DV"], recipe, head.get("amax")).astype(jnp.float32)
     return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
@@ -210,7 +228,7 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
 
     blocks = make(rngs)
     for _, variable in nnx.iter_graph(blocks):
-        if isinstance(variable, nnx.Param):
+        if isinstance(variable, (nnx.Param, AmaxHistory)):
             variable.set_metadata(LOGICAL_AXES, ("layers",) + tuple(variable.get_metadata(LOGICAL_AXES)))
     return blocks
 

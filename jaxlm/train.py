@@ -24,6 +24,7 @@ from jaxlm.checkpoint import Checkpointer
 from jaxlm.config import OptimConfig, TrainConfig
 from jaxlm.metrics import MetricsLogger, NullLogger
 from jaxlm.model import LOGICAL_AXES, Transformer, apply_layers, head_logits, model_flops_per_token
+from jaxlm.quantized import uses_delayed_scaling
 from sharding.distributed import process_rows, put_process_rows
 from sharding.mesh import MESH_AXES, MeshLayout
 from sharding.pipeline import bubble_fraction, pipeline_loss, split_stages
@@ -36,8 +37,14 @@ Batch = dict[str, Any]  # "inputs" [B, T] int32, "targets" [B, T] int32, "loss_m
 @dataclass
 class TrainState:
     step: jax.Array  # int32 scalar: completed optimizer steps
-    params: nnx.State
-    opt_state: Any
+    params: nnx.State  # every model variable: the Params and, with delayed-scaling quantization, amax histories
+    opt_state: Any  # over the Params only
+
+
+def split_trainable(state: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(Params, everything else): the optimizer sees the first; the rest (amax histories) is overwritten with the
+    value its gradient carries (pallas_kernels.quantized_training)."""
+    return nnx.split_state(state, nnx.Param, ...)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -134,16 +141,25 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, micro
         def accumulate(carry, microbatch):
             g_acc, l_acc, n_acc = carry
             (l, n), g = grad_fn(state.params, graphdef, microbatch, layout)
-            return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, n_acc + n), None
+            return (combine_microbatch_grads(g_acc, g), l_acc + l, n_acc + n), None
 
         zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(()))
         (grads, loss_sum, count), _ = jax.lax.scan(accumulate, zeros, split_microbatches(batch, microbatches))
     count = jnp.maximum(count, 1.0)
+    grads, new_histories = split_trainable(grads)
+    params, _ = split_trainable(state.params)
     grads = jax.tree.map(lambda g: g / count, grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = tx.update(grads, state.opt_state, params)
+    params = nnx.merge_state(optax.apply_updates(params, updates), new_histories)
     metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
     return TrainState(state.step + 1, params, opt_state), metrics
+
+
+def combine_microbatch_grads(acc: nnx.State, g: nnx.State) -> nnx.State:
+    """Param gradients add up. Amax histories take the max: every microbatch returns the same shifted history
+    with its own amaxes in front, so the max is the history the whole batch would have written."""
+    (acc_p, acc_h), (g_p, g_h) = split_trainable(acc), split_trainable(g)
+    return nnx.merge_state(jax.tree.map(jnp.add, acc_p, g_p), jax.tree.map(jnp.maximum, acc_h, g_h))
 
 
 def eval_step(params: nnx.State, batch: Batch, *, graphdef, layout: MeshLayout | None = None):
@@ -159,6 +175,10 @@ class Program:
     def __init__(self, cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None):
         """`layout` supplies the logical-axis rules and the pipeline schedule; None: defaults for the mesh's shape."""
         layout = layout or MeshLayout(**{axis: mesh.shape.get(axis, 1) for axis in MESH_AXES})
+        if layout.pipeline > 1 and uses_delayed_scaling(cfg.model):
+            # A pipeline sums each microbatch's gradient; an amax history must be combined by max (see train_step).
+            raise config_lib.ConfigError("delayed-scaling quantization (model.quant_scaling=delayed) does not run in "
+                                         "a pipeline layout; set model.quant_scaling=current")
         rules = layout.rules
         self.cfg, self.mesh, self.layout = cfg, mesh, layout
         self.tx, self.schedule = make_optimizer(cfg.optim, cfg.steps)
@@ -203,11 +223,11 @@ class Program:
     def _init(self) -> TrainState:
         model = Transformer(self.cfg.model, rngs=nnx.Rngs(self.cfg.seed))
         params = nnx.state(model)
-        return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
+        return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(split_trainable(params)[0]))
 
     @property
     def num_params(self) -> int:
-        return sum(x.size for x in jax.tree.leaves(self.abstract_state.params))
+        return sum(x.size for x in jax.tree.leaves(split_trainable(self.abstract_state.params)[0]))
 
     def device_batch(self, batch: Batch) -> Batch:
         """Host batch -> global arrays under `batch_sharding`. With several processes each passes only the rows its

@@ -1,0 +1,110 @@
+"""Low-precision matmuls in the model: `model.matmul_precision` per layer class -> a QuantRecipe, the delayed-scaling
+state each quantized matmul keeps, and the projection the layers call instead of a plain einsum.
+
+Spec: one precision for every class ("fp8") or a comma list ("attention=fp8,mlp=fp8,lm_head=default"); classes not
+named stay "default" (the plain einsum). Precisions: default | int8 | fp8 | int8_weight_only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels.quantized_training import QuantRecipe, new_amax_history, quantized_dot
+from sharding.rules import LOGICAL_AXES_KEY
+
+PRECISIONS = ("default", "int8", "fp8", "int8_weight_only")
+LAYER_CLASSES = ("attention", "mlp", "lm_head")
+SCALINGS = ("delayed", "current")
+BACKWARDS = ("quantized", "high")
+
+
+class AmaxHistory(nnx.Variable):
+    """Delayed-scaling state of one quantized matmul: [3, H] amaxes of x, w and dY over the last H steps.
+
+    Not a Param: the optimizer never sees it. Its gradient is the updated history (pallas_kernels.
+    quantized_training), which the train step writes back; it is checkpointed with the params."""
+
+
+@functools.lru_cache(maxsize=32)
+def parse_matmul_precision(spec: str) -> dict[str, str]:
+    """'fp8' -> every class fp8; 'attention=fp8,mlp=int8' -> those, the rest 'default'. ValueError on bad specs."""
+    spec = spec.strip()
+    if "=" not in spec:
+        if spec not in PRECISIONS:
+            raise ValueError(f"matmul precision {spec!r} is not one of {', '.join(PRECISIONS)}")
+        return {c: spec for c in LAYER_CLASSES}
+    out = dict.fromkeys(LAYER_CLASSES, "default")
+    seen = set()
+    for item in spec.split(","):
+        cls, sep, precision = (part.strip() for part in item.partition("="))
+        if not sep or cls not in LAYER_CLASSES:
+            raise ValueError(f"matmul precision spec {spec!r}: {item.strip()!r} must be CLASS=PRECISION with CLASS one "
+                             f"of {', '.join(LAYER_CLASSES)}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"matmul precision spec {spec!r}: {precision!r} is not one of {', '.join(PRECISIONS)}")
+        if cls in seen:
+            raise ValueError(f"matmul precision spec {spec!r} names {cls!r} twice")
+        seen.add(cls)
+        out[cls] = precision
+    return out
+
+
+def layer_recipe(cfg, layer_class: str) -> QuantRecipe | None:
+    """The recipe for one layer class of a ModelConfig, or None for the plain (unquantized) einsum."""
+    precision = parse_matmul_precision(cfg.matmul_precision)[layer_class]
+    if precision == "default":
+        return None
+    if precision == "int8_weight_only":
+        return QuantRecipe.int8_weight_only(impl=cfg.matmul_impl)
+    recipe = QuantRecipe.fp8(impl=cfg.matmul_impl) if precision == "fp8" else QuantRecipe.int8(impl=cfg.matmul_impl)
+    return recipe if cfg.quant_backward == "quantized" else dataclasses.replace(recipe, grad_dtype=None)
+
+
+def uses_delayed_scaling(cfg) -> bool:
+    """True when some matmul keeps an amax history (a quantized, not weight-only, class with delayed scaling)."""
+    return cfg.quant_scaling == "delayed" and any(
+        p in ("int8", "fp8") for p in parse_matmul_precision(cfg.matmul_precision).values())
+
+
+def amax_history(cfg, recipe: QuantRecipe | None) -> AmaxHistory | None:
+    """A fresh history for a matmul that scales by delay, else None."""
+    if recipe is None or recipe.weight_only or cfg.quant_scaling != "delayed":
+        return None
+    return AmaxHistory(new_amax_history(cfg.quant_amax_history), **{LOGICAL_AXES_KEY: (None, None)})
+
+
+def project(spec: str, x: jax.Array, w: jax.Array, recipe: QuantRecipe | None,
+            history: jax.Array | None = None) -> jax.Array:
+    """einsum(spec, x, w) for a projection whose contracted axes are x's last and w's first, e.g. 'btd,dkge->btkge'.
+
+    recipe None: the plain einsum in x's dtype. Otherwise both sides are flattened to 2-D and multiplied by
+    `quantized_dot`; the result has x's dtype.
+    """
+    if recipe is None:
+        return jnp.einsum(spec, x, w.astype(x.dtype))
+    x_axes, w_axes = spec.split("->")[0].split(",")
+    n = sum(a in w_axes for a in x_axes)
+    if x_axes[len(x_axes) - n:] != w_axes[:n]:
+        raise ValueError(f"project: {spec!r} must contract x's last axes with w's first ones")
+    lead, out = x.shape[:x.ndim - n], w.shape[n:]
+    k = math.prod(w.shape[:n])
+    y = quantized_dot(x.reshape(-1, k), w.reshape(k, -1), history, _placed(recipe))
+    return y.reshape(*lead, *out)
+
+
+def _placed(recipe: QuantRecipe) -> QuantRecipe:
+    """'auto' under a multi-device mesh means XLA's implementation, which GSPMD partitions like any dot (and XLA:GPU
+    lowers to fp8/int8 GEMMs); the Pallas kernel is a custom call it could only replicate."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or recipe.impl == "xla":
+        return recipe
+    if recipe.impl == "pallas":
+        raise ValueError(f"model.matmul_impl='pallas' runs the kernel on whole operands and cannot be split over a "
+                         f"{mesh.size}-device mesh; use matmul_impl='auto' or 'xla' with this layout")
+    return dataclasses.replace(recipe, impl="xla")

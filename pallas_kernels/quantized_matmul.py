@@ -1,0 +1,238 @@
+"""x @ w with int8 / fp8 operands: a tiled Pallas kernel (Triton on GPU, Mosaic on TPU, the interpreter on CPU) and
+an XLA implementation of the same arithmetic.
+
+``scaled_matmul`` takes operands already quantized (``pallas_kernels.quantize``) with their scales and computes
+``(xq * x_scale) @ (wq * w_scale)`` without ever dequantizing a whole operand: int8 x int8 accumulates in int32
+(exact), fp8 x fp8 in float32, and the scales are applied in the epilogue, once per output tile. With block-wise
+scales along the contraction (``k_block``) each k-slice's partial product is scaled before it is added, in float32.
+Weight-only (``x_scale=None``): float activations times int8/fp8 weights converted tile by tile in the kernel, the
+memory-bound inference case. ``quantized_matmul`` quantizes float operands (current scaling) and calls it.
+
+Each kernel program owns one [block_m, block_n] output tile and loops over K in block_k slices, so nothing is
+accumulated across grid steps and one kernel body serves GPU and TPU. Shapes that are not whole tiles are padded
+with zeros (which add nothing) and the result is cut back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .quantize import FLOAT8, dequantize, quantize
+
+IMPLS = ("auto", "pallas", "xla")
+BACKENDS = ("gpu", "tpu", "interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulBlocks:
+    """Output tile [block_m, block_n] per kernel program and the k-slice per loop step (shrunk to small shapes)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"MatmulBlocks.{name} must be positive, got {getattr(self, name)}")
+
+
+def resolve_impl(impl: str) -> str:
+    """'auto' -> the Pallas kernel on GPU/TPU, the XLA implementation on CPU (where Pallas only interprets)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown quantized matmul impl {impl!r}; choose one of {IMPLS}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+    return impl
+
+
+def _operand_kind(xq, wq, x_scale) -> str:
+    """'int8' (int32 accumulation), 'fp8', or 'weight_only'; an unsupported pair is a ValueError."""
+    xd, wd = jnp.dtype(xq.dtype), jnp.dtype(wq.dtype)
+    if wd != jnp.int8 and wd not in FLOAT8:
+        raise ValueError(f"scaled_matmul: unsupported weight dtype {wd}; use int8, float8_e4m3fn or float8_e5m2")
+    if x_scale is None:
+        if xd not in (jnp.float32, jnp.bfloat16, jnp.float16):
+            raise ValueError(f"scaled_matmul: weight-only (x_scale=None) needs float activations, got {xd}")
+        return "weight_only"
+    if xd == wd == jnp.int8:
+        return "int8"
+    if xd in FLOAT8 and wd in FLOAT8:
+        return "fp8"
+    raise ValueError(f"scaled_matmul: unsupported operand pair {xd} x {wd}; both int8, both fp8, or float "
+                     f"activations with x_scale=None (weight-only)")
+
+
+def _check_scales(x_scale, w_scale, M, K, N, k_block):
+    kb = 1 if k_block is None else -(-K // k_block)
+    if k_block is not None and k_block <= 0:
+        raise ValueError(f"scaled_matmul: k_block must be positive, got {k_block}")
+    if x_scale is not None and (x_scale.ndim != 2 or x_scale.shape[0] not in (1, M) or x_scale.shape[1] != kb):
+        raise ValueError(f"scaled_matmul: x_scale must be [{M} or 1, {kb}] for x [{M}, {K}]"
+                         f"{'' if k_block is None else f' with k_block {k_block}'}, got {list(x_scale.shape)}")
+    if w_scale.ndim != 2 or w_scale.shape[1] not in (1, N) or w_scale.shape[0] != kb:
+        raise ValueError(f"scaled_matmul: w_scale must be [{kb}, {N} or 1] for w [{K}, {N}]"
+                         f"{'' if k_block is None else f' with k_block {k_block}'}, got {list(w_scale.shape)}")
+
+
+def scaled_matmul(xq: jax.Array, x_scale: jax.Array | None, wq: jax.Array, w_scale: jax.Array, *,
+                  out_dtype=jnp.float32, k_block: int | None = None, blocks: MatmulBlocks = MatmulBlocks(),
+                  impl: str = "auto", interpret: bool | None = None, backend: str | None = None) -> jax.Array:
+    """(xq * x_scale) @ (wq * w_scale) for xq [M, K], wq [K, N] -> [M, N] in out_dtype.
+
+    Scales are float32: x_scale [M or 1, Kb], w_scale [Kb, N or 1], with Kb = 1 (per row / per column / per
+    tensor, applied in the epilogue) or Kb = ceil(K / k_block) (one scale per k_block-long slice of the
+    contraction). ``impl``: 'pallas', 'xla', or 'auto' (Pallas on GPU/TPU, XLA on CPU). ``interpret`` defaults to
+    True on CPU; ``backend`` ('gpu', 'tpu') picks the kernel lowering and lets a CPU machine export for one.
+    """
+    if xq.ndim != 2 or wq.ndim != 2 or xq.shape[1] != wq.shape[0]:
+        raise ValueError(f"scaled_matmul: expected x [M, K] and w [K, N], got {list(xq.shape)} and {list(wq.shape)}")
+    kind = _operand_kind(xq, wq, x_scale)
+    M, K = xq.shape
+    N = wq.shape[1]
+    _check_scales(x_scale, w_scale, M, K, N, k_block)
+    if x_scale is None:
+        x_scale = jnp.ones((1, w_scale.shape[0]), jnp.float32)
+    x_scale, w_scale = x_scale.astype(jnp.float32), w_scale.astype(jnp.float32)
+    if resolve_impl(impl) == "xla":
+        return _xla(xq, x_scale, wq, w_scale, kind, k_block).astype(out_dtype)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    backend = "interpret" if interpret else (backend or ("tpu" if jax.default_backend() == "tpu" else "gpu"))
+    if backend not in BACKENDS:
+        raise ValueError(f"scaled_matmul: unknown backend {backend!r}; choose one of {BACKENDS[:2]}")
+    return _pallas(xq, x_scale, wq, w_scale, kind=kind, k_block=k_block, blocks=blocks,
+                   out_dtype=jnp.dtype(out_dtype), backend=backend)
+
+
+def _accumulator(kind: str):
+    return jnp.int32 if kind == "int8" else jnp.float32
+
+
+def _xla(xq, x_scale, wq, w_scale, kind, k_block):
+    """The same arithmetic as the kernel, as XLA ops: int32 / float32 dots, scales on the partial products."""
+    acc = _accumulator(kind)
+    if kind == "weight_only":
+        wq = wq.astype(xq.dtype)
+    if k_block is None:
+        return lax.dot(xq, wq, preferred_element_type=acc).astype(jnp.float32) * x_scale * w_scale
+    M, K = xq.shape
+    N, kb = wq.shape[1], x_scale.shape[1]
+    pad = kb * k_block - K
+    x_MBk = jnp.pad(xq, ((0, 0), (0, pad))).reshape(M, kb, k_block)
+    w_BkN = jnp.pad(wq, ((0, pad), (0, 0))).reshape(kb, k_block, N)
+    partial_BMN = jnp.einsum("mbk,bkn->bmn", x_MBk, w_BkN, preferred_element_type=acc).astype(jnp.float32)
+    return jnp.sum(partial_BMN * x_scale.T[:, :, None] * w_scale[:, None, :], axis=0)
+
+
+def _fit(block: int, n: int) -> int:
+    """The configured block, or n rounded up to a power of two (at least 16: Triton's smallest dot) if smaller."""
+    return min(block, max(16, 1 << max(0, (n - 1).bit_length())))
+
+
+def _pad_to(a: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    pad = size - a.shape[axis]
+    if pad == 0:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(a, widths, constant_values=value)
+
+
+def _pallas(xq, x_scale, wq, w_scale, *, kind, k_block, blocks, out_dtype, backend):
+    M, K = xq.shape
+    N = wq.shape[1]
+    bm, bn = _fit(blocks.block_m, M), _fit(blocks.block_n, N)
+    bk = k_block if k_block is not None else _fit(blocks.block_k, K)
+    Mp, Np, Kp = -(-M // bm) * bm, -(-N // bn) * bn, -(-K // bk) * bk
+    xq, wq = _pad_to(_pad_to(xq, 0, Mp), 1, Kp), _pad_to(_pad_to(wq, 0, Kp), 1, Np)
+    kb = x_scale.shape[1]
+    if x_scale.shape[0] == M:
+        x_scale = _pad_to(x_scale, 0, Mp, 1.0)
+        xs_spec = pl.BlockSpec((bm, kb), lambda i, j: (i, 0))
+    else:
+        xs_spec = pl.BlockSpec((1, kb), lambda i, j: (0, 0))
+    if w_scale.shape[1] == N:
+        w_scale = _pad_to(w_scale, 1, Np, 1.0)
+        ws_spec = pl.BlockSpec((kb, bn), lambda i, j: (0, j))
+    else:
+        ws_spec = pl.BlockSpec((kb, 1), lambda i, j: (0, 0))
+    kernel = functools.partial(_kernel, num_k=Kp // bk, bk=bk, acc_dtype=_accumulator(kind),
+                               blockwise=k_block is not None, weight_only=kind == "weight_only")
+    out = pl.pallas_call(
+        kernel,
+        grid=(Mp // bm, Np // bn),
+        in_specs=[pl.BlockSpec((bm, Kp), lambda i, j: (i, 0)), xs_spec,
+                  pl.BlockSpec((Kp, bn), lambda i, j: (0, j)), ws_spec],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((Mp, Np), out_dtype),
+        interpret=backend == "interpret",
+        compiler_params=_compiler_params(backend, bm, bn),
+        name=f"{kind}_matmul",
+    )(xq, x_scale, wq, w_scale)
+    return out[:M, :N]
+
+
+def _kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k, bk, acc_dtype, blockwise, weight_only):
+    """One output tile: loop over K slices; int32 or float32 partial sums; scales in the epilogue (or per slice)."""
+
+    def partial(k):
+        x = x_ref[:, pl.ds(k * bk, bk)]
+        w = w_ref[pl.ds(k * bk, bk), :]
+        if weight_only:
+            w = w.astype(x.dtype)
+        return jnp.dot(x, w, preferred_element_type=acc_dtype)
+
+    if blockwise:
+        def body(k, acc):
+            return acc + partial(k).astype(jnp.float32) * xs_ref[:, pl.ds(k, 1)] * ws_ref[pl.ds(k, 1), :]
+
+        acc = lax.fori_loop(0, num_k, body, jnp.zeros(o_ref.shape, jnp.float32))
+    else:
+        acc = lax.fori_loop(0, num_k, lambda k, acc: acc + partial(k), jnp.zeros(o_ref.shape, acc_dtype))
+        acc = acc.astype(jnp.float32) * xs_ref[...] * ws_ref[...]
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _compiler_params(backend, bm, bn):
+    if backend == "gpu":
+        from jax.experimental.pallas import triton as pltriton
+        return pltriton.CompilerParams(num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=3)
+    if backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+    return None
+
+
+def quantized_matmul(x: jax.Array, w: jax.Array, *, x_dtype=None, w_dtype="int8", out_dtype=None,
+                     k_block: int | None = None, **kwargs) -> jax.Array:
+    """x [M, K] @ w [K, N] with both operands quantized on the fly (current scaling), or only w (x_dtype=None).
+
+    x gets one scale per row and w one per output column (per channel), or with ``k_block`` one per row/column
+    and k_block-long slice of the contraction. out_dtype defaults to x's dtype. Other keyword arguments go to
+    ``scaled_matmul`` (blocks, impl, interpret, backend).
+    """
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"quantized_matmul: expected x [M, K] and w [K, N], got {list(x.shape)} and {list(w.shape)}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    block = {} if k_block is None else {"block": k_block}
+    wq, ws = quantize(w, w_dtype, axis=0, **block)  # [1 or Kb, N]
+    if x_dtype is None:
+        xq, xs = x, None
+    else:
+        xq, xs = quantize(x, x_dtype, axis=1, **block)  # [M, 1 or Kb]
+    return scaled_matmul(xq, xs, wq, ws, out_dtype=out_dtype, k_block=k_block, **kwargs)
+
+
+def reference_scaled_matmul(xq, x_scale, wq, w_scale, *, k_block: int | None = None) -> jax.Array:
+    """Dequantize both operands in float32 and multiply at full precision: what the kernels must equal."""
+    axis_block = {} if k_block is None else {"block": k_block}
+    x = xq.astype(jnp.float32) if x_scale is None else dequantize(xq, x_scale, axis=1, **axis_block)
+    w = dequantize(wq, w_scale, axis=0, **axis_block)
+    return jnp.dot(x, w, precision=lax.Precision.HIGHEST)
