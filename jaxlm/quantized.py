@@ -108,3 +108,29 @@ def _placed(recipe: QuantRecipe) -> QuantRecipe:
         raise ValueError(f"model.matmul_impl='pallas' runs the kernel on whole operands and cannot be split over a "
                          f"{mesh.size}-device mesh; use matmul_impl='auto' or 'xla' with this layout")
     return dataclasses.replace(recipe, impl="xla")
+
+
+# Post-training quantization: the axes each stored weight contracts over in jaxlm.model's einsums (after the
+# stacked `layers` axis), so one int8 scale per output channel matches what `project` computes in the graph.
+WEIGHT_CONTRACTIONS: dict[tuple[str, ...], tuple[int, ...]] = {
+    ("blocks", "attn", "wqkv"): (1,),  # [L, D, K, G+2, E]
+    ("blocks", "attn", "wo"): (1, 2),  # [L, H, E, D]
+    ("blocks", "mlp", "w_in"): (1,),  # [L, D, 2, F]
+    ("blocks", "mlp", "w_out"): (1,),  # [L, F, D]
+    ("lm_head",): (0,),  # [D, V]
+    ("embed",): (1,),  # [V, D]: the tied head multiplies by embed.T, one scale per vocab entry
+}
+
+
+def quantize_weights(params: dict, dtype: str = "int8") -> dict[tuple[str, ...], tuple[jax.Array, jax.Array]]:
+    """{path: (q, scale)} for every matmul weight in a pure params dict (nnx.to_pure_dict), per output channel."""
+    from pallas_kernels.quantize import quantize
+
+    out = {}
+    for path, axes in WEIGHT_CONTRACTIONS.items():
+        node = params
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None:
+            out[path] = quantize(jnp.asarray(node), dtype, axis=axes)
+    return out

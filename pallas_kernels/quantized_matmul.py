@@ -163,8 +163,12 @@ def _pallas(xq, x_scale, wq, w_scale, *, kind, k_block, blocks, out_dtype, backe
         ws_spec = pl.BlockSpec((kb, bn), lambda i, j: (0, j))
     else:
         ws_spec = pl.BlockSpec((kb, 1), lambda i, j: (0, 0))
+    # Triton's dot takes one fp8 type per product; e5m2 x e4m3 (the backward's dY x W) is upcast to bfloat16 tiles
+    # in the kernel, which is exact (bfloat16 holds every fp8 value) but runs at bfloat16 tensor-core speed.
+    mixed_fp8 = kind == "fp8" and xq.dtype != wq.dtype and backend == "gpu"
     kernel = functools.partial(_kernel, num_k=Kp // bk, bk=bk, acc_dtype=_accumulator(kind),
-                               blockwise=k_block is not None, weight_only=kind == "weight_only")
+                               blockwise=k_block is not None, weight_only=kind == "weight_only",
+                               upcast=jnp.bfloat16 if mixed_fp8 else None)
     out = pl.pallas_call(
         kernel,
         grid=(Mp // bm, Np // bn),
@@ -179,7 +183,7 @@ def _pallas(xq, x_scale, wq, w_scale, *, kind, k_block, blocks, out_dtype, backe
     return out[:M, :N]
 
 
-def _kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k, bk, acc_dtype, blockwise, weight_only):
+def _kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k, bk, acc_dtype, blockwise, weight_only, upcast):
     """One output tile: loop over K slices; int32 or float32 partial sums; scales in the epilogue (or per slice)."""
 
     def partial(k):
@@ -187,6 +191,8 @@ def _kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k, bk, acc_dtype, blockw
         w = w_ref[pl.ds(k * bk, bk), :]
         if weight_only:
             w = w.astype(x.dtype)
+        if upcast is not None:
+            x, w = x.astype(upcast), w.astype(upcast)
         return jnp.dot(x, w, preferred_element_type=acc_dtype)
 
     if blockwise:

@@ -77,3 +77,35 @@ def test_lowers_for_gpu_under_shard_map():
     exported = export.export(grad, platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(x, x, x)
     assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 3
+
+
+QUANT_CASES = {  # x dtype, x scale shape, w dtype, w scale shape, k_block
+    "int8 per channel": (jnp.int8, (512, 1), jnp.int8, (1, 768), None),
+    "fp8 per tensor": (jnp.float8_e4m3fn, (1, 1), jnp.float8_e4m3fn, (1, 1), None),
+    "fp8 e5m2 x e4m3 blockwise": (jnp.float8_e5m2, (512, 8), jnp.float8_e4m3fn, (8, 768), 128),
+    "int8 weight-only": (jnp.bfloat16, None, jnp.int8, (1, 768), None),
+}
+
+
+@pytest.mark.parametrize("platform, backend, marker", [("cuda", "gpu", "__gpu$xla.gpu.triton"),
+                                                       ("tpu", "tpu", "@tpu_custom_call")])
+@pytest.mark.parametrize("case", list(QUANT_CASES))
+def test_quantized_matmul_lowers(request, platform, backend, marker, case):
+    from pallas_kernels.quantized_matmul import scaled_matmul
+
+    if backend == "tpu":
+        request.getfixturevalue("tpu_target")
+    x_dtype, xs_shape, w_dtype, ws_shape, k_block = QUANT_CASES[case]
+    M, K, N = 512, 1024, 768
+
+    def matmul(x, xs, w, ws):
+        return scaled_matmul(x, xs, w, ws, k_block=k_block, impl="pallas", interpret=False, backend=backend,
+                             out_dtype=jnp.bfloat16)
+
+    args = (jax.ShapeDtypeStruct((M, K), x_dtype), None if xs_shape is None else
+            jax.ShapeDtypeStruct(xs_shape, jnp.float32), jax.ShapeDtypeStruct((K, N), w_dtype),
+            jax.ShapeDtypeStruct(ws_shape, jnp.float32))
+    exported = export.export(jax.jit(matmul), platforms=[platform], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),
+        export.DisabledSafetyCheck.custom_call("tpu_custom_call")])(*args)
+    assert exported.mlir_module().count(marker) == 1

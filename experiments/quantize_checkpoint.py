@@ -1,0 +1,152 @@
+"""Post-training quantization: a trained run's latest checkpoint -> int8 weights, with eval loss before and after.
+
+    python -m experiments.tiny_lm --workdir runs/tiny_lm                 # train (or use any finished run)
+    python -m experiments.quantize_checkpoint --workdir runs/tiny_lm     # -> runs/tiny_lm/quantized_int8/
+
+Every matmul weight (attention, MLP, output head / tied embedding) is quantized symmetrically to int8 with one
+scale per output channel; norms stay float32. "after" evaluates exactly those weights: the dequantized int8 values
+through the model with int8 weight-only matmuls, on the run's own validation batches. The int8 weights, their scales
+and the float remainder are written as an Orbax checkpoint beside a manifest.json. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+PROG = "quantize_checkpoint"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(message)
+
+
+def parse_args(argv):
+    p = _Parser(prog=f"python -m experiments.{PROG}", description=__doc__.split("\n")[0])
+    p.add_argument("--workdir", required=True, help="a training run's workdir (config.json + checkpoints/)")
+    p.add_argument("--out", default=None, help="output directory (default: WORKDIR/quantized_int8)")
+    p.add_argument("--eval-batches", type=int, default=0, help="validation batches (default: the run's config)")
+    return p.parse_args(argv)
+
+
+def load_run(workdir: Path):
+    """The run's config and its latest checkpoint step; ValueError naming what is missing."""
+    from jaxlm import config as config_lib
+    from jaxlm.checkpoint import Checkpointer
+
+    if not (workdir / "config.json").is_file():
+        raise ValueError(f"{workdir} has no config.json: not a training workdir (train with --workdir {workdir})")
+    try:
+        cfg = config_lib.validate(config_lib.from_dict(json.loads((workdir / "config.json").read_text())))
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{workdir}/config.json is not a jaxlm config: {e}") from None
+    if cfg.model.matmul_precision != "default":
+        raise ValueError(f"the run in {workdir} already trained with model.matmul_precision="
+                         f"{cfg.model.matmul_precision!r}; post-training quantization starts from a float model")
+    checkpointer = Checkpointer(workdir / "checkpoints", async_save=False)
+    step = checkpointer.latest_step()
+    if step is None:
+        checkpointer.close()
+        raise ValueError(f"{workdir}/checkpoints holds no complete checkpoint to quantize")
+    return cfg, checkpointer, step
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        workdir = Path(args.workdir)
+        if args.eval_batches < 0:
+            raise ValueError(f"--eval-batches must be >= 0, got {args.eval_batches}")
+        cfg, checkpointer, step = load_run(workdir)
+    except (ValueError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from experiments.cli import _open_data
+    from jaxlm.quantized import quantize_weights
+    from jaxlm.train import Program
+    from pallas_kernels.quantize import dequantize
+    from sharding import MeshLayout, build_mesh
+
+    if args.eval_batches:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_batches=args.eval_batches))
+    _, eval_data = _open_data(cfg)
+    if not eval_data:
+        print(f"{PROG}: error: the run's data has no validation split (data.val_fraction = "
+              f"{cfg.data.val_fraction}); nothing to evaluate", file=sys.stderr)
+        checkpointer.close()
+        return 2
+    mesh = build_mesh(MeshLayout(data=1), devices=jax.devices()[:1])
+    program = Program(cfg, mesh)
+    state, _, _ = checkpointer.restore(step, program.abstract_with_shardings())
+    checkpointer.close()
+
+    def evaluate(prog, params):
+        total = count = 0.0
+        for batch in eval_data:
+            loss_sum, n = jax.device_get(prog.eval_step(params, prog.device_batch(batch)))
+            total, count = total + float(loss_sum), count + float(n)
+        return total / max(count, 1.0)
+
+    before = evaluate(program, state.params)
+    float_params = nnx.to_pure_dict(state.params)
+    quantized = quantize_weights(float_params)
+    dequantized = jax.tree.map(np.asarray, float_params)
+    for path, (q, scale) in quantized.items():
+        node = dequantized
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = np.asarray(dequantize(q, scale))
+    int8_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, matmul_precision="int8_weight_only"))
+    int8_program = Program(int8_cfg, mesh)
+    int8_params = jax.tree.map(lambda a: a, state.params)  # same tree: weight-only matmuls keep no state
+    nnx.replace_by_pure_dict(int8_params, dequantized)
+    after = evaluate(int8_program, jax.device_put(int8_params, int8_program.state_shardings.params))
+
+    out = Path(args.out) if args.out else workdir / "quantized_int8"
+    float_bytes = sum(np.asarray(a).nbytes for a in jax.tree.leaves(float_params))
+    keys = {"/".join(path) for path in quantized}
+    artifact = {"int8": {"/".join(p): {"q": np.asarray(q), "scale": np.asarray(s)} for p, (q, s) in quantized.items()},
+                "float": {"/".join(map(str, k)): np.asarray(v) for k, v in _flat(float_params) if "/".join(map(str, k))
+                          not in keys}}
+    int8_bytes = sum(a.nbytes for a in jax.tree.leaves(artifact))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save((out / "weights").absolute(), artifact, force=True)
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    summary = {"workdir": str(workdir), "step": step, "precision": "int8 per output channel",
+               "eval_loss_before": round(before, 5), "eval_loss_after": round(after, 5),
+               "eval_loss_change": round((after - before) / before, 5),
+               "weight_bytes_before": int(float_bytes), "weight_bytes_after": int(int8_bytes),
+               "quantized_tensors": sorted(keys), "eval_tokens": int(sum(np.sum(b["loss_mask"]) for b in eval_data))}
+    (out / "manifest.json").write_text(json.dumps({**summary, "config": json.loads(
+        (workdir / "config.json").read_text())}, indent=2) + "\n")
+    print(f"checkpoint step {step} of {workdir}: {len(keys)} weight tensors -> int8 per output channel")
+    print(f"{'':<22}{'eval loss':>10}{'weight MB':>11}")
+    print(f"{'float32':<22}{before:>10.4f}{float_bytes / 1e6:>11.2f}")
+    print(f"{'int8 (weight-only)':<22}{after:>10.4f}{int8_bytes / 1e6:>11.2f}")
+    print(f"change {100 * (after - before) / before:+.2f}% eval loss; {float_bytes / int8_bytes:.2f}x smaller; "
+          f"written to {out}")
+    print(json.dumps(summary))
+    return 0
+
+
+def _flat(tree, prefix=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat(v, prefix + (k,))
+    else:
+        yield prefix, tree
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The quantization experiments: post-training quantization of a finished run (eval loss before/after, the int8
+artifact, bad input) and the float32-vs-quantized training comparison."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from experiments import compare_precision, quantize_checkpoint
+from experiments.cli import _open_data
+from helpers import one_device_mesh, repetitive_token_file, tiny_config
+from jaxlm.train import Program, Trainer
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ptq")
+    tokens = repetitive_token_file(root / "tokens")
+    cfg = tiny_config(steps=20, checkpoint_every=20, optim=dict(learning_rate=1e-2),
+                      data=dict(path=str(tokens), val_fraction=0.1, eval_batches=2))
+    train_iter, eval_data = _open_data(cfg)
+    Trainer(cfg, one_device_mesh(), root / "run", train_iter, eval_data, progress=False).run()
+    return root / "run", cfg, eval_data
+
+
+def run(capsys, *args):
+    code = quantize_checkpoint.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_quantizes_weights_and_reports_eval_loss(trained, capsys):
+    workdir, cfg, eval_data = trained
+    code, out, _ = run(capsys, "--workdir", workdir)
+    assert code == 0
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["step"] == 20 and summary["eval_loss_before"] < 3.0
+    assert abs(summary["eval_loss_change"]) < 0.02  # int8 per-channel weights barely move the loss
+    assert summary["weight_bytes_before"] / summary["weight_bytes_after"] > 3.5
+    assert summary["quantized_tensors"] == ["blocks/attn/wo", "blocks/attn/wqkv", "blocks/mlp/w_in",
+                                            "blocks/mlp/w_out", "embed"]
+    manifest = json.loads((workdir / "quantized_int8" / "manifest.json").read_text())
+    assert manifest["eval_loss_after"] == summary["eval_loss_after"] and manifest["config"]["steps"] == 20
+
+    # The artifact, dequantized and evaluated with float matmuls, gives the reported int8 loss: so its scales are
+    # per output channel exactly as the model's int8 weight-only matmuls compute them (re-quantizing is exact).
+    artifact = ocp.StandardCheckpointer().restore((workdir / "quantized_int8" / "weights").absolute())
+    assert artifact["int8"]["blocks/mlp/w_in"]["q"].dtype == np.int8
+    program = Program(cfg, one_device_mesh())
+    params = jax.tree.map(lambda a: a, program.abstract_state.params)
+    pure = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), nnx.to_pure_dict(params))
+    for name, value in artifact["float"].items():
+        _set(pure, name, value)
+    for name, entry in artifact["int8"].items():
+        _set(pure, name, entry["q"].astype(np.float32) * entry["scale"])
+    nnx.replace_by_pure_dict(params, pure)
+    total = count = 0.0
+    for batch in eval_data:
+        loss_sum, n = program.eval_step(params, program.device_batch(batch))
+        total, count = total + float(loss_sum), count + float(n)
+    assert abs(total / count - summary["eval_loss_after"]) < 1e-4
+
+
+def _set(tree, name, value):
+    *parents, leaf = name.split("/")
+    for key in parents:
+        tree = tree[key]
+    tree[leaf] = value
+
+
+def test_bad_input_is_one_line(trained, tmp_path, capsys):
+    workdir, _, _ = trained
+    code, _, err = run(capsys, "--workdir", tmp_path)
+    assert code == 2 and "has no config.json: not a training workdir" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "config.json").write_text((workdir / "config.json").read_text())
+    code, _, err = run(capsys, "--workdir", tmp_path)
+    assert code == 2 and "holds no complete checkpoint to quantize" in err
+    code, _, err = run(capsys, "--workdir", workdir, "--eval-batches", "-1")
+    assert code == 2 and "--eval-batches must be >= 0" in err
+    code, _, err = run(capsys, "--workdir", workdir, "--nope")
+    assert code == 2 and "unrecognized arguments: --nope" in err
+    cfg = json.loads((workdir / "config.json").read_text())
+    cfg["model"]["matmul_precision"] = "fp8"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run(capsys, "--workdir", tmp_path)
+    assert code == 2 and "already trained with model.matmul_precision='fp8'" in err
+
+
+def test_quantized_tensor_table_covers_an_untied_head(trained):
+    from jaxlm.quantized import quantize_weights
+
+    _, cfg, _ = trained
+    untied = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tie_embeddings=False))
+    params = nnx.to_pure_dict(Program(untied, one_device_mesh()).init().params)
+    q = quantize_weights(params)
+    assert set(q) >= {("lm_head",), ("embed",)}
+    assert q[("lm_head",)][1].shape == (1, untied.model.vocab_size)  # one scale per output column
+    assert q[("blocks", "attn", "wo")][1].shape == (untied.model.num_layers, 1, 1, untied.model.d_model)
+
+
+def test_compare_precision_trains_each_precision_and_plots(tmp_path, capsys):
+    shrink = ["model.d_model=64", "model.mlp_dim=128", "model.num_layers=2", "data.seq_len=64", "data.batch_size=8",
+              "data.microbatches=1", "data.eval_batches=1", "checkpoint_every=0"]
+    argv = ["--root", str(tmp_path), "--steps", "3", "--precisions", "fp8,f32", "--no-progress"]
+    argv += [a for s in shrink for a in ("--set", s)]
+    assert compare_precision.main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    assert list(summary) == ["f32", "fp8"] and summary["f32"]["eval_gap_vs_f32"] == 0
+    assert abs(summary["fp8"]["eval_gap_vs_f32"]) < 0.05
+    assert (tmp_path / "loss_by_precision.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "fp8" / "config.json").read_text())["model"]["matmul_precision"] == \
+        "attention=fp8,mlp=fp8"
+    with pytest.raises(SystemExit):
+        compare_precision.main(["--precisions", "fp4"])
