@@ -1,8 +1,10 @@
-"""What both block-sparse implementations (Pallas kernels, XLA path) do to their inputs before the math: the
-shape contract, padding to whole blocks, and the block mask's lists and segment ids as arrays with a batch dim."""
+"""What the kernels do to their inputs before the math: which lowering a Pallas call takes, padding to whole
+blocks, and for both block-sparse attention implementations (Pallas kernels, XLA path) the shape contract and the
+block mask's lists and segment ids as arrays with a batch dim."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from .block_mask import BlockMask
@@ -25,11 +27,25 @@ def check_attention_inputs(name: str, q, k, v, block_mask: BlockMask) -> None:
         raise ValueError(f"{name}: block mask batch shape {block_mask.batch_shape} does not match batch size {B}")
 
 
-def pad_axis(x, axis: int, size: int):
-    """Zero-pad ``x`` along ``axis`` up to ``size``."""
+BACKENDS = ("gpu", "tpu", "interpret")
+
+
+def resolve_backend(name: str, interpret: bool | None, backend: str | None) -> str:
+    """'interpret' (the default on CPU), or the lowering to target: ``backend`` if given, else the default device's.
+    Setting ``backend`` lets a CPU machine lower (export) a kernel for an accelerator."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    backend = "interpret" if interpret else (backend or ("tpu" if jax.default_backend() == "tpu" else "gpu"))
+    if backend not in BACKENDS:
+        raise ValueError(f"{name}: unknown backend {backend!r}; choose one of {BACKENDS[:2]}")
+    return backend
+
+
+def pad_axis(x, axis: int, size: int, value=0):
+    """Pad ``x`` along ``axis`` up to ``size`` with ``value`` (zeros by default)."""
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
+    return jnp.pad(x, widths, constant_values=value)
 
 
 def list_arrays(block_mask: BlockMask) -> tuple:

@@ -23,12 +23,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .block_mask import BlockMask
-from .kernel_inputs import check_attention_inputs, list_arrays, pad_axis, segment_arrays
+from .kernel_inputs import check_attention_inputs, list_arrays, pad_axis, resolve_backend, segment_arrays
 from .kernel_mask import bind_documents, split_documents
 from .masks import Mask, ScoreMod
-
-BACKENDS = ("gpu", "tpu", "interpret")
-
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
@@ -65,11 +62,7 @@ def block_sparse_attention(q, k, v, block_mask: BlockMask, *, scale: float | Non
     B, Hq, T, D = q.shape
     _, Hkv, S, _ = k.shape
     template, docs = split_documents(block_mask.mask)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    backend = "interpret" if interpret else (backend or ("tpu" if jax.default_backend() == "tpu" else "gpu"))
-    if backend not in BACKENDS:
-        raise ValueError(f"block_sparse_attention: unknown backend {backend!r}; choose one of {BACKENDS[:2]}")
+    backend = resolve_backend("block_sparse_attention", interpret, backend)
 
     bs = block_mask.block_sizes
     Tp, Sp = block_mask.padded_q_len, block_mask.padded_kv_len

@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .kernel_inputs import pad_axis
+
 QUANT_DTYPES = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 FLOAT8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
@@ -57,11 +59,8 @@ def _block_axis(axis: Axis, ndim: int, block: int) -> int:
 
 def _blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
     """x with `axis` padded (zeros) to whole blocks and split into [.., n_blocks, block, ..]."""
-    n = x.shape[axis]
-    nb = -(-n // block)
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, nb * block - n)
-    x = jnp.pad(x, pad)
+    nb = -(-x.shape[axis] // block)
+    x = pad_axis(x, axis, nb * block)
     return x.reshape(x.shape[:axis] + (nb, block) + x.shape[axis + 1:])
 
 

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .kernel_inputs import pad_axis, resolve_backend
 from .quantize import FLOAT8, dequantize, quantize
 
 IMPLS = ("auto", "pallas", "xla")
-BACKENDS = ("gpu", "tpu", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +102,7 @@ def scaled_matmul(xq: jax.Array, x_scale: jax.Array | None, wq: jax.Array, w_sca
     x_scale, w_scale = x_scale.astype(jnp.float32), w_scale.astype(jnp.float32)
     if resolve_impl(impl) == "xla":
         return _xla(xq, x_scale, wq, w_scale, kind, k_block).astype(out_dtype)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    backend = "interpret" if interpret else (backend or ("tpu" if jax.default_backend() == "tpu" else "gpu"))
-    if backend not in BACKENDS:
-        raise ValueError(f"scaled_matmul: unknown backend {backend!r}; choose one of {BACKENDS[:2]}")
+    backend = resolve_backend("scaled_matmul", interpret, backend)
     return _pallas(xq, x_scale, wq, w_scale, kind=kind, k_block=k_block, blocks=blocks,
                    out_dtype=jnp.dtype(out_dtype), backend=backend)
 
@@ -124,9 +120,8 @@ def _xla(xq, x_scale, wq, w_scale, kind, k_block):
         return lax.dot(xq, wq, preferred_element_type=acc).astype(jnp.float32) * x_scale * w_scale
     M, K = xq.shape
     N, kb = wq.shape[1], x_scale.shape[1]
-    pad = kb * k_block - K
-    x_MBk = jnp.pad(xq, ((0, 0), (0, pad))).reshape(M, kb, k_block)
-    w_BkN = jnp.pad(wq, ((0, pad), (0, 0))).reshape(kb, k_block, N)
+    x_MBk = pad_axis(xq, 1, kb * k_block).reshape(M, kb, k_block)
+    w_BkN = pad_axis(wq, 0, kb * k_block).reshape(kb, k_block, N)
     partial_BMN = jnp.einsum("mbk,bkn->bmn", x_MBk, w_BkN, preferred_element_type=acc).astype(jnp.float32)
     return jnp.sum(partial_BMN * x_scale.T[:, :, None] * w_scale[:, None, :], axis=0)
 
@@ -136,30 +131,21 @@ def _fit(block: int, n: int) -> int:
     return min(block, max(16, 1 << max(0, (n - 1).bit_length())))
 
 
-def _pad_to(a: jax.Array, axis: int, size: int, value=0) -> jax.Array:
-    pad = size - a.shape[axis]
-    if pad == 0:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(a, widths, constant_values=value)
-
-
 def _pallas(xq, x_scale, wq, w_scale, *, kind, k_block, blocks, out_dtype, backend):
     M, K = xq.shape
     N = wq.shape[1]
     bm, bn = _fit(blocks.block_m, M), _fit(blocks.block_n, N)
     bk = k_block if k_block is not None else _fit(blocks.block_k, K)
     Mp, Np, Kp = -(-M // bm) * bm, -(-N // bn) * bn, -(-K // bk) * bk
-    xq, wq = _pad_to(_pad_to(xq, 0, Mp), 1, Kp), _pad_to(_pad_to(wq, 0, Kp), 1, Np)
+    xq, wq = pad_axis(pad_axis(xq, 0, Mp), 1, Kp), pad_axis(pad_axis(wq, 0, Kp), 1, Np)
     kb = x_scale.shape[1]
     if x_scale.shape[0] == M:
-        x_scale = _pad_to(x_scale, 0, Mp, 1.0)
+        x_scale = pad_axis(x_scale, 0, Mp, 1.0)
         xs_spec = pl.BlockSpec((bm, kb), lambda i, j: (i, 0))
     else:
         xs_spec = pl.BlockSpec((1, kb), lambda i, j: (0, 0))
     if w_scale.shape[1] == N:
-        w_scale = _pad_to(w_scale, 1, Np, 1.0)
+        w_scale = pad_axis(w_scale, 1, Np, 1.0)
         ws_spec = pl.BlockSpec((kb, bn), lambda i, j: (0, j))
     else:
         ws_spec = pl.BlockSpec((kb, 1), lambda i, j: (0, 0))
