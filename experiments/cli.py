@@ -91,13 +91,14 @@ def _prepare(args, default_config: Path):
     layout.check_divisibility(batch_size=d.batch_size, microbatches=d.microbatches, num_heads=m.num_heads,
                               num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, num_layers=m.num_layers)
 
-    train_iter, eval_data = _open_data(cfg)
+    train_iter, eval_data = open_data(cfg)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     return cfg, layout, train_iter, eval_data
 
 
-def _open_data(cfg):
+def open_data(cfg):
+    """(train batch iterator, eval batches) for a config's data, checked against the model's vocabulary."""
     from data import SeededBatchIterator, TokenFile, default_corpus, eval_batches, split_train_val
     from jaxlm.attention import parse_mask, uses_documents
 

@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
-    from flax import nnx
+    from flax import nnx, traverse_util
 
-    from experiments.cli import _open_data
+    from experiments.cli import open_data
     from jaxlm.quantized import quantize_weights
     from jaxlm.train import Program
     from pallas_kernels.quantize import dequantize
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.eval_batches:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_batches=args.eval_batches))
-    _, eval_data = _open_data(cfg)
+    _, eval_data = open_data(cfg)
     if not eval_data:
         print(f"{PROG}: error: the run's data has no validation split (data.val_fraction = "
               f"{cfg.data.val_fraction}); nothing to evaluate", file=sys.stderr)
@@ -90,34 +90,23 @@ def main(argv: list[str] | None = None) -> int:
     state, _, _ = checkpointer.restore(step, program.abstract_with_shardings())
     checkpointer.close()
 
-    def evaluate(prog, params):
-        total = count = 0.0
-        for batch in eval_data:
-            loss_sum, n = jax.device_get(prog.eval_step(params, prog.device_batch(batch)))
-            total, count = total + float(loss_sum), count + float(n)
-        return total / max(count, 1.0)
-
-    before = evaluate(program, state.params)
+    before = program.evaluate(state.params, eval_data)
     float_params = nnx.to_pure_dict(state.params)
     quantized = quantize_weights(float_params)
-    dequantized = jax.tree.map(np.asarray, float_params)
-    for path, (q, scale) in quantized.items():
-        node = dequantized
-        for key in path[:-1]:
-            node = node[key]
-        node[path[-1]] = np.asarray(dequantize(q, scale))
+    flat = {k: np.asarray(v) for k, v in traverse_util.flatten_dict(float_params).items()}  # {path tuple: array}
+    dequantized = traverse_util.unflatten_dict(
+        {**flat, **{path: np.asarray(dequantize(q, scale)) for path, (q, scale) in quantized.items()}})
     int8_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, matmul_precision="int8_weight_only"))
     int8_program = Program(int8_cfg, mesh)
     int8_params = jax.tree.map(lambda a: a, state.params)  # same tree: weight-only matmuls keep no state
     nnx.replace_by_pure_dict(int8_params, dequantized)
-    after = evaluate(int8_program, jax.device_put(int8_params, int8_program.state_shardings.params))
+    after = int8_program.evaluate(jax.device_put(int8_params, int8_program.state_shardings.params), eval_data)
 
     out = Path(args.out) if args.out else workdir / "quantized_int8"
-    float_bytes = sum(np.asarray(a).nbytes for a in jax.tree.leaves(float_params))
+    float_bytes = sum(a.nbytes for a in flat.values())
     keys = {"/".join(path) for path in quantized}
     artifact = {"int8": {"/".join(p): {"q": np.asarray(q), "scale": np.asarray(s)} for p, (q, s) in quantized.items()},
-                "float": {"/".join(map(str, k)): np.asarray(v) for k, v in _flat(float_params) if "/".join(map(str, k))
-                          not in keys}}
+                "float": {"/".join(map(str, k)): v for k, v in flat.items() if k not in quantized}}
     int8_bytes = sum(a.nbytes for a in jax.tree.leaves(artifact))
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save((out / "weights").absolute(), artifact, force=True)
@@ -138,14 +127,6 @@ def main(argv: list[str] | None = None) -> int:
           f"written to {out}")
     print(json.dumps(summary))
     return 0
-
-
-def _flat(tree, prefix=()):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _flat(v, prefix + (k,))
-    else:
-        yield prefix, tree
 
 
 if __name__ == "__main__":

@@ -237,6 +237,14 @@ class Program:
         return {k: put_process_rows(np.asarray(v), self.batch_sharding, self.cfg.data.batch_size)
                 for k, v in batch.items()}
 
+    def evaluate(self, params, batches: list[Batch]) -> float:
+        """Mean next-token loss over host batches (token-weighted: the sums of every batch, then one division)."""
+        total, count = 0.0, 0.0
+        for batch in batches:
+            loss_sum, n = jax.device_get(self.eval_step(params, self.device_batch(batch)))
+            total, count = total + float(loss_sum), count + float(n)
+        return total / max(count, 1.0)
+
     def abstract_with_shardings(self):
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self.abstract_state, self.state_shardings)
@@ -336,7 +344,7 @@ class Trainer:
                     logger.log(last)
                     t_last, steps_since = now, 0
                 if self.eval_batches and ((cfg.eval_every and step % cfg.eval_every == 0) or is_last):
-                    eval_loss = self.evaluate(state.params)
+                    eval_loss = program.evaluate(state.params, self.eval_batches)
                     logger.log({"step": step, "eval_loss": eval_loss})
                     last["eval_loss"] = eval_loss
                     t_last = time.perf_counter()  # eval time is not training throughput
@@ -347,10 +355,3 @@ class Trainer:
         finally:
             self.checkpointer.close()
             logger.close()
-
-    def evaluate(self, params) -> float:
-        total, count = 0.0, 0.0
-        for batch in self.eval_batches:
-            loss_sum, n = jax.device_get(self.program.eval_step(params, self.program.device_batch(batch)))
-            total, count = total + float(loss_sum), count + float(n)
-        return total / max(count, 1.0)

@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
+from flax import nnx, traverse_util
 
 from experiments import compare_precision, quantize_checkpoint
-from experiments.cli import _open_data
+from experiments.cli import open_data
 from helpers import one_device_mesh, repetitive_token_file, tiny_config
 from jaxlm.train import Program, Trainer
 
@@ -22,7 +22,7 @@ def trained(tmp_path_factory):
     tokens = repetitive_token_file(root / "tokens")
     cfg = tiny_config(steps=20, checkpoint_every=20, optim=dict(learning_rate=1e-2),
                       data=dict(path=str(tokens), val_fraction=0.1, eval_batches=2))
-    train_iter, eval_data = _open_data(cfg)
+    train_iter, eval_data = open_data(cfg)
     Trainer(cfg, one_device_mesh(), root / "run", train_iter, eval_data, progress=False).run()
     return root / "run", cfg, eval_data
 
@@ -52,24 +52,10 @@ def test_quantizes_weights_and_reports_eval_loss(trained, capsys):
     assert artifact["int8"]["blocks/mlp/w_in"]["q"].dtype == np.int8
     program = Program(cfg, one_device_mesh())
     params = jax.tree.map(lambda a: a, program.abstract_state.params)
-    pure = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), nnx.to_pure_dict(params))
-    for name, value in artifact["float"].items():
-        _set(pure, name, value)
-    for name, entry in artifact["int8"].items():
-        _set(pure, name, entry["q"].astype(np.float32) * entry["scale"])
-    nnx.replace_by_pure_dict(params, pure)
-    total = count = 0.0
-    for batch in eval_data:
-        loss_sum, n = program.eval_step(params, program.device_batch(batch))
-        total, count = total + float(loss_sum), count + float(n)
-    assert abs(total / count - summary["eval_loss_after"]) < 1e-4
-
-
-def _set(tree, name, value):
-    *parents, leaf = name.split("/")
-    for key in parents:
-        tree = tree[key]
-    tree[leaf] = value
+    weights = {**artifact["float"],
+               **{name: e["q"].astype(np.float32) * e["scale"] for name, e in artifact["int8"].items()}}
+    nnx.replace_by_pure_dict(params, traverse_util.unflatten_dict(weights, sep="/"))
+    assert abs(program.evaluate(params, eval_data) - summary["eval_loss_after"]) < 1e-4
 
 
 def test_bad_input_is_one_line(trained, tmp_path, capsys):
