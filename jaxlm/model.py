@@ -185,12 +185,8 @@ class Transformer(nnx.Module):
 def head_logits(cfg: ModelConfig, head: dict[str, jax.Array], x_BTD: jax.Array) -> jax.Array:
     """Final RMSNorm and the vocabulary projection: float32 logits [B, T, V]."""
     x_BTD = rms_norm(x_BTD, head["norm_scale"], cfg.norm_eps)
-    recipe = layer_recipe(cfg, "lm_head")
-    if recipe is None:
-        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head["head_DV"].astype(x_BTD.dtype),
-                                preferred_element_type=jnp.float32)
-    else:
-        logits_BTV = project("btd,dv->btv", x_BTD, head["head_DV"], recipe, head.get("amax")).astype(jnp.float32)
+    logits_BTV = project("btd,dv->btv", x_BTD, head["head_DV"], layer_recipe(cfg, "lm_head"), head.get("amax"),
+                         out_dtype=jnp.float32)
     return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 

@@ -66,28 +66,32 @@ def layer_recipe(cfg, layer_class: str) -> QuantRecipe | None:
     return recipe if cfg.quant_backward == "quantized" else dataclasses.replace(recipe, grad_dtype=None)
 
 
+def _keeps_history(cfg, recipe: QuantRecipe | None) -> bool:
+    """A quantized, not weight-only, matmul under delayed scaling keeps an amax history."""
+    return recipe is not None and not recipe.weight_only and cfg.quant_scaling == "delayed"
+
+
 def uses_delayed_scaling(cfg) -> bool:
-    """True when some matmul keeps an amax history (a quantized, not weight-only, class with delayed scaling)."""
-    return cfg.quant_scaling == "delayed" and any(
-        p in ("int8", "fp8") for p in parse_matmul_precision(cfg.matmul_precision).values())
+    """True when some matmul of the model keeps an amax history."""
+    return any(_keeps_history(cfg, layer_recipe(cfg, c)) for c in LAYER_CLASSES)
 
 
 def amax_history(cfg, recipe: QuantRecipe | None) -> AmaxHistory | None:
     """A fresh history for a matmul that scales by delay, else None."""
-    if recipe is None or recipe.weight_only or cfg.quant_scaling != "delayed":
+    if not _keeps_history(cfg, recipe):
         return None
     return AmaxHistory(new_amax_history(cfg.quant_amax_history), **{LOGICAL_AXES_KEY: (None, None)})
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, recipe: QuantRecipe | None,
-            history: jax.Array | None = None) -> jax.Array:
+            history: jax.Array | None = None, out_dtype=None) -> jax.Array:
     """einsum(spec, x, w) for a projection whose contracted axes are x's last and w's first, e.g. 'btd,dkge->btkge'.
 
-    recipe None: the plain einsum in x's dtype. Otherwise both sides are flattened to 2-D and multiplied by
-    `quantized_dot`; the result has x's dtype.
+    recipe None: the plain einsum in x's dtype (accumulating in `out_dtype` if given). Otherwise both sides are
+    flattened to 2-D and multiplied by `quantized_dot`. The result has `out_dtype`, default x's dtype.
     """
     if recipe is None:
-        return jnp.einsum(spec, x, w.astype(x.dtype))
+        return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=out_dtype)
     x_axes, w_axes = spec.split("->")[0].split(",")
     n = sum(a in w_axes for a in x_axes)
     if x_axes[len(x_axes) - n:] != w_axes[:n]:
@@ -95,7 +99,7 @@ def project(spec: str, x: jax.Array, w: jax.Array, recipe: QuantRecipe | None,
     lead, out = x.shape[:x.ndim - n], w.shape[n:]
     k = math.prod(w.shape[:n])
     y = quantized_dot(x.reshape(-1, k), w.reshape(k, -1), history, _placed(recipe))
-    return y.reshape(*lead, *out)
+    return y.reshape(*lead, *out).astype(out_dtype or x.dtype)
 
 
 def _placed(recipe: QuantRecipe) -> QuantRecipe:
