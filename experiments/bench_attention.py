@@ -17,12 +17,12 @@ import argparse
 import functools
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.timing import best_time
 from pallas_kernels import (BlockSizes, block_sparse_attention, block_sparse_attention_xla, causal, document,
                             full, make_block_mask, prefix_lm, reference_attention, sliding_window)
 
@@ -50,14 +50,7 @@ def time_fwd_bwd(fn, q, k, v, repeats: int) -> float:
     def loss(q, k, v):
         return jnp.sum(fn(q, k, v)[0].astype(jnp.float32) * w)
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    jax.block_until_ready(step(q, k, v))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(q, k, v))
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_time(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, repeats=repeats)
 
 
 def inputs(B, H, T, D, dtype):

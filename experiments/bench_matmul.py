@@ -24,13 +24,13 @@ import argparse
 import functools
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from experiments.bench_train import GPT_BENCH
+from experiments.timing import best_time
 from pallas_kernels.quantize import quantize
 from pallas_kernels.quantized_matmul import MatmulBlocks, reference_scaled_matmul, resolve_impl, scaled_matmul
 
@@ -59,18 +59,6 @@ def rel_err(out, ref) -> float:
     return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
-def best_time(fn, *args, repeats: int) -> float:
-    """Best wall time of fn(*args) (already jitted) over `repeats` runs, after two warm-up calls."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def quantized_operands(x, w, mode: str):
     """(xq, x_scale, wq, w_scale, k_block) for one mode: x per row, w per column, or per 128-block of K."""
     x_dtype, w_dtype, k_block = MODES[mode]
@@ -95,8 +83,8 @@ def bench_shape(M, K, N, args, impl: str, timed: bool) -> dict:
     res = {"f32 jnp.dot": {"rel_err": rel_err(f32_dot(x, w), ref)},
            "bf16 jnp.dot": {"rel_err": rel_err(bf16(xb, wb), ref)}}
     if timed:
-        res["f32 jnp.dot"]["seconds"] = best_time(f32_dot, x, w, repeats=args.repeats)
-        res["bf16 jnp.dot"]["seconds"] = best_time(bf16, xb, wb, repeats=args.repeats)
+        res["f32 jnp.dot"]["seconds"] = best_time(f32_dot, x, w, repeats=args.repeats, warmup=2)
+        res["bf16 jnp.dot"]["seconds"] = best_time(bf16, xb, wb, repeats=args.repeats, warmup=2)
     blocks = MatmulBlocks(args.block_m, args.block_n, args.block_k)
     for mode in MODES:
         xq, xs, wq, ws, k_block = quantized_operands(x, w, mode)
@@ -105,7 +93,7 @@ def bench_shape(M, K, N, args, impl: str, timed: bool) -> dict:
         r = res[mode] = {"rel_err": rel_err(out, ref),
                          "kernel_vs_ref": rel_err(out, reference_scaled_matmul(xq, xs, wq, ws, k_block=k_block))}
         if timed:
-            r["seconds"] = best_time(fn, xq, xs, wq, ws, repeats=args.repeats)
+            r["seconds"] = best_time(fn, xq, xs, wq, ws, repeats=args.repeats, warmup=2)
         del out, xq, xs, wq, ws
     return res
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.timing import best_time
 from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, apply_overrides, validate
 from jaxlm.model import model_flops_per_token
 from jaxlm.train import Program
@@ -50,16 +51,7 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
     """Best-of-`repeats` float32 jnp.dot throughput on the default device."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(a, b).block_until_ready()
-    best = min(_timed(lambda: dot(a, b).block_until_ready()) for _ in range(repeats))
-    return 2 * n**3 / best
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return 2 * n**3 / best_time(jax.jit(jnp.dot), a, b, repeats=repeats)
 
 
 def measure_train_step(cfg: TrainConfig, steps: int, windows: int, profile_dir: str | None = None) -> dict:
