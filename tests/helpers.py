@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -55,3 +56,14 @@ def random_token_file(path, *, num_tokens: int = 6000, vocab: int = VOCAB, seed:
 def pure(state) -> dict:
     """nnx.State -> nested dict of numpy arrays (host copies, safe after donation)."""
     return jax.tree.map(np.asarray, nnx.to_pure_dict(state))
+
+
+def gaussian(shape, seed: int = 0, dtype=np.float32):
+    """Standard normal values as a jax array, reproducible by seed."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def rel(a, b) -> float:
+    """||a - b|| / ||b||, computed in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

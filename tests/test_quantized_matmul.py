@@ -7,19 +7,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from helpers import gaussian, rel
 from pallas_kernels.quantize import amax, dequantize, qmax, quantize, round_to
 from pallas_kernels.quantized_matmul import MatmulBlocks, quantized_matmul, reference_scaled_matmul, scaled_matmul
 
 FP8 = ("float8_e4m3fn", "float8_e5m2")
-
-
-def gaussian(shape, seed=0, dtype=jnp.float32):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # ----------------------------------------------------------------------------- quantize

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data import SeededBatchIterator, TokenFile
-from helpers import one_device_mesh, pure, random_batch, repetitive_token_file, tiny_config
+from helpers import gaussian, one_device_mesh, pure, random_batch, rel, repetitive_token_file, tiny_config
 from jaxlm.config import ConfigError, validate
 from jaxlm.metrics import read_metrics
 from jaxlm.quantized import parse_matmul_precision
@@ -17,14 +17,6 @@ from jaxlm.train import Program, Trainer
 from pallas_kernels.quantize import quantize
 from pallas_kernels.quantized_training import QuantRecipe, new_amax_history, quantized_dot, updated_history
 from sharding import MeshLayout, build_mesh
-
-
-def gaussian(shape, seed=0):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
-def rel(a, b):
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
 X, W, C = gaussian((48, 80), 0), gaussian((80, 40), 1) * 0.1, gaussian((48, 40), 2)
