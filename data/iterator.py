@@ -61,7 +61,12 @@ def segment_ids(inputs_BT: np.ndarray, eos_id: int) -> np.ndarray:
 def _gather(tokens: np.ndarray, window_ids_B: np.ndarray, start: int, seq_len: int, eos_id: int | None) -> Batch:
     """Reads windows with one fancy index of shape [B, T+1] (one pass over the memmap)."""
     index_BT1 = start + window_ids_B[:, None].astype(np.int64) * seq_len + np.arange(seq_len + 1)
-    windows_BT1 = np.asarray(tokens[index_BT1]).astype(np.int32)
+    return batch_from_windows(np.asarray(tokens[index_BT1]), eos_id)
+
+
+def batch_from_windows(windows_BT1: np.ndarray, eos_id: int | None) -> Batch:
+    """Windows of seq_len + 1 tokens -> a training batch (inputs, next-token targets, mask, documents)."""
+    windows_BT1 = np.asarray(windows_BT1).astype(np.int32)
     inputs_BT = np.ascontiguousarray(windows_BT1[:, :-1])
     batch = {"inputs": inputs_BT,
              "targets": np.ascontiguousarray(windows_BT1[:, 1:]),

@@ -100,6 +100,7 @@ def _prepare(args, default_config: Path):
 def open_data(cfg):
     """(train batch iterator, eval batches) for a config's data, checked against the model's vocabulary."""
     from data import SeededBatchIterator, TokenFile, default_corpus, eval_batches, split_train_val
+    from data.sources import TokenWindowSource
     from jaxlm.attention import parse_mask, uses_documents
 
     d = cfg.data
@@ -115,13 +116,39 @@ def open_data(cfg):
         if eos_id is None:
             raise ValueError(f"model.attention_mask {cfg.model.attention_mask!r} uses document(), but token file "
                              f"{token_file.path} records no eos_id to find document boundaries")
-    train_iter = SeededBatchIterator(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len, seed=cfg.seed,
-                                     start=train_lo, stop=train_hi, eos_id=eos_id)
+    if d.loader == "simple":
+        train_iter = SeededBatchIterator(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len,
+                                         seed=cfg.seed, start=train_lo, stop=train_hi, eos_id=eos_id)
+    else:
+        train_iter = clairvoyant_loader(cfg, TokenWindowSource(token_file.tokens, seq_len=d.seq_len, start=train_lo,
+                                                               stop=train_hi), eos_id)
     eval_data = []
     if d.eval_batches and val_hi > val_lo:
         eval_data = eval_batches(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len, start=val_lo,
                                  stop=val_hi, max_batches=d.eval_batches, eos_id=eos_id)
     return train_iter, eval_data
+
+
+def clairvoyant_loader(cfg, source, eos_id=None):
+    """The plan-driven loader over `source` with the config's tiers, optionally behind a simulated remote filesystem.
+
+    In a multi-process run the processes' loaders all-gather their plans over jax.distributed and serve each
+    other's misses; each process reads the rows its devices hold (the trainer calls set_rows)."""
+    import jax
+
+    from data.loader import ClairvoyantLoader, jax_exchange
+    from data.sources import ThrottledSource
+
+    d = cfg.data
+    if d.throttle_latency_ms or d.throttle_mb_per_s:
+        source = ThrottledSource(source, latency_s=d.throttle_latency_ms / 1e3,
+                                 bandwidth_bytes_per_s=d.throttle_mb_per_s * 1e6 or None)
+    multi = jax.process_count() > 1
+    return ClairvoyantLoader(source, batch_size=d.batch_size, seed=cfg.seed, ram_bytes=int(d.cache_ram_mb * 2**20),
+                             disk_bytes=int(d.cache_disk_mb * 2**20), disk_dir=d.cache_dir or None,
+                             workers=d.loader_workers, prefetch_steps=d.prefetch_steps, eos_id=eos_id,
+                             process_index=jax.process_index(), process_count=jax.process_count(),
+                             exchange=jax_exchange() if multi else None)
 
 
 def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
@@ -140,6 +167,8 @@ def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
     except ConfigError as e:  # e.g. resuming a workdir written with another model config
         return _fail(prog, str(e))
     if final and trainer.primary:
-        summary = ", ".join(f"{k} {v:.4g}" for k, v in final.items() if k != "step")
+        shown = {k: v for k, v in final.items() if k != "step" and (not k.startswith("data_")
+                                                                   or k in ("data_hit_rate", "data_stall_frac"))}
+        summary = ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
         print(f"{prog}: step {final['step']}: {summary}; outputs in {args.workdir}", file=sys.stderr)
     return 0

@@ -68,6 +68,12 @@ class OptimConfig:
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
 
 
+LOADERS = ("clairvoyant", "simple")
+# data fields that change how fast batches arrive, never which batches: a resumed run may change them
+DATA_SPEED_FIELDS = ("cache_ram_mb", "cache_disk_mb", "cache_dir", "loader_workers", "prefetch_steps",
+                     "throttle_latency_ms", "throttle_mb_per_s")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""  # a token file directory (python -m data.prepare); "" -> the default stdlib corpus
@@ -76,6 +82,16 @@ class DataConfig:
     microbatches: int = 1  # gradient accumulation: batch_size is split into this many microbatches
     val_fraction: float = 0.01
     eval_batches: int = 4
+    # the training loader: "clairvoyant" (data.loader: plan-driven cache + prefetch) or "simple" (SeededBatchIterator)
+    loader: str = "clairvoyant"
+    cache_ram_mb: float = 256.0  # this process's RAM tier (0 disables it)
+    cache_disk_mb: float = 0.0  # this process's local-disk tier
+    cache_dir: str = ""  # where the disk tier's slot file lives ("" -> the system temp dir)
+    loader_workers: int = 16  # fetch threads per process
+    prefetch_steps: int = 4  # batches fetched ahead of the training step
+    # simulate a remote filesystem under the dataset (benchmarks, tests): per-request latency and shared bandwidth
+    throttle_latency_ms: float = 0.0
+    throttle_mb_per_s: float = 0.0  # 0 -> unlimited
 
 
 @dataclass(frozen=True)
@@ -235,6 +251,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_quantization(m)
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    if d.loader not in LOADERS:
+        raise ConfigError(f"data.loader must be one of {list(LOADERS)}, got {d.loader!r}")
+    for key in ("cache_ram_mb", "cache_disk_mb", "throttle_latency_ms", "throttle_mb_per_s"):
+        if getattr(d, key) < 0:
+            raise ConfigError(f"data.{key} must be >= 0, got {getattr(d, key)}")
+    for key in ("loader_workers", "prefetch_steps"):
+        if getattr(d, key) < 1:
+            raise ConfigError(f"data.{key} must be >= 1, got {getattr(d, key)}")
     if d.batch_size % d.microbatches:
         raise ConfigError(f"data.batch_size ({d.batch_size}) must be divisible by data.microbatches ({d.microbatches})")
     return cfg

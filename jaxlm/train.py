@@ -253,6 +253,28 @@ class Program:
 # ----------------------------------------------------------------------------- the loop
 
 
+class LoaderMetrics:
+    """The loader's counters for metrics.jsonl: cumulative ones as they are, plus the stall fraction since the
+    last record (time the loop waited in next() / wall time; an upper bound on device idle time, since the
+    asynchronously dispatched step runs meanwhile)."""
+
+    def __init__(self, loader, now: float):
+        self.read = getattr(loader, "metrics", None)
+        self.t, self.stall = now, self._stall()
+
+    def _stall(self) -> float:
+        return self.read()["data_stall_s"] if self.read else 0.0
+
+    def update(self, now: float) -> dict:
+        if self.read is None:
+            return {}
+        record = self.read()
+        stall = record["data_stall_s"]
+        record["data_stall_frac"] = (stall - self.stall) / max(now - self.t, 1e-9)
+        self.t, self.stall = now, stall
+        return record
+
+
 class Trainer:
     """Runs `cfg.steps` optimizer steps, resuming from the workdir's latest checkpoint if there is one."""
 
@@ -285,7 +307,9 @@ class Trainer:
         # shape mismatch instead of a message naming the field.
         saved_cfg = self.checkpointer.restore_config(latest)
         changed = [d for d in config_lib.diff(saved_cfg["model"], config_lib.to_dict(self.cfg.model), "model.")]
-        changed += config_lib.diff(saved_cfg["data"], config_lib.to_dict(self.cfg.data), "data.")
+        saved_data, data = ({k: v for k, v in c.items() if k not in config_lib.DATA_SPEED_FIELDS}
+                            for c in (saved_cfg["data"], config_lib.to_dict(self.cfg.data)))
+        changed += config_lib.diff(saved_data, data, "data.")
         if changed:
             raise config_lib.ConfigError(f"checkpoint at step {latest} in {self.workdir} was written with a different "
                                          f"config ({'; '.join(changed)}); use a new --workdir or the original config")
@@ -320,25 +344,32 @@ class Trainer:
             if start >= cfg.steps:
                 logger.info(f"already at step {start} >= steps {cfg.steps}; nothing to do")
                 return last
-            batch = program.device_batch(next(self.train_iter))
+            if hasattr(self.train_iter, "set_device_put"):  # the loader's thread puts batches on devices
+                self.train_iter.set_device_put(program.device_batch)
+                to_device = lambda batch: batch  # noqa: E731
+            else:
+                to_device = program.device_batch
+            batch = to_device(next(self.train_iter))
             t0 = time.perf_counter()
             step_fn = program.train_step.lower(state, batch).compile()
             logger.info(f"compiled train step in {time.perf_counter() - t0:.1f}s")
             t_last, steps_since = time.perf_counter(), 0
+            loader_metrics = LoaderMetrics(self.train_iter, t_last)
             for step in range(start + 1, cfg.steps + 1):
                 state, metrics = step_fn(state, batch)
                 data_state = self.train_iter.get_state()  # the next step's batch, before it is prefetched below
                 steps_since += 1
                 is_last = step == cfg.steps
                 if step < cfg.steps:
-                    batch = program.device_batch(next(self.train_iter))  # overlaps with the running step
+                    batch = to_device(next(self.train_iter))  # overlaps with the running step
                 if step % cfg.log_every == 0 or is_last or step == start + 1:
                     metrics = jax.device_get(metrics)  # replicated outputs: a local copy, also across processes
                     now = time.perf_counter()
                     tokens_per_s = steps_since * tokens_per_step / (now - t_last)
                     last = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
                             "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
-                            "model_gflops_per_s": tokens_per_s * flops_per_token / 1e9}
+                            "model_gflops_per_s": tokens_per_s * flops_per_token / 1e9,
+                            **loader_metrics.update(now)}
                     if not np.isfinite(last["loss"]):
                         raise FloatingPointError(f"loss became {last['loss']} at step {step}")
                     logger.log(last)
@@ -355,3 +386,5 @@ class Trainer:
         finally:
             self.checkpointer.close()
             logger.close()
+            if hasattr(self.train_iter, "close"):
+                self.train_iter.close()  # stops prefetch threads; a later next() would start them again

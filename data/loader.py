@@ -1,0 +1,383 @@
+"""The clairvoyant loader: prefetches exactly what the seed says comes next, from the fastest place that has it.
+
+Three kinds of threads around one bounded window of upcoming positions:
+
+- fetch workers (W of them, round-robin over positions) read each sample from
+  where the placement plan says it is: this process's RAM or disk tier, a peer
+  process's cache, or the (slow) source; a peer or tier that cannot deliver
+  falls back to the source, so a batch is never wrong, only slower;
+- the assembler consumes positions strictly in stream order: it applies the
+  plan's drops, demotions and stores (so the cache always matches the plan at
+  that point of the stream), builds the batch, optionally puts it on devices,
+  and queues it;
+- the training thread takes batches; the time it waits is the stall time.
+
+The loader's checkpoint state is the step number (plus what identifies the
+stream), so resuming is O(1) and yields exactly the batches an uninterrupted run
+would have seen, for any number of workers. Caches are rebuilt after a resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from data.access_plan import AccessPlan, process_rows
+from data.cache_plan import DEMOTE, DISK, PEER, RAM, SOURCE, TIER_NAMES, PlacementPlanner, ProcessPlan
+from data.iterator import Batch, batch_from_windows
+from data.tiers import TieredCache
+
+Exchange = Callable[[dict], list]  # all-gather of one JSON-able dict per process, in process order
+
+
+class LoaderError(RuntimeError):
+    """The loader could not produce the next batch (the cause is chained)."""
+
+
+class ClairvoyantLoader:
+    """Globally shuffled batches of `source` samples (windows of seq_len + 1 tokens); `batch_size` is global.
+
+    ram_bytes / disk_bytes: this process's tier capacities (0 disables a tier).
+    exchange: an all-gather across the loader's processes (`file_exchange`,
+    `jax_exchange`); with it, processes share one de-duplicated placement and
+    serve each other's misses over TCP. Without it each process caches alone.
+    """
+
+    def __init__(self, source, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,
+                 ram_bytes: int = 256 << 20, disk_bytes: int = 0, disk_dir: str | None = None, workers: int = 16,
+                 prefetch_steps: int = 4, plan_chunk_steps: int | None = None, eos_id: int | None = None,
+                 exchange: Exchange | None = None, peer_host: str = "127.0.0.1", peer_wait_s: float = 0.5):
+        for name, value, low in (("workers", workers, 1), ("prefetch_steps", prefetch_steps, 1),
+                                 ("ram_bytes", ram_bytes, 0), ("disk_bytes", disk_bytes, 0)):
+            if value < low:
+                raise ValueError(f"ClairvoyantLoader: {name} must be >= {low}, got {value}")
+        self._threads: list[threading.Thread] = []
+        self.source, self.eos_id = source, eos_id
+        self.plan = AccessPlan(source.num_samples, batch_size, seed)
+        self.batch_size, self.seed = batch_size, seed
+        self.process_index, self.process_count = process_index, process_count
+        self.set_rows(*process_rows(batch_size, process_index, process_count))
+        self.capacity = (ram_bytes // source.sample_nbytes, disk_bytes // source.sample_nbytes)
+        self.disk_dir, self.workers, self.prefetch_steps = disk_dir, workers, prefetch_steps
+        self.plan_chunk_steps = plan_chunk_steps or self.plan.steps_per_epoch
+        self.exchange, self.peer_host, self.peer_wait_s = exchange, peer_host, peer_wait_s
+        self.batches_per_epoch = self.plan.steps_per_epoch
+        self.step = 0
+        self._to_device = None
+        self._counts = {k: 0 for k in ("ram", "disk", "peer", "source", "fallback", "batches")}
+        self._bytes = {k: 0 for k in ("local", "peer", "source")}
+        self._stall_s = 0.0
+        self._planned = {k: 0 for k in TIER_NAMES.values()}
+        self._count_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the iterator interface
+
+    def set_rows(self, start: int, stop: int) -> None:
+        """Read rows [start, stop) of each global batch from now on (a multi-process trainer's share)."""
+        start, stop = int(start), int(stop)
+        if not 0 <= start < stop <= self.batch_size:
+            raise ValueError(f"rows must be [start, stop) with 0 <= start < stop <= batch_size={self.batch_size}, "
+                             f"got [{start}, {stop})")
+        self._stop_pipeline()
+        self.rows = (start, stop)
+        self.local_batch_size = stop - start
+
+    def set_device_put(self, to_device: Callable[[Batch], Batch] | None) -> None:
+        """Put batches on devices in the assembler thread, so the host-to-device copy overlaps training."""
+        self._stop_pipeline()
+        self._to_device = to_device
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        if not self._threads:
+            self._start()
+        t0 = time.perf_counter()
+        item = self._ready.get()
+        self._stall_s += time.perf_counter() - t0
+        if isinstance(item, BaseException):
+            self._stop_pipeline()
+            raise LoaderError(f"data loader failed at step {self.step}: {item}") from item
+        self.step += 1
+        with self._count_lock:
+            self._counts["batches"] += 1
+        return item
+
+    def get_state(self) -> dict[str, int]:
+        return {"seed": self.seed, "step": self.step, "num_samples": self.plan.num_samples,
+                "global_batch": self.batch_size}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        missing = {"seed", "step"} - set(state)
+        if missing:
+            raise ValueError(f"loader state lacks {sorted(missing)}: {state}")
+        expected = {"seed": self.seed, "num_samples": self.plan.num_samples, "global_batch": self.batch_size}
+        for key, value in expected.items():
+            if key in state and int(state[key]) != value:
+                raise ValueError(f"loader state has {key}={int(state[key])} but this loader has {key}={value}")
+        if int(state["step"]) < 0:
+            raise ValueError(f"loader state step must be >= 0, got {state['step']}")
+        self._stop_pipeline()
+        self.step = int(state["step"])
+
+    @property
+    def epoch(self) -> int:
+        return self.step // self.batches_per_epoch
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters since construction: samples per tier, bytes, stall time, hit rates."""
+        with self._count_lock:
+            c, b = dict(self._counts), dict(self._bytes)
+        served = c["ram"] + c["disk"] + c["peer"] + c["source"]
+        planned = sum(self._planned.values())
+        return {"data_batches": c["batches"], "data_stall_s": self._stall_s,
+                **{f"data_samples_{k}": c[k] for k in ("ram", "disk", "peer", "source", "fallback")},
+                **{f"data_bytes_{k}": b[k] for k in ("local", "peer", "source")},
+                "data_hit_rate": (served - c["source"]) / served if served else 0.0,
+                "data_planned_hit_rate": (planned - self._planned["source"]) / planned if planned else 0.0}
+
+    def close(self) -> None:
+        self._stop_pipeline()
+
+    def __del__(self):
+        try:
+            self._stop_pipeline()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def _start(self) -> None:
+        lo, hi = self.rows
+        self._cache = TieredCache(*self.capacity, (self.source.sample_len,), self.source.dtype, self.disk_dir)
+        self._server = self._client = None
+        self._peer_addresses: list = []
+        all_rows, capacities, me = [self.rows], [self.capacity], 0
+        if self.exchange is not None:
+            from data.peers import PeerClient, PeerServer
+
+            self._server = PeerServer(self._serve, host=self.peer_host, sample_len=self.source.sample_len,
+                                      dtype=self.source.dtype).start()
+            infos = self.exchange({"rows": [lo, hi], "capacity": list(self.capacity), "step": self.step,
+                                   "address": list(self._server.address), "fingerprint": self.plan.fingerprint()})
+            for p, info in enumerate(infos):
+                if info["fingerprint"] != self.plan.fingerprint() or info["step"] != self.step:
+                    raise LoaderError(f"loader process {p} reads stream {info['fingerprint']} from step "
+                                      f"{info['step']}, but process {self.process_index} reads "
+                                      f"{self.plan.fingerprint()} from step {self.step}: they must agree")
+            all_rows = [tuple(i["rows"]) for i in infos]
+            capacities = [tuple(i["capacity"]) for i in infos]
+            self._peer_addresses = [tuple(i["address"]) for i in infos]
+            me = self.process_index
+            self._client = PeerClient(sample_len=self.source.sample_len, dtype=self.source.dtype)
+        self._me = me
+        self._planner = PlacementPlanner(self.plan, all_rows, capacities)
+        self._plans: dict[int, ProcessPlan] = {}
+        self._next_chunk = 0
+        self._plan_lock = threading.Lock()
+        self._start_step = self.step
+        self._fetched: dict[int, object] = {}
+        self._consumed = 0  # local positions (from _start_step) the assembler has taken
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._ready: queue.Queue = queue.Queue(maxsize=self.prefetch_steps)
+        self._threads = [threading.Thread(target=self._fetch_loop, args=(w,), daemon=True, name=f"jaxlm-fetch-{w}")
+                         for w in range(self.workers)]
+        self._threads.append(threading.Thread(target=self._assemble_loop, daemon=True, name="jaxlm-assemble"))
+        self._threads.append(threading.Thread(target=self._plan_ahead_loop, daemon=True, name="jaxlm-plan"))
+        for t in self._threads:
+            t.start()
+
+    def _stop_pipeline(self) -> None:
+        if not self._threads:
+            return
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        while True:  # unblock an assembler waiting on a full queue
+            try:
+                self._ready.get_nowait()
+            except queue.Empty:
+                break
+        for t in self._threads:
+            t.join()
+        self._threads = []
+        for closable in (self._server, self._client, self._cache):
+            if closable is not None:
+                closable.close()
+
+    def _plan_for(self, pos: int) -> tuple[ProcessPlan, int]:
+        """The plan chunk holding local position `pos` and the index within it (plans chunks in order)."""
+        b, chunk_steps = self.local_batch_size, self.plan_chunk_steps
+        chunk = pos // b // chunk_steps
+        with self._plan_lock:
+            while self._next_chunk <= chunk:
+                self._plan_next_chunk()
+            plan = self._plans[chunk]
+        return plan, pos - chunk * chunk_steps * b
+
+    def _plan_next_chunk(self) -> None:
+        first = self._start_step + self._next_chunk * self.plan_chunk_steps
+        plans = self._planner.plan_chunk(first, first + self.plan_chunk_steps)
+        self._plans[self._next_chunk] = plans[self._me]
+        self._next_chunk += 1
+
+    def _plan_ahead_loop(self) -> None:
+        """Plans chunk c + 1 while chunk c is being read, so an epoch boundary does not wait for the planner."""
+        per_chunk = self.local_batch_size * self.plan_chunk_steps
+        try:
+            while not self._stopping.is_set():
+                with self._cond:
+                    while (self._next_chunk > self._consumed // per_chunk + 1) and not self._stopping.is_set():
+                        self._cond.wait()
+                if self._stopping.is_set():
+                    return
+                with self._plan_lock:
+                    if self._next_chunk <= self._consumed // per_chunk + 1:
+                        self._plan_next_chunk()
+        except Exception:  # noqa: BLE001 - the fetch workers plan on demand and report the error
+            return
+
+    def _release_plans_before(self, pos: int) -> None:
+        chunk = pos // self.local_batch_size // self.plan_chunk_steps
+        with self._plan_lock:
+            for c in [c for c in self._plans if c < chunk]:
+                del self._plans[c]
+
+    def _fetch_loop(self, worker: int) -> None:
+        window = self.prefetch_steps * self.local_batch_size
+        pos = worker
+        try:
+            while not self._stopping.is_set():
+                with self._cond:
+                    while pos >= self._consumed + window and not self._stopping.is_set():
+                        self._cond.wait()
+                if self._stopping.is_set():
+                    return
+                plan, i = self._plan_for(pos)
+                try:
+                    row = self._fetch(int(plan.samples[i]), int(plan.fetch_from[i]), int(plan.peer[i]))
+                except Exception as e:  # noqa: BLE001 - handed to the training thread
+                    row = e
+                with self._cond:
+                    self._fetched[pos] = row
+                    self._cond.notify_all()
+                pos += self.workers
+        except Exception as e:  # noqa: BLE001
+            with self._cond:
+                self._fetched[pos] = e
+                self._cond.notify_all()
+
+    def _fetch(self, sample: int, where: int, peer: int) -> tuple[np.ndarray, str, bool]:
+        """(row, the tier that served it, whether the planned place failed and the source stood in)."""
+        if where in (RAM, DISK):
+            found = self._cache.wait_get(sample, timeout_s=60.0)
+            if found is not None:
+                return found[0], TIER_NAMES[found[1]], False
+        elif where == PEER:
+            from data.peers import PeerError
+
+            try:
+                rows, ok = self._client.fetch(self._peer_addresses[peer], [sample], wait_s=self.peer_wait_s)
+                if ok[0]:
+                    return rows[0], "peer", False
+            except PeerError:
+                pass
+        return self.source.read(np.array([sample]))[0], "source", where != SOURCE
+
+    def _count(self, tier: str, fell_back: bool, planned: int, nbytes: int) -> None:
+        """Counts a consumed sample (prefetched ones not yet consumed do not count)."""
+        with self._count_lock:
+            self._counts[tier] += 1
+            self._counts["fallback"] += fell_back
+            self._planned[TIER_NAMES[planned]] += 1
+            self._bytes["local" if tier in ("ram", "disk") else tier] += nbytes
+
+    def _serve(self, sample: int, timeout_s: float):
+        """Peer lookups: wait for a sample about to arrive, never for one this process already dropped."""
+        found = self._cache.wait_get(sample, timeout_s, give_up_if_dropped=True)
+        return None if found is None else found[0]
+
+    def _assemble_loop(self) -> None:
+        b = self.local_batch_size
+        pos = 0
+        try:
+            while not self._stopping.is_set():
+                rows = []
+                for _ in range(b):
+                    with self._cond:
+                        while pos not in self._fetched and not self._stopping.is_set():
+                            self._cond.wait()
+                        if self._stopping.is_set():
+                            return
+                        row = self._fetched.pop(pos)
+                    if isinstance(row, BaseException):
+                        raise row
+                    row, tier, fell_back = row
+                    plan, i = self._plan_for(pos)
+                    self._count(tier, fell_back, int(plan.fetch_from[i]), row.nbytes)
+                    for op, sample, tier in plan.ops.get(i, ()):
+                        self._cache.demote(sample) if op == DEMOTE else self._cache.drop(sample, tier)
+                    if plan.store[i]:
+                        self._cache.store(int(plan.samples[i]), row, int(plan.store[i]))
+                    rows.append(row)
+                    pos += 1
+                    with self._cond:
+                        self._consumed = pos
+                        self._cond.notify_all()
+                self._release_plans_before(pos)
+                batch = batch_from_windows(np.stack(rows), self.eos_id)
+                if self._to_device is not None:
+                    batch = self._to_device(batch)
+                self._put(batch)
+        except BaseException as e:  # noqa: BLE001 - surfaces in __next__
+            self._put(e)
+
+    def _put(self, item) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._ready.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+
+def file_exchange(directory, process_index: int, process_count: int, key: str) -> Exchange:
+    """An all-gather over a shared directory (for processes without jax.distributed: tests, benchmarks)."""
+    from data.peers import all_gather_via_files
+
+    calls = [0]
+
+    def exchange(payload: dict) -> list:
+        calls[0] += 1  # a restart (resume, new rows) is a new round, in a folder of its own
+        round_key = f"{key}-{calls[0]}"
+        return all_gather_via_files(os.path.join(directory, round_key), process_index, process_count, payload,
+                                    round_key)
+
+    return exchange
+
+
+def jax_exchange(max_bytes: int = 4096) -> Exchange:
+    """An all-gather over jax.distributed (the processes of a multi-process training run)."""
+
+    def exchange(payload: dict) -> list:
+        from jax.experimental import multihost_utils
+
+        raw = json.dumps(payload).encode()
+        if len(raw) > max_bytes:
+            raise LoaderError(f"loader exchange payload is {len(raw)} bytes, more than {max_bytes}")
+        buf = np.zeros(max_bytes + 4, np.uint8)
+        buf[:4] = np.frombuffer(np.uint32(len(raw)).tobytes(), np.uint8)
+        buf[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+        gathered = np.asarray(multihost_utils.process_allgather(buf))
+        return [json.loads(bytes(g[4:4 + int(np.frombuffer(g[:4].tobytes(), np.uint32)[0])]).decode())
+                for g in gathered]
+
+    return exchange
