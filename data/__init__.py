@@ -2,16 +2,26 @@
 
 `tokenizer` (bytes), `token_file` (memmapped on-disk format), `corpus` (the
 default corpus built from Python's stdlib), `prepare` (CLI: text -> token file),
-`iterator` (seeded batches whose position is three integers). Imports numpy
-only, never jaxlm: higher layers depend on this one, not the reverse.
+`iterator` (the simple seeded batches), and the clairvoyant loader: `access_plan`
+(the seed's whole future), `cache_plan` (Belady placement across processes),
+`tiers`, `peers`, `sources` (sharded / throttled datasets), `loader`. Imports
+numpy (and jax only inside `loader.jax_exchange`), never jaxlm: higher layers
+depend on this one, not the reverse.
 """
 
 from data.corpus import default_corpus
+from data.access_plan import AccessPlan, FeistelPermutation
 from data.iterator import Batch, BatchIterator, SeededBatchIterator, eval_batches, segment_ids, split_train_val
+from data.loader import ClairvoyantLoader, LoaderError, file_exchange, jax_exchange
+from data.sources import (SampleSource, ShardedSource, SourceError, ThrottledSource, TokenWindowSource, open_source,
+                          write_shards)
 from data.token_file import TokenFile, TokenFileError, write_token_file
 from data.tokenizer import BYTE_TOKENIZER_VOCAB_SIZE, EOS_ID, decode, encode
 
 __all__ = [
+    "AccessPlan", "ClairvoyantLoader", "FeistelPermutation", "LoaderError", "SampleSource", "ShardedSource",
+    "SourceError", "ThrottledSource", "TokenWindowSource", "file_exchange", "jax_exchange", "open_source",
+    "write_shards",
     "BYTE_TOKENIZER_VOCAB_SIZE", "EOS_ID", "Batch", "BatchIterator", "SeededBatchIterator", "TokenFile",
     "TokenFileError", "decode", "default_corpus", "encode", "eval_batches", "segment_ids", "split_train_val",
     "write_token_file",

@@ -71,7 +71,7 @@ class PlacementPlanner:
 
     process_rows[p] = rows [lo, hi) of the global batch that process p reads;
     capacities[p] = (ram_samples, disk_samples). Chunks must be planned in
-    order; `lookahead_steps` beyond a chunk are scanned for next uses.
+    order; `lookahead_steps` (default two epochs) beyond a chunk are scanned for next uses.
     """
 
     def __init__(self, plan: AccessPlan, process_rows: list[tuple[int, int]], capacities: list[tuple[int, int]],
@@ -84,7 +84,8 @@ class PlacementPlanner:
                 raise ValueError(f"process {p}: cache capacities must be >= 0 samples, got ram={ram} disk={disk}")
         self.plan, self.process_rows = plan, [tuple(map(int, r)) for r in process_rows]
         self.capacities = [(int(r), int(d)) for r, d in capacities]
-        self.lookahead_steps = plan.steps_per_epoch if lookahead_steps is None else int(lookahead_steps)
+        # two epochs ahead: every sample read in a chunk is read again within it (the permutations reshuffle)
+        self.lookahead_steps = 2 * plan.steps_per_epoch if lookahead_steps is None else int(lookahead_steps)
         self._columns = np.concatenate([np.arange(lo, hi) for lo, hi in self.process_rows])
         self._proc_of_column = np.concatenate([np.full(hi - lo, p) for p, (lo, hi) in enumerate(self.process_rows)])
         self._where: dict[int, tuple[int, int]] = {}  # sample -> (process, tier)

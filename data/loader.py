@@ -19,6 +19,7 @@ would have seen, for any number of workers. Caches are rebuilt after a resume.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -65,7 +66,8 @@ class ClairvoyantLoader:
         self.set_rows(*process_rows(batch_size, process_index, process_count))
         self.capacity = (ram_bytes // source.sample_nbytes, disk_bytes // source.sample_nbytes)
         self.disk_dir, self.workers, self.prefetch_steps = disk_dir, workers, prefetch_steps
-        self.plan_chunk_steps = plan_chunk_steps or self.plan.steps_per_epoch
+        # chunks of at most ~32k samples: a short run does not plan a whole large epoch before its first batch
+        self.plan_chunk_steps = plan_chunk_steps or max(1, min(self.plan.steps_per_epoch, 32768 // batch_size))
         self.exchange, self.peer_host, self.peer_wait_s = exchange, peer_host, peer_wait_s
         self.batches_per_epoch = self.plan.steps_per_epoch
         self.step = 0
@@ -105,10 +107,11 @@ class ClairvoyantLoader:
         if isinstance(item, BaseException):
             self._stop_pipeline()
             raise LoaderError(f"data loader failed at step {self.step}: {item}") from item
+        batch, counts = item
+        counts[("_counts", "batches")] += 1
+        self._add_counts(counts)
         self.step += 1
-        with self._count_lock:
-            self._counts["batches"] += 1
-        return item
+        return batch
 
     def get_state(self) -> dict[str, int]:
         return {"seed": self.seed, "step": self.step, "num_samples": self.plan.num_samples,
@@ -185,7 +188,8 @@ class ClairvoyantLoader:
         self._start_step = self.step
         self._fetched: dict[int, object] = {}
         self._consumed = 0  # local positions (from _start_step) the assembler has taken
-        self._cond = threading.Condition()
+        lock = threading.Lock()  # one lock, two queues of waiters: the assembler, and workers waiting for room
+        self._fetched_cond, self._room_cond = threading.Condition(lock), threading.Condition(lock)
         self._stopping = threading.Event()
         self._ready: queue.Queue = queue.Queue(maxsize=self.prefetch_steps)
         self._threads = [threading.Thread(target=self._fetch_loop, args=(w,), daemon=True, name=f"jaxlm-fetch-{w}")
@@ -199,8 +203,9 @@ class ClairvoyantLoader:
         if not self._threads:
             return
         self._stopping.set()
-        with self._cond:
-            self._cond.notify_all()
+        with self._room_cond:
+            self._room_cond.notify_all()
+            self._fetched_cond.notify_all()
         while True:  # unblock an assembler waiting on a full queue
             try:
                 self._ready.get_nowait()
@@ -234,9 +239,9 @@ class ClairvoyantLoader:
         per_chunk = self.local_batch_size * self.plan_chunk_steps
         try:
             while not self._stopping.is_set():
-                with self._cond:
+                with self._room_cond:
                     while (self._next_chunk > self._consumed // per_chunk + 1) and not self._stopping.is_set():
-                        self._cond.wait()
+                        self._room_cond.wait()
                 if self._stopping.is_set():
                     return
                 with self._plan_lock:
@@ -256,9 +261,9 @@ class ClairvoyantLoader:
         pos = worker
         try:
             while not self._stopping.is_set():
-                with self._cond:
+                with self._room_cond:
                     while pos >= self._consumed + window and not self._stopping.is_set():
-                        self._cond.wait()
+                        self._room_cond.wait()
                 if self._stopping.is_set():
                     return
                 plan, i = self._plan_for(pos)
@@ -266,14 +271,15 @@ class ClairvoyantLoader:
                     row = self._fetch(int(plan.samples[i]), int(plan.fetch_from[i]), int(plan.peer[i]))
                 except Exception as e:  # noqa: BLE001 - handed to the training thread
                     row = e
-                with self._cond:
+                with self._fetched_cond:
                     self._fetched[pos] = row
-                    self._cond.notify_all()
+                    if pos == self._consumed:  # the assembler waits for exactly this one
+                        self._fetched_cond.notify()
                 pos += self.workers
         except Exception as e:  # noqa: BLE001
-            with self._cond:
+            with self._fetched_cond:
                 self._fetched[pos] = e
-                self._cond.notify_all()
+                self._fetched_cond.notify()
 
     def _fetch(self, sample: int, where: int, peer: int) -> tuple[np.ndarray, str, bool]:
         """(row, the tier that served it, whether the planned place failed and the source stood in)."""
@@ -292,13 +298,12 @@ class ClairvoyantLoader:
                 pass
         return self.source.read(np.array([sample]))[0], "source", where != SOURCE
 
-    def _count(self, tier: str, fell_back: bool, planned: int, nbytes: int) -> None:
-        """Counts a consumed sample (prefetched ones not yet consumed do not count)."""
+    def _add_counts(self, counts: collections.Counter) -> None:
+        """Adds a delivered batch's counts (batches still in the prefetch queue do not count yet)."""
         with self._count_lock:
-            self._counts[tier] += 1
-            self._counts["fallback"] += fell_back
-            self._planned[TIER_NAMES[planned]] += 1
-            self._bytes["local" if tier in ("ram", "disk") else tier] += nbytes
+            for key, value in counts.items():
+                group, name = key
+                getattr(self, group)[name] += value
 
     def _serve(self, sample: int, timeout_s: float):
         """Peer lookups: wait for a sample about to arrive, never for one this process already dropped."""
@@ -310,11 +315,11 @@ class ClairvoyantLoader:
         pos = 0
         try:
             while not self._stopping.is_set():
-                rows = []
+                rows, counts = [], collections.Counter()
                 for _ in range(b):
-                    with self._cond:
+                    with self._fetched_cond:
                         while pos not in self._fetched and not self._stopping.is_set():
-                            self._cond.wait()
+                            self._fetched_cond.wait()
                         if self._stopping.is_set():
                             return
                         row = self._fetched.pop(pos)
@@ -322,21 +327,25 @@ class ClairvoyantLoader:
                         raise row
                     row, tier, fell_back = row
                     plan, i = self._plan_for(pos)
-                    self._count(tier, fell_back, int(plan.fetch_from[i]), row.nbytes)
+                    counts[("_counts", tier)] += 1
+                    counts[("_counts", "fallback")] += fell_back
+                    counts[("_planned", TIER_NAMES[int(plan.fetch_from[i])])] += 1
+                    counts[("_bytes", "local" if tier in ("ram", "disk") else tier)] += row.nbytes
                     for op, sample, tier in plan.ops.get(i, ()):
                         self._cache.demote(sample) if op == DEMOTE else self._cache.drop(sample, tier)
                     if plan.store[i]:
                         self._cache.store(int(plan.samples[i]), row, int(plan.store[i]))
                     rows.append(row)
                     pos += 1
-                    with self._cond:
+                    with self._room_cond:
                         self._consumed = pos
-                        self._cond.notify_all()
+                        if pos % b == 0:  # room for a batch more: wake the workers once, not once per sample
+                            self._room_cond.notify_all()
                 self._release_plans_before(pos)
                 batch = batch_from_windows(np.stack(rows), self.eos_id)
                 if self._to_device is not None:
                     batch = self._to_device(batch)
-                self._put(batch)
+                self._put((batch, counts))
         except BaseException as e:  # noqa: BLE001 - surfaces in __next__
             self._put(e)
 

@@ -110,3 +110,22 @@ def test_resume_with_a_different_model_config_names_the_field(setup, straight, f
     else:
         pytest.fail("resuming with a different model config did not raise")
     assert (straight / "metrics.jsonl").read_text() == before
+
+
+def test_clairvoyant_loader_resumes_exactly_with_other_workers_and_cache(setup, tmp_path):
+    from data.loader import ClairvoyantLoader
+    from data.sources import TokenWindowSource
+
+    tokens, cfg, _ = setup
+    d = cfg.data
+    source = TokenWindowSource(tokens, seq_len=d.seq_len)
+
+    def loader(workers, ram_bytes):
+        return ClairvoyantLoader(source, batch_size=d.batch_size, seed=cfg.seed, workers=workers, ram_bytes=ram_bytes)
+
+    train(setup, tmp_path / "straight", iterator=loader(4, 1 << 20))
+    train(setup, tmp_path / "resumed", iterator=loader(4, 1 << 20), steps=K)
+    train(setup, tmp_path / "resumed", iterator=loader(1, 0))  # another worker count, no cache
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    records = [r for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if "loss" in r]
+    assert all("data_stall_frac" in r and "data_hit_rate" in r for r in records)

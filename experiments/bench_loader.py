@@ -1,0 +1,289 @@
+"""Data-loader benchmark: the clairvoyant loader against grain, an LRU cache and the offline optimum.
+
+    python -m experiments.bench_loader                     # 100k samples, 3 epochs, 2 ms / 50 MB/s source
+    python -m experiments.bench_loader --samples 20000 --epochs 2 --skip-train   # quicker
+
+The dataset (windows of --seq-len + 1 tokens of the default corpus) is written as shards to a temporary directory
+and read through a `ThrottledSource` that adds --latency-ms per request and shares --mb-per-s between concurrent
+requests: a remote filesystem. All in one run:
+
+  hit rates    over --epochs epochs at cache capacities of 10/25/50/100% of the dataset: this loader as measured
+               (samples not read from the source / all samples), LRU and Belady's offline optimum simulated on the
+               same stream; "after e1" counts epochs 2+ (epoch 1 is all compulsory misses for every policy).
+  epoch times  grain's DataLoader with its default prefetch (16 read threads), grain over an LRU cache of 50%,
+               and this loader at 25% and 50% (RAM tier; --workers fetch threads).
+  4 processes  --procs local processes sharing one de-duplicated cache over TCP (file rendezvous), 10 epochs of a
+               smaller dataset, unthrottled: local + peer hit rate after epoch 1 vs min(1, capacity / dataset).
+  training     tiny_lm trained through the throttled source (a subprocess): the fraction of wall time the step
+               loop waited for data.
+The last line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from data import TokenFile, default_corpus
+from data.access_plan import AccessPlan
+from data.cache_policies import belady_hits, lru_hits
+from data.loader import ClairvoyantLoader, file_exchange
+from data.sources import ShardedSource, ThrottledSource, TokenWindowSource, write_shards
+
+CAPACITIES = (0.1, 0.25, 0.5, 1.0)
+
+
+def make_dataset(directory: Path, num_samples: int, seq_len: int) -> ShardedSource:
+    tokens = TokenFile.open(default_corpus()).tokens
+    windows = TokenWindowSource(tokens, seq_len=seq_len)
+    if windows.num_samples < num_samples:
+        raise SystemExit(f"bench_loader: the default corpus holds {windows.num_samples} windows of seq_len={seq_len}; "
+                         f"lower --samples or --seq-len")
+    windows = TokenWindowSource(tokens, seq_len=seq_len, stop=num_samples * seq_len + 1)
+    return ShardedSource.open(write_shards(directory / "shards", windows, samples_per_shard=4096))
+
+
+class LRUCachedSource:
+    """A source behind an LRU cache of `capacity` samples: what a cache without knowledge of the future does."""
+
+    def __init__(self, source, capacity: int):
+        self.source, self.capacity = source, capacity
+        self.num_samples, self.sample_len, self.dtype = source.num_samples, source.sample_len, source.dtype
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.reads = 0
+
+    def read(self, indices):
+        (i,) = np.asarray(indices).tolist()
+        with self._lock:
+            self.reads += 1
+            if i in self._cache:
+                self.hits += 1
+                self._cache.move_to_end(i)
+                return self._cache[i][None]
+        row = self.source.read([i])[0]
+        with self._lock:
+            self._cache[i] = row
+            if len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
+        return row[None]
+
+
+class _GrainSource:
+    """grain's RandomAccessDataSource protocol over a SampleSource: one request per record."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def __len__(self):
+        return self.source.num_samples
+
+    def __getitem__(self, i):
+        return self.source.read([int(i)])[0]
+
+
+def grain_epoch_times(source, batch: int, seed: int, epochs: int) -> list[float]:
+    import grain.python as gp
+
+    n = source.num_samples
+    loader = gp.DataLoader(data_source=_GrainSource(source),
+                           sampler=gp.IndexSampler(n, shuffle=True, seed=seed, num_epochs=epochs,
+                                                   shard_options=gp.NoSharding()),
+                           operations=[gp.Batch(batch, drop_remainder=True)])
+    return _epoch_times(iter(loader), n // batch, epochs)
+
+
+def _epoch_times(iterator, steps_per_epoch: int, epochs: int) -> list[float]:
+    times, t0 = [], time.perf_counter()
+    for _ in range(epochs):
+        for _ in range(steps_per_epoch):
+            next(iterator)
+        now = time.perf_counter()
+        times.append(now - t0)
+        t0 = now
+    return times
+
+
+def ours(source, batch: int, seed: int, epochs: int, fraction: float, workers: int):
+    """(epoch times, hit rate over all epochs, hit rate of epochs 2+) of the clairvoyant loader with a RAM tier."""
+    loader = ClairvoyantLoader(source, batch_size=batch, seed=seed, workers=workers, prefetch_steps=8,
+                               ram_bytes=int(fraction * source.num_samples) * source.sample_nbytes)
+    spe = loader.batches_per_epoch
+    times, t0, after_first = [], time.perf_counter(), None
+    for e in range(epochs):
+        for _ in range(spe):
+            next(loader)
+        now = time.perf_counter()
+        times.append(now - t0)
+        t0 = now
+        if e == 0:
+            after_first = loader.metrics()
+    m = loader.metrics()
+    loader.close()
+    later = sum(m[f"data_samples_{k}"] - after_first[f"data_samples_{k}"] for k in ("ram", "disk", "peer", "source"))
+    later_hits = later - (m["data_samples_source"] - after_first["data_samples_source"])
+    return times, m["data_hit_rate"], later_hits / max(later, 1)
+
+
+def _peer_worker(directory, index, procs, samples, seq_len, fraction, epochs, out):
+    tokens = TokenFile.open(default_corpus()).tokens
+    source = TokenWindowSource(tokens, seq_len=seq_len, stop=samples * seq_len + 1)
+    capacity = int(fraction * samples / procs) * source.sample_nbytes
+    loader = ClairvoyantLoader(source, batch_size=16 * procs, seed=0, process_index=index, process_count=procs,
+                               ram_bytes=capacity, workers=8, exchange=file_exchange(directory, index, procs, "bench"))
+    for step in range(epochs * loader.batches_per_epoch):
+        next(loader)
+        if step == loader.batches_per_epoch - 1:
+            first = loader.metrics()
+        if step % 50 == 49:  # training steps keep processes in lockstep
+            file_exchange(directory, index, procs, f"step{step}")({})
+    m = loader.metrics()
+    file_exchange(directory, index, procs, "done")({})  # serve peers until all have finished
+    loader.close()
+    kinds = ("ram", "disk", "peer", "source")
+    later = {k: m[f"data_samples_{k}"] - first[f"data_samples_{k}"] for k in kinds}
+    out.put((index, later))
+
+
+def four_processes(procs: int, samples: int, seq_len: int, fraction: float, epochs: int) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as directory:
+        workers = [ctx.Process(target=_peer_worker, args=(directory, i, procs, samples, seq_len, fraction, epochs, out))
+                   for i in range(procs)]
+        for w in workers:
+            w.start()
+        results = [out.get(timeout=900) for _ in workers]
+        for w in workers:
+            w.join(timeout=60)
+    total = collections.Counter()
+    for _, later in results:
+        total.update(later)
+    reads = sum(total.values())
+    return {"local": (total["ram"] + total["disk"]) / reads, "peer": total["peer"] / reads,
+            "hit": 1 - total["source"] / reads}
+
+
+def train_stall(workdir: Path, steps: int, latency_ms: float, mb_per_s: float) -> dict:
+    cmd = [sys.executable, "-m", "experiments.tiny_lm", "--workdir", str(workdir), "--steps", str(steps),
+           "--no-progress", "--checkpoint-every", "0", "--set", f"data.throttle_latency_ms={latency_ms}",
+           "--set", f"data.throttle_mb_per_s={mb_per_s}", "--set", "eval_every=0"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r and "data_stall_s" in r]
+    first, last = train[0], train[-1]
+    wall = (last["step"] - first["step"]) * 16 * 256 / np.mean([r["tokens_per_s"] for r in train[1:]])
+    return {"steps": last["step"], "stall_s": last["data_stall_s"] - first["data_stall_s"], "wall_s": wall,
+            "hit_rate": last["data_hit_rate"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_loader", description=__doc__.split("\n")[0])
+    p.add_argument("--samples", type=int, default=100_000)
+    p.add_argument("--seq-len", type=int, default=120)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--latency-ms", type=float, default=2.0)
+    p.add_argument("--mb-per-s", type=float, default=50.0)
+    p.add_argument("--workers", type=int, default=64, help="this loader's fetch threads")
+    p.add_argument("--procs", type=int, default=4)
+    p.add_argument("--peer-samples", type=int, default=20_000)
+    p.add_argument("--peer-epochs", type=int, default=10)
+    p.add_argument("--train-steps", type=int, default=40)
+    p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--skip-peers", action="store_true")
+    args = p.parse_args(argv)
+    summary = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        raw = make_dataset(tmp, args.samples, args.seq_len)
+        source = ThrottledSource(raw, latency_s=args.latency_ms / 1e3, bandwidth_bytes_per_s=args.mb_per_s * 1e6)
+        print(f"dataset: {raw.num_samples} samples x {raw.sample_nbytes} B in {len(raw.manifest['shards'])} shards; "
+              f"source: {args.latency_ms} ms per request, {args.mb_per_s} MB/s shared; batch {args.batch}, "
+              f"{args.epochs} epochs")
+
+        stream = AccessPlan(raw.num_samples, args.batch, 0).samples(
+            0, args.epochs * (raw.num_samples // args.batch)).ravel()
+        first_epoch = len(stream) // args.epochs
+        measured = {}
+        for fraction in (0.25, 0.5):
+            measured[fraction] = ours(source, args.batch, 0, args.epochs, fraction, args.workers)
+        print("\nhit rate (all epochs | epochs 2+)")
+        print(f"{'capacity':>9} {'this loader':>17} {'Belady (optimum)':>19} {'LRU':>17} {'ours/Belady':>12} "
+              f"{'ours/LRU':>9}")
+        for fraction in CAPACITIES:
+            cap = int(fraction * raw.num_samples)
+            bel, lru = belady_hits(stream, cap), lru_hits(stream, cap)
+            if fraction in measured:
+                _, hit, hit_later = measured[fraction]
+            else:  # the planner alone (what the loader realizes, as the measured rows show)
+                hit, hit_later = _planned(raw.num_samples, args.batch, args.epochs, cap)
+            row = (f"{fraction:>9.0%} {hit:>8.4f} | {hit_later:.4f} {bel.mean():>10.4f} | {bel[first_epoch:].mean():.4f}"
+                   f" {lru.mean():>8.4f} | {lru[first_epoch:].mean():.4f} {hit / max(bel.mean(), 1e-12):>12.4f} "
+                   f"{hit / max(lru.mean(), 1e-12):>9.1f}")
+            print(row + ("" if fraction in measured else "   (planned)"))
+            summary[f"hit_{int(fraction * 100)}"] = round(hit, 4)
+            summary[f"hit_vs_belady_{int(fraction * 100)}"] = round(hit / max(bel.mean(), 1e-12), 4)
+            summary[f"hit_vs_lru_{int(fraction * 100)}"] = round(hit / max(lru.mean(), 1e-12), 2)
+
+        print("\nepoch times (s)")
+        rows = {"grain DataLoader (default prefetch)": grain_epoch_times(source, args.batch, 0, args.epochs)}
+        lru_source = LRUCachedSource(source, raw.num_samples // 2)
+        rows["grain + LRU cache 50%"] = grain_epoch_times(lru_source, args.batch, 0, args.epochs)
+        rows[f"this loader 25% ({args.workers} workers)"] = measured[0.25][0]
+        rows[f"this loader 50% ({args.workers} workers)"] = measured[0.5][0]
+        grain_later = np.mean(rows["grain DataLoader (default prefetch)"][1:]) if args.epochs > 1 else float("nan")
+        print(f"{'':>40} " + " ".join(f"{'epoch ' + str(e + 1):>9}" for e in range(args.epochs))
+              + f" {'e2+ vs grain':>13}")
+        for name, times in rows.items():
+            speedup = grain_later / np.mean(times[1:]) if args.epochs > 1 else float("nan")
+            print(f"{name:>40} " + " ".join(f"{t:>9.2f}" for t in times) + f" {speedup:>12.2f}x")
+        if args.epochs > 1:
+            summary["speedup_e2_vs_grain_50"] = round(grain_later / np.mean(measured[0.5][0][1:]), 2)
+            summary["speedup_e2_vs_grain_lru_50"] = round(np.mean(rows["grain + LRU cache 50%"][1:])
+                                                          / np.mean(measured[0.5][0][1:]), 2)
+
+    if not args.skip_peers:
+        print(f"\n{args.procs} processes, {args.peer_samples} samples, {args.peer_epochs} epochs (epochs 2+)")
+        print(f"{'aggregate capacity':>19} {'local':>7} {'peer':>7} {'hit':>7} {'target 0.95*min(1,c)':>21}")
+        for fraction in (0.25, 0.5, 1.0):
+            r = four_processes(args.procs, args.peer_samples, args.seq_len, fraction, args.peer_epochs)
+            print(f"{fraction:>19.0%} {r['local']:>7.4f} {r['peer']:>7.4f} {r['hit']:>7.4f} "
+                  f"{0.95 * min(1, fraction):>21.4f}")
+            summary[f"peers_hit_{int(fraction * 100)}"] = round(r["hit"], 4)
+
+    if not args.skip_train:
+        with tempfile.TemporaryDirectory() as tmp:
+            r = train_stall(Path(tmp), args.train_steps, args.latency_ms, args.mb_per_s)
+        print(f"\ntiny_lm through the throttled source: {r['steps']} steps, waited {r['stall_s']:.3f} s for data "
+              f"of ~{r['wall_s']:.1f} s ({r['stall_s'] / r['wall_s']:.2%})")
+        summary["train_stall_frac"] = round(r["stall_s"] / r["wall_s"], 4)
+    print(json.dumps(summary))
+    return 0
+
+
+def _planned(num_samples: int, batch: int, epochs: int, capacity: int) -> tuple[float, float]:
+    from data.cache_plan import SOURCE, PlacementPlanner
+
+    plan = AccessPlan(num_samples, batch, 0)
+    planner = PlacementPlanner(plan, [(0, batch)], [(capacity, 0)])
+    spe = plan.steps_per_epoch
+    fetched = [planner.plan_chunk(e * spe, (e + 1) * spe)[0].fetch_from for e in range(epochs)]
+    hits = [np.mean(f != SOURCE) for f in fetched]
+    return float(np.mean(hits)), float(np.mean(hits[1:])) if epochs > 1 else 0.0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.exit(main())

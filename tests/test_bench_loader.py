@@ -1,0 +1,19 @@
+"""bench_loader's contract on a small dataset: the table, the JSON line, and the loader's targets."""
+
+import json
+
+from experiments import bench_loader
+
+
+def test_bench_loader_small(capsys):
+    assert bench_loader.main(["--samples", "3000", "--epochs", "2", "--batch", "32", "--latency-ms", "0.5",
+                              "--workers", "16", "--procs", "2", "--peer-samples", "1600", "--peer-epochs", "3",
+                              "--skip-train"]) == 0
+    out = capsys.readouterr().out
+    assert "Belady" in out and "grain DataLoader" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    for fraction in (10, 25, 50, 100):
+        assert summary[f"hit_vs_belady_{fraction}"] >= 0.99
+    assert summary["hit_vs_lru_25"] >= 5
+    for fraction, c in ((25, 0.25), (50, 0.5), (100, 1.0)):
+        assert summary[f"peers_hit_{fraction}"] >= 0.95 * c
