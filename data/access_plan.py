@@ -128,7 +128,7 @@ def process_rows(global_batch: int, process_index: int, process_count: int) -> t
     if process_count < 1 or not 0 <= process_index < process_count:
         raise ValueError(f"need 0 <= process_index < process_count, got {process_index} and {process_count}")
     if global_batch % process_count:
-        raise ValueError(f"global batch {global_batch} is not divisible by process_count={process_count}")
+        raise ValueError(f"global batch_size={global_batch} is not divisible by process_count={process_count}")
     local = global_batch // process_count
     return process_index * local, (process_index + 1) * local
 

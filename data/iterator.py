@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from data.access_plan import process_rows
+
 Batch = dict[str, np.ndarray]  # inputs/targets [B, T] int32, loss_mask [B, T] float32, segment_ids [B, T] int32
 
 
@@ -89,16 +91,6 @@ def _check_region(tokens, start: int, stop: int | None, seq_len: int, batch_size
     return start, stop, n
 
 
-def _check_processes(batch_size: int, process_index: int, process_count: int) -> tuple[int, int]:
-    """Rows [start, stop) of process p of P when processes split the batch into equal contiguous blocks."""
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise ValueError(f"need 0 <= process_index < process_count, got {process_index} and {process_count}")
-    if batch_size % process_count:
-        raise ValueError(f"global batch_size={batch_size} is not divisible by process_count={process_count}")
-    local = batch_size // process_count
-    return process_index * local, (process_index + 1) * local
-
-
 class SeededBatchIterator:
     """Infinite shuffled batches over tokens[start:stop]; `batch_size` is global.
 
@@ -116,7 +108,7 @@ class SeededBatchIterator:
         self.tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
         self.start, self.stop, self.num_windows = _check_region(self.tokens, start, stop, seq_len, batch_size)
         self.batch_size, self.seq_len, self.seed, self.eos_id = batch_size, seq_len, seed, eos_id
-        self.set_rows(*_check_processes(batch_size, process_index, process_count))
+        self.set_rows(*process_rows(batch_size, process_index, process_count))
         self.batches_per_epoch = self.num_windows // batch_size
         self.epoch = self.batch_in_epoch = 0
         self._perm_epoch, self._perm = -1, None
@@ -169,7 +161,7 @@ def eval_batches(tokens, *, batch_size: int, seq_len: int, start: int, stop: int
     """Sequential, unshuffled batches from tokens[start:stop]: the same every eval."""
     tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     start, stop, n = _check_region(tokens, start, stop, seq_len, batch_size)
-    lo, hi = _check_processes(batch_size, process_index, process_count)
+    lo, hi = process_rows(batch_size, process_index, process_count)
     if max_batches < 1:
         raise ValueError(f"max_batches must be >= 1, got {max_batches}")
     batches = []

@@ -13,8 +13,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from data.atomic_dir import DirKind
 from data.iterator import num_windows
 from data.token_file import _DTYPES, META_NAME, TokenFile, TokenFileError
 
@@ -33,6 +32,9 @@ _WRITE_CHUNK_BYTES = 16 << 20  # write_shards holds at most about this much samp
 
 class SourceError(ValueError):
     """A dataset source is missing, truncated, malformed, or was asked for something it lacks."""
+
+
+_KIND = DirKind("shard dataset", MANIFEST_NAME, FORMAT, SourceError)
 
 
 class SampleIndexError(SourceError, IndexError):
@@ -142,11 +144,7 @@ def write_shards(out_dir: str | os.PathLike, source: SampleSource, *, samples_pe
     dtype = _DTYPES[dtype_name]
     sample_nbytes = sample_len * dtype.itemsize
     chunk = max(1, _WRITE_CHUNK_BYTES // sample_nbytes)
-    _check_writable(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp's 0700 would make the result private after the rename
+    with _KIND.build(out_dir, overwrite) as tmp:
         shards = []
         for i, first in enumerate(range(0, n, samples_per_shard)):
             last = min(first + samples_per_shard, n)
@@ -165,49 +163,7 @@ def write_shards(out_dir: str | os.PathLike, source: SampleSource, *, samples_pe
         manifest = {"format": FORMAT, "version": VERSION, "num_samples": n, "sample_len": sample_len,
                     "dtype": dtype_name, "samples_per_shard": int(samples_per_shard), "shards": shards}
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-        _move_into_place(tmp, out_dir, overwrite)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def _is_shard_dir(path: Path) -> bool:
-    try:
-        return json.loads((path / MANIFEST_NAME).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _check_writable(out_dir: Path, overwrite: bool) -> None:
-    if not out_dir.exists():
-        return
-    if not out_dir.is_dir():
-        raise SourceError(f"{out_dir}: output exists and is not a directory")
-    if not any(out_dir.iterdir()):
-        return
-    if not _is_shard_dir(out_dir):
-        raise SourceError(f"{out_dir}: output directory is not empty and is not a shard dataset; "
-                          "refusing to overwrite it")
-    if not overwrite:
-        raise SourceError(f"{out_dir}: shard dataset already exists (pass overwrite=True to replace it)")
-
-
-def _move_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
-    """Renames `tmp` to `out_dir`; an old dataset is moved aside first, then deleted."""
-    old = None
-    if out_dir.exists() and any(out_dir.iterdir()):
-        _check_writable(out_dir, overwrite)  # may have appeared while we were writing
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, old / "x")
-    try:
-        os.replace(tmp, out_dir)  # atomic; fails if another writer got there first
-    except OSError as e:
-        raise SourceError(f"{out_dir}: could not move the new shard dataset into place ({e}); "
-                          "another process may have written it") from e
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 class ShardedSource:

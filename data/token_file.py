@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from data.atomic_dir import DirKind
 from data.tokenizer import EOS_ID
 
 FORMAT = "jaxlm-tokens"
@@ -29,6 +28,9 @@ _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 class TokenFileError(ValueError):
     """A token file is missing, malformed, or does not fit the model."""
+
+
+_KIND = DirKind("token file", META_NAME, FORMAT, TokenFileError, "pass overwrite=True / --overwrite to replace it")
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -58,11 +60,7 @@ def write_token_file(
     dtype = _DTYPES[dtype_name]
     if not 0 <= eos_id < vocab_size:
         raise TokenFileError(f"{out_dir}: eos_id {eos_id} is outside vocab_size {vocab_size}")
-    _check_writable(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp's 0700 would make the result private after the rename
+    with _KIND.build(out_dir, overwrite) as tmp:
         num_tokens = num_documents = max_id = 0
         eos = np.array([eos_id], dtype=dtype)
         with open(tmp / TOKENS_NAME, "wb") as f:
@@ -93,48 +91,7 @@ def write_token_file(
             "eos_id": eos_id, "sources": list(sources),
         }
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
-        _move_into_place(tmp, out_dir, overwrite)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def _is_token_file(path: Path) -> bool:
-    try:
-        return json.loads((path / META_NAME).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _check_writable(out_dir: Path, overwrite: bool) -> None:
-    if not out_dir.exists():
-        return
-    if not out_dir.is_dir():
-        raise TokenFileError(f"{out_dir}: output exists and is not a directory")
-    if not any(out_dir.iterdir()):
-        return
-    if not _is_token_file(out_dir):
-        raise TokenFileError(f"{out_dir}: output directory is not empty and is not a token file; refusing to overwrite it")
-    if not overwrite:
-        raise TokenFileError(f"{out_dir}: token file already exists (pass overwrite=True / --overwrite to replace it)")
-
-
-def _move_into_place(tmp: Path, out_dir: Path, overwrite: bool) -> None:
-    """Renames `tmp` to `out_dir`; an old token file is moved aside first, then deleted."""
-    old = None
-    if out_dir.exists() and any(out_dir.iterdir()):
-        _check_writable(out_dir, overwrite)  # may have appeared while we were writing
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, old / "x")
-    try:
-        os.replace(tmp, out_dir)  # atomic; fails if another writer got there first
-    except OSError as e:
-        raise TokenFileError(f"{out_dir}: could not move the new token file into place ({e}); "
-                             "another process may have written it") from e
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

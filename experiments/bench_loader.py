@@ -104,14 +104,15 @@ def grain_epoch_times(source, batch: int, seed: int, epochs: int) -> list[float]
     return _epoch_times(iter(loader), n // batch, epochs)
 
 
-def _epoch_times(iterator, steps_per_epoch: int, epochs: int) -> list[float]:
+def _epoch_times(iterator, steps_per_epoch: int, epochs: int, on_epoch_end=lambda epoch: None) -> list[float]:
     times, t0 = [], time.perf_counter()
-    for _ in range(epochs):
+    for e in range(epochs):
         for _ in range(steps_per_epoch):
             next(iterator)
         now = time.perf_counter()
         times.append(now - t0)
         t0 = now
+        on_epoch_end(e)
     return times
 
 
@@ -119,17 +120,10 @@ def ours(source, batch: int, seed: int, epochs: int, fraction: float, workers: i
     """(epoch times, hit rate over all epochs, hit rate of epochs 2+) of the clairvoyant loader with a RAM tier."""
     loader = ClairvoyantLoader(source, batch_size=batch, seed=seed, workers=workers, prefetch_steps=8,
                                ram_bytes=int(fraction * source.num_samples) * source.sample_nbytes)
-    spe = loader.batches_per_epoch
-    times, t0, after_first = [], time.perf_counter(), None
-    for e in range(epochs):
-        for _ in range(spe):
-            next(loader)
-        now = time.perf_counter()
-        times.append(now - t0)
-        t0 = now
-        if e == 0:
-            after_first = loader.metrics()
-    m = loader.metrics()
+    after_first = []
+    times = _epoch_times(loader, loader.batches_per_epoch, epochs,
+                         lambda e: after_first.append(loader.metrics()) if e == 0 else None)
+    m, after_first = loader.metrics(), after_first[0]
     loader.close()
     later = sum(m[f"data_samples_{k}"] - after_first[f"data_samples_{k}"] for k in ("ram", "disk", "peer", "source"))
     later_hits = later - (m["data_samples_source"] - after_first["data_samples_source"])
