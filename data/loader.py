@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import queue
 import threading
 import time
@@ -129,10 +128,6 @@ class ClairvoyantLoader:
             raise ValueError(f"loader state step must be >= 0, got {state['step']}")
         self._stop_pipeline()
         self.step = int(state["step"])
-
-    @property
-    def epoch(self) -> int:
-        return self.step // self.batches_per_epoch
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters since construction: samples per tier, bytes, stall time, hit rates."""
@@ -365,10 +360,8 @@ def file_exchange(directory, process_index: int, process_count: int, key: str) -
     calls = [0]
 
     def exchange(payload: dict) -> list:
-        calls[0] += 1  # a restart (resume, new rows) is a new round, in a folder of its own
-        round_key = f"{key}-{calls[0]}"
-        return all_gather_via_files(os.path.join(directory, round_key), process_index, process_count, payload,
-                                    round_key)
+        calls[0] += 1  # a restart (resume, new rows) is a new round
+        return all_gather_via_files(directory, process_index, process_count, payload, f"{key}-{calls[0]}")
 
     return exchange
 

@@ -35,6 +35,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 
@@ -369,23 +370,26 @@ def all_gather_via_files(directory, process_index: int, process_count: int, payl
     """Every process contributes `payload`; returns all payloads ordered by process index.
 
     A rendezvous over a shared directory for processes without jax.distributed
-    (tests, benchmarks). Each writes `peer-{i}.json` atomically (temp file +
-    os.replace, so a reader never sees half a file) and polls until all exist.
-    `key` names this rendezvous (a run id plus a generation): files left in the
-    directory by an earlier run carry another key and are ignored rather than
-    mistaken for a live peer. Files are left in place, since this process cannot
-    know when the others have read its own. Payloads must be JSON-serialisable
+    (tests, benchmarks). Each writes `directory/round-KEY/peer-{i}.json` atomically
+    (temp file + os.replace, so a reader never sees half a file) and polls until
+    all exist. `key` names this rendezvous (a run id plus a generation) and its
+    folder, so successive rounds never overwrite a file a slower process has yet
+    to read, and files of an earlier run are never mistaken for a live peer.
+    Files are left in place, since this process cannot know when the others have
+    read its own; a process that times out withdraws its file, so a retry with
+    the same key does not meet it. Payloads must be JSON-serialisable
     and come back as JSON (tuples become lists), the same in every process.
     """
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
-    directory = Path(directory)
+    directory = Path(directory) / f"round-{urllib.parse.quote(key, safe='')}"  # any key, one plain folder name
     directory.mkdir(parents=True, exist_ok=True)
     record = {"key": key, "process_index": process_index, "process_count": process_count, "payload": payload}
     text = json.dumps(record)
     tmp = directory / f".peer-{process_index}.json.{os.getpid()}.{uuid.uuid4().hex}.tmp"
     tmp.write_text(text)
-    os.replace(tmp, directory / f"peer-{process_index}.json")
+    mine = directory / f"peer-{process_index}.json"
+    os.replace(tmp, mine)
 
     deadline = time.monotonic() + timeout_s
     payloads: dict[int, dict] = {}
@@ -401,6 +405,7 @@ def all_gather_via_files(directory, process_index: int, process_count: int, payl
         if len(payloads) == process_count:
             return [payloads[i] for i in range(process_count)]
         if time.monotonic() >= deadline:
+            mine.unlink(missing_ok=True)
             missing = [i for i in range(process_count) if i not in payloads]
             raise PeerError(f"all_gather_via_files({directory}, key={key!r}): timed out after {timeout_s}s "
                             f"waiting for process indices {missing}")

@@ -259,7 +259,7 @@ def test_all_gather_via_files(tmp_path):
     results = gather_in_threads(tmp_path / "rdv", 3, "run-a/0")
     want = [{"rank": i, "address": ["h", 1000 + i]} for i in range(3)]
     assert results == [want] * 3
-    assert not [p for p in (tmp_path / "rdv").iterdir() if p.name.endswith(".tmp")]
+    assert not list((tmp_path / "rdv").rglob("*.tmp"))  # no temp file left, in any round folder
 
 
 def test_all_gather_missing_participant_times_out(tmp_path):
