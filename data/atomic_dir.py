@@ -30,6 +30,26 @@ class DirKind:
         except (OSError, ValueError, AttributeError):
             return False
 
+    def read_marker(self, path: Path, version: int) -> dict:
+        """The parsed marker file of the dataset at `path`, checked for format and version."""
+        def fail(problem: str):
+            raise self.error(f"{path}: {problem}")
+
+        try:
+            marker = json.loads((path / self.marker).read_text())
+        except FileNotFoundError:
+            fail(f"missing {self.marker}")
+        except json.JSONDecodeError as e:
+            fail(f"{self.marker} is not valid JSON ({e})")
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"cannot read {self.marker}: {e}")
+        if not isinstance(marker, dict) or marker.get("format") != self.format:
+            got = marker.get("format") if isinstance(marker, dict) else type(marker).__name__
+            fail(f"{self.marker} format is {got!r}, expected {self.format!r}")
+        if marker.get("version") != version:
+            fail(f"unsupported version {marker.get('version')!r}, expected {version}")
+        return marker
+
     def check_writable(self, out_dir: Path, overwrite: bool) -> None:
         if not out_dir.exists():
             return

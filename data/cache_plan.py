@@ -48,14 +48,6 @@ class ProcessPlan:
     store: np.ndarray        # [positions] int8: 0, or the tier (RAM | DISK) the sample is cached in once read
     ops: dict[int, list[tuple[str, int, int]]]  # pos -> [(DROP, sample, tier) | (DEMOTE, sample, RAM)]
 
-    @property
-    def num_positions(self) -> int:
-        return len(self.samples)
-
-    def position(self, step: int, row: int) -> int:
-        lo, hi = self.rows
-        return (step - self.step_start) * (hi - lo) + row - lo
-
 
 def next_uses(stream: np.ndarray, never: int) -> np.ndarray:
     """next[i] = the index of the next occurrence of stream[i] after i, or `never`."""
@@ -92,10 +84,6 @@ class PlacementPlanner:
         self._next: dict[int, int] = {}
         self._size = {(p, t): 0 for p in range(len(process_rows)) for t in (RAM, DISK)}
         self._next_step: int | None = None
-
-    def cached(self) -> dict[int, tuple[int, int]]:
-        """sample -> (process, tier) after the chunks planned so far."""
-        return dict(self._where)
 
     def plan_chunk(self, step_start: int, step_stop: int) -> list[ProcessPlan]:
         if self._next_step is not None and step_start != self._next_step:

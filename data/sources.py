@@ -208,19 +208,7 @@ class ShardedSource:
             fail("shard dataset directory does not exist")
         if not self.path.is_dir():
             fail(f"not a directory (a shard dataset is a directory with {MANIFEST_NAME} and shard files)")
-        try:
-            m = json.loads((self.path / MANIFEST_NAME).read_text())
-        except FileNotFoundError:
-            fail(f"missing {MANIFEST_NAME}")
-        except json.JSONDecodeError as e:
-            fail(f"{MANIFEST_NAME} is not valid JSON ({e})")
-        except (OSError, UnicodeDecodeError) as e:
-            fail(f"cannot read {MANIFEST_NAME}: {e}")
-        if not isinstance(m, dict) or m.get("format") != FORMAT:
-            got = m.get("format") if isinstance(m, dict) else type(m).__name__
-            fail(f"{MANIFEST_NAME} format is {got!r}, expected {FORMAT!r}")
-        if m.get("version") != VERSION:
-            fail(f"unsupported version {m.get('version')!r}, expected {VERSION}")
+        m = _KIND.read_marker(self.path, VERSION)
         for key, least in (("num_samples", 0), ("sample_len", 1), ("samples_per_shard", 1)):
             if not isinstance(m.get(key), int) or m[key] < least:
                 fail(f"{MANIFEST_NAME} field {key!r} must be an integer >= {least}, got {m.get(key)!r}")

@@ -35,9 +35,6 @@ class DiskTier:
     def __contains__(self, sample: int) -> bool:
         return sample in self._slot
 
-    def __len__(self) -> int:
-        return len(self._slot)
-
     def put(self, sample: int, row: np.ndarray) -> None:
         """Raises OSError (e.g. disk full) without changing the tier."""
         if sample in self._slot:
@@ -83,10 +80,6 @@ class TieredCache:
         self._dropped: set[int] = set()
         self._cond = threading.Condition()
         self.store_failures = 0
-
-    def tier_of(self, sample: int) -> int:
-        with self._cond:
-            return RAM if sample in self._ram else DISK if sample in self.disk else 0
 
     def get(self, sample: int) -> tuple[np.ndarray, int] | None:
         with self._cond:
@@ -146,10 +139,6 @@ class TieredCache:
             row = self._ram.pop(sample, None)
             if row is not None:
                 self.store(sample, row, DISK)
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._ram) + len(self.disk)
 
     def close(self) -> None:
         with self._cond:

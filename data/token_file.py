@@ -127,20 +127,8 @@ class TokenFile:
             fail("token file directory does not exist")
         if not path.is_dir():
             fail("not a directory (a token file is a directory with tokens.bin and meta.json)")
-        meta_path, bin_path = path / META_NAME, path / TOKENS_NAME
-        try:
-            meta = json.loads(meta_path.read_text())
-        except FileNotFoundError:
-            fail(f"missing {META_NAME}")
-        except json.JSONDecodeError as e:
-            fail(f"{META_NAME} is not valid JSON ({e})")
-        except (OSError, UnicodeDecodeError) as e:
-            fail(f"cannot read {META_NAME}: {e}")
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-            fail(f"{META_NAME} format is {got!r}, expected {FORMAT!r}")
-        if meta.get("version") != VERSION:
-            fail(f"unsupported version {meta.get('version')!r}, expected {VERSION}")
+        bin_path = path / TOKENS_NAME
+        meta = _KIND.read_marker(path, VERSION)
         for key in ("num_tokens", "vocab_size", "max_token_id"):
             if not isinstance(meta.get(key), int) or meta[key] < 0:
                 fail(f"{META_NAME} field {key!r} must be a non-negative integer, got {meta.get(key)!r}")
