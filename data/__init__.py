@@ -4,7 +4,8 @@
 default corpus built from Python's stdlib), `prepare` (CLI: text -> token file),
 `iterator` (the simple seeded batches), and the clairvoyant loader: `access_plan`
 (the seed's whole future), `cache_plan` (Belady placement across processes),
-`tiers`, `peers`, `sources` (sharded / throttled datasets), `loader`. Imports
+`tiers`, `peers`, `sources` (sharded / throttled datasets), `perf_model` (per-tier timings:
+routing and the keep-up prediction), `loader`. Imports
 numpy (and jax only inside `loader.jax_exchange`), never jaxlm: higher layers
 depend on this one, not the reverse.
 """
@@ -13,6 +14,7 @@ from data.corpus import default_corpus
 from data.access_plan import AccessPlan, FeistelPermutation
 from data.iterator import Batch, BatchIterator, SeededBatchIterator, eval_batches, segment_ids, split_train_val
 from data.loader import ClairvoyantLoader, LoaderError, file_exchange, jax_exchange
+from data.perf_model import TierModel
 from data.sources import (SampleSource, ShardedSource, SourceError, ThrottledSource, TokenWindowSource, open_source,
                           write_shards)
 from data.token_file import TokenFile, TokenFileError, write_token_file
@@ -20,7 +22,7 @@ from data.tokenizer import BYTE_TOKENIZER_VOCAB_SIZE, EOS_ID, decode, encode
 
 __all__ = [
     "AccessPlan", "ClairvoyantLoader", "FeistelPermutation", "LoaderError", "SampleSource", "ShardedSource",
-    "SourceError", "ThrottledSource", "TokenWindowSource", "file_exchange", "jax_exchange", "open_source",
+    "SourceError", "ThrottledSource", "TierModel", "TokenWindowSource", "file_exchange", "jax_exchange", "open_source",
     "write_shards",
     "BYTE_TOKENIZER_VOCAB_SIZE", "EOS_ID", "Batch", "BatchIterator", "SeededBatchIterator", "TokenFile",
     "TokenFileError", "decode", "default_corpus", "encode", "eval_batches", "segment_ids", "split_train_val",

@@ -1,15 +1,20 @@
 """The clairvoyant loader: prefetches exactly what the seed says comes next, from the fastest place that has it.
 
-Three kinds of threads around one bounded window of upcoming positions:
+Threads around one bounded window of upcoming positions:
 
-- fetch workers (W of them, round-robin over positions) read each sample from
-  where the placement plan says it is: this process's RAM or disk tier, a peer
-  process's cache, or the (slow) source; a peer or tier that cannot deliver
-  falls back to the source, so a batch is never wrong, only slower;
-- the assembler consumes positions strictly in stream order: it applies the
-  plan's drops, demotions and stores (so the cache always matches the plan at
-  that point of the stream), builds the batch, optionally puts it on devices,
-  and queues it;
+- a planner plans the next chunk of the stream (placement: `cache_plan`) while
+  this one is read, and the timing model (`perf_model`) routes each position:
+  the plan's place, or the source where that is measured much faster;
+- fetch workers (W of them, round-robin over a chunk's remote positions) read
+  what comes from a peer process's cache or the (slow) source; a peer that
+  cannot deliver falls back to the source, so a batch is never wrong, only
+  slower;
+- the assembler takes positions strictly in stream order: it reads local hits
+  from this process's RAM and disk tiers itself (every earlier store is applied
+  by then, so no waiting and no hand-off), takes the rest from the workers,
+  applies the plan's drops, demotions and stores (so the cache always matches
+  the plan at that point of the stream), builds the batch, optionally puts it
+  on devices, and queues it;
 - the training thread takes batches; the time it waits is the stall time.
 
 The loader's checkpoint state is the step number (plus what identifies the
@@ -19,7 +24,6 @@ would have seen, for any number of workers. Caches are rebuilt after a resume.
 
 from __future__ import annotations
 
-import collections
 import json
 import queue
 import threading
@@ -31,6 +35,7 @@ import numpy as np
 from data.access_plan import AccessPlan, process_rows
 from data.cache_plan import DEMOTE, DISK, PEER, RAM, SOURCE, TIER_NAMES, PlacementPlanner, ProcessPlan
 from data.iterator import Batch, batch_from_windows
+from data.perf_model import TierModel
 from data.tiers import TieredCache
 
 Exchange = Callable[[dict], list]  # all-gather of one JSON-able dict per process, in process order
@@ -47,12 +52,15 @@ class ClairvoyantLoader:
     exchange: an all-gather across the loader's processes (`file_exchange`,
     `jax_exchange`); with it, processes share one de-duplicated placement and
     serve each other's misses over TCP. Without it each process caches alone.
+    model: the per-tier timing model that routes reads and predicts whether the loader keeps up (learned as it
+    runs; pass one to seed or inspect it).
     """
 
     def __init__(self, source, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,
                  ram_bytes: int = 256 << 20, disk_bytes: int = 0, disk_dir: str | None = None, workers: int = 16,
                  prefetch_steps: int = 4, plan_chunk_steps: int | None = None, eos_id: int | None = None,
-                 exchange: Exchange | None = None, peer_host: str = "127.0.0.1", peer_wait_s: float = 0.5):
+                 exchange: Exchange | None = None, peer_host: str = "127.0.0.1", peer_wait_s: float = 0.5,
+                 model: TierModel | None = None):
         for name, value, low in (("workers", workers, 1), ("prefetch_steps", prefetch_steps, 1),
                                  ("ram_bytes", ram_bytes, 0), ("disk_bytes", disk_bytes, 0)):
             if value < low:
@@ -71,7 +79,10 @@ class ClairvoyantLoader:
         self.batches_per_epoch = self.plan.steps_per_epoch
         self.step = 0
         self._to_device = None
-        self._counts = {k: 0 for k in ("ram", "disk", "peer", "source", "fallback", "batches")}
+        self.model = model or TierModel()
+        self._last_return: float | None = None
+        self._upcoming_mix: dict[int, float] = {}  # samples per batch from each tier in the plan chunk being read
+        self._counts = {k: 0 for k in ("ram", "disk", "peer", "source", "fallback", "rerouted", "batches")}
         self._bytes = {k: 0 for k in ("local", "peer", "source")}
         self._stall_s = 0.0
         self._planned = {k: 0 for k in TIER_NAMES.values()}
@@ -101,13 +112,16 @@ class ClairvoyantLoader:
         if not self._threads:
             self._start()
         t0 = time.perf_counter()
+        if self._last_return is not None:
+            self.model.observe_step(t0 - self._last_return)
         item = self._ready.get()
-        self._stall_s += time.perf_counter() - t0
+        self._last_return = time.perf_counter()
+        self._stall_s += self._last_return - t0
         if isinstance(item, BaseException):
             self._stop_pipeline()
             raise LoaderError(f"data loader failed at step {self.step}: {item}") from item
         batch, counts = item
-        counts[("_counts", "batches")] += 1
+        counts[("_counts", "batches")] = 1
         self._add_counts(counts)
         self.step += 1
         return batch
@@ -136,10 +150,11 @@ class ClairvoyantLoader:
         served = c["ram"] + c["disk"] + c["peer"] + c["source"]
         planned = sum(self._planned.values())
         return {"data_batches": c["batches"], "data_stall_s": self._stall_s,
-                **{f"data_samples_{k}": c[k] for k in ("ram", "disk", "peer", "source", "fallback")},
+                **{f"data_samples_{k}": c[k] for k in ("ram", "disk", "peer", "source", "fallback", "rerouted")},
                 **{f"data_bytes_{k}": b[k] for k in ("local", "peer", "source")},
                 "data_hit_rate": (served - c["source"]) / served if served else 0.0,
-                "data_planned_hit_rate": (planned - self._planned["source"]) / planned if planned else 0.0}
+                "data_planned_hit_rate": (planned - self._planned["source"]) / planned if planned else 0.0,
+                **self.model.metrics(self._upcoming_mix, self.workers)}
 
     def close(self) -> None:
         self._stop_pipeline()
@@ -177,12 +192,14 @@ class ClairvoyantLoader:
             self._client = PeerClient(sample_len=self.source.sample_len, dtype=self.source.dtype)
         self._me = me
         self._planner = PlacementPlanner(self.plan, all_rows, capacities)
-        self._plans: dict[int, ProcessPlan] = {}
+        self._chunks: dict[int, tuple[ProcessPlan, np.ndarray, np.ndarray]] = {}
         self._next_chunk = 0
         self._plan_lock = threading.Lock()
         self._start_step = self.step
+        self._per_chunk = self.local_batch_size * self.plan_chunk_steps  # positions per plan chunk
         self._fetched: dict[int, object] = {}
         self._consumed = 0  # local positions (from _start_step) the assembler has taken
+        self._awaited = -1  # the position the assembler sleeps on, if any
         lock = threading.Lock()  # one lock, two queues of waiters: the assembler, and workers waiting for room
         self._fetched_cond, self._room_cond = threading.Condition(lock), threading.Condition(lock)
         self._stopping = threading.Event()
@@ -213,91 +230,116 @@ class ClairvoyantLoader:
             if closable is not None:
                 closable.close()
 
-    def _plan_for(self, pos: int) -> tuple[ProcessPlan, int]:
-        """The plan chunk holding local position `pos` and the index within it (plans chunks in order)."""
-        b, chunk_steps = self.local_batch_size, self.plan_chunk_steps
-        chunk = pos // b // chunk_steps
+    def _chunk(self, chunk: int) -> tuple[ProcessPlan, np.ndarray, np.ndarray]:
+        """Plan chunk `chunk` (planning chunks in order up to it), where each position is read from (the plan's
+        place, or the source where the model measures it faster), and the remote positions: those read from a
+        peer or the source, which the fetch workers handle; the assembler reads this process's tiers itself."""
         with self._plan_lock:
             while self._next_chunk <= chunk:
-                self._plan_next_chunk()
-            plan = self._plans[chunk]
-        return plan, pos - chunk * chunk_steps * b
-
-    def _plan_next_chunk(self) -> None:
-        first = self._start_step + self._next_chunk * self.plan_chunk_steps
-        plans = self._planner.plan_chunk(first, first + self.plan_chunk_steps)
-        self._plans[self._next_chunk] = plans[self._me]
-        self._next_chunk += 1
+                first = self._start_step + self._next_chunk * self.plan_chunk_steps
+                plan = self._planner.plan_chunk(first, first + self.plan_chunk_steps)[self._me]
+                routed = self.model.route(plan.fetch_from)
+                remote = np.flatnonzero((routed == SOURCE) | (routed == PEER))
+                self._chunks[self._next_chunk] = (plan, routed, remote)
+                self._next_chunk += 1
+            return self._chunks[chunk]
 
     def _plan_ahead_loop(self) -> None:
         """Plans chunk c + 1 while chunk c is being read, so an epoch boundary does not wait for the planner."""
-        per_chunk = self.local_batch_size * self.plan_chunk_steps
         try:
             while not self._stopping.is_set():
                 with self._room_cond:
-                    while (self._next_chunk > self._consumed // per_chunk + 1) and not self._stopping.is_set():
+                    while (self._next_chunk > self._consumed // self._per_chunk + 1) and not self._stopping.is_set():
                         self._room_cond.wait()
                 if self._stopping.is_set():
                     return
-                with self._plan_lock:
-                    if self._next_chunk <= self._consumed // per_chunk + 1:
-                        self._plan_next_chunk()
+                self._chunk(self._consumed // self._per_chunk + 1)
         except Exception:  # noqa: BLE001 - the fetch workers plan on demand and report the error
             return
 
-    def _release_plans_before(self, pos: int) -> None:
-        chunk = pos // self.local_batch_size // self.plan_chunk_steps
-        with self._plan_lock:
-            for c in [c for c in self._plans if c < chunk]:
-                del self._plans[c]
-
     def _fetch_loop(self, worker: int) -> None:
+        """Worker w reads the w-th, (w+W)-th, ... remote position of each chunk, at most `prefetch_steps`
+        batches ahead of the assembler."""
         window = self.prefetch_steps * self.local_batch_size
-        pos = worker
+        chunk, pos, reads = 0, None, 0
         try:
             while not self._stopping.is_set():
-                with self._room_cond:
-                    while pos >= self._consumed + window and not self._stopping.is_set():
-                        self._room_cond.wait()
-                if self._stopping.is_set():
-                    return
-                plan, i = self._plan_for(pos)
-                try:
-                    row = self._fetch(int(plan.samples[i]), int(plan.fetch_from[i]), int(plan.peer[i]))
-                except Exception as e:  # noqa: BLE001 - handed to the training thread
-                    row = e
-                with self._fetched_cond:
-                    self._fetched[pos] = row
-                    if pos == self._consumed:  # the assembler waits for exactly this one
-                        self._fetched_cond.notify()
-                pos += self.workers
-        except Exception as e:  # noqa: BLE001
+                plan, routed, remote = self._chunk(chunk)
+                base = chunk * self._per_chunk
+                for i in remote[worker::self.workers].tolist():
+                    pos = base + i
+                    if pos >= self._consumed + window:
+                        with self._room_cond:
+                            while pos >= self._consumed + window and not self._stopping.is_set():
+                                self._room_cond.wait()
+                    if self._stopping.is_set():
+                        return
+                    reads += 1
+                    timed = reads % 8 == 0  # CPU time of every 8th read: the thread clock is a syscall
+                    cpu0 = time.thread_time() if timed else 0.0
+                    try:
+                        row = self._fetch_remote(int(plan.samples[i]), int(routed[i]), int(plan.peer[i]))
+                    except Exception as e:  # noqa: BLE001 - handed to the training thread
+                        row = e
+                    self._hand_over(pos, row)
+                    if timed:
+                        self.model.observe_worker_cpu(time.thread_time() - cpu0)
+                chunk += 1
+        except Exception as e:  # noqa: BLE001 - e.g. the planner failed: the assembler raises it
+            self._hand_over(self._consumed if pos is None else pos, e)
+
+    def _hand_over(self, pos: int, row) -> None:
+        self._fetched[pos] = row
+        if self._awaited == pos:  # set under the lock before the assembler's last look, so this cannot miss it
             with self._fetched_cond:
-                self._fetched[pos] = e
                 self._fetched_cond.notify()
 
-    def _fetch(self, sample: int, where: int, peer: int) -> tuple[np.ndarray, str, bool]:
-        """(row, the tier that served it, whether the planned place failed and the source stood in)."""
-        if where in (RAM, DISK):
-            found = self._cache.wait_get(sample, timeout_s=60.0)
-            if found is not None:
-                return found[0], TIER_NAMES[found[1]], False
-        elif where == PEER:
+    def _fetch_remote(self, sample: int, where: int, peer: int) -> tuple[np.ndarray, str, bool]:
+        """(row, where it came from, whether a peer failed and the source stood in); times each request.
+
+        A peer is first asked for what it holds now (that round trip is the peer's speed), then, if the sample
+        has not arrived there yet, asked again to wait for it: processes drift a few steps apart, and that wait
+        is the drift, not the link. A peer that fails or never delivers is timed in full: a slow peer."""
+        t0 = time.perf_counter()
+        if where == PEER:
             from data.peers import PeerError
 
+            address = self._peer_addresses[peer]
             try:
-                rows, ok = self._client.fetch(self._peer_addresses[peer], [sample], wait_s=self.peer_wait_s)
+                rows, ok = self._client.fetch(address, [sample], wait_s=0.0)
+                if ok[0]:
+                    self.model.observe(PEER, time.perf_counter() - t0)
+                    return rows[0], "peer", False
+                rows, ok = self._client.fetch(address, [sample], wait_s=self.peer_wait_s)
                 if ok[0]:
                     return rows[0], "peer", False
             except PeerError:
                 pass
-        return self.source.read(np.array([sample]))[0], "source", where != SOURCE
+            self.model.observe(PEER, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+        row = self.source.read(np.array([sample]))[0]
+        self.model.observe(SOURCE, time.perf_counter() - t0)
+        return row, "source", where != SOURCE
 
-    def _add_counts(self, counts: collections.Counter) -> None:
+    def _take_fetched(self, pos: int):
+        row = self._fetched.pop(pos, None)
+        if row is None:
+            with self._fetched_cond:
+                self._awaited = pos
+                while pos not in self._fetched and not self._stopping.is_set():
+                    self._fetched_cond.wait()
+                self._awaited = -1
+                if self._stopping.is_set():
+                    return None
+            row = self._fetched.pop(pos)
+        if isinstance(row, BaseException):
+            raise row
+        return row
+
+    def _add_counts(self, counts: dict) -> None:
         """Adds a delivered batch's counts (batches still in the prefetch queue do not count yet)."""
         with self._count_lock:
-            for key, value in counts.items():
-                group, name = key
+            for (group, name), value in counts.items():
                 getattr(self, group)[name] += value
 
     def _serve(self, sample: int, timeout_s: float):
@@ -306,38 +348,63 @@ class ClairvoyantLoader:
         return None if found is None else found[0]
 
     def _assemble_loop(self) -> None:
-        b = self.local_batch_size
+        """Takes positions in stream order: local hits from the tiers (every earlier store is applied, so the
+        plan's local hits are there), the rest from the workers; then applies the position's cache ops."""
+        b, cache, nbytes = self.local_batch_size, self._cache, self.source.sample_nbytes
         pos = 0
         try:
             while not self._stopping.is_set():
-                rows, counts = [], collections.Counter()
-                for _ in range(b):
-                    with self._fetched_cond:
-                        while pos not in self._fetched and not self._stopping.is_set():
-                            self._fetched_cond.wait()
-                        if self._stopping.is_set():
+                chunk, i0 = divmod(pos, self._per_chunk)
+                plan, routed, _ = self._chunk(chunk)
+                if i0 == 0:
+                    with self._plan_lock:
+                        self._chunks.pop(chunk - 1, None)
+                    counts = np.bincount(routed, minlength=len(TIER_NAMES)) / self.plan_chunk_steps
+                    self._upcoming_mix = {t: float(counts[t]) for t in TIER_NAMES}
+                batch_start = time.perf_counter()
+                waited = 0.0  # for remote rows: the workers' time, not the assembler's
+                samples, fetch_from = plan.samples[i0:i0 + b].tolist(), routed[i0:i0 + b].tolist()
+                stores, ops = plan.store[i0:i0 + b].tolist(), plan.ops
+                rows = np.empty((b, self.source.sample_len), self.source.dtype)
+                served = dict.fromkeys(("ram", "disk", "peer", "source", "fallback"), 0)
+                served["rerouted"] = int(np.count_nonzero(routed[i0:i0 + b] != plan.fetch_from[i0:i0 + b]))
+                for k in range(b):
+                    sample, where = samples[k], fetch_from[k]
+                    if where == RAM or where == DISK:
+                        t0 = time.perf_counter()
+                        found = cache.get(sample)
+                        if found is None:  # its store failed (disk full or error): the source stands in
+                            row, tier = self.source.read(np.array([sample]))[0], "source"
+                            served["fallback"] += 1
+                        else:
+                            row, tier = found[0], TIER_NAMES[found[1]]
+                            self.model.observe(found[1], time.perf_counter() - t0)
+                    else:
+                        t0 = time.perf_counter()
+                        fetched = self._take_fetched(pos)
+                        waited += time.perf_counter() - t0
+                        if fetched is None:
                             return
-                        row = self._fetched.pop(pos)
-                    if isinstance(row, BaseException):
-                        raise row
-                    row, tier, fell_back = row
-                    plan, i = self._plan_for(pos)
-                    counts[("_counts", tier)] += 1
-                    counts[("_counts", "fallback")] += fell_back
-                    counts[("_planned", TIER_NAMES[int(plan.fetch_from[i])])] += 1
-                    counts[("_bytes", "local" if tier in ("ram", "disk") else tier)] += row.nbytes
-                    for op, sample, tier in plan.ops.get(i, ()):
-                        self._cache.demote(sample) if op == DEMOTE else self._cache.drop(sample, tier)
-                    if plan.store[i]:
-                        self._cache.store(int(plan.samples[i]), row, int(plan.store[i]))
-                    rows.append(row)
+                        row, tier, fell_back = fetched
+                        served["fallback"] += fell_back
+                    served[tier] += 1
+                    for op, victim, victim_tier in ops.get(i0 + k, ()):
+                        cache.demote(victim) if op == DEMOTE else cache.drop(victim, victim_tier)
+                    if stores[k]:
+                        cache.store(sample, row, stores[k])
+                    rows[k] = row
                     pos += 1
-                    with self._room_cond:
-                        self._consumed = pos
-                        if pos % b == 0:  # room for a batch more: wake the workers once, not once per sample
-                            self._room_cond.notify_all()
-                self._release_plans_before(pos)
-                batch = batch_from_windows(np.stack(rows), self.eos_id)
+                self.model.observe_assembler((time.perf_counter() - batch_start - waited) / b)
+                with self._room_cond:
+                    self._consumed = pos
+                    self._room_cond.notify_all()  # room for a batch more: wake the workers once per batch
+                planned = np.bincount(plan.fetch_from[i0:i0 + b], minlength=len(TIER_NAMES))
+                counts = {("_counts", k): v for k, v in served.items()}
+                counts.update({("_planned", TIER_NAMES[t]): int(planned[t]) for t in TIER_NAMES})
+                counts.update({("_bytes", "local"): (served["ram"] + served["disk"]) * nbytes,
+                               ("_bytes", "peer"): served["peer"] * nbytes,
+                               ("_bytes", "source"): served["source"] * nbytes})
+                batch = batch_from_windows(rows, self.eos_id)
                 if self._to_device is not None:
                     batch = self._to_device(batch)
                 self._put((batch, counts))

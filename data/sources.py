@@ -268,6 +268,12 @@ class ShardedSource:
         idx_K = _check_indices(indices, self.num_samples)
         if not idx_K.size:
             return np.empty((0, self.sample_len), self.dtype)
+        if idx_K.size == 1:  # the common request of a loader worker: skip the run-finding below
+            shard, within = divmod(int(idx_K[0]), self.samples_per_shard)
+            fd = self._fd(shard)
+            data = self._pread(shard, fd, self.sample_nbytes, within * self.sample_nbytes)
+            self._check_still_there(shard, fd)
+            return np.frombuffer(data, self.dtype).reshape(1, self.sample_len).copy()
         unique_U, inverse_K = np.unique(idx_K, return_inverse=True)
         out_US = np.empty((len(unique_U), self.sample_len), self.dtype)
         shard_U = unique_U // self.samples_per_shard
@@ -283,12 +289,16 @@ class ShardedSource:
             offset = (int(unique_U[a]) - shard * self.samples_per_shard) * self.sample_nbytes
             data = self._pread(shard, fd, (b - a) * self.sample_nbytes, offset)
             out_US[a:b] = np.frombuffer(data, self.dtype).reshape(b - a, self.sample_len)
-        for shard, fd in touched.items():  # an open fd still reads a deleted or rewritten file
-            st = os.fstat(fd)
-            if st.st_nlink == 0:
-                raise SourceError(f"{self._shard_paths[shard]}: shard is missing (deleted after open)")
-            self._check_size(self._shard_paths[shard], self._shard_bytes[shard], st.st_size)
+        for shard, fd in touched.items():
+            self._check_still_there(shard, fd)
         return out_US[inverse_K]
+
+    def _check_still_there(self, shard: int, fd: int) -> None:
+        """An open fd still reads a deleted or rewritten file: check the shard is the one opened."""
+        st = os.fstat(fd)
+        if st.st_nlink == 0:
+            raise SourceError(f"{self._shard_paths[shard]}: shard is missing (deleted after open)")
+        self._check_size(self._shard_paths[shard], self._shard_bytes[shard], st.st_size)
 
     def close(self) -> None:
         """Closes the shard files; call it with no read in flight (a later read reopens them)."""
@@ -304,8 +314,10 @@ class ShardedSource:
         self.close()
 
     def __del__(self):
-        with contextlib.suppress(Exception):
+        try:  # no module globals here: at interpreter exit they may already be gone
             self.close()
+        except Exception:  # noqa: BLE001
+            pass
 
     def __reduce__(self):
         return (type(self), (self.path,))  # file descriptors do not travel: reopen (and revalidate) there

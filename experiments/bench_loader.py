@@ -13,7 +13,11 @@ requests: a remote filesystem. All in one run:
   epoch times  grain's DataLoader with its default prefetch (16 read threads), grain over an LRU cache of 50%,
                and this loader at 25% and 50% (RAM tier; --workers fetch threads).
   4 processes  --procs local processes sharing one de-duplicated cache over TCP (file rendezvous), 10 epochs of a
-               smaller dataset, unthrottled: local + peer hit rate after epoch 1 vs min(1, capacity / dataset).
+               smaller dataset, each through its own throttled source: local + peer hit rate after epoch 1 vs
+               min(1, capacity / dataset).
+  model        the timing model's prediction (can the tiers keep up with a training step?) against the stall it
+               measured, on --model-samples samples, epoch 2 behind a simulated step of --model-step-ms: a source it
+               predicts fast enough, and one too slow (5x the latency, 1/8 of the workers).
   training     tiny_lm trained through the throttled source (a subprocess): the fraction of wall time the step
                loop waited for data.
 The last line is a JSON summary.
@@ -130,9 +134,10 @@ def ours(source, batch: int, seed: int, epochs: int, fraction: float, workers: i
     return times, m["data_hit_rate"], later_hits / max(later, 1)
 
 
-def _peer_worker(directory, index, procs, samples, seq_len, fraction, epochs, out):
+def _peer_worker(directory, index, procs, samples, seq_len, fraction, epochs, latency_s, bytes_per_s, out):
     tokens = TokenFile.open(default_corpus()).tokens
-    source = TokenWindowSource(tokens, seq_len=seq_len, stop=samples * seq_len + 1)
+    source = ThrottledSource(TokenWindowSource(tokens, seq_len=seq_len, stop=samples * seq_len + 1),
+                             latency_s=latency_s, bandwidth_bytes_per_s=bytes_per_s)
     capacity = int(fraction * samples / procs) * source.sample_nbytes
     loader = ClairvoyantLoader(source, batch_size=16 * procs, seed=0, process_index=index, process_count=procs,
                                ram_bytes=capacity, workers=8, exchange=file_exchange(directory, index, procs, "bench"))
@@ -150,11 +155,13 @@ def _peer_worker(directory, index, procs, samples, seq_len, fraction, epochs, ou
     out.put((index, later))
 
 
-def four_processes(procs: int, samples: int, seq_len: int, fraction: float, epochs: int) -> dict:
+def four_processes(procs: int, samples: int, seq_len: int, fraction: float, epochs: int, latency_s: float,
+                   bytes_per_s: float) -> dict:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as directory:
-        workers = [ctx.Process(target=_peer_worker, args=(directory, i, procs, samples, seq_len, fraction, epochs, out))
+        workers = [ctx.Process(target=_peer_worker, args=(directory, i, procs, samples, seq_len, fraction, epochs,
+                                                                 latency_s, bytes_per_s, out))
                    for i in range(procs)]
         for w in workers:
             w.start()
@@ -167,6 +174,30 @@ def four_processes(procs: int, samples: int, seq_len: int, fraction: float, epoc
     reads = sum(total.values())
     return {"local": (total["ram"] + total["disk"]) / reads, "peer": total["peer"] / reads,
             "hit": 1 - total["source"] / reads}
+
+
+def model_check(samples: int, seq_len: int, batch: int, step_s: float, latency_s: float, bytes_per_s: float,
+                workers: int) -> dict:
+    """Epoch 1 fills a 50% RAM cache at full speed; epoch 2 runs behind a training step of `step_s`: what the
+    loader's timing model predicts (time per batch vs step time) and the stall fraction it then measured."""
+    tokens = TokenFile.open(default_corpus()).tokens
+    source = ThrottledSource(TokenWindowSource(tokens, seq_len=seq_len, stop=samples * seq_len + 1),
+                             latency_s=latency_s, bandwidth_bytes_per_s=bytes_per_s)
+    loader = ClairvoyantLoader(source, batch_size=batch, seed=0, workers=workers, prefetch_steps=8,
+                               ram_bytes=samples // 2 * source.sample_nbytes)
+    steps = loader.batches_per_epoch
+    for _ in range(steps):
+        next(loader)
+    stall_before, t0 = loader.metrics()["data_stall_s"], time.perf_counter()
+    for _ in range(steps):
+        time.sleep(step_s)  # the training step
+        next(loader)
+    wall = time.perf_counter() - t0
+    m = loader.metrics()
+    loader.close()
+    return {"batch_s": m["data_model_batch_s"], "step_s": m["data_model_step_s"],
+            "keeps_up": bool(m["data_model_keeps_up"]), "stall_frac": (m["data_stall_s"] - stall_before) / wall,
+            "measured_s": wall / steps}
 
 
 def train_stall(workdir: Path, steps: int, latency_ms: float, mb_per_s: float) -> dict:
@@ -190,13 +221,16 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--latency-ms", type=float, default=2.0)
     p.add_argument("--mb-per-s", type=float, default=50.0)
-    p.add_argument("--workers", type=int, default=64, help="this loader's fetch threads")
+    p.add_argument("--workers", type=int, default=32, help="this loader's fetch threads")
     p.add_argument("--procs", type=int, default=4)
     p.add_argument("--peer-samples", type=int, default=20_000)
     p.add_argument("--peer-epochs", type=int, default=10)
+    p.add_argument("--model-samples", type=int, default=4096)
+    p.add_argument("--model-step-ms", type=float, default=10.0)
     p.add_argument("--train-steps", type=int, default=40)
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--skip-model", action="store_true")
     args = p.parse_args(argv)
     summary = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -252,10 +286,26 @@ def main(argv=None) -> int:
         print(f"\n{args.procs} processes, {args.peer_samples} samples, {args.peer_epochs} epochs (epochs 2+)")
         print(f"{'aggregate capacity':>19} {'local':>7} {'peer':>7} {'hit':>7} {'target 0.95*min(1,c)':>21}")
         for fraction in (0.25, 0.5, 1.0):
-            r = four_processes(args.procs, args.peer_samples, args.seq_len, fraction, args.peer_epochs)
+            r = four_processes(args.procs, args.peer_samples, args.seq_len, fraction, args.peer_epochs,
+                               args.latency_ms / 1e3, args.mb_per_s * 1e6)
             print(f"{fraction:>19.0%} {r['local']:>7.4f} {r['peer']:>7.4f} {r['hit']:>7.4f} "
                   f"{0.95 * min(1, fraction):>21.4f}")
             summary[f"peers_hit_{int(fraction * 100)}"] = round(r["hit"], 4)
+
+    if not args.skip_model:
+        print(f"\ntiming model vs measured stall: {args.model_samples} samples, 50% RAM, epoch 2 behind a "
+              f"{args.model_step_ms:g} ms step")
+        print(f"{'source':>28} {'predicted s/batch':>18} {'step s':>8} {'keeps up':>9} {'measured s/batch':>17} "
+              f"{'stall':>7}")
+        cases = {"fast": (args.latency_ms, args.workers), "slow": (5 * args.latency_ms, max(1, args.workers // 8))}
+        for name, (latency_ms, workers) in cases.items():
+            r = model_check(args.model_samples, args.seq_len, args.batch, args.model_step_ms / 1e3, latency_ms / 1e3,
+                            args.mb_per_s * 1e6, workers)
+            label = f"{name}: {latency_ms:g} ms, {workers} workers"
+            print(f"{label:>28} {r['batch_s']:>18.4f} {r['step_s']:>8.4f} {str(r['keeps_up']):>9} "
+                  f"{r['measured_s']:>17.4f} {r['stall_frac']:>7.2%}")
+            summary[f"model_{name}_keeps_up"] = r["keeps_up"]
+            summary[f"model_{name}_stall_frac"] = round(r["stall_frac"], 4)
 
     if not args.skip_train:
         with tempfile.TemporaryDirectory() as tmp:

@@ -39,7 +39,9 @@ def test_batches_follow_the_plan_exactly_through_every_tier():
     m = loader.metrics()
     loader.close()
     assert m["data_samples_ram"] > 0 and m["data_samples_disk"] > 0 and m["data_samples_fallback"] == 0
-    assert m["data_hit_rate"] == pytest.approx(m["data_planned_hit_rate"])
+    served = sum(m[f"data_samples_{k}"] for k in ("ram", "disk", "peer", "source"))
+    # what the model sent to this in-memory source instead of the slower disk still counts as planned hits
+    assert m["data_hit_rate"] + m["data_samples_rerouted"] / served == pytest.approx(m["data_planned_hit_rate"])
     assert m["data_bytes_source"] == m["data_samples_source"] * source.sample_nbytes
 
 
@@ -140,7 +142,7 @@ def test_prefetch_hides_a_slow_source_behind_a_slow_step():
 
 
 def _peer_process(directory, index, count, out):
-    source = _source(800)
+    source = ThrottledSource(_source(800), latency_s=0.002, bandwidth_bytes_per_s=None)  # a peer is faster
     nbytes = source.sample_nbytes
     loader = ClairvoyantLoader(source, batch_size=16, seed=5, process_index=index, process_count=count,
                                ram_bytes=(800 // count) * nbytes // 2, workers=4,
@@ -151,7 +153,8 @@ def _peer_process(directory, index, count, out):
     barrier_dir = directory
     for step in range(steps):
         batch = next(loader)
-        ok &= np.array_equal(batch["inputs"], _expected(source, plan, step, process_rows(16, index, count))["inputs"])
+        ok &= np.array_equal(batch["inputs"],
+                             _expected(source.source, plan, step, process_rows(16, index, count))["inputs"])
         if step % 10 == 0:  # lockstep, as training steps are
             file_exchange(barrier_dir, index, count, f"b{step}")({})
     m = loader.metrics()
