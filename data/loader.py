@@ -359,8 +359,8 @@ class ClairvoyantLoader:
                 if i0 == 0:
                     with self._plan_lock:
                         self._chunks.pop(chunk - 1, None)
-                    counts = np.bincount(routed, minlength=len(TIER_NAMES)) / self.plan_chunk_steps
-                    self._upcoming_mix = {t: float(counts[t]) for t in TIER_NAMES}
+                    per_batch = np.bincount(routed, minlength=len(TIER_NAMES)) / self.plan_chunk_steps
+                    self._upcoming_mix = {t: float(per_batch[t]) for t in TIER_NAMES}
                 batch_start = time.perf_counter()
                 waited = 0.0  # for remote rows: the workers' time, not the assembler's
                 samples, fetch_from = plan.samples[i0:i0 + b].tolist(), routed[i0:i0 + b].tolist()

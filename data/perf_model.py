@@ -14,8 +14,8 @@ from*, and whether the loader as a whole keeps up with training:
   remote reads overlap on the fetch workers (their request times divided by
   the worker count), but all Python work holds one interpreter lock: the
   assembler's per-sample time plus the workers' CPU time per remote read is a
-  serial path. The slower of the two sets the pace. Compared
-  with the consumer's measured step time it tells whether the tiers can keep up
+  serial path. The slower of the two sets the pace. Compared with the
+  consumer's measured step time it tells whether the tiers can keep up
   (`keeps_up`), which is when stalls should be near zero.
 
 Estimates are exponential moving averages of measured request times, seeded
