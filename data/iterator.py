@@ -135,10 +135,14 @@ class SeededBatchIterator:
         first = self.batch_in_epoch * self.batch_size + self.rows[0]
         window_ids_B = self._permutation(self.epoch)[first:first + self.local_batch_size]
         batch = _gather(self.tokens, window_ids_B, self.start, self.seq_len, self.eos_id)
+        self.skip()
+        return batch
+
+    def skip(self) -> None:
+        """Moves past one batch without reading it (a process that holds none of its rows)."""
         self.batch_in_epoch += 1
         if self.batch_in_epoch == self.batches_per_epoch:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-        return batch
 
     def get_state(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}

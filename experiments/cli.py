@@ -116,7 +116,12 @@ def open_data(cfg):
         if eos_id is None:
             raise ValueError(f"model.attention_mask {cfg.model.attention_mask!r} uses document(), but token file "
                              f"{token_file.path} records no eos_id to find document boundaries")
-    if d.loader == "simple":
+    if cfg.diloco.replicas and cfg.diloco.data == "partition":
+        from data.partitioned import PartitionedBatches
+
+        train_iter = PartitionedBatches(token_file.tokens, parts=cfg.diloco.replicas, batch_size=d.batch_size,
+                                        seq_len=d.seq_len, seed=cfg.seed, start=train_lo, stop=train_hi, eos_id=eos_id)
+    elif d.loader == "simple":
         train_iter = SeededBatchIterator(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len,
                                          seed=cfg.seed, start=train_lo, stop=train_hi, eos_id=eos_id)
     else:

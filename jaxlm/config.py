@@ -55,8 +55,12 @@ class ModelConfig:
         return self.head_dim or self.d_model // self.num_heads
 
 
+OPTIMIZERS = ("adamw", "sgd")
+
+
 @dataclass(frozen=True)
 class OptimConfig:
+    optimizer: str = "adamw"  # adamw | sgd (plain SGD with the same schedule, clipping and decoupled weight decay)
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     decay_steps: int = 0  # 0 -> decay over the run's total steps
@@ -94,11 +98,32 @@ class DataConfig:
     throttle_mb_per_s: float = 0.0  # 0 -> unlimited
 
 
+DILOCO_DATA = ("iid", "partition")
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """Semi-synchronous training (jaxlm.diloco): M replicas take H inner steps, then one outer step on their deltas."""
+
+    replicas: int = 0  # M; 0 turns DiLoCo off (plain synchronous training)
+    inner_steps: int = 30  # H: inner steps between two syncs of the same fragment
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9  # Nesterov momentum of the outer SGD; 0 -> plain SGD
+    fragments: int = 1  # P: streaming DiLoCo syncs one of P layer-strided fragments every H/P steps
+    overlap_steps: int = 0  # tau: the synced fragment is merged tau inner steps after its sync (communication overlap)
+    mixing: float = 0.0  # alpha: a merged fragment becomes alpha * local + (1 - alpha) * global
+    compression: str = "none"  # outer gradients on the wire: none (float32) | bf16 | int8 | int4
+    compression_block: int = 256  # values per float32 scale for int8 / int4
+    data: str = "iid"  # iid: each replica gets B/M rows of the global batch | partition: a disjoint slice of the data
+    drop: str = ""  # simulated failures, "m@first-last,...": replica m is down for steps first..last and then rejoins
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     steps: int = 200
     seed: int = 0
     log_every: int = 10
@@ -261,7 +286,72 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"data.{key} must be >= 1, got {getattr(d, key)}")
     if d.batch_size % d.microbatches:
         raise ConfigError(f"data.batch_size ({d.batch_size}) must be divisible by data.microbatches ({d.microbatches})")
+    if o.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"optim.optimizer must be one of {', '.join(OPTIMIZERS)}, got {o.optimizer!r}")
+    if cfg.diloco.replicas:
+        _check_diloco(cfg)
+    elif cfg.diloco.replicas < 0:
+        raise ConfigError(f"diloco.replicas must be >= 0 (0 turns DiLoCo off), got {cfg.diloco.replicas}")
     return cfg
+
+
+def _check_diloco(cfg: TrainConfig) -> None:
+    from jaxlm.outer_compression import BITS
+    from jaxlm.quantized import uses_delayed_scaling
+
+    c, m, d = cfg.diloco, cfg.model, cfg.data
+    if c.inner_steps < 1:
+        raise ConfigError(f"diloco.inner_steps must be >= 1, got {c.inner_steps}")
+    if c.outer_lr <= 0:
+        raise ConfigError(f"diloco.outer_lr must be positive, got {c.outer_lr}")
+    if not 0 <= c.outer_momentum < 1:
+        raise ConfigError(f"diloco.outer_momentum must be in [0, 1), got {c.outer_momentum}")
+    if d.batch_size % c.replicas:
+        raise ConfigError(f"data.batch_size ({d.batch_size}) must be divisible by diloco.replicas ({c.replicas})")
+    if (d.batch_size // c.replicas) % d.microbatches:
+        raise ConfigError(f"per-replica batch {d.batch_size // c.replicas} (data.batch_size / diloco.replicas) must be "
+                          f"divisible by data.microbatches ({d.microbatches})")
+    if not 1 <= c.fragments <= m.num_layers:
+        raise ConfigError(f"diloco.fragments must be in [1, model.num_layers = {m.num_layers}], got {c.fragments}")
+    if c.inner_steps % c.fragments:
+        raise ConfigError(f"diloco.inner_steps ({c.inner_steps}) must be divisible by diloco.fragments "
+                          f"({c.fragments}): one fragment is synced every inner_steps / fragments steps")
+    if not 0 <= c.overlap_steps < c.inner_steps // c.fragments:
+        raise ConfigError(f"diloco.overlap_steps must be in [0, inner_steps / fragments = "
+                          f"{c.inner_steps // c.fragments}), got {c.overlap_steps}")
+    if not 0 <= c.mixing <= 1:
+        raise ConfigError(f"diloco.mixing must be in [0, 1], got {c.mixing}")
+    if c.compression not in BITS:
+        raise ConfigError(f"diloco.compression must be one of {', '.join(BITS)}, got {c.compression!r}")
+    if c.compression_block < 1:
+        raise ConfigError(f"diloco.compression_block must be >= 1, got {c.compression_block}")
+    if c.data not in DILOCO_DATA:
+        raise ConfigError(f"diloco.data must be one of {', '.join(DILOCO_DATA)}, got {c.data!r}")
+    if uses_delayed_scaling(m):
+        raise ConfigError("delayed-scaling quantization (model.quant_scaling=delayed) keeps amax histories that "
+                          "DiLoCo cannot average; set model.quant_scaling=current")
+    down = parse_drops(c.drop, c.replicas)
+    for step in sorted({first for _, first, _ in down}):
+        if all(any(r == m_ and first <= step <= last for m_, first, last in down) for r in range(c.replicas)):
+            raise ConfigError(f"diloco.drop {c.drop!r} leaves no replica alive at step {step}")
+
+
+def parse_drops(spec: str, replicas: int) -> list[tuple[int, int, int]]:
+    """'m@first-last,...' -> [(replica, first step, last step)]: replica m is down for steps first..last (1-based)."""
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        try:
+            replica, steps = part.split("@")
+            first, last = steps.split("-")
+            item = (int(replica), int(first), int(last))
+        except ValueError:
+            raise ConfigError(f"diloco.drop: {part!r} is not 'replica@first-last', e.g. '1@40-80'") from None
+        if not 0 <= item[0] < replicas:
+            raise ConfigError(f"diloco.drop: replica {item[0]} in {part!r} is not in [0, {replicas})")
+        if not 1 <= item[1] <= item[2]:
+            raise ConfigError(f"diloco.drop: {part!r} needs 1 <= first <= last")
+        out.append(item)
+    return out
 
 
 def _check_quantization(m: ModelConfig) -> None:
@@ -301,7 +391,7 @@ def to_dict(cfg: Any) -> dict:
 
 
 def from_dict(data: dict) -> TrainConfig:
-    sections = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig}
+    sections = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "diloco": DiLoCoConfig}
     kwargs = {k: (sections[k](**v) if k in sections else v) for k, v in data.items()}
     return TrainConfig(**kwargs)
 

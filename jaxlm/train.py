@@ -77,11 +77,16 @@ def decay_mask(params) -> Any:
 
 
 def make_optimizer(ocfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+    """Clipping, then AdamW, or SGD with the same decoupled weight decay (DiLoCo's exactness identities use SGD)."""
     schedule = lr_schedule(ocfg, total_steps)
-    adamw = optax.adamw(schedule, b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps, weight_decay=ocfg.weight_decay,
-                        mask=decay_mask)
+    if ocfg.optimizer == "sgd":
+        decay = optax.add_decayed_weights(ocfg.weight_decay, mask=decay_mask) if ocfg.weight_decay else optax.identity()
+        inner = optax.chain(decay, optax.sgd(schedule))
+    else:
+        inner = optax.adamw(schedule, b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps, weight_decay=ocfg.weight_decay,
+                            mask=decay_mask)
     clip = optax.clip_by_global_norm(ocfg.grad_clip) if ocfg.grad_clip > 0 else optax.identity()
-    return optax.chain(clip, adamw), schedule
+    return optax.chain(clip, inner), schedule
 
 
 # ----------------------------------------------------------------------------- loss and steps
@@ -208,11 +213,11 @@ class Program:
             in_shardings=(self.state_shardings.params, self.batch_sharding),
         )
 
-    def _in_mesh(self, fn):
-        """Trace ``fn`` with the mesh and the layout's rules in context, so code that must split work per device
-        (attention kernels and pipeline stages under shard_map) sees the mesh axes, and activation constraints
-        (`sharding.rules.constrain`) the rules."""
-        abstract_mesh, rules = self.mesh.abstract_mesh, self.layout.rules
+    def _in_mesh(self, fn, rules: dict | None = None):
+        """Trace ``fn`` with the mesh and the layout's rules (or `rules`) in context, so code that must split work
+        per device (attention kernels and pipeline stages under shard_map) sees the mesh axes, and activation
+        constraints (`sharding.rules.constrain`) the rules."""
+        abstract_mesh, rules = self.mesh.abstract_mesh, self.layout.rules if rules is None else rules
 
         def traced(*args):
             with jax.sharding.use_abstract_mesh(abstract_mesh), use_rules(rules):
@@ -249,6 +254,31 @@ class Program:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self.abstract_state, self.state_shardings)
 
+    # The Trainer drives every program through these three: a plain program is one compiled step; DiLoCo
+    # (jaxlm.diloco) picks among several compiled programs by step number.
+
+    def compile_step(self, state, batch) -> Callable[[Any, Batch, int], tuple[Any, dict]]:
+        """Compiles for these arguments; returns step_fn(state, batch, step) -> (state, metrics) producing `step`."""
+        compiled = self.train_step.lower(state, batch).compile()
+        return lambda state, batch, step: compiled(state, batch)
+
+    def eval_params(self, state):
+        """The parameters evaluation and export use."""
+        return state.params
+
+    def step_metrics(self, step: int) -> dict:
+        """Host-side figures for metrics.jsonl at `step` (none for plain training)."""
+        return {}
+
+
+def make_program(cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None) -> Program:
+    """DiLoCo's program when `diloco.replicas` is set, else the plain synchronous one."""
+    if cfg.diloco.replicas:
+        from jaxlm.diloco import DiLoCoProgram  # diloco builds on this module
+
+        return DiLoCoProgram(cfg, mesh, layout)
+    return Program(cfg, mesh, layout)
+
 
 # ----------------------------------------------------------------------------- the loop
 
@@ -282,7 +312,7 @@ class Trainer:
                  *, layout: MeshLayout | None = None, progress: bool = True):
         self.cfg, self.workdir = cfg, workdir
         self.train_iter, self.eval_batches = train_iter, eval_batches
-        self.program = Program(cfg, mesh, layout)
+        self.program = make_program(cfg, mesh, layout)
         self.primary = jax.process_index() == 0  # the one process that writes logs, plots and config.json
         if jax.process_count() > 1:
             self._read_process_rows()
@@ -310,6 +340,13 @@ class Trainer:
         saved_data, data = ({k: v for k, v in c.items() if k not in config_lib.DATA_SPEED_FIELDS}
                             for c in (saved_cfg["data"], config_lib.to_dict(self.cfg.data)))
         changed += config_lib.diff(saved_data, data, "data.")
+        # the optimizers and DiLoCo settings shape the saved state: another choice cannot continue it
+        defaults = config_lib.to_dict(config_lib.TrainConfig())
+        changed += config_lib.diff(saved_cfg.get("diloco", defaults["diloco"]), config_lib.to_dict(self.cfg.diloco),
+                                   "diloco.")
+        saved_optimizer = saved_cfg["optim"].get("optimizer", "adamw")
+        if saved_optimizer != self.cfg.optim.optimizer:
+            changed.append(f"optim.optimizer: {saved_optimizer!r} -> {self.cfg.optim.optimizer!r}")
         if changed:
             raise config_lib.ConfigError(f"checkpoint at step {latest} in {self.workdir} was written with a different "
                                          f"config ({'; '.join(changed)}); use a new --workdir or the original config")
@@ -336,6 +373,8 @@ class Trainer:
         logger.info(f"params {program.num_params / 1e6:.2f}M, {flops_per_token / 1e6:.1f} MFLOP/token, "
                     f"{'resuming at step ' + str(start) if start else 'starting from scratch'}")
         layout = program.layout
+        if hasattr(program, "describe"):
+            logger.info(program.describe())
         if layout.pipeline > 1:
             logger.info(f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}, {layout.num_microbatches} "
                         f"microbatches per step: bubble {bubble_fraction(layout.pipeline, layout.num_microbatches):.1%}")
@@ -351,12 +390,12 @@ class Trainer:
                 to_device = program.device_batch
             batch = to_device(next(self.train_iter))
             t0 = time.perf_counter()
-            step_fn = program.train_step.lower(state, batch).compile()
+            step_fn = program.compile_step(state, batch)
             logger.info(f"compiled train step in {time.perf_counter() - t0:.1f}s")
             t_last, steps_since = time.perf_counter(), 0
             loader_metrics = LoaderMetrics(self.train_iter, t_last)
             for step in range(start + 1, cfg.steps + 1):
-                state, metrics = step_fn(state, batch)
+                state, metrics = step_fn(state, batch, step)
                 data_state = self.train_iter.get_state()  # the next step's batch, before it is prefetched below
                 steps_since += 1
                 is_last = step == cfg.steps
@@ -369,13 +408,13 @@ class Trainer:
                     last = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
                             "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
                             "model_gflops_per_s": tokens_per_s * flops_per_token / 1e9,
-                            **loader_metrics.update(now)}
+                            **program.step_metrics(step), **loader_metrics.update(now)}
                     if not np.isfinite(last["loss"]):
                         raise FloatingPointError(f"loss became {last['loss']} at step {step}")
                     logger.log(last)
                     t_last, steps_since = now, 0
                 if self.eval_batches and ((cfg.eval_every and step % cfg.eval_every == 0) or is_last):
-                    eval_loss = program.evaluate(state.params, self.eval_batches)
+                    eval_loss = program.evaluate(program.eval_params(state), self.eval_batches)
                     logger.log({"step": step, "eval_loss": eval_loss})
                     last["eval_loss"] = eval_loss
                     t_last = time.perf_counter()  # eval time is not training throughput

@@ -17,7 +17,6 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 MESH_AXES = ("replica", "data", "fsdp", "pipeline", "tensor")  # outermost (slowest links) first
-SUPPORTED_AXES = ("data", "fsdp", "pipeline", "tensor")  # replica arrives with DiLoCo
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -31,7 +30,7 @@ class MeshLayout:
     fsdp: int = 1
     tensor: int = 1
     pipeline: int = 1
-    replica: int = 1
+    replica: int = 1  # DiLoCo replicas are split over it; without DiLoCo it is one more data-parallel axis
     rules: dict = field(default_factory=dict)  # logical axis -> mesh axis (or tuple, or None); overrides DEFAULT_RULES
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b (sharding.pipeline); used when pipeline > 1
     pipeline_microbatches: int = 0  # microbatches per pipelined step; 0 -> 2 * pipeline
@@ -51,10 +50,6 @@ class MeshLayout:
         for axis, size in self.axis_sizes.items():
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise LayoutError(f"mesh axis '{axis}' must be a positive int, got {size!r}")
-        for axis in MESH_AXES:
-            if axis not in SUPPORTED_AXES and getattr(self, axis) != 1:
-                raise LayoutError(f"mesh axis '{axis}' = {getattr(self, axis)} is not supported yet (use 1); "
-                                  f"supported axes: {', '.join(SUPPORTED_AXES)}")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise LayoutError(f"pipeline_schedule {self.pipeline_schedule!r} is unknown; choose one of "
                               f"{', '.join(PIPELINE_SCHEDULES)}")
@@ -73,7 +68,7 @@ class MeshLayout:
     def check_divisibility(self, *, batch_size: int, microbatches: int, num_heads: int, num_kv_heads: int,
                            mlp_dim: int, num_layers: int) -> None:
         """Model and batch dimensions must split evenly over the mesh axes they are sharded on."""
-        batch_shards = self.data * self.fsdp
+        batch_shards = self.replica * self.data * self.fsdp
         splits = microbatches * self.num_microbatches
         if batch_size % splits:
             raise LayoutError(f"batch {batch_size} does not split into {microbatches} accumulation x "
@@ -81,7 +76,7 @@ class MeshLayout:
         if (batch_size // splits) % batch_shards:
             raise LayoutError(f"microbatch size {batch_size // splits} (batch {batch_size} / {microbatches} "
                               f"accumulation x {self.num_microbatches} pipeline microbatches) is not divisible by "
-                              f"data x fsdp = {batch_shards}")
+                              f"replica x data x fsdp = {batch_shards}")
         for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("mlp_dim", mlp_dim)):
             if size % self.tensor:
                 raise LayoutError(f"model.{name} = {size} is not divisible by mesh axis 'tensor' = {self.tensor}")

@@ -4,7 +4,8 @@ The model tags arrays with names like ("embed", "mlp"); a rules table maps each 
 mesh axes, or None (replicated). Defaults: FSDP shards `embed` over `fsdp` (XLA all-gathers each layer's params
 where they are used and reduce-scatters their gradients); tensor parallelism splits heads / mlp / vocab over
 `tensor` (Megatron: QKV and MLP-in by column, attention-out and MLP-out by row); the batch is split over
-data x fsdp; the stacked `layers` axis over `pipeline` (one contiguous block of layers per stage).
+replica x data x fsdp (jaxlm.diloco gives each replica its own rows); the stacked `layers` axis over `pipeline`
+(one contiguous block of layers per stage).
 
 Activations are tagged too (`constrain`), with the rules the running program was built with (`use_rules`).
 """
@@ -24,7 +25,7 @@ from sharding.mesh import MESH_AXES, LayoutError  # mesh imports rules only insi
 LOGICAL_AXES_KEY = "logical_axes"  # the metadata key jaxlm.model writes
 
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("replica", "data", "fsdp"),
     "embed": "fsdp",
     "vocab": "tensor",
     "heads": "tensor",

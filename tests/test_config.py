@@ -200,7 +200,8 @@ def test_layout_product_mismatch_names_the_numbers(tmp_path):
 
 @pytest.mark.parametrize("source, message", [
     ("layout = {'data': 8, 'model': 1}\n", r"unknown mesh axis 'model'; known axes: replica, data, fsdp"),
-    ("from sharding import MeshLayout\nlayout = MeshLayout(data=4, replica=2)\n", r"mesh axis 'replica' = 2 is not supported"),
+    ("from sharding import MeshLayout\nlayout = MeshLayout(data=4, replica=3)\n",
+     r"mesh layout replica=3 x data=4 covers 12 devices but 8 are available"),
     ("from sharding import MeshLayout\nlayout = MeshLayout(data=4, pipeline=2, pipeline_schedule='zb')\n",
      r"pipeline_schedule 'zb' is unknown; choose one of gpipe, 1f1b"),
     ("from sharding import MeshLayout\nlayout = MeshLayout(data=4, pipeline=2, pipeline_microbatches=-1)\n",
@@ -226,7 +227,7 @@ def test_check_divisibility():
     layout = MeshLayout(data=2, fsdp=2, tensor=2)
     ok = dict(batch_size=8, microbatches=2, num_heads=4, num_kv_heads=2, mlp_dim=64, num_layers=2)
     layout.check_divisibility(**ok)
-    with pytest.raises(LayoutError, match=r"microbatch size 2 .* not divisible by data x fsdp = 4"):
+    with pytest.raises(LayoutError, match=r"microbatch size 2 .* not divisible by replica x data x fsdp = 4"):
         layout.check_divisibility(**{**ok, "microbatches": 4})
     with pytest.raises(LayoutError, match=r"model.num_kv_heads = 1 is not divisible by mesh axis 'tensor' = 2"):
         layout.check_divisibility(**{**ok, "num_kv_heads": 1})

@@ -93,6 +93,21 @@ def test_fsdp_two_processes_resume_matches_one_uninterrupted(tmp_path, cached_en
     assert_same_run(losses(tmp_path / "two"), losses(reference))
 
 
+def test_diloco_one_replica_per_process_matches_one_process(tmp_path, cached_env):
+    """DiLoCo with the replica axis across the two processes (each process trains one replica, FSDP over its own
+    devices; only the outer syncs cross processes), replica 1 down for steps 2..3 and back at step 4: the same
+    losses and bytes as the same layout in one process."""
+    diloco = ["--mesh", REPO / "experiments/meshes/replicas2_fsdp.py", "--steps", 6, "--set", "diloco.replicas=2",
+              "--set", "diloco.inner_steps=2", "--set", "diloco.drop=1@2-3", "--set", "diloco.compression=int8"]
+    one_process(cached_env, tmp_path / "one", *diloco)
+    proc = two_processes(cached_env, tmp_path / "two", *diloco)
+    assert "[p0] DiLoCo: 2 replicas, H=2" in proc.stdout
+    assert_same_run(losses(tmp_path / "two"), losses(tmp_path / "one"))
+    assert_same_run(losses(tmp_path / "two", "eval_loss"), losses(tmp_path / "one", "eval_loss"))
+    assert losses(tmp_path / "two", "diloco_bytes") == losses(tmp_path / "one", "diloco_bytes")
+    assert [losses(tmp_path / "two", "diloco_alive")[s] for s in range(1, 7)] == [2, 1, 1, 2, 2, 2]
+
+
 # ----------------------------------------------------------------------------- the launcher
 
 

@@ -1,0 +1,170 @@
+"""DiLoCo vs synchronous data parallelism at equal tokens and equal global batch, on the default corpus.
+
+    python -m experiments.diloco_vs_sync                    # the full sweep (~40 runs; rerun to continue it)
+    python -m experiments.diloco_vs_sync --quick            # H=30, outer lr {0.4, 0.7}: a few minutes
+    python -m experiments.diloco_vs_sync --steps 600 --set model.d_model=128
+
+Every run trains the same small model from the same init for the same steps on the same global batch B: data
+parallel takes one AdamW step per batch; DiLoCo's M replicas each take inner AdamW steps on B/M rows and sync every
+H steps with outer Nesterov SGD. The sweep covers M in {1, 2, 4} x H in {10, 30, 100} x outer lr in
+{0.2, 0.4, 0.7, 1.0}, then (at M=4, H=30 and that cell's best outer lr) 4-bit outer gradients, streaming with 2
+fragments, and a replica lost for the second half of the run. Each run lives in WORKDIR/NAME and is skipped when
+complete, so an interrupted sweep continues. Prints a table (final eval loss, % gap to data parallel, bytes each
+replica sent), writes WORKDIR/eval_loss.png, and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from jaxlm.config import (DataConfig, DiLoCoConfig, ModelConfig, OptimConfig, TrainConfig, apply_overrides,
+                          validate)
+from jaxlm.metrics import read_metrics
+
+SMALL = TrainConfig(
+    model=ModelConfig(vocab_size=384, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=256,
+                      max_seq_len=64, scan_layers=False),
+    optim=OptimConfig(learning_rate=3e-3, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0),
+    data=DataConfig(seq_len=64, batch_size=16, val_fraction=0.01, eval_batches=8, loader="simple"),
+    steps=1000, log_every=50, eval_every=100, checkpoint_every=0, tensorboard=False,
+)
+REPLICAS, INNER_STEPS, OUTER_LRS = (1, 2, 4), (10, 30, 100), (0.2, 0.4, 0.7, 1.0)
+
+
+def runs(quick: bool, steps: int, best_lr: dict | None = None) -> list[tuple[str, DiLoCoConfig | None]]:
+    """(name, DiLoCo config or None for data parallel). The variants need the best outer lr of M=4, H=30."""
+    hs, lrs = ((30,), (0.4, 0.7)) if quick else (INNER_STEPS, OUTER_LRS)
+    out = [("data_parallel", None)]
+    out += [(f"M{m}_H{h}_lr{lr}", DiLoCoConfig(replicas=m, inner_steps=h, outer_lr=lr))
+            for m in REPLICAS for h in hs for lr in lrs]
+    if best_lr is not None:
+        base = DiLoCoConfig(replicas=4, inner_steps=30, outer_lr=best_lr[4, 30])
+        out += [("M4_H30_int4", dataclasses.replace(base, compression="int4")),
+                ("M4_H30_stream2", dataclasses.replace(base, fragments=2, overlap_steps=1)),
+                ("M4_H30_drop1", dataclasses.replace(base, drop=f"3@{steps // 2 + 1}-{steps}"))]
+    return out
+
+
+def train(name: str, cfg: TrainConfig, workdir: Path) -> list[dict]:
+    """Trains (or continues, or skips) one run; returns its metrics records."""
+    import jax
+
+    from experiments.cli import open_data
+    from jaxlm.train import Trainer
+    from sharding import MeshLayout, build_mesh
+
+    run_dir = workdir / name
+    train_iter, eval_data = open_data(cfg)
+    mesh = build_mesh(MeshLayout(), devices=jax.devices()[:1])
+    Trainer(cfg, mesh, run_dir, train_iter, eval_data, progress=False).run()
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def summarize(records: list[dict], cfg: TrainConfig) -> dict:
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    final = [r for r in records if "loss" in r][-1]
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    return {"eval_loss": evals[-1][1], "curve": [(s * tokens_per_step, e) for s, e in evals],
+            "bytes": final.get("diloco_bytes"), "syncs": final.get("diloco_syncs", cfg.steps),
+            "peak_sync_bytes": final.get("diloco_peak_sync_bytes")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.diloco_vs_sync", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default="runs/diloco_vs_sync")
+    p.add_argument("--steps", type=int, default=SMALL.steps)
+    p.add_argument("--quick", action="store_true", help="H=30 and outer lr {0.4, 0.7} only")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override the base config")
+    args = p.parse_args(argv)
+    try:
+        base = validate(apply_overrides(dataclasses.replace(SMALL, steps=args.steps), args.set))
+    except ValueError as e:
+        print(f"diloco_vs_sync: error: {e}", file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir)
+    results: dict[str, dict] = {}
+
+    def run_all(plan):
+        for name, diloco in plan:
+            if name in results:
+                continue
+            cfg = validate(base if diloco is None else dataclasses.replace(base, diloco=diloco))
+            results[name] = {**summarize(train(name, cfg, workdir), cfg), "diloco": diloco}
+            print(f"  {name}: eval loss {results[name]['eval_loss']:.4f}", file=sys.stderr, flush=True)
+
+    run_all(runs(args.quick, base.steps))
+    hs, lrs = ((30,), (0.4, 0.7)) if args.quick else (INNER_STEPS, OUTER_LRS)
+    best_lr = {(m, h): min(lrs, key=lambda lr: results[f"M{m}_H{h}_lr{lr}"]["eval_loss"])
+               for m in REPLICAS for h in hs}
+    run_all(runs(args.quick, base.steps, best_lr))
+
+    params = _num_params(base)
+    dp = results["data_parallel"]["eval_loss"]
+    dp_bytes = params * 4 * base.steps  # one float32 gradient per step (what a ring all-reduce moves per replica, x2)
+    rows = []
+    for name, r in results.items():
+        gap = 100 * (r["eval_loss"] / dp - 1)
+        sent = dp_bytes if r["diloco"] is None else r["bytes"]
+        rows.append((name, r["eval_loss"], gap, r["syncs"], sent, r["peak_sync_bytes"] or params * 4))
+    print(f"\nDiLoCo vs data parallel: {params / 1e6:.2f}M params, {base.steps} steps x {base.data.batch_size} x "
+          f"{base.data.seq_len} tokens (equal tokens, equal global batch)\n")
+    print(f"{'run':<18} {'eval loss':>9} {'gap %':>7} {'syncs':>6} {'MB sent/replica':>15} {'peak MB/sync':>12}")
+    for name, loss, gap, syncs, sent, peak in rows:
+        print(f"{name:<18} {loss:>9.4f} {gap:>+7.2f} {syncs:>6} {sent / 1e6:>15.2f} {peak / 1e6:>12.3f}")
+    best = {f"M{m}_H{h}": {"outer_lr": lr, "eval_loss": results[f"M{m}_H{h}_lr{lr}"]["eval_loss"],
+                            "gap_pct": 100 * (results[f"M{m}_H{h}_lr{lr}"]["eval_loss"] / dp - 1)}
+            for (m, h), lr in best_lr.items()}
+    print("\nbest outer lr per (M, H): " + ", ".join(f"{k} {v['outer_lr']} ({v['gap_pct']:+.2f}%)"
+                                                      for k, v in best.items()))
+    _plot(results, workdir / "eval_loss.png")
+    summary = {"data_parallel_eval_loss": dp, "best": best,
+               **{name: {"eval_loss": r["eval_loss"], "gap_pct": 100 * (r["eval_loss"] / dp - 1),
+                         "bytes": r["bytes"], "peak_sync_bytes": r["peak_sync_bytes"]}
+                  for name, r in results.items() if not name.startswith("M") or "_lr" not in name}}
+    print(json.dumps(summary))
+    return 0
+
+
+def _num_params(cfg: TrainConfig) -> int:
+    import jax
+
+    from jaxlm.train import Program
+    from sharding import MeshLayout, build_mesh
+
+    return Program(cfg, build_mesh(MeshLayout(), devices=jax.devices()[:1])).num_params
+
+
+def _plot(results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in results.items():
+        if "_lr" in name and not _is_best(name, results):
+            continue  # one curve per (M, H): its best outer lr
+        tokens, losses = zip(*r["curve"])
+        ax.plot(tokens, losses, label=name, lw=2.5 if name == "data_parallel" else 1.2)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("eval loss")
+    ax.set_title("DiLoCo vs data parallel (equal tokens, equal global batch)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def _is_best(name: str, results: dict) -> bool:
+    cell = name.rsplit("_lr", 1)[0]
+    same = {n: r["eval_loss"] for n, r in results.items() if n.rsplit("_lr", 1)[0] == cell and "_lr" in n}
+    return min(same, key=same.get) == name
+
+
+if __name__ == "__main__":
+    sys.exit(main())
