@@ -30,23 +30,37 @@ SMALL = TrainConfig(
                       max_seq_len=64, scan_layers=False),
     optim=OptimConfig(learning_rate=3e-3, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0),
     data=DataConfig(seq_len=64, batch_size=16, val_fraction=0.01, eval_batches=8, loader="simple"),
-    steps=1000, log_every=50, eval_every=100, checkpoint_every=0, tensorboard=False,
+    steps=600, log_every=50, eval_every=50, checkpoint_every=0, tensorboard=False,
 )
 REPLICAS, INNER_STEPS, OUTER_LRS = (1, 2, 4), (10, 30, 100), (0.2, 0.4, 0.7, 1.0)
 
 
-def runs(quick: bool, steps: int, best_lr: dict | None = None) -> list[tuple[str, DiLoCoConfig | None]]:
-    """(name, DiLoCo config or None for data parallel). The variants need the best outer lr of M=4, H=30."""
-    hs, lrs = ((30,), (0.4, 0.7)) if quick else (INNER_STEPS, OUTER_LRS)
+def runs(grid: dict, steps: int, best_lr: dict | None = None) -> list[tuple[str, DiLoCoConfig | None]]:
+    """(name, DiLoCo config or None for data parallel). The variants use the largest M, H = 30 (or the grid's
+    first H) and that cell's best outer lr."""
     out = [("data_parallel", None)]
-    out += [(f"M{m}_H{h}_lr{lr}", DiLoCoConfig(replicas=m, inner_steps=h, outer_lr=lr))
-            for m in REPLICAS for h in hs for lr in lrs]
+    mom, suffix = grid["momentum"], _suffix(grid)
+    out += [(f"M{m}_H{h}_lr{lr}{suffix}", DiLoCoConfig(replicas=m, inner_steps=h, outer_lr=lr, outer_momentum=mom))
+            for m in grid["replicas"] for h in grid["inner_steps"] for lr in grid["outer_lrs"]]
     if best_lr is not None:
-        base = DiLoCoConfig(replicas=4, inner_steps=30, outer_lr=best_lr[4, 30])
-        out += [("M4_H30_int4", dataclasses.replace(base, compression="int4")),
-                ("M4_H30_stream2", dataclasses.replace(base, fragments=2, overlap_steps=1)),
-                ("M4_H30_drop1", dataclasses.replace(base, drop=f"3@{steps // 2 + 1}-{steps}"))]
+        m, h = variant_cell(grid)
+        base = DiLoCoConfig(replicas=m, inner_steps=h, outer_lr=best_lr[m, h], outer_momentum=mom)
+        tag = f"M{m}_H{h}{suffix}"
+        out += [(f"{tag}_int4", dataclasses.replace(base, compression="int4")),
+                (f"{tag}_stream2", dataclasses.replace(base, fragments=2, overlap_steps=min(1, h // 2 - 1))),
+                (f"{tag}_drop1", dataclasses.replace(base, drop=f"{m - 1}@{steps // 2 + 1}-{steps}"))]
     return out
+
+
+def _suffix(grid: dict) -> str:
+    """Runs with a non-default outer momentum get their own names (and workdirs)."""
+    mom = grid["momentum"]
+    return "" if mom == DiLoCoConfig.outer_momentum else f"_mom{mom}"
+
+
+def variant_cell(grid: dict) -> tuple[int, int]:
+    hs = grid["inner_steps"]
+    return max(grid["replicas"]), (30 if 30 in hs else hs[0])
 
 
 def train(name: str, cfg: TrainConfig, workdir: Path) -> list[dict]:
@@ -79,9 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="runs/diloco_vs_sync")
     p.add_argument("--steps", type=int, default=SMALL.steps)
     p.add_argument("--quick", action="store_true", help="H=30 and outer lr {0.4, 0.7} only")
+    p.add_argument("--replicas", default=",".join(map(str, REPLICAS)), help="comma-separated M values")
+    p.add_argument("--inner-steps", default=",".join(map(str, INNER_STEPS)), help="comma-separated H values")
+    p.add_argument("--outer-lrs", default=",".join(map(str, OUTER_LRS)), help="comma-separated outer lrs")
+    p.add_argument("--outer-momentum", type=float, default=DiLoCoConfig.outer_momentum,
+                   help="outer Nesterov momentum of every DiLoCo run (default %(default)s, the paper's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override the base config")
     args = p.parse_args(argv)
     try:
+        grid = {"replicas": _ints(args.replicas, "--replicas"), "inner_steps": _ints(args.inner_steps, "--inner-steps"),
+                "outer_lrs": [float(x) for x in _items(args.outer_lrs, "--outer-lrs")], "momentum": args.outer_momentum}
+        if args.quick:
+            grid.update(inner_steps=[30], outer_lrs=[0.4, 0.7])
         base = validate(apply_overrides(dataclasses.replace(SMALL, steps=args.steps), args.set))
     except ValueError as e:
         print(f"diloco_vs_sync: error: {e}", file=sys.stderr)
@@ -97,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {**summarize(train(name, cfg, workdir), cfg), "diloco": diloco}
             print(f"  {name}: eval loss {results[name]['eval_loss']:.4f}", file=sys.stderr, flush=True)
 
-    run_all(runs(args.quick, base.steps))
-    hs, lrs = ((30,), (0.4, 0.7)) if args.quick else (INNER_STEPS, OUTER_LRS)
-    best_lr = {(m, h): min(lrs, key=lambda lr: results[f"M{m}_H{h}_lr{lr}"]["eval_loss"])
-               for m in REPLICAS for h in hs}
-    run_all(runs(args.quick, base.steps, best_lr))
+    run_all(runs(grid, base.steps))
+    suffix = _suffix(grid)
+    best_lr = {(m, h): min(grid["outer_lrs"], key=lambda lr: results[f"M{m}_H{h}_lr{lr}{suffix}"]["eval_loss"])
+               for m in grid["replicas"] for h in grid["inner_steps"]}
+    run_all(runs(grid, base.steps, best_lr))
 
     params = _num_params(base)
     dp = results["data_parallel"]["eval_loss"]
@@ -113,14 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((name, r["eval_loss"], gap, r["syncs"], sent, r["peak_sync_bytes"] or params * 4))
     print(f"\nDiLoCo vs data parallel: {params / 1e6:.2f}M params, {base.steps} steps x {base.data.batch_size} x "
           f"{base.data.seq_len} tokens (equal tokens, equal global batch)\n")
-    print(f"{'run':<18} {'eval loss':>9} {'gap %':>7} {'syncs':>6} {'MB sent/replica':>15} {'peak MB/sync':>12}")
+    print(f"{'run':<22} {'eval loss':>9} {'gap %':>7} {'syncs':>6} {'MB sent/replica':>15} {'peak MB/sync':>12}")
     for name, loss, gap, syncs, sent, peak in rows:
-        print(f"{name:<18} {loss:>9.4f} {gap:>+7.2f} {syncs:>6} {sent / 1e6:>15.2f} {peak / 1e6:>12.3f}")
-    best = {f"M{m}_H{h}": {"outer_lr": lr, "eval_loss": results[f"M{m}_H{h}_lr{lr}"]["eval_loss"],
-                            "gap_pct": 100 * (results[f"M{m}_H{h}_lr{lr}"]["eval_loss"] / dp - 1)}
+        print(f"{name:<22} {loss:>9.4f} {gap:>+7.2f} {syncs:>6} {sent / 1e6:>15.2f} {peak / 1e6:>12.3f}")
+    best = {f"M{m}_H{h}{suffix}": {"outer_lr": lr, "eval_loss": results[f"M{m}_H{h}_lr{lr}{suffix}"]["eval_loss"],
+                                    "gap_pct": 100 * (results[f"M{m}_H{h}_lr{lr}{suffix}"]["eval_loss"] / dp - 1)}
             for (m, h), lr in best_lr.items()}
     print("\nbest outer lr per (M, H): " + ", ".join(f"{k} {v['outer_lr']} ({v['gap_pct']:+.2f}%)"
                                                       for k, v in best.items()))
+    print("\ntargets:")
+    for line in target_lines(results, best, grid, suffix):
+        print("  " + line)
     _plot(results, workdir / "eval_loss.png")
     summary = {"data_parallel_eval_loss": dp, "best": best,
                **{name: {"eval_loss": r["eval_loss"], "gap_pct": 100 * (r["eval_loss"] / dp - 1),
@@ -128,6 +154,48 @@ def main(argv: list[str] | None = None) -> int:
                   for name, r in results.items() if not name.startswith("M") or "_lr" not in name}}
     print(json.dumps(summary))
     return 0
+
+
+def target_lines(results: dict, best: dict, grid: dict, suffix: str) -> list[str]:
+    """The issue's quality and communication targets, each with the measured figure."""
+    lines = []
+    for m, limit in ((1, 0.3), (2, 1.0), (4, 3.0)):
+        cell = best.get(f"M{m}_H30{suffix}")
+        if cell:
+            lines.append(f"M={m}, H=30, best outer lr: {cell['gap_pct']:+.2f}% vs data parallel (target <= +{limit}%)")
+    h30, h100 = best.get(f"M2_H30{suffix}"), best.get(f"M2_H100{suffix}")
+    if h30 and h100:
+        lines.append(f"M=2: H=100 vs H=30: {100 * (h100['eval_loss'] / h30['eval_loss'] - 1):+.2f}% (target <= +2%)")
+    m, h = variant_cell(grid)
+    tag = f"M{m}_H{h}{suffix}"
+    base = results.get(f"M{m}_H{h}_lr{best[tag]['outer_lr']}{suffix}")
+    checks = (("int4", "4-bit outer gradients", 0.3), ("stream2", "streaming, 2 fragments", 0.5),
+              ("drop1", "one of the replicas lost for the second half", 1.0))
+    for key, what, limit in checks:
+        r = results.get(f"{tag}_{key}")
+        if base and r:
+            change = 100 * (r["eval_loss"] / base["eval_loss"] - 1)
+            extra = ""
+            if key == "int4":
+                extra = f", {base['bytes'] / r['bytes']:.2f}x fewer bytes (payload 8x, plus a float32 scale per block)"
+            if key == "stream2":
+                extra = f", peak bytes per sync {base['peak_sync_bytes'] / r['peak_sync_bytes']:.2f}x lower (target 2x)"
+            lines.append(f"{what}: {change:+.2f}% eval loss vs {tag} (target within {limit}%){extra}")
+    return lines
+
+
+def _items(text: str, flag: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"{flag} needs at least one value")
+    return items
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in _items(text, flag)]
+    except ValueError:
+        raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
 
 
 def _num_params(cfg: TrainConfig) -> int:
@@ -162,7 +230,7 @@ def _plot(results: dict, out: Path) -> None:
 
 def _is_best(name: str, results: dict) -> bool:
     cell = name.rsplit("_lr", 1)[0]
-    same = {n: r["eval_loss"] for n, r in results.items() if n.rsplit("_lr", 1)[0] == cell and "_lr" in n}
+    same = {n: r["eval_loss"] for n, r in results.items() if "_lr" in n and n.rsplit("_lr", 1)[0] == cell}
     return min(same, key=same.get) == name
 
 

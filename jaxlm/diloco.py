@@ -3,9 +3,11 @@
 Papers: DiLoCo (Douillard et al., arXiv 2311.08105); Streaming DiLoCo (Douillard et al., arXiv 2501.18512).
 
 Every train-state leaf of the replicas is stacked on a leading [M] axis sharded over the `replica` mesh axis, and
-the inner step is the ordinary `train_step` under `jax.vmap(spmd_axis_name="replica")`: each replica trains on its
-own B/M rows of the global batch with its own inner optimizer state, using data / fsdp / tensor inside its slice of
-the mesh. Nothing crosses the replica axis between syncs. When the replica axis spans processes (one replica per
+the inner step is the ordinary `train_step`, vmapped over a slice's M/R replicas inside a `shard_map` manual over
+`replica` only: each replica trains on its own B/M rows of the global batch with its own inner optimizer state,
+using data / fsdp / tensor inside its slice of the mesh. Nothing crosses the replica axis between syncs. (A plain
+`vmap(spmd_axis_name="replica")` miscomputed the gradients of the second slice's replicas when a slice held two
+replicas and a data axis; the shard_map form is exact, see tests/test_diloco.py.) When the replica axis spans processes (one replica per
 process group, `sharding.launch`), the sync's mean is the only cross-process traffic of the parameters.
 
 A sync of fragment p (all params when P = 1):
@@ -13,7 +15,8 @@ A sync of fragment p (all params when P = 1):
   θ_global        ← optax SGD (Nesterov momentum) step on Δ
   θ_m             ← α·θ_m + (1 − α)·θ_global       at once, or τ inner steps later (overlap)
 Fragments are strided over layers (layer l belongs to fragment l mod P; embeddings and the final norm go whole to
-the lightest fragment); fragment p syncs at the k-th multiple of H/P with (k − 1) mod P = p, so each fragment syncs every H steps.
+the lightest fragment); fragment p syncs at the k-th multiple of H/P with (k − 1) mod P = p, so each fragment
+syncs every H steps.
 
 Failures are simulated by `diloco.drop`: a down replica takes no inner steps and is left out of the mean; when it
 comes back it restarts from the global params with the inner optimizer state of a live replica. Which fragment
@@ -189,7 +192,7 @@ class DiLoCoProgram(Program):
             raise LayoutError(f"per-replica microbatch of {rows} rows (data.batch_size / diloco.replicas / "
                               f"data.microbatches) is not divisible by data x fsdp = {layout.data * layout.fsdp}")
         self.M, self.c = c.replicas, c
-        self.schedule_ = Schedule(cfg)
+        self.sync_schedule = Schedule(cfg)
         self.rules_inner = inner_rules(layout.rules)
         self.outer_tx = optax.sgd(c.outer_lr, momentum=c.outer_momentum or None, nesterov=c.outer_momentum > 0)
         self.replica_abstract, self.replica_shardings = self.abstract_state, self.state_shardings
@@ -200,7 +203,8 @@ class DiLoCoProgram(Program):
         self.init = jax.jit(self._init_state, out_shardings=self.state_shardings)
         shard = dict(in_shardings=(self.state_shardings, replicated), out_shardings=self.state_shardings,
                      donate_argnums=0)
-        self.inner_step = jax.jit(self._in_mesh(self._inner_step, self.rules_inner), in_shardings=(self.state_shardings, self.batch_sharding, replicated),
+        self.inner_step = jax.jit(self._in_mesh(self._inner_step, self.rules_inner),
+                                  in_shardings=(self.state_shardings, self.batch_sharding, replicated),
                                   out_shardings=(self.state_shardings, replicated), donate_argnums=0)
         self.sync = {(p, merge): jax.jit(partial(self._sync, p=p, merge=merge), **shard)
                      for p in range(c.fragments) for merge in (False, True)}
@@ -304,12 +308,12 @@ class DiLoCoProgram(Program):
     # ------------------------------------------------------------------------- the step the Trainer drives
 
     def _alive_array(self, step: int) -> jax.Array:
-        alive = self.schedule_.alive(step)
+        alive = self.sync_schedule.alive(step)
         return jax.make_array_from_callback(alive.shape, NamedSharding(self.mesh, P()), lambda idx: alive[idx])
 
     def compile_step(self, state, batch):
         inner = self.inner_step.lower(state, batch, self._alive_array(1)).compile()
-        sched = self.schedule_
+        sched = self.sync_schedule
 
         def step_fn(state, batch, step):
             for m, source in sched.rejoining(step):
@@ -325,9 +329,10 @@ class DiLoCoProgram(Program):
         return step_fn
 
     def step_metrics(self, step: int) -> dict:
-        """Syncs so far, and bytes one replica has sent in them (payload + scales): DP would send params x 4 per step."""
-        counts = self.schedule_.sync_counts(step)
-        return {"diloco_alive": int(self.schedule_.alive(step).sum()), "diloco_syncs": sum(counts),
+        """Syncs so far and the bytes one replica has sent in them (payload + scales); for comparison, data
+        parallelism moves params x 4 bytes per step."""
+        counts = self.sync_schedule.sync_counts(step)
+        return {"diloco_alive": int(self.sync_schedule.alive(step).sum()), "diloco_syncs": sum(counts),
                 "diloco_bytes": sum(n * b for n, b in zip(counts, self.sync_bytes)),
                 "diloco_peak_sync_bytes": max(self.sync_bytes)}
 

@@ -56,3 +56,32 @@ def test_bench_attention_prints_table_then_json():
     assert set(results) == {"causal_T256_D16", "sliding_T256_D16", "document_T256_D16", "prefix-LM_T256_D16"}
     assert results["causal_T256_D16"]["blocks"] == 36 / 64  # 8 x 8 blocks, 8 * 9 / 2 non-empty
     assert all(r["speedup"] > 0 and 0 < r["blocks"] <= 1 for r in results.values())
+
+
+def test_diloco_vs_sync_runs_its_grid_and_continues_where_it_stopped(tmp_path):
+    """A two-cell grid: data parallel, M=2 x H=2 x two outer lrs, then 4-bit, streaming and a lost replica at the
+    best lr; a table, a plot and the JSON line. A rerun skips every finished run and prints the same results."""
+    args = ["--workdir", tmp_path, "--steps", "4", "--replicas", "2", "--inner-steps", "2", "--outer-lrs", "0.4,1.0",
+            "--set", "model.d_model=32", "--set", "model.num_layers=2", "--set", "model.mlp_dim=64",
+            "--set", "data.seq_len=16", "--set", "data.batch_size=4", "--set", "data.eval_batches=1",
+            "--set", "eval_every=2"]
+    proc = run("experiments.diloco_vs_sync", *map(str, args))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    names = ("data_parallel", "M2_H2_lr0.4", "M2_H2_lr1.0", "M2_H2_int4", "M2_H2_stream2", "M2_H2_drop1")
+    for name in names:
+        assert any(line.startswith(name) for line in lines), name
+    summary = json.loads(lines[-1])
+    assert summary["best"]["M2_H2"]["outer_lr"] in (0.4, 1.0)
+    assert summary["M2_H2_int4"]["bytes"] * 7 < summary["M2_H2_drop1"]["bytes"]  # 4-bit payload + scales < 1/7
+    assert summary["M2_H2_stream2"]["peak_sync_bytes"] < summary["M2_H2_drop1"]["peak_sync_bytes"]
+    assert (tmp_path / "eval_loss.png").stat().st_size > 0
+    again = run("experiments.diloco_vs_sync", *map(str, args))
+    assert again.returncode == 0 and "starting from scratch" not in again.stderr
+    assert again.stdout.strip().splitlines()[-1] == lines[-1]
+
+
+def test_diloco_vs_sync_rejects_a_bad_grid(tmp_path):
+    proc = run("experiments.diloco_vs_sync", "--workdir", str(tmp_path), "--replicas", "two")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "diloco_vs_sync: error: --replicas expects comma-separated integers, got 'two'"
