@@ -101,7 +101,7 @@ class Fragments:
 
 
 def inner_rules(rules: dict) -> dict:
-    """The layout's rules inside one replica: `replica` removed from every target (vmap adds it back)."""
+    """The layout's rules inside one replica: `replica` removed from every target (the step runs manual over it)."""
     def strip(target):
         if isinstance(target, tuple):
             kept = tuple(a for a in target if a != "replica")
