@@ -270,6 +270,10 @@ class Program:
         """Host-side figures for metrics.jsonl at `step` (none for plain training)."""
         return {}
 
+    def describe(self) -> str:
+        """A line for the run log about how the program trains ("" for plain training)."""
+        return ""
+
 
 def make_program(cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None) -> Program:
     """DiLoCo's program when `diloco.replicas` is set, else the plain synchronous one."""
@@ -373,7 +377,7 @@ class Trainer:
         logger.info(f"params {program.num_params / 1e6:.2f}M, {flops_per_token / 1e6:.1f} MFLOP/token, "
                     f"{'resuming at step ' + str(start) if start else 'starting from scratch'}")
         layout = program.layout
-        if hasattr(program, "describe"):
+        if program.describe():
             logger.info(program.describe())
         if layout.pipeline > 1:
             logger.info(f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}, {layout.num_microbatches} "

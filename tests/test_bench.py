@@ -15,8 +15,8 @@ TINY = ["--set", "model.vocab_size=512", "--set", "model.d_model=64", "--set", "
         "--set", "data.seq_len=32", "--set", "data.batch_size=4"]
 
 
-def run(module, *args):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def run(module, *args, env=None):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
 
@@ -60,12 +60,15 @@ def test_bench_attention_prints_table_then_json():
 
 def test_diloco_vs_sync_runs_its_grid_and_continues_where_it_stopped(tmp_path):
     """A two-cell grid: data parallel, M=2 x H=2 x two outer lrs, then 4-bit, streaming and a lost replica at the
-    best lr; a table, a plot and the JSON line. A rerun skips every finished run and prints the same results."""
-    args = ["--workdir", tmp_path, "--steps", "4", "--replicas", "2", "--inner-steps", "2", "--outer-lrs", "0.4,1.0",
+    best lr; a table, a plot and the JSON line. A rerun skips every finished run and prints the same results.
+    (The runs share their inner-step program: a persistent compilation cache compiles it once.)"""
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    args = ["--workdir", tmp_path / "runs", "--steps", "4", "--replicas", "2", "--inner-steps", "2", "--outer-lrs", "0.4,1.0",
             "--set", "model.d_model=32", "--set", "model.num_layers=2", "--set", "model.mlp_dim=64",
             "--set", "data.seq_len=16", "--set", "data.batch_size=4", "--set", "data.eval_batches=1",
             "--set", "eval_every=2"]
-    proc = run("experiments.diloco_vs_sync", *map(str, args))
+    proc = run("experiments.diloco_vs_sync", *map(str, args), env=cache)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     names = ("data_parallel", "M2_H2_lr0.4", "M2_H2_lr1.0", "M2_H2_int4", "M2_H2_stream2", "M2_H2_drop1")
@@ -75,8 +78,8 @@ def test_diloco_vs_sync_runs_its_grid_and_continues_where_it_stopped(tmp_path):
     assert summary["best"]["M2_H2"]["outer_lr"] in (0.4, 1.0)
     assert summary["M2_H2_int4"]["bytes"] * 7 < summary["M2_H2_drop1"]["bytes"]  # 4-bit payload + scales < 1/7
     assert summary["M2_H2_stream2"]["peak_sync_bytes"] < summary["M2_H2_drop1"]["peak_sync_bytes"]
-    assert (tmp_path / "eval_loss.png").stat().st_size > 0
-    again = run("experiments.diloco_vs_sync", *map(str, args))
+    assert (tmp_path / "runs" / "eval_loss.png").stat().st_size > 0
+    again = run("experiments.diloco_vs_sync", *map(str, args), env=cache)
     assert again.returncode == 0 and "starting from scratch" not in again.stderr
     assert again.stdout.strip().splitlines()[-1] == lines[-1]
 

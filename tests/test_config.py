@@ -111,7 +111,7 @@ def test_unknown_key_lists_the_section_fields():
     assert "model.nonexistent" in message and "ModelConfig has no field 'nonexistent'" in message
     for name in (f.name for f in dataclasses.fields(ModelConfig)):
         assert name in message
-    with pytest.raises(ConfigError, match=r"TrainConfig has no field 'modle'.*model, optim, data, steps"):
+    with pytest.raises(ConfigError, match=r"TrainConfig has no field 'modle'.*model, optim, data, diloco, steps"):
         apply_overrides(TrainConfig(), ["modle.d_model=1"])
 
 
@@ -236,8 +236,8 @@ def test_check_divisibility():
         piped.check_divisibility(**{**ok, "num_layers": 3, "microbatches": 1})
     with pytest.raises(LayoutError, match=r"batch 12 does not split into 2 accumulation x 4 pipeline microbatches"):
         piped.check_divisibility(**{**ok, "batch_size": 12})
-    with pytest.raises(LayoutError, match=r"microbatch size 1 .* 4 pipeline microbatches\) is not divisible by data x "
-                                          r"fsdp = 2"):
+    with pytest.raises(LayoutError, match=r"microbatch size 1 .* 4 pipeline microbatches\) is not divisible by "
+                                          r"replica x data x fsdp = 2"):
         piped.check_divisibility(**{**ok, "batch_size": 4, "microbatches": 1})
     assert MeshLayout(pipeline=4).num_microbatches == 8 and MeshLayout(data=8).num_microbatches == 1
 
@@ -257,7 +257,7 @@ def test_indivisible_param_dimension_is_a_layout_error():
 def test_logical_spec_defaults_and_overrides():
     assert logical_spec(("layers", "embed", "kv_heads", None, "head_dim")) == P("pipeline", "fsdp", "tensor", None,
                                                                                None)
-    assert logical_spec(("batch", "seq")) == P(("data", "fsdp"), None)
+    assert logical_spec(("batch", "seq")) == P(("replica", "data", "fsdp"), None)
     assert logical_spec(("vocab", "embed"), {"vocab": None, "embed": ("fsdp", "tensor")}) == P(None, ("fsdp", "tensor"))
     assert logical_spec(("unknown_name",)) == P(None)
     assert set(DEFAULT_RULES) >= {"batch", "embed", "vocab", "heads", "kv_heads", "mlp", "head_dim", "layers"}
