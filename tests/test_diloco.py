@@ -261,6 +261,8 @@ def test_layouts_that_cannot_hold_the_replicas_are_refused():
         DiLoCoProgram(cfg, mesh(replica=4))
     with pytest.raises(LayoutError, match=r"per-replica microbatch of 4 rows .* not divisible by data x fsdp = 8"):
         DiLoCoProgram(cfg, mesh(data=8))
+    with pytest.raises(ConfigError, match="DiLoCo does not run in a pipeline layout yet"):
+        DiLoCoProgram(cfg, mesh(data=2, pipeline=2))
 
 
 # ----------------------------------------------------------------------------- resume and data
