@@ -14,8 +14,8 @@ A sync of fragment p (all params when P = 1):
   outer gradient  Δ = Σ_m w_m · C(θ_global − θ_m)   (w: 1/alive over the live replicas, C: `outer_compression`)
   θ_global        ← optax SGD (Nesterov momentum) step on Δ
   θ_m             ← α·θ_m + (1 − α)·θ_global       at once, or τ inner steps later (overlap)
-Fragments are strided over layers (layer l belongs to fragment l mod P; embeddings and the final norm go whole to
-the lightest fragment); fragment p syncs at the k-th multiple of H/P with (k − 1) mod P = p, so each fragment
+Fragments are strided over layers (layer l belongs to fragment l mod P; other leaves are strided over their rows
+the same way); fragment p syncs at the k-th multiple of H/P with (k − 1) mod P = p, so each fragment
 syncs every H steps.
 
 Failures are simulated by `diloco.drop`: a down replica takes no inner steps and is left out of the mean; when it
@@ -40,7 +40,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlm.config import ConfigError, TrainConfig, parse_drops
-from jaxlm.model import LOGICAL_AXES
 from jaxlm.outer_compression import round_trip, wire_bytes
 from jaxlm.train import Program, TrainState, train_step
 from sharding.mesh import LayoutError, MeshLayout
@@ -59,30 +58,32 @@ class DiLoCoState:
 class Fragments:
     """Views of a param tree's leaves (flattened order) belonging to one streaming fragment.
 
-    Layer-stacked leaves are split by rows: layer l belongs to fragment l mod P. Each other leaf (embeddings, the
-    final norm) goes whole to the fragment with the fewest values so far, largest first, to even out sync sizes."""
+    Leaves are split by rows of their leading axis: layer l of a layer-stacked leaf belongs to fragment l mod P (the
+    paper's strided layers), and so does row r of any other leaf with at least P rows (the embedding's vocabulary
+    rows, the final norm), so the P fragments are near-equal and each sync moves ~1/P of the params. A leaf with
+    fewer than P rows (or none) goes whole to the fragment with the fewest values so far."""
 
     def __init__(self, abstract_params: nnx.State, num: int):
         variables = jax.tree.leaves(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        self.stacked = [tuple(v.get_metadata(LOGICAL_AXES, ()))[:1] == ("layers",) for v in variables]
+        self.split = [v.ndim >= 1 and v.shape[0] >= num for v in variables]
         self.num = num
         load = [sum(len(range(p, v.shape[0], num)) * math.prod(v.shape[1:])
-                    for v, stacked in zip(variables, self.stacked) if stacked) for p in range(num)]
-        self.owner = {}  # unstacked leaf index -> its fragment
-        for i in sorted((i for i, s in enumerate(self.stacked) if not s), key=lambda i: -variables[i].size):
+                    for v, split in zip(variables, self.split) if split) for p in range(num)]
+        self.owner = {}  # whole (unsplit) leaf index -> its fragment
+        for i in sorted((i for i, s in enumerate(self.split) if not s), key=lambda i: -variables[i].size):
             self.owner[i] = min(range(num), key=lambda p: (load[p], p))
             load[self.owner[i]] += variables[i].size
 
     def members(self, p: int) -> list[int]:
-        return [i for i, stacked in enumerate(self.stacked) if stacked or self.owner[i] == p]
+        return [i for i, split in enumerate(self.split) if split or self.owner[i] == p]
 
     def _rows(self, p: int, lead: int):
         return (slice(None),) * lead + (slice(p, None, self.num),)
 
     def view(self, leaves: list, p: int, lead: int = 0) -> tuple:
-        """Fragment p's parts of `leaves`: layers p, p+P, ... of stacked leaves, and the whole leaves it owns.
-        `lead` leading axes (the replicas') come before the layers axis."""
-        return tuple(leaves[i][self._rows(p, lead)] if self.stacked[i] else leaves[i] for i in self.members(p))
+        """Fragment p's parts of `leaves`: rows p, p+P, ... of split leaves, and the whole leaves it owns.
+        `lead` leading axes (the replicas') come before the rows."""
+        return tuple(leaves[i][self._rows(p, lead)] if self.split[i] else leaves[i] for i in self.members(p))
 
     def members_of(self, items: list, p: int) -> tuple:
         """The items (shardings, shapes) of the leaves in fragment p, unsliced."""
@@ -90,13 +91,13 @@ class Fragments:
 
     def sizes(self, shapes: list[tuple[int, ...]], p: int) -> list[int]:
         """Number of values of each leaf's part in fragment p, for leaves of these shapes."""
-        return [len(range(p, shapes[i][0], self.num)) * math.prod(shapes[i][1:]) if self.stacked[i]
+        return [len(range(p, shapes[i][0], self.num)) * math.prod(shapes[i][1:]) if self.split[i]
                 else math.prod(shapes[i]) for i in self.members(p)]
 
     def update(self, leaves: list, p: int, values: tuple, lead: int = 0) -> list:
         out = list(leaves)
         for i, value in zip(self.members(p), values):
-            out[i] = out[i].at[self._rows(p, lead)].set(value) if self.stacked[i] else value
+            out[i] = out[i].at[self._rows(p, lead)].set(value) if self.split[i] else value
         return out
 
 
