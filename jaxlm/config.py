@@ -330,9 +330,9 @@ def _check_diloco(cfg: TrainConfig) -> None:
     if uses_delayed_scaling(m):
         raise ConfigError("delayed-scaling quantization (model.quant_scaling=delayed) keeps amax histories that "
                           "DiLoCo cannot average; set model.quant_scaling=current")
-    down = parse_drops(c.drop, c.replicas)
-    for step in sorted({first for _, first, _ in down}):
-        if all(any(r == m_ and first <= step <= last for m_, first, last in down) for r in range(c.replicas)):
+    drops = parse_drops(c.drop, c.replicas)
+    for step in sorted({first for _, first, _ in drops}):  # the down set only grows where an interval starts
+        if len(replicas_down(drops, step)) == c.replicas:
             raise ConfigError(f"diloco.drop {c.drop!r} leaves no replica alive at step {step}")
 
 
@@ -352,6 +352,11 @@ def parse_drops(spec: str, replicas: int) -> list[tuple[int, int, int]]:
             raise ConfigError(f"diloco.drop: {part!r} needs 1 <= first <= last")
         out.append(item)
     return out
+
+
+def replicas_down(drops: list[tuple[int, int, int]], step: int) -> set[int]:
+    """The replicas that `parse_drops` intervals keep from taking inner step `step`."""
+    return {m for m, first, last in drops if first <= step <= last}
 
 
 def _check_quantization(m: ModelConfig) -> None:

@@ -39,7 +39,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxlm.config import ConfigError, TrainConfig, parse_drops
+from jaxlm.config import ConfigError, TrainConfig, parse_drops, replicas_down
 from jaxlm.outer_compression import round_trip, wire_bytes
 from jaxlm.train import Program, TrainState, train_step
 from sharding.mesh import LayoutError, MeshLayout
@@ -125,9 +125,7 @@ class Schedule:
     def alive(self, step: int) -> np.ndarray:
         """[M] float32: 1 for replicas that take inner step `step`."""
         out = np.ones(self.replicas, np.float32)
-        for m, first, last in self.down:
-            if first <= step <= last:
-                out[m] = 0.0
+        out[list(replicas_down(self.down, step))] = 0.0
         return out
 
     def rejoining(self, step: int) -> list[tuple[int, int]]:
