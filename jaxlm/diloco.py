@@ -148,12 +148,12 @@ class Schedule:
         return step == self.total and not regular
 
     def merges_at(self, step: int) -> list[int]:
-        """Fragments whose delayed merge (overlap > 0) happens after inner step `step`; a flush merges the ones
-        still in flight."""
+        """Fragments whose delayed merge (overlap > 0) happens after inner step `step`; a flush merges every one
+        still in flight (synced at steps step - overlap .. step - 1)."""
         if not self.overlap:
             return []
         if self.is_flush(step):
-            pending = [self._fragment_synced(s) for s in range(max(step - self.overlap + 1, 1), step)]
+            pending = [self._fragment_synced(s) for s in range(max(step - self.overlap, 1), step)]
             return [p for p in pending if p is not None]
         p = self._fragment_synced(step - self.overlap)
         return [] if p is None else [p]
