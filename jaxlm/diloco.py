@@ -212,6 +212,7 @@ class DiLoCoProgram(Program):
         self.rejoin = jax.jit(self._rejoin, out_shardings=self.state_shardings, donate_argnums=0,
                               static_argnums=(1, 2))
         self.sync_bytes = [self._fragment_bytes(p) for p in range(c.fragments)]
+        self._alive_arrays: dict[bytes, jax.Array] = {}
 
     # ------------------------------------------------------------------------- state
 
@@ -307,8 +308,13 @@ class DiLoCoProgram(Program):
     # ------------------------------------------------------------------------- the step the Trainer drives
 
     def _alive_array(self, step: int) -> jax.Array:
+        """The [M] alive mask on the devices; one array per pattern (drops change it rarely), not one per step."""
         alive = self.sync_schedule.alive(step)
-        return jax.make_array_from_callback(alive.shape, NamedSharding(self.mesh, P()), lambda idx: alive[idx])
+        key = alive.tobytes()
+        if key not in self._alive_arrays:
+            self._alive_arrays[key] = jax.make_array_from_callback(alive.shape, NamedSharding(self.mesh, P()),
+                                                                   lambda idx: alive[idx])
+        return self._alive_arrays[key]
 
     def compile_step(self, state, batch):
         inner = self.inner_step.lower(state, batch, self._alive_array(1)).compile()

@@ -377,8 +377,8 @@ class Trainer:
         logger.info(f"params {program.num_params / 1e6:.2f}M, {flops_per_token / 1e6:.1f} MFLOP/token, "
                     f"{'resuming at step ' + str(start) if start else 'starting from scratch'}")
         layout = program.layout
-        if program.describe():
-            logger.info(program.describe())
+        if description := program.describe():
+            logger.info(description)
         if layout.pipeline > 1:
             logger.info(f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}, {layout.num_microbatches} "
                         f"microbatches per step: bubble {bubble_fraction(layout.pipeline, layout.num_microbatches):.1%}")
