@@ -40,7 +40,7 @@ def runs(grid: dict, steps: int, best_lr: dict | None = None) -> list[tuple[str,
     first H) and that cell's best outer lr."""
     out = [("data_parallel", None)]
     mom, suffix = grid["momentum"], _suffix(grid)
-    out += [(f"M{m}_H{h}_lr{lr}{suffix}", DiLoCoConfig(replicas=m, inner_steps=h, outer_lr=lr, outer_momentum=mom))
+    out += [(grid_name(m, h, lr, suffix), DiLoCoConfig(replicas=m, inner_steps=h, outer_lr=lr, outer_momentum=mom))
             for m in grid["replicas"] for h in grid["inner_steps"] for lr in grid["outer_lrs"]]
     if best_lr is not None:
         m, h = variant_cell(grid)
@@ -50,6 +50,11 @@ def runs(grid: dict, steps: int, best_lr: dict | None = None) -> list[tuple[str,
                 (f"{tag}_stream2", dataclasses.replace(base, fragments=2, overlap_steps=min(1, h // 2 - 1))),
                 (f"{tag}_drop1", dataclasses.replace(base, drop=f"{m - 1}@{steps // 2 + 1}-{steps}"))]
     return out
+
+
+def grid_name(m: int, h: int, lr: float, suffix: str) -> str:
+    """The name (and workdir) of one grid run."""
+    return f"M{m}_H{h}_lr{lr}{suffix}"
 
 
 def _suffix(grid: dict) -> str:
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run_all(runs(grid, base.steps))
     suffix = _suffix(grid)
-    best_lr = {(m, h): min(grid["outer_lrs"], key=lambda lr: results[f"M{m}_H{h}_lr{lr}{suffix}"]["eval_loss"])
+    best_lr = {(m, h): min(grid["outer_lrs"], key=lambda lr: results[grid_name(m, h, lr, suffix)]["eval_loss"])
                for m in grid["replicas"] for h in grid["inner_steps"]}
     run_all(runs(grid, base.steps, best_lr))
 
@@ -139,15 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'run':<22} {'eval loss':>9} {'gap %':>7} {'syncs':>6} {'MB sent/replica':>15} {'peak MB/sync':>12}")
     for name, loss, gap, syncs, sent, peak in rows:
         print(f"{name:<22} {loss:>9.4f} {gap:>+7.2f} {syncs:>6} {sent / 1e6:>15.2f} {peak / 1e6:>12.3f}")
-    best = {f"M{m}_H{h}{suffix}": {"outer_lr": lr, "eval_loss": results[f"M{m}_H{h}_lr{lr}{suffix}"]["eval_loss"],
-                                    "gap_pct": 100 * (results[f"M{m}_H{h}_lr{lr}{suffix}"]["eval_loss"] / dp - 1)}
-            for (m, h), lr in best_lr.items()}
+    best_runs = {(m, h): results[grid_name(m, h, lr, suffix)] for (m, h), lr in best_lr.items()}
+    best = {f"M{m}_H{h}{suffix}": {"outer_lr": best_lr[m, h], "eval_loss": r["eval_loss"],
+                                    "gap_pct": 100 * (r["eval_loss"] / dp - 1)}
+            for (m, h), r in best_runs.items()}
     print("\nbest outer lr per (M, H): " + ", ".join(f"{k} {v['outer_lr']} ({v['gap_pct']:+.2f}%)"
                                                       for k, v in best.items()))
     print("\ntargets:")
     for line in target_lines(results, best, grid, suffix):
         print("  " + line)
-    _plot(results, workdir / "eval_loss.png")
+    best_names = {grid_name(m, h, lr, suffix) for (m, h), lr in best_lr.items()}
+    _plot({name: r for name, r in results.items() if "_lr" not in name or name in best_names},
+          workdir / "eval_loss.png")
     summary = {"data_parallel_eval_loss": dp, "best": best,
                **{name: {"eval_loss": r["eval_loss"], "gap_pct": 100 * (r["eval_loss"] / dp - 1),
                          "bytes": r["bytes"], "peak_sync_bytes": r["peak_sync_bytes"]}
@@ -168,7 +176,7 @@ def target_lines(results: dict, best: dict, grid: dict, suffix: str) -> list[str
         lines.append(f"M=2: H=100 vs H=30: {100 * (h100['eval_loss'] / h30['eval_loss'] - 1):+.2f}% (target <= +2%)")
     m, h = variant_cell(grid)
     tag = f"M{m}_H{h}{suffix}"
-    base = results.get(f"M{m}_H{h}_lr{best[tag]['outer_lr']}{suffix}")
+    base = results.get(grid_name(m, h, best[tag]["outer_lr"], suffix))
     checks = (("int4", "4-bit outer gradients", 0.3), ("stream2", "streaming, 2 fragments", 0.5),
               ("drop1", "one of the replicas lost for the second half", 1.0))
     for key, what, limit in checks:
@@ -208,6 +216,7 @@ def _num_params(cfg: TrainConfig) -> int:
 
 
 def _plot(results: dict, out: Path) -> None:
+    """Eval loss vs tokens of the given runs (data parallel, each (M, H) cell's best outer lr, the variants)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,8 +224,6 @@ def _plot(results: dict, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, r in results.items():
-        if "_lr" in name and not _is_best(name, results):
-            continue  # one curve per (M, H): its best outer lr
         tokens, losses = zip(*r["curve"])
         ax.plot(tokens, losses, label=name, lw=2.5 if name == "data_parallel" else 1.2)
     ax.set_xlabel("tokens")
@@ -226,12 +233,6 @@ def _plot(results: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
-
-
-def _is_best(name: str, results: dict) -> bool:
-    cell = name.rsplit("_lr", 1)[0]
-    same = {n: r["eval_loss"] for n, r in results.items() if "_lr" in n and n.rsplit("_lr", 1)[0] == cell}
-    return min(same, key=same.get) == name
 
 
 if __name__ == "__main__":
