@@ -44,6 +44,7 @@ from data.access_plan import AccessPlan
 from data.cache_policies import belady_hits, lru_hits
 from data.loader import ClairvoyantLoader, file_exchange
 from data.sources import ShardedSource, ThrottledSource, TokenWindowSource, write_shards
+from jaxlm.metrics import read_metrics
 
 CAPACITIES = (0.1, 0.25, 0.5, 1.0)
 
@@ -205,7 +206,7 @@ def train_stall(workdir: Path, steps: int, latency_ms: float, mb_per_s: float) -
            "--no-progress", "--checkpoint-every", "0", "--set", f"data.throttle_latency_ms={latency_ms}",
            "--set", f"data.throttle_mb_per_s={mb_per_s}", "--set", "eval_every=0"]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(workdir / "metrics.jsonl")
     train = [r for r in records if "loss" in r and "data_stall_s" in r]
     first, last = train[0], train[-1]
     wall = (last["step"] - first["step"]) * 16 * 256 / np.mean([r["tokens_per_s"] for r in train[1:]])
