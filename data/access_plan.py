@@ -133,6 +133,15 @@ def process_rows(global_batch: int, process_index: int, process_count: int) -> t
     return process_index * local, (process_index + 1) * local
 
 
+def checked_rows(start, stop, global_batch: int) -> tuple[int, int]:
+    """(start, stop) as ints, if they are a non-empty row range [start, stop) of a global batch; set_rows checks."""
+    start, stop = int(start), int(stop)
+    if not 0 <= start < stop <= global_batch:
+        raise ValueError(f"rows must be [start, stop) with 0 <= start < stop <= batch_size={global_batch}, "
+                         f"got [{start}, {stop})")
+    return start, stop
+
+
 def worker_positions(num_positions: int, worker: int, num_workers: int) -> np.ndarray:
     """The local positions (flattened step-major over a process's rows) that fetch worker w of W reads.
 

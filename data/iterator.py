@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from data.access_plan import process_rows
+from data.access_plan import checked_rows, process_rows
 
 Batch = dict[str, np.ndarray]  # inputs/targets [B, T] int32, loss_mask [B, T] float32, segment_ids [B, T] int32
 
@@ -115,10 +115,7 @@ class SeededBatchIterator:
 
     def set_rows(self, start: int, stop: int) -> None:
         """Return rows [start, stop) of each global batch from now on."""
-        start, stop = int(start), int(stop)
-        if not 0 <= start < stop <= self.batch_size:
-            raise ValueError(f"rows must be [start, stop) with 0 <= start < stop <= batch_size={self.batch_size}, "
-                             f"got [{start}, {stop})")
+        start, stop = checked_rows(start, stop, self.batch_size)
         self.rows = (start, stop)
         self.local_batch_size = self.rows[1] - self.rows[0]
 

@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from data.access_plan import AccessPlan, process_rows
+from data.access_plan import AccessPlan, checked_rows, process_rows
 from data.cache_plan import DEMOTE, DISK, PEER, RAM, SOURCE, TIER_NAMES, PlacementPlanner, ProcessPlan
 from data.iterator import Batch, batch_from_windows
 from data.perf_model import TierModel
@@ -92,10 +92,7 @@ class ClairvoyantLoader:
 
     def set_rows(self, start: int, stop: int) -> None:
         """Read rows [start, stop) of each global batch from now on (a multi-process trainer's share)."""
-        start, stop = int(start), int(stop)
-        if not 0 <= start < stop <= self.batch_size:
-            raise ValueError(f"rows must be [start, stop) with 0 <= start < stop <= batch_size={self.batch_size}, "
-                             f"got [{start}, {stop})")
+        start, stop = checked_rows(start, stop, self.batch_size)
         self._stop_pipeline()
         self.rows = (start, stop)
         self.local_batch_size = stop - start

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from data.access_plan import checked_rows
 from data.iterator import Batch, SeededBatchIterator
 
 
@@ -28,9 +29,7 @@ class PartitionedBatches:
 
     def set_rows(self, start: int, stop: int) -> None:
         """Rows [start, stop) of each global batch from now on; parts outside them are skipped, not read."""
-        if not 0 <= start < stop <= self.batch_size:
-            raise ValueError(f"rows must be [start, stop) with 0 <= start < stop <= batch_size={self.batch_size}, "
-                             f"got [{start}, {stop})")
+        start, stop = checked_rows(start, stop, self.batch_size)
         b, self.held = self.rows_per_part, []
         for m, part in enumerate(self.parts):
             lo, hi = max(start, m * b) - m * b, min(stop, (m + 1) * b) - m * b
