@@ -121,14 +121,20 @@ class TokenFile:
             path = path.parent
 
         def fail(problem: str):
-            raise TokenFileError(f"{path}: {problem}")
+            raise TokenFileError(f"token file {path}: {problem}")
 
         if not path.exists():
-            fail("token file directory does not exist")
+            fail("directory does not exist")
+        what = f"a token file is a directory with {TOKENS_NAME} and {META_NAME} (python -m data.prepare writes one)"
         if not path.is_dir():
-            fail("not a directory (a token file is a directory with tokens.bin and meta.json)")
+            fail(f"not a directory: {what}")
+        if not any(path.iterdir()):
+            fail(f"empty directory: {what}")
         bin_path = path / TOKENS_NAME
-        meta = _KIND.read_marker(path, VERSION)
+        try:
+            meta = _KIND.read_marker(path, VERSION)
+        except TokenFileError as e:  # its message starts with the bare path
+            raise TokenFileError(f"token file {e}") from None
         for key in ("num_tokens", "vocab_size", "max_token_id"):
             if not isinstance(meta.get(key), int) or meta[key] < 0:
                 fail(f"{META_NAME} field {key!r} must be a non-negative integer, got {meta.get(key)!r}")
@@ -136,7 +142,7 @@ class TokenFile:
         if dtype is None:
             fail(f"unknown dtype {meta.get('dtype')!r}, expected one of {sorted(_DTYPES)}")
         if not bin_path.is_file():
-            fail(f"missing {TOKENS_NAME}")
+            fail(f"{TOKENS_NAME} is not a file" if bin_path.exists() else f"missing {TOKENS_NAME}")
         try:
             with open(bin_path, "rb"):
                 pass
@@ -148,25 +154,32 @@ class TokenFile:
             kind = "truncated" if actual < expected else "size mismatch"
             fail(f"{kind}: {META_NAME} says {n} tokens ({expected} bytes) but {TOKENS_NAME} has {actual} bytes")
         if n == 0:
-            fail("empty token file (0 tokens)")
+            fail("empty (0 tokens)")
         if meta["max_token_id"] >= meta["vocab_size"]:
             fail(f"max_token_id {meta['max_token_id']} >= vocab_size {meta['vocab_size']}")
         tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,))
         return cls(path=path, meta=meta, tokens=tokens)
 
-    def validate_ids(self, vocab_size: int, *, deep: bool = False, chunk_size: int = 1 << 24) -> int:
-        """Checks every id fits a model with `vocab_size`; returns the max id.
+    def validate_ids(self, vocab_size: int, *, deep: bool = False, chunk_size: int = 1 << 24,
+                     max_chunks: int = 0) -> int:
+        """Checks every id fits a model with `vocab_size`; returns meta.json's max_token_id.
 
         meta.json's max_token_id is trusted unless `deep`, which scans tokens.bin
         in chunks (bounded memory) and also catches a meta.json that lies.
+        `max_chunks` > 0 bounds the scan of a huge file to that many chunks spread
+        evenly over it: a sample, but one that still catches a systematic lie
+        (ids from another tokenizer) without reading the whole file.
         """
         max_id = int(self.meta["max_token_id"])
         if deep:
-            scanned = max(int(self.tokens[i:i + chunk_size].max()) for i in range(0, self.num_tokens, chunk_size))
+            starts = range(0, self.num_tokens, chunk_size)
+            if 0 < max_chunks < len(starts):
+                starts = [starts[i * len(starts) // max_chunks] for i in range(max_chunks)]
+            scanned = max(int(self.tokens[i:i + chunk_size].max()) for i in starts)
             if scanned > max_id:
-                raise TokenFileError(
-                    f"{self.path}: {TOKENS_NAME} holds token id {scanned} but {META_NAME} says max_token_id {max_id}")
-            max_id = scanned
+                raise TokenFileError(f"token file {self.path}: {TOKENS_NAME} holds token id {scanned} but "
+                                     f"{META_NAME} says max_token_id {max_id}; the file is damaged or mislabelled")
         if max_id >= vocab_size:
-            raise TokenFileError(f"{self.path}: token id {max_id} does not fit model vocab_size {vocab_size}")
+            raise TokenFileError(f"token file {self.path}: token id {max_id} does not fit model vocab_size "
+                                 f"{vocab_size}")
         return max_id

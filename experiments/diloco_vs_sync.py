@@ -73,7 +73,7 @@ def train(name: str, cfg: TrainConfig, workdir: Path) -> list[dict]:
     import jax
 
     from experiments.cli import open_data
-    from jaxlm.train import Trainer
+    from jaxlm.trainer import Trainer
     from sharding import MeshLayout, build_mesh
 
     run_dir = workdir / name

@@ -1,54 +1,263 @@
 """Orbax checkpoints of everything a run needs to continue exactly: train state, data-iterator state, config.
 
-Saves are asynchronous (the step loop continues while the previous checkpoint is written) and Orbax only makes a
-checkpoint visible once it is complete, so the latest visible step is always restorable.
+Crash safety, in three layers:
+- Orbax writes a step into `N.orbax-checkpoint-tmp` and renames it to `N` when complete, so a process killed at
+  any instant leaves only complete checkpoints under their step names. Leftover temporary directories are
+  removed when the next run opens the directory.
+- Each checkpoint carries an `integrity` item: a position-weighted sum of every leaf's bits, computed on the
+  devices before the save. A restore recomputes it, so a flipped or truncated byte that Orbax reads without
+  complaint is still caught. A state with a non-finite value is never saved.
+- `restore_latest` walks back from the newest step: a checkpoint that cannot be read or fails verification is
+  moved aside to `<dir>.corrupt/` (never deleted) with a log line, and the previous one is tried.
 """
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
+from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+
+TMP_MARKER = ".orbax-checkpoint-tmp"
+ITEMS = ("state", "data", "config", "integrity")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says which and why in one line."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    pass
+
+
+class CheckpointSaveError(CheckpointError):
+    pass
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def _leaf_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum over i of bits(x_i) * (2i + 1) mod 2**32, number of non-finite values). Integer sums are exact and
+    associative, so the digest does not depend on the sharding; odd weights make any bit flip and any swap of two
+    different values change it."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, unsigned) if x.dtype != jnp.bool_ else x
+    weights = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) * jnp.uint32(2) + jnp.uint32(1)
+    digest = jnp.sum(bits.astype(jnp.uint32) * weights, dtype=jnp.uint32)
+    nonfinite = jnp.sum(~jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros((), jnp.int32)
+    return digest, nonfinite.astype(jnp.int32)
+
+
+_digests = jax.jit(lambda leaves: [_leaf_digest(x) for x in leaves])
+
+
+def integrity(state) -> dict[str, dict[str, int]]:
+    """{leaf path: {"digest": int, "nonfinite": int}} of a (possibly sharded) pytree of arrays."""
+    paths_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    digests = jax.device_get(_digests([leaf for _, leaf in paths_leaves]))
+    return {dotted(path): {"digest": int(d), "nonfinite": int(n)}
+            for (path, _), (d, n) in zip(paths_leaves, digests)}
+
+
+def dotted(path) -> str:
+    """A pytree key path as 'params.blocks.attn.wo.value', the same for a live state and Orbax's metadata tree."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def shape_mismatches(saved_tree, abstract_state, limit: int = 3) -> list[str]:
+    """'path: saved (shape) dtype, now (shape) dtype' for leaves whose shape or dtype differ (at most `limit`)."""
+    saved = {dotted(p): m for p, m in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
+    out = []
+    for path, a in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+        name, m = dotted(path), saved.get(dotted(path))
+        if m is None:
+            out.append(f"{name}: not in the checkpoint")
+        elif tuple(m.shape) != tuple(a.shape) or np.dtype(m.dtype) != np.dtype(a.dtype):
+            out.append(f"{name}: saved {tuple(m.shape)} {np.dtype(m.dtype)}, now {tuple(a.shape)} {np.dtype(a.dtype)}")
+        if len(out) == limit:
+            break
+    return out
+
+
+# ----------------------------------------------------------------------------- the checkpointer
 
 
 class Checkpointer:
-    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True, primary: bool = True):
+        """`primary`: the one process that tidies the directory (removes temporaries, moves corrupt steps)."""
         self.directory = Path(directory).absolute()
+        self.primary = primary
+        self.removed = self._remove_incomplete() if primary else []
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=async_save)
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("state", "data", "config"))
+        handlers = {name: ocp.StandardCheckpointHandler() if name == "state" else ocp.JsonCheckpointHandler()
+                    for name in ITEMS}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self.pending: int | None = None  # the step of an asynchronous save that may still be running
+
+    def _remove_incomplete(self) -> list[str]:
+        """Deletes the temporaries of saves that never finished (a killed process); returns their names."""
+        if not self.directory.is_dir():
+            return []
+        leftovers = sorted(p for p in self.directory.iterdir() if TMP_MARKER in p.name)
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+        return [p.name for p in leftovers]
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return list(self.manager.all_steps())
+        return sorted(self.manager.all_steps())
+
+    # ------------------------------------------------------------------------- saving
 
     def save(self, step: int, state, data_state: dict, config: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave({k: int(v) for k, v in data_state.items()}),
-            config=ocp.args.JsonSave(config),
-        ))
+        """Starts saving `step` (asynchronously unless async_save=False). Raises CheckpointSaveError if the state
+        holds a non-finite value, or if this or an earlier asynchronous save failed (e.g. the disk is full)."""
+        self.wait()  # Orbax would wait for the previous save anyway; this way its failure names its own step
+        digest = integrity(state)
+        bad = [path for path, d in digest.items() if d["nonfinite"]]
+        if bad:
+            raise CheckpointSaveError(f"refusing to checkpoint step {step}: {len(bad)} leaves hold non-finite "
+                                      f"values (first: {bad[0]}); the previous checkpoints are kept")
+        try:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave({k: int(v) for k, v in data_state.items()}),
+                config=ocp.args.JsonSave(config),
+                integrity=ocp.args.JsonSave(digest),
+            ))
+        except Exception as e:
+            raise self._save_failed(step, e) from e
+        self.pending = step
+
+    def wait(self) -> None:
+        """Blocks until pending saves are on disk; raises CheckpointSaveError if one failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_failed(self.pending, e) from e
+        self.pending = None
+
+    def _save_failed(self, step: int | None, error: Exception) -> CheckpointSaveError:
+        self.pending = None
+        if self.primary:
+            self._remove_incomplete()  # a half-written step is useless and may fill the disk further
+        self.manager.reload()
+        kept = self.manager.latest_step()
+        return CheckpointSaveError(f"checkpoint save of step {step} failed ({_storage_cause(error)}); the last "
+                                   f"complete checkpoint is {'step ' + str(kept) if kept is not None else 'none'} "
+                                   f"in {self.directory}")
+
+    # ------------------------------------------------------------------------- restoring
 
     def restore(self, step: int, abstract_state):
-        """Returns (state, data_state, config_dict); `abstract_state` carries the target shardings."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=ocp.args.JsonRestore(),
-            config=ocp.args.JsonRestore(),
-        ))
-        return restored.state, dict(restored.data), dict(restored.config)
+        """Returns (state, data_state, config_dict), verified against the saved integrity record if there is one
+        (checkpoints written before it existed are restored unverified). `abstract_state` carries the target
+        shardings. Raises CheckpointCorrupt if the step cannot be read or fails verification."""
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=ocp.args.JsonRestore(),
+                config=ocp.args.JsonRestore(),
+            ))
+            state, data_state, config = restored.state, dict(restored.data), dict(restored.config)
+            saved = self._read_integrity(step)
+        except CheckpointCorrupt:
+            raise
+        except Exception as e:
+            raise CheckpointCorrupt(_one_line(e)) from e
+        if saved is not None:
+            now = integrity(state)
+            for path, record in now.items():
+                if record["nonfinite"]:
+                    raise CheckpointCorrupt(f"{path} holds {record['nonfinite']} non-finite values")
+                if saved.get(path, {}).get("digest") != record["digest"]:
+                    raise CheckpointCorrupt(f"{path} does not match its saved checksum")
+        return state, data_state, config
+
+    def _read_integrity(self, step: int) -> dict | None:
+        if not (self.directory / str(step) / "integrity").exists():
+            return None
+        restored = self.manager.restore(step, args=ocp.args.Composite(integrity=ocp.args.JsonRestore()))
+        return dict(restored.integrity)
 
     def restore_config(self, step: int) -> dict:
         """Only the config saved with `step` (cheap: lets a caller check it before restoring arrays)."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-        return dict(restored.config)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+            return dict(restored.config)
+        except Exception as e:
+            raise CheckpointCorrupt(f"its config cannot be read ({_one_line(e)})") from e
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
+    def saved_shapes(self, step: int):
+        """The saved state's tree of array metadata (shape, dtype), read without restoring the arrays."""
+        return self.manager.item_metadata(step).state.tree
+
+    def restore_latest(self, abstract_state, check: Callable[[int, dict], None] | None = None,
+                       log: Callable[[str], None] = print) -> tuple[int, Any, dict, dict] | None:
+        """(step, state, data_state, config) of the newest checkpoint that reads and verifies, or None if there is
+        none. `check(step, saved_config)` may raise to refuse a checkpoint written with an incompatible config
+        (that is the user's error: it propagates, and nothing is moved). A corrupt checkpoint is moved aside
+        and the one before it tried."""
+        for step in reversed(self.all_steps()):
+            try:
+                saved_config = self.restore_config(step)
+                if check is not None:
+                    check(step, saved_config)
+                return (step, *self.restore(step, abstract_state))
+            except CheckpointCorrupt as e:
+                where = self.quarantine(step)
+                earlier = [s for s in self.all_steps() if s < step]
+                then = f"falling back to step {earlier[-1]}" if earlier else "no earlier checkpoint: starting from scratch"
+                log(f"checkpoint step {step} is unusable ({e}); moved it to {where}; {then}")
+        return None
+
+    def quarantine(self, step: int) -> Path:
+        """Moves step's directory to `<dir>.corrupt/` (kept for inspection, out of Orbax's sight)."""
+        target_dir = self.directory.with_name(self.directory.name + ".corrupt")
+        target = target_dir / str(step)
+        if self.primary:
+            target_dir.mkdir(exist_ok=True)
+            n = 1
+            while target.exists():
+                target, n = target_dir / f"{step}.{n}", n + 1
+            shutil.move(str(self.directory / str(step)), str(target))
+        if jax.process_count() > 1:  # the others must not list the directory before the move is done
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxlm_quarantine_{step}")
+        self.manager.reload()
+        return target
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Waits for pending saves, then closes; a failed save raises CheckpointSaveError (after closing)."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+
+_OS_PROBLEM = re.compile(r"No space left on device|File too large|Disk quota exceeded|Read-only file system|"
+                         r"Permission denied|Input/output error")
+
+
+def _storage_cause(error: Exception) -> str:
+    """The storage problem behind a failed save, short: Orbax wraps the OS error in long TensorStore text."""
+    found = _OS_PROBLEM.search(str(error))
+    return found.group(0) if found else _one_line(error, 160)
+
+
+def _one_line(error: Exception, limit: int = 240) -> str:
+    text = str(error).strip().splitlines()
+    line = text[0] if text else ""
+    return f"{type(error).__name__}: {line[:limit] + '...' if len(line) > limit else line}"

@@ -7,8 +7,11 @@ Everything is validated here, before JAX compiles anything, so a typo costs a se
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import math
+import re
+import traceback
 import types
 import typing
 from dataclasses import dataclass, field
@@ -129,7 +132,9 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50  # 0 disables periodic eval (a final eval still runs when a val split exists)
     checkpoint_every: int = 50
+    checkpoint_minutes: float = 0.0  # also checkpoint when this many minutes passed since the last save; 0: off
     keep_checkpoints: int = 3
+    max_bad_steps: int = 10  # stop after this many consecutive steps with a non-finite loss or gradient (skipped)
     async_checkpointing: bool = True
     tensorboard: bool = True
 
@@ -138,31 +143,59 @@ class TrainConfig:
 
 
 def load_config(path: str | Path) -> TrainConfig:
-    """Executes a Python config file and returns its `config` (an instance or a zero-arg function)."""
+    """Executes a Python config file and returns its `config` (an instance or a zero-arg function).
+
+    Field types are checked here, so a wrong one names the file even when a flag overrides that field."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    module = _exec_python_file(path, "config")
+    module = exec_python_file(path, "config")
     if not hasattr(module, "config"):
         raise ConfigError(f"config file {path} must define `config` (a TrainConfig or a function returning one)")
     cfg = module.config
     if callable(cfg) and not isinstance(cfg, TrainConfig):
-        cfg = cfg()
+        cfg = call_user_function(cfg, path=path, kind="config")
     if not isinstance(cfg, TrainConfig):
         raise ConfigError(f"config file {path}: `config` is a {type(cfg).__name__}, expected TrainConfig")
+    _check_types(cfg, "", where=f"config file {path}:")
     return cfg
 
 
-def _exec_python_file(path: Path, kind: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_jaxlm_{kind}_{path.stem}", path)
+def exec_python_file(path: Path, kind: str, error: type[Exception] = ConfigError) -> types.ModuleType:
+    """Runs a user's Python file (a config, a mesh layout); whatever goes wrong becomes one line of `error`."""
+    spec = importlib.util.spec_from_file_location(f"_jaxlm_{kind.replace(' ', '_')}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:
-        raise ConfigError(f"{kind} file {path}: syntax error at line {e.lineno}: {e.msg}") from None
-    except Exception as e:  # a user's file may raise anything; report it in one line
-        raise ConfigError(f"{kind} file {path} raised {type(e).__name__}: {e}") from None
+        raise error(f"{kind} file {path}: syntax error at line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # a user's file may raise anything
+        raise error(_user_code_error(e, path, kind, vars(module))) from None
     return module
+
+
+def call_user_function(fn, *args, path: Path, kind: str, error: type[Exception] = ConfigError):
+    """Calls a function from a user's file (`def config()`, `def layout(num_devices)`); fails as exec_python_file."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        raise error(_user_code_error(e, path, kind, getattr(fn, "__globals__", {}))) from None
+
+
+def _user_code_error(e: Exception, path: Path, kind: str, namespace: dict) -> str:
+    """One line for an exception from a user's file: the line of the file that raised it, and a misspelt
+    keyword of a dataclass in the file's namespace (ModelConfig, MeshLayout, ...) by name."""
+    source = namespace.get("__file__")  # the name its code was compiled under (absolute, unlike `path`)
+    lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == source]
+    where = f"{kind} file {path}" + (f", line {lines[-1]}" if lines else "")
+    kwarg = re.fullmatch(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'", str(e))
+    cls = namespace.get(kwarg[1]) if isinstance(e, TypeError) and kwarg else None
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return f"{where} raised {type(e).__name__}: {e}"
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(kwarg[2], names, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"fields: {', '.join(names)}"
+    return f"{where}: {cls.__name__} has no field {kwarg[2]!r} ({hint})"
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -233,6 +266,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "model.quant_amax_history": m.quant_amax_history,
         "data.seq_len": d.seq_len, "data.batch_size": d.batch_size, "data.microbatches": d.microbatches,
         "steps": cfg.steps, "log_every": cfg.log_every, "keep_checkpoints": cfg.keep_checkpoints,
+        "max_bad_steps": cfg.max_bad_steps,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -240,7 +274,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     non_negative = {"model.head_dim": m.head_dim, "optim.warmup_steps": o.warmup_steps, "optim.decay_steps": o.decay_steps,
                     "eval_every": cfg.eval_every, "checkpoint_every": cfg.checkpoint_every, "data.eval_batches": d.eval_batches,
                     "seed": cfg.seed, "optim.grad_clip": o.grad_clip, "optim.weight_decay": o.weight_decay,
-                    "model.attention_softcap": m.attention_softcap}
+                    "model.attention_softcap": m.attention_softcap,
+                    "checkpoint_minutes": cfg.checkpoint_minutes}
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
@@ -374,18 +409,19 @@ def _check_quantization(m: ModelConfig) -> None:
             raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
 
 
-def _check_types(obj: Any, prefix: str) -> None:
+def _check_types(obj: Any, prefix: str, where: str = "config") -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, hint, key = getattr(obj, f.name), hints[f.name], prefix + f.name
         if dataclasses.is_dataclass(hint):
             if not isinstance(value, hint):
-                raise ConfigError(f"config {key} must be a {hint.__name__}, got {type(value).__name__}")
-            _check_types(value, key + ".")
-        elif hint is float and isinstance(value, int) and not isinstance(value, bool):
-            continue
+                raise ConfigError(f"{where} {key} must be a {hint.__name__}, got {type(value).__name__}")
+            _check_types(value, key + ".", where)
+        elif hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # nan would pass every range check in validate()
+                raise ConfigError(f"{where} {key} must be a finite float, got {value!r}")
         elif not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-            raise ConfigError(f"config {key} must be {hint.__name__}, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{where} {key} must be {hint.__name__}, got {type(value).__name__} {value!r}")
 
 
 # ----------------------------------------------------------------------------- serialization

@@ -21,7 +21,8 @@ class MetricsLogger:
                  tensorboard: bool = True):
         self.workdir = Path(workdir)
         self.path = self.workdir / METRICS_FILE
-        _truncate_after(self.path, start_step)
+        # steps the previous run had done after the checkpoint this run resumes from: computed again, i.e. lost
+        self.recomputed_steps = max(_truncate_after(self.path, start_step) - start_step, 0)
         self.file = open(self.path, "a")
         self.tb = None
         if tensorboard:
@@ -75,18 +76,35 @@ class NullLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl. A last line without its newline is a write cut short by a killed process
+    and is left out; any other unreadable line is an error naming it."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.split("\n")
+    if not text.endswith("\n"):
+        lines = lines[:-1]
+    records = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                raise ValueError(f"{path}: line {number} is not a JSON record: {line[:80]!r}") from None
+    return records
 
 
-def _truncate_after(path: Path, step: int) -> None:
-    if path.exists():
-        kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(path)
+def _truncate_after(path: Path, step: int) -> int:
+    """Drops the records of steps after `step` (about to be recomputed); returns the highest step the file had."""
+    if not path.exists():
+        return 0
+    records = read_metrics(path)
+    kept = [r for r in records if r.get("step", 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(path)
+    return max((r.get("step", 0) for r in records), default=0)
 
 
 def plot_loss(records: list[dict], out: str | Path) -> None:

@@ -1,16 +1,15 @@
-"""The compiled training program: train state, loss, `train_step` / `eval_step`, and the Trainer loop around them.
+"""The compiled training program: train state, loss, `train_step` / `eval_step` (the loop around them is
+`jaxlm.trainer`).
 
-The step is one jit-compiled function with the state donated; the Python loop only feeds batches, logs every
-`log_every` steps and checkpoints. Gradient accumulation is a `lax.scan` over microbatches inside the same program.
+The step is one jit-compiled function with the state donated. Gradient accumulation is a `lax.scan` over
+microbatches inside the same program. A step whose loss or gradient is not finite leaves the weights alone.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from functools import partial
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +19,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlm import config as config_lib
-from jaxlm.checkpoint import Checkpointer
 from jaxlm.config import OptimConfig, TrainConfig
-from jaxlm.metrics import MetricsLogger, NullLogger
-from jaxlm.model import LOGICAL_AXES, Transformer, apply_layers, head_logits, model_flops_per_token
+from jaxlm.model import LOGICAL_AXES, Transformer, apply_layers, head_logits
 from jaxlm.quantized import uses_delayed_scaling
-from sharding.distributed import process_rows, put_process_rows
+from sharding.distributed import put_process_rows
 from sharding.mesh import MESH_AXES, MeshLayout
-from sharding.pipeline import bubble_fraction, pipeline_loss, split_stages
+from sharding.pipeline import pipeline_loss, split_stages
 from sharding.rules import batch_sharding, tree_shardings, use_rules
 
 Batch = dict[str, Any]  # "inputs" [B, T] int32, "targets" [B, T] int32, "loss_mask" [B, T] float32
@@ -155,9 +152,15 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, micro
     params, _ = split_trainable(state.params)
     grads = jax.tree.map(lambda g: g / count, grads)
     updates, opt_state = tx.update(grads, state.opt_state, params)
-    params = nnx.merge_state(optax.apply_updates(params, updates), new_histories)
-    metrics = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
-    return TrainState(state.step + 1, params, opt_state), metrics
+    new_params = nnx.merge_state(optax.apply_updates(params, updates), new_histories)
+    loss, grad_norm = loss_sum / count, optax.tree.norm(grads)
+    # A non-finite loss or gradient (a bad batch, an overflow) must not reach the weights: the step is skipped,
+    # params and optimizer state stay as they were, and the step counter still advances with the data.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+               "skipped": (~finite).astype(jnp.float32)}
+    return TrainState(state.step + 1, keep(new_params, state.params), keep(opt_state, state.opt_state)), metrics
 
 
 def combine_microbatch_grads(acc: nnx.State, g: nnx.State) -> nnx.State:
@@ -282,152 +285,3 @@ def make_program(cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None)
 
         return DiLoCoProgram(cfg, mesh, layout)
     return Program(cfg, mesh, layout)
-
-
-# ----------------------------------------------------------------------------- the loop
-
-
-class LoaderMetrics:
-    """The loader's counters for metrics.jsonl: cumulative ones as they are, plus the stall fraction since the
-    last record (time the loop waited in next() / wall time; an upper bound on device idle time, since the
-    asynchronously dispatched step runs meanwhile)."""
-
-    def __init__(self, loader, now: float):
-        self.read = getattr(loader, "metrics", None)
-        self.t, self.stall = now, self._stall()
-
-    def _stall(self) -> float:
-        return self.read()["data_stall_s"] if self.read else 0.0
-
-    def update(self, now: float) -> dict:
-        if self.read is None:
-            return {}
-        record = self.read()
-        stall = record["data_stall_s"]
-        record["data_stall_frac"] = (stall - self.stall) / max(now - self.t, 1e-9)
-        self.t, self.stall = now, stall
-        return record
-
-
-class Trainer:
-    """Runs `cfg.steps` optimizer steps, resuming from the workdir's latest checkpoint if there is one."""
-
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, workdir, train_iter: Iterator[Batch], eval_batches: list[Batch],
-                 *, layout: MeshLayout | None = None, progress: bool = True):
-        self.cfg, self.workdir = cfg, workdir
-        self.train_iter, self.eval_batches = train_iter, eval_batches
-        self.program = make_program(cfg, mesh, layout)
-        self.primary = jax.process_index() == 0  # the one process that writes logs, plots and config.json
-        if jax.process_count() > 1:
-            self._read_process_rows()
-        self.checkpointer = Checkpointer(f"{workdir}/checkpoints", keep=cfg.keep_checkpoints,
-                                         async_save=cfg.async_checkpointing)
-        self.progress = progress
-
-    def _read_process_rows(self) -> None:
-        """Multi-process: each process reads only the training rows its devices hold under the batch sharding."""
-        d = self.cfg.data
-        lo, hi = process_rows(self.program.batch_sharding, (d.batch_size, d.seq_len))
-        if not hasattr(self.train_iter, "set_rows"):
-            raise TypeError(f"a multi-process run needs a data iterator with set_rows(start, stop) to read rows "
-                            f"[{lo}, {hi}) of each batch; {type(self.train_iter).__name__} has none")
-        self.train_iter.set_rows(lo, hi)  # eval batches stay whole: device_batch takes each device's rows
-
-    def restore_or_init(self) -> TrainState:
-        latest = self.checkpointer.latest_step()
-        if latest is None:
-            return self.program.init()
-        # The config is compared before the state is restored: a different model would fail inside Orbax with a
-        # shape mismatch instead of a message naming the field.
-        saved_cfg = self.checkpointer.restore_config(latest)
-        changed = [d for d in config_lib.diff(saved_cfg["model"], config_lib.to_dict(self.cfg.model), "model.")]
-        saved_data, data = ({k: v for k, v in c.items() if k not in config_lib.DATA_SPEED_FIELDS}
-                            for c in (saved_cfg["data"], config_lib.to_dict(self.cfg.data)))
-        changed += config_lib.diff(saved_data, data, "data.")
-        # the optimizers and DiLoCo settings shape the saved state: another choice cannot continue it
-        defaults = config_lib.to_dict(config_lib.TrainConfig())
-        changed += config_lib.diff(saved_cfg.get("diloco", defaults["diloco"]), config_lib.to_dict(self.cfg.diloco),
-                                   "diloco.")
-        saved_optimizer = saved_cfg["optim"].get("optimizer", "adamw")
-        if saved_optimizer != self.cfg.optim.optimizer:
-            changed.append(f"optim.optimizer: {saved_optimizer!r} -> {self.cfg.optim.optimizer!r}")
-        if changed:
-            raise config_lib.ConfigError(f"checkpoint at step {latest} in {self.workdir} was written with a different "
-                                         f"config ({'; '.join(changed)}); use a new --workdir or the original config")
-        state, data_state, _ = self.checkpointer.restore(latest, self.program.abstract_with_shardings())
-        self.train_iter.set_state(data_state)
-        return state
-
-    def run(self) -> dict:
-        cfg, program = self.cfg, self.program
-        try:
-            state = self.restore_or_init()
-        except BaseException:
-            self.checkpointer.close()  # an unclosed manager leaves Orbax threads erroring at exit
-            raise
-        start = int(jax.device_get(state.step))  # replicated: every process reads its local copy
-        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        flops_per_token = model_flops_per_token(cfg.model, program.num_params, cfg.data.seq_len)
-        if self.primary:
-            (Path(self.workdir) / "config.json").write_text(json.dumps(config_lib.to_dict(cfg), indent=2) + "\n")
-            logger = MetricsLogger(self.workdir, total_steps=cfg.steps, start_step=start, progress=self.progress,
-                                   tensorboard=cfg.tensorboard)
-        else:
-            logger = NullLogger()
-        logger.info(f"params {program.num_params / 1e6:.2f}M, {flops_per_token / 1e6:.1f} MFLOP/token, "
-                    f"{'resuming at step ' + str(start) if start else 'starting from scratch'}")
-        layout = program.layout
-        if description := program.describe():
-            logger.info(description)
-        if layout.pipeline > 1:
-            logger.info(f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}, {layout.num_microbatches} "
-                        f"microbatches per step: bubble {bubble_fraction(layout.pipeline, layout.num_microbatches):.1%}")
-        last = {}
-        try:
-            if start >= cfg.steps:
-                logger.info(f"already at step {start} >= steps {cfg.steps}; nothing to do")
-                return last
-            if hasattr(self.train_iter, "set_device_put"):  # the loader's thread puts batches on devices
-                self.train_iter.set_device_put(program.device_batch)
-                to_device = lambda batch: batch  # noqa: E731
-            else:
-                to_device = program.device_batch
-            batch = to_device(next(self.train_iter))
-            t0 = time.perf_counter()
-            step_fn = program.compile_step(state, batch)
-            logger.info(f"compiled train step in {time.perf_counter() - t0:.1f}s")
-            t_last, steps_since = time.perf_counter(), 0
-            loader_metrics = LoaderMetrics(self.train_iter, t_last)
-            for step in range(start + 1, cfg.steps + 1):
-                state, metrics = step_fn(state, batch, step)
-                data_state = self.train_iter.get_state()  # the next step's batch, before it is prefetched below
-                steps_since += 1
-                is_last = step == cfg.steps
-                if step < cfg.steps:
-                    batch = to_device(next(self.train_iter))  # overlaps with the running step
-                if step % cfg.log_every == 0 or is_last or step == start + 1:
-                    metrics = jax.device_get(metrics)  # replicated outputs: a local copy, also across processes
-                    now = time.perf_counter()
-                    tokens_per_s = steps_since * tokens_per_step / (now - t_last)
-                    last = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
-                            "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
-                            "model_gflops_per_s": tokens_per_s * flops_per_token / 1e9,
-                            **program.step_metrics(step), **loader_metrics.update(now)}
-                    if not np.isfinite(last["loss"]):
-                        raise FloatingPointError(f"loss became {last['loss']} at step {step}")
-                    logger.log(last)
-                    t_last, steps_since = now, 0
-                if self.eval_batches and ((cfg.eval_every and step % cfg.eval_every == 0) or is_last):
-                    eval_loss = program.evaluate(program.eval_params(state), self.eval_batches)
-                    logger.log({"step": step, "eval_loss": eval_loss})
-                    last["eval_loss"] = eval_loss
-                    t_last = time.perf_counter()  # eval time is not training throughput
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last:  # every process saves
-                    self.checkpointer.save(step, state, data_state, config_lib.to_dict(cfg))
-                    t_last = time.perf_counter()  # nor is the blocking part of a checkpoint save
-            return last
-        finally:
-            self.checkpointer.close()
-            logger.close()
-            if hasattr(self.train_iter, "close"):
-                self.train_iter.close()  # stops prefetch threads; a later next() would start them again

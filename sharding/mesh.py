@@ -7,7 +7,6 @@ Everything is checked before compilation, with messages naming the axis and the 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,8 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
+
+from jaxlm.config import call_user_function, exec_python_file
 
 MESH_AXES = ("replica", "data", "fsdp", "pipeline", "tensor")  # outermost (slowest links) first
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
@@ -60,6 +61,8 @@ class MeshLayout:
         if product != num_devices:
             sizes = " x ".join(f"{a}={s}" for a, s in self.axis_sizes.items() if s != 1) or "all axes 1"
             raise LayoutError(f"mesh layout {sizes} covers {product} devices but {num_devices} are available")
+        if not isinstance(self.rules, dict):
+            raise LayoutError(f"rules must be a dict of logical axis -> mesh axis, got {type(self.rules).__name__}")
         from sharding.rules import check_rules
 
         check_rules(self.rules)
@@ -85,23 +88,21 @@ class MeshLayout:
 
 
 def load_layout(path: str | Path, num_devices: int) -> MeshLayout:
+    """Runs a layout file and returns its validated layout; every problem is a LayoutError naming the file."""
     path = Path(path)
     if not path.is_file():
         raise LayoutError(f"mesh layout file not found: {path}")
-    spec = importlib.util.spec_from_file_location(f"_jaxlm_mesh_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise LayoutError(f"mesh layout file {path}: syntax error at line {e.lineno}: {e.msg}") from None
-    except Exception as e:
-        raise LayoutError(f"mesh layout file {path} raised {type(e).__name__}: {e}") from None
+    module = exec_python_file(path, "mesh layout", LayoutError)
     if not hasattr(module, "layout"):
         raise LayoutError(f"mesh layout file {path} must define `layout` (a MeshLayout, a dict, or layout(num_devices))")
     layout = module.layout
     if callable(layout) and not isinstance(layout, MeshLayout):
-        layout = layout(num_devices)
-    return as_layout(layout, where=str(path)).validate(num_devices)
+        layout = call_user_function(layout, num_devices, path=path, kind="mesh layout", error=LayoutError)
+    layout = as_layout(layout, where=f"mesh layout file {path}")
+    try:
+        return layout.validate(num_devices)
+    except LayoutError as e:
+        raise LayoutError(f"mesh layout file {path}: {e}") from None
 
 
 def as_layout(value, where: str = "layout") -> MeshLayout:
@@ -109,7 +110,7 @@ def as_layout(value, where: str = "layout") -> MeshLayout:
         return value
     if isinstance(value, dict):
         known = {f.name for f in dataclasses.fields(MeshLayout)}
-        unknown = sorted(set(value) - known)
+        unknown = [key for key in value if key not in known]  # keys may be anything, e.g. ints: no sorting
         if unknown:
             raise LayoutError(f"{where}: unknown mesh axis {unknown[0]!r}; known axes: {', '.join(MESH_AXES)}")
         return MeshLayout(**value)

@@ -94,12 +94,25 @@ def test_no_flags_but_steps_and_workdir(tmp_path):
 
 
 def token_dir(tmp_path, damage=None, vocab=64):
+    """A token file of 2001 tokens (fewer than one default batch), damaged as named."""
     path = write_token_file(tmp_path / "tokens", [np.arange(2000) % (vocab - 1)], vocab_size=vocab, eos_id=vocab - 1)
+    tokens_bin, meta_json = path / "tokens.bin", path / "meta.json"
+    meta = json.loads(meta_json.read_text())
     if damage == "truncate":
-        data = (path / "tokens.bin").read_bytes()
-        (path / "tokens.bin").write_bytes(data[:-10])
+        tokens_bin.write_bytes(tokens_bin.read_bytes()[:-10])
     elif damage == "no_meta":
-        (path / "meta.json").unlink()
+        meta_json.unlink()
+    elif damage == "zero_tokens":
+        tokens_bin.write_bytes(b"")
+        meta_json.write_text(json.dumps({**meta, "num_tokens": 0}))
+    elif damage == "meta_not_json":
+        meta_json.write_text("{not json")
+    elif damage == "meta_without_num_tokens":
+        meta_json.write_text(json.dumps({k: v for k, v in meta.items() if k != "num_tokens"}))
+    elif damage == "ids_beyond_meta":  # meta.json still says max_token_id 63: only reading tokens.bin tells
+        tokens = np.fromfile(tokens_bin, "<u2")
+        tokens[1234] = 1000
+        tokens.tofile(tokens_bin)
     return path
 
 
@@ -107,6 +120,34 @@ def mesh_file(tmp_path, source):
     path = tmp_path / "mesh.py"
     path.write_text(source)
     return path
+
+
+def config_file(tmp_path, body):
+    """A config file whose `body` starts on line 2, after the import."""
+    path = tmp_path / "bad_config.py"
+    path.write_text("from jaxlm.config import ModelConfig, TrainConfig\n" + body)
+    return path
+
+
+def empty_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    return tmp_path / "empty"
+
+
+def under_a_file(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    return tmp_path / "a_file" / "run"
+
+
+def read_only_dir(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes through permission bits (the CLI's probe write is what catches it there)")
+    (tmp_path / "read_only").mkdir(mode=0o555)
+    return tmp_path / "read_only"
+
+
+def data_path(path, *more):
+    return ["--set", f"data.path={path}", *more]
 
 
 BAD_INPUTS = {
@@ -136,6 +177,53 @@ BAD_INPUTS = {
                                        "--set", "model.num_heads=2", "--set", "model.d_model=260",
                                        "--set", "data.microbatches=1"],
                           r"logical axis 'embed' of size 260 .* mesh axis 'fsdp' = 8"),
+    # config files
+    "config_syntax_error": (lambda tmp: ["--config", config_file(tmp, "config = TrainConfig(\n")],
+                            r"config file .*bad_config.py: syntax error at line 2: '\(' was never closed"),
+    "config_undefined": (lambda tmp: ["--config", config_file(tmp, "cfg = TrainConfig()\n")],
+                         r"config file .*bad_config.py must define `config`"),
+    "config_str_for_int": (lambda tmp: ["--config", config_file(tmp, "config = TrainConfig(steps='ten')\n")],
+                           r"config file .*bad_config.py: steps must be int, got str 'ten'"),  # despite --steps 3
+    "config_float_for_int": (lambda tmp: ["--config", config_file(tmp, "config = TrainConfig(model=ModelConfig("
+                                                                       "d_model=1.5))\n")],
+                             r"config file .*bad_config.py: model.d_model must be int, got float 1.5"),
+    "config_unknown_keyword": (lambda tmp: ["--config", config_file(tmp, "config = TrainConfig(model=ModelConfig("
+                                                                         "d_modle=64))\n")],
+                               r"bad_config.py, line 2: ModelConfig has no field 'd_modle' \(did you mean 'd_model'"),
+    "config_raises": (lambda tmp: ["--config", config_file(tmp, "def config():\n    raise KeyError('LR')\n")],
+                      r"bad_config.py, line 3 raised KeyError: 'LR'"),
+    # mesh layout files
+    "mesh_syntax_error": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1\n")],
+                          r"mesh layout file .*mesh.py: syntax error at line 1"),
+    "mesh_undefined": (lambda tmp: ["--mesh", mesh_file(tmp, "lay_out = {'data': 1}\n")],
+                       r"mesh layout file .*mesh.py must define `layout`"),
+    "mesh_float_axis": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1.5}\n")],
+                        r"mesh layout file .*mesh.py: mesh axis 'data' must be a positive int, got 1.5"),
+    "mesh_zero_axis": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 0}\n")],
+                       r"mesh axis 'data' must be a positive int, got 0"),
+    "mesh_negative_axis": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'fsdp': -1}\n")],
+                           r"mesh axis 'fsdp' must be a positive int, got -1"),
+    "mesh_wrong_type": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = [1, 1]\n")],
+                        r"mesh layout file .*mesh.py: `layout` is a list, expected MeshLayout or dict"),
+    # data paths
+    "data_missing": (lambda tmp: data_path(tmp / "nope"), r"token file .*nope: directory does not exist"),
+    "data_empty_dir": (lambda tmp: data_path(empty_dir(tmp)), r"token file .*empty: empty directory"),
+    "data_zero_tokens": (lambda tmp: data_path(token_dir(tmp, "zero_tokens")), r"token file .*: empty \(0 tokens\)"),
+    "data_too_few_tokens": (lambda tmp: data_path(token_dir(tmp)),
+                            r"holds 2001 tokens, fewer than one batch of data.batch_size x data.seq_len \+ 1 = 4097"),
+    "data_val_split_too_small": (lambda tmp: data_path(token_dir(tmp), "--set", "data.seq_len=64", "--set",
+                                                       "data.batch_size=4", "--set", "data.microbatches=1"),
+                                 r"val_fraction=0.01 of 2001 tokens gives 20 validation tokens, fewer than one "
+                                 r"window of seq_len\+1=65; adjust data.val_fraction"),
+    "meta_not_json": (lambda tmp: data_path(token_dir(tmp, "meta_not_json")), r"meta.json is not valid JSON"),
+    "meta_without_num_tokens": (lambda tmp: data_path(token_dir(tmp, "meta_without_num_tokens")),
+                                r"meta.json field 'num_tokens' must be a non-negative integer, got None"),
+    "ids_beyond_meta": (lambda tmp: data_path(token_dir(tmp, "ids_beyond_meta")),
+                        r"tokens.bin holds token id 1000 but meta.json says max_token_id 63"),
+    # --workdir
+    "workdir_under_a_file": (lambda tmp: ["--workdir", under_a_file(tmp)],
+                             r"--workdir .*a_file/run: .*a_file exists and is not a directory"),
+    "workdir_read_only": (lambda tmp: ["--workdir", read_only_dir(tmp)], r"--workdir .* is not writable"),
 }
 
 

@@ -47,11 +47,24 @@ def test_load_config_instance_and_function_forms(tmp_path):
     ("config = 3\n", "`config` is a int, expected TrainConfig"),
     ("def config():\n    return {'steps': 1}\n", "`config` is a dict, expected TrainConfig"),
     ("import nonexistent_module_xyz\n", "raised ModuleNotFoundError: No module named 'nonexistent_module_xyz'"),
+    ("x = 1\nraise RuntimeError('boom')\n", "c.py, line 2 raised RuntimeError: boom"),
+    ("def config():\n    return 1 / 0\n", "c.py, line 2 raised ZeroDivisionError: division by zero"),
+    ("from jaxlm.config import ModelConfig, TrainConfig\nconfig = TrainConfig(model=ModelConfig(d_modle=64))\n",
+     "c.py, line 2: ModelConfig has no field 'd_modle' (did you mean 'd_model'"),
+    ("from jaxlm.config import TrainConfig\nconfig = TrainConfig(zzz=1)\n",
+     "c.py, line 2: TrainConfig has no field 'zzz' (fields: model, optim, data"),
+    ("from jaxlm.config import TrainConfig\nconfig = TrainConfig(steps='ten')\n",
+     "c.py: steps must be int, got str 'ten'"),
+    ("from jaxlm.config import ModelConfig, TrainConfig\nconfig = TrainConfig(model=ModelConfig(d_model=1.5))\n",
+     "c.py: model.d_model must be int, got float 1.5"),
+    ("from jaxlm.config import OptimConfig, TrainConfig\n"
+     "config = TrainConfig(optim=OptimConfig(learning_rate=float('nan')))\n",
+     "c.py: optim.learning_rate must be a finite float, got nan"),
 ])
 def test_load_config_errors(tmp_path, source, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
         load_config(write(tmp_path, "c.py", source))
-    assert "\n" not in str(info.value)
+    assert str(info.value).startswith(f"config file {tmp_path / 'c.py'}") and "\n" not in str(info.value)
 
 
 def test_config_syntax_error_names_the_line(tmp_path):
@@ -212,10 +225,17 @@ def test_layout_product_mismatch_names_the_numbers(tmp_path):
     ("layout = {'data': 8\n", r"syntax error at line 1"),
     ("from sharding import MeshLayout\nlayout = MeshLayout(data=8, rules={'embed': 'model'})\n",
      r"rule 'embed' -> 'model': unknown mesh axis"),
+    ("layout = {'data': 8, 'rules': ['embed']}\n", r"rules must be a dict of logical axis -> mesh axis, got list"),
+    ("layout = {'data': 2.5}\n", r"mesh axis 'data' must be a positive int, got 2.5"),
+    ("layout = {8: 1}\n", r"unknown mesh axis 8"),
+    ("from sharding import MeshLayout\nlayout = MeshLayout(datta=8)\n",
+     r"m.py, line 2: MeshLayout has no field 'datta' \(did you mean 'data'\?\)"),
+    ("def layout(num_devices):\n    return {'data': num_devices // 0}\n", r"m.py, line 2 raised ZeroDivisionError"),
 ])
 def test_bad_layouts(tmp_path, source, message):
-    with pytest.raises(LayoutError, match=message):
+    with pytest.raises(LayoutError, match=message) as info:
         load_layout(write(tmp_path, "m.py", source), 8)
+    assert str(info.value).startswith(f"mesh layout file {tmp_path / 'm.py'}") and "\n" not in str(info.value)
 
 
 def test_missing_layout_file(tmp_path):

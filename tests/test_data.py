@@ -63,14 +63,16 @@ def test_truncated_tokens_bin(tmp_path):
     (lambda p: _edit_meta(p, format="other"), "format is 'other'"),
     (lambda p: _edit_meta(p, dtype="float32"), "unknown dtype 'float32'"),
     (lambda p: _edit_meta(p, max_token_id=900), "max_token_id 900 >= vocab_size"),
-    (lambda p: (_edit_meta(p, num_tokens=0), (p / "tokens.bin").write_bytes(b"")), "empty token file"),
+    (lambda p: (_edit_meta(p, num_tokens=0), (p / "tokens.bin").write_bytes(b"")), r"empty \(0 tokens\)"),
+    (lambda p: [f.unlink() for f in p.iterdir()], "empty directory: a token file is a directory with tokens.bin"),
+    (lambda p: ((p / "tokens.bin").unlink(), (p / "tokens.bin").mkdir()), "tokens.bin is not a file"),
 ])
 def test_open_reports_problems(tmp_path, damage, message):
     path = make_file(tmp_path)
     damage(path)
     with pytest.raises(TokenFileError, match=message) as err:
         TokenFile.open(path)
-    assert str(path) in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).startswith(f"token file {path}: ") and "\n" not in str(err.value)
 
 
 def test_open_missing_dir(tmp_path):
@@ -97,6 +99,20 @@ def test_ids_beyond_vocab_rejected(tmp_path):
     tf.validate_ids(200)
     with pytest.raises(TokenFileError, match="holds token id 256"):
         tf.validate_ids(200, deep=True, chunk_size=4)
+
+
+def test_deep_id_scan_can_be_bounded_to_a_sample(tmp_path):
+    """max_chunks scans that many chunks spread over the file: a lie everywhere is caught, one bad id may not be."""
+    path = write_token_file(tmp_path / "tf", [np.arange(99) % 50], vocab_size=64, eos_id=63)  # 100 tokens
+    _edit_meta(path, max_token_id=10)
+    with pytest.raises(TokenFileError, match="holds token id 39 but meta.json says max_token_id 10"):
+        TokenFile.open(path).validate_ids(64, deep=True, chunk_size=10, max_chunks=3)  # chunks 0, 3, 6: ids <= 39
+    tokens = np.zeros(100, np.uint16)
+    tokens[95] = 60  # in chunk 9, which the 3-chunk sample skips
+    tokens.tofile(path / "tokens.bin")
+    assert TokenFile.open(path).validate_ids(64, deep=True, chunk_size=10, max_chunks=3) == 10
+    with pytest.raises(TokenFileError, match="holds token id 60"):
+        TokenFile.open(path).validate_ids(64, deep=True, chunk_size=10)
 
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path):

@@ -15,7 +15,8 @@ from jaxlm.config import ConfigError, DiLoCoConfig, validate
 from jaxlm.diloco import DiLoCoProgram, Schedule
 from jaxlm.metrics import read_metrics
 from jaxlm.outer_compression import round_trip, wire_bytes
-from jaxlm.train import Program, Trainer
+from jaxlm.train import Program
+from jaxlm.trainer import Trainer
 from sharding import LayoutError, MeshLayout, build_mesh
 from test_resume import CrashingIterator
 

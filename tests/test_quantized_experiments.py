@@ -13,7 +13,8 @@ from flax import nnx, traverse_util
 from experiments import compare_precision, quantize_checkpoint
 from experiments.cli import open_data
 from helpers import one_device_mesh, repetitive_token_file, tiny_config
-from jaxlm.train import Program, Trainer
+from jaxlm.train import Program
+from jaxlm.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from helpers import gaussian, one_device_mesh, pure, random_batch, rel, repetiti
 from jaxlm.config import ConfigError, validate
 from jaxlm.metrics import read_metrics
 from jaxlm.quantized import parse_matmul_precision
-from jaxlm.train import Program, Trainer
+from jaxlm.train import Program
+from jaxlm.trainer import Trainer
 from pallas_kernels.quantize import quantize
 from pallas_kernels.quantized_training import QuantRecipe, new_amax_history, quantized_dot, updated_history
 from sharding import MeshLayout, build_mesh
