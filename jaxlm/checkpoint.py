@@ -205,21 +205,30 @@ class Checkpointer:
 
     def restore_latest(self, abstract_state, check: Callable[[int, dict], None] | None = None,
                        log: Callable[[str], None] = print) -> tuple[int, Any, dict, dict] | None:
-        """(step, state, data_state, config) of the newest checkpoint that reads and verifies, or None if there is
-        none. `check(step, saved_config)` may raise to refuse a checkpoint written with an incompatible config
-        (that is the user's error: it propagates, and nothing is moved). A corrupt checkpoint is moved aside
-        and the one before it tried."""
+        """(step, state, data_state, config) of the newest checkpoint that reads and verifies, or None if the
+        directory holds none. `check(step, saved_config)` may raise to refuse a checkpoint written with an
+        incompatible config (that is the user's error: it propagates, and nothing is moved).
+
+        Corrupt checkpoints newer than the one restored are moved aside, one log line each. If none restores,
+        nothing is moved and CheckpointCorrupt names every failure: that smells of a systemic problem (memory,
+        a wrong mount) rather than of damage, and a run must never start over silently beside its checkpoints."""
+        failures = []
         for step in reversed(self.all_steps()):
             try:
                 saved_config = self.restore_config(step)
                 if check is not None:
                     check(step, saved_config)
-                return (step, *self.restore(step, abstract_state))
+                restored = self.restore(step, abstract_state)
             except CheckpointCorrupt as e:
-                where = self.quarantine(step)
-                earlier = [s for s in self.all_steps() if s < step]
-                then = f"falling back to step {earlier[-1]}" if earlier else "no earlier checkpoint: starting from scratch"
-                log(f"checkpoint step {step} is unusable ({e}); moved it to {where}; {then}")
+                failures.append((step, e))
+                continue
+            for bad, error in failures:
+                log(f"checkpoint step {bad} is unusable ({error}); moved it to {self.quarantine(bad)}; "
+                    f"resuming from step {step}")
+            return (step, *restored)
+        if failures:
+            raise CheckpointCorrupt(f"no checkpoint in {self.directory} is usable: "
+                                    + "; ".join(f"step {step}: {e}" for step, e in failures))
         return None
 
     def quarantine(self, step: int) -> Path:

@@ -181,6 +181,20 @@ def test_a_corrupt_latest_checkpoint_is_moved_aside_and_the_previous_one_resumes
     assert records[-1]["lost_steps"] == 2  # steps 3 and 4 were computed twice
 
 
+def test_when_no_checkpoint_verifies_nothing_is_moved_and_the_run_does_not_start_over(setup, tmp_path):
+    from jaxlm.checkpoint import CheckpointCorrupt
+
+    train(setup, tmp_path, steps=4)
+    for step in (2, 4):
+        _damage(tmp_path / "checkpoints" / str(step), "flip_byte")
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointCorrupt, match=r"no checkpoint in .* is usable: step 4: .*checksum; step 2: "):
+        train(setup, tmp_path)
+    assert Checkpointer(tmp_path / "checkpoints").all_steps() == [2, 4]
+    assert not (tmp_path / "checkpoints.corrupt").exists()
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
 def test_an_incomplete_save_left_by_a_crash_is_removed_and_logged(setup, tmp_path, capsys):
     train(setup, tmp_path, steps=2)
     leftover = tmp_path / "checkpoints" / f"4{TMP_MARKER}"
