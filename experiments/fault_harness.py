@@ -12,6 +12,8 @@ checkpoint was set aside as corrupt unless the scenario corrupted it. Faults:
                   truncate or delete a file, garbage metadata): the rerun must fall back to the one before
     disk_full     rerun with a file-size limit (RLIMIT_FSIZE) so a save fails: expects exit 4 and the last
                   checkpoint intact; then a rerun without the limit
+    tmpfs_full    the workdir on a tmpfs with room for two checkpoints (needs root: `mount`): the third save
+                  fails with ENOSPC, exit 4; the workdir is copied to a real disk and the rerun continues there
 
 Used by tests/fault_injection (a few seeds) and `python -m experiments.fault_sweep` (the full sweep).
 """
@@ -24,6 +26,7 @@ import os
 import random
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +42,7 @@ TINY_FLAGS = ["--set", "model.d_model=128", "--set", "model.num_layers=2", "--se
               "--set", "model.max_seq_len=128", "--set", "data.seq_len=128", "--set", "data.batch_size=8",
               "--set", "data.microbatches=1", "--set", "eval_every=0", "--set", "tensorboard=false"]
 EXIT_PREEMPTED, EXIT_CHECKPOINT_FAILED = 75, 4
-KINDS = ("sigkill", "sigkill_save", "sigterm", "corrupt", "disk_full")
+KINDS = ("sigkill", "sigkill_save", "sigterm", "corrupt", "disk_full", "tmpfs_full")
 DAMAGES = ("flip_byte", "truncate", "delete_file", "garbage_metadata")
 
 
@@ -198,11 +201,20 @@ def run_scenario(harness: Harness, kind: str, seed: int) -> Outcome:
         damage(workdir / "checkpoints" / str(stop), how, rng)
         damaged.add(str(stop))
         out.detail, out.exit_code = f"{how} in step {stop}", code
-    else:  # disk_full
+    elif kind == "disk_full":
         stop = rng.randint(1, harness.steps // harness.checkpoint_every - 2) * harness.checkpoint_every
         harness.run(workdir, "--steps", str(stop))
         code, err = harness.run(workdir, file_size_limit=64 * 1024)
         out.detail, out.exit_code = f"files over 64 KiB refused after step {stop}", code
+    else:  # tmpfs_full
+        size = int(2.5 * checkpoint_bytes(harness.root / "reference")) + (1 << 20)
+        with small_tmpfs(workdir, size):
+            code, err = harness.run(workdir)
+            rescued = workdir.with_name(workdir.name + "-rescued")
+            shutil.copytree(workdir, rescued)  # what a user does with a full disk: move the run elsewhere
+        shutil.rmtree(workdir)
+        workdir = rescued
+        out.detail, out.exit_code = f"tmpfs of {size / 2**20:.1f} MiB", code
     out.message = (err.strip().splitlines() or [""])[-1]
     out.steps_done = last_step(workdir)
     out.resumed_from = checkpoint_steps(workdir)[-1] if checkpoint_steps(workdir) else 0
@@ -217,6 +229,42 @@ def run_scenario(harness: Harness, kind: str, seed: int) -> Outcome:
     out.leftover_tmp = bool(leftovers(workdir))
     out.good_lost = bool({name.split(".")[0] for name in quarantined(workdir)} - damaged)
     return out
+
+
+def checkpoint_bytes(workdir: Path) -> int:
+    """The size of a run's newest checkpoint."""
+    newest = workdir / "checkpoints" / str(checkpoint_steps(workdir)[-1])
+    return sum(p.stat().st_size for p in newest.rglob("*") if p.is_file())
+
+
+def can_mount_tmpfs() -> bool:
+    """Root with the right to mount (not every container grants it)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    import tempfile
+
+    probe = Path(tempfile.mkdtemp(prefix="tmpfs-probe-"))
+    try:
+        return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
+                              capture_output=True).returncode == 0 and \
+            subprocess.run(["umount", str(probe)], capture_output=True).returncode == 0
+    finally:
+        probe.rmdir()
+
+
+class small_tmpfs:
+    """Context manager: a tmpfs of `size` bytes mounted at `path` (created), unmounted on exit."""
+
+    def __init__(self, path: Path, size: int):
+        self.path, self.size = path, size
+
+    def __enter__(self):
+        self.path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)], check=True)
+        return self.path
+
+    def __exit__(self, *exc):
+        subprocess.run(["umount", str(self.path)], check=True)
 
 
 def damage(step_dir: Path, how: str, rng: random.Random) -> None:

@@ -1,7 +1,7 @@
 """The fault-injection sweep: tiny_lm killed, preempted, corrupted and starved of disk, then rerun.
 
     python -m experiments.fault_sweep                       # 50 SIGKILLs (15 mid-save), 10 SIGTERMs, 10 corrupt
-                                                            # checkpoints, 3 full disks, and restart timing
+                                                            # checkpoints, 3 + 3 full disks, and restart timing
     python -m experiments.fault_sweep --kinds sigkill_save --seeds 3    # reproduce one case
 
 Every scenario (experiments.fault_harness) runs a small tiny_lm in a subprocess, injects one fault, reruns the
@@ -22,10 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments.fault_harness import KINDS, Harness, first_step_seconds, goodput_records, preemption_save_seconds, \
-    run_scenario
+from experiments.fault_harness import KINDS, Harness, can_mount_tmpfs, first_step_seconds, goodput_records, \
+    preemption_save_seconds, run_scenario
 
-DEFAULT_COUNTS = {"sigkill": 35, "sigkill_save": 15, "sigterm": 10, "corrupt": 10, "disk_full": 3}
+DEFAULT_COUNTS = {"sigkill": 35, "sigkill_save": 15, "sigterm": 10, "corrupt": 10, "disk_full": 3, "tmpfs_full": 3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
     counts = {k: getattr(args, k) for k in kinds}
+    if counts.get("tmpfs_full") and not can_mount_tmpfs():
+        print("tmpfs_full skipped: mounting a tmpfs needs root with CAP_SYS_ADMIN", file=sys.stderr)
+        counts["tmpfs_full"] = 0
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     harness = Harness(root, steps=args.steps, checkpoint_every=args.checkpoint_every, cache_dir=root / "cache")
 

@@ -40,6 +40,9 @@ class TrainingDiverged(RuntimeError):
     weights was written."""
 
 
+OUTCOMES = {Preempted: "preempted", TrainingDiverged: "diverged", CheckpointSaveError: "checkpoint_failed"}
+
+
 class LoaderMetrics:
     """The loader's counters for metrics.jsonl: cumulative ones as they are, plus the stall fraction since the
     last record (time the loop waited in next() / wall time; an upper bound on device idle time, since the
@@ -171,10 +174,10 @@ class Trainer:
                     state = self.restore_or_init()
                 start = int(jax.device_get(state.step))  # replicated: every process reads its local copy
                 if self.primary:
-                    config_path = Path(self.workdir) / "config.json"  # written whole or not at all
-                    config_path.with_suffix(".json.tmp").write_text(
-                        json.dumps(config_lib.to_dict(self.cfg), indent=2) + "\n")
-                    config_path.with_suffix(".json.tmp").replace(config_path)
+                    config_path = Path(self.workdir) / "config.json"
+                    tmp = config_path.with_suffix(".json.tmp")  # written whole or not at all
+                    tmp.write_text(json.dumps(config_lib.to_dict(self.cfg), indent=2) + "\n")
+                    tmp.replace(config_path)
                     logger = MetricsLogger(self.workdir, total_steps=self.cfg.steps, start_step=start,
                                            progress=self.progress, tensorboard=self.cfg.tensorboard)
                     gp.lost_steps = logger.recomputed_steps
@@ -185,14 +188,8 @@ class Trainer:
                     self.checkpointer.wait()
                 outcome = "finished"
                 return last
-        except Preempted:
-            outcome = "preempted"
-            raise
-        except TrainingDiverged:
-            outcome = "diverged"
-            raise
-        except CheckpointSaveError:
-            outcome = "checkpoint_failed"
+        except Exception as e:
+            outcome = OUTCOMES.get(type(e), "error")
             raise
         finally:
             try:
