@@ -151,7 +151,7 @@ class Outcome:
     seed: int
     detail: str = ""  # where / how the fault was injected
     exit_code: int | None = None  # of the run the fault hit
-    in_save: bool = False  # the kill left a temporary checkpoint directory: it landed mid-save
+    in_save: bool = False  # the fault left a temporary checkpoint directory: it landed mid-save
     steps_done: int = 0  # steps logged before the fault
     resumed_from: int = 0  # the step the rerun continued from
     completed: bool = False
@@ -185,6 +185,7 @@ def run_scenario(harness: Harness, kind: str, seed: int) -> Outcome:
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=600)
         out.detail, out.exit_code = f"after step {target}", proc.returncode
+        out.in_save = bool(leftovers(workdir))  # a random kill may land mid-save too
     elif kind == "sigkill_save":
         first = rng.randint(1, harness.steps // harness.checkpoint_every - 1) * harness.checkpoint_every
         tmp = workdir / "checkpoints" / f"{first}{TMP_MARKER}"

@@ -40,3 +40,29 @@ def test_fault_then_rerun_continues_exactly(harness, kind, seed):
         assert out.exit_code == 4 and "No space left on device" in out.message, out
     if kind == "sigkill_save":
         assert out.in_save, f"the kill did not land inside a save: {out}"
+
+
+def test_sweep_report_prints_a_table_targets_and_a_json_last_line(capsys):
+    import json
+
+    from experiments.fault_harness import Outcome
+    from experiments.fault_sweep import report, summarize
+
+    good = dict(completed=True, loss_match=True)
+    outcomes = [Outcome("sigkill", 0, steps_done=7, resumed_from=4, **good),
+                Outcome("sigkill_save", 0, in_save=True, steps_done=8, resumed_from=4, **good),
+                Outcome("sigterm", 0, steps_done=5, resumed_from=5, **good),
+                Outcome("corrupt", 0, steps_done=8, resumed_from=4, completed=True, loss_match=False)]
+    timing = {"cold_first_step_s": 10.0, "restart_first_step_s": 4.0, "restart_ratio": 0.4, "sync_save_s": 0.2,
+              "preemption_save_s": 0.3}
+    report(summarize(outcomes), timing, outcomes, 60.0)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["fault", "injected", "mid-save"]
+    assert any(line.startswith("corrupt") and line.split()[5] == "1" for line in out)  # one loss mismatch
+    assert any("every run completes" in line and line.endswith("NOT met") for line in out)
+    assert any("2 kills, 1 mid-save: NOT met" in line for line in out)
+    assert any("steps lost on SIGTERM: 0 (target 0): met" in line for line in out)
+    assert any("= 1.50x (target < 2x): met" in line for line in out)
+    summary = json.loads(out[-1])
+    assert summary["faults"] == 4 and summary["ok"] == 3 and summary["steps_lost"] == 3 + 4 + 0 + 4
+    assert summary["restart_ratio"] == 0.4 and summary["preemption_save_ratio"] == 1.5
