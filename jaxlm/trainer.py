@@ -275,7 +275,7 @@ class Trainer:
                                            and time.perf_counter() - last_save >= 60 * cfg.checkpoint_minutes)
             if preempt:
                 save_s = self._save(step, state, data_state, wait=True)
-                raise Preempted(step, signals.received or "a signal on another process", save_s)
+                raise Preempted(step, signals.received or "SIGTERM / SIGINT to another process", save_s)
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or overdue:
                 self._save(step, state, data_state)  # every process saves
                 t_last = last_save = time.perf_counter()  # the blocking part of a save is not throughput either

@@ -121,20 +121,26 @@ def run(command: list[str], processes: int, port: int = 0, cpu_devices: int = 0)
 
 
 def _wait(children: list[subprocess.Popen], received: list[int]) -> int:
-    """0 if every process succeeds; else the first failure's code (or 128 + a forwarded signal), after stopping
-    the rest."""
+    """0 if every process succeeds; else, after stopping the rest, the code a process exited with by itself (e.g.
+    75: preempted, after its checkpoint) rather than a death by signal (the shell's 128 + s)."""
     while True:
         if received:
             _stop(children, received[0])
-            return 128 + received[0]
+            return _verdict([c.returncode for c in children]) or 128 + received[0]
         codes = [c.poll() for c in children]
-        failed = next((code for code in codes if code not in (None, 0)), None)
-        if failed is not None:
+        if any(code not in (None, 0) for code in codes):
             _stop(children, signal.SIGTERM)
-            return failed if failed > 0 else 128 - failed  # killed by signal s: the shell's 128 + s
+            return _verdict([c.returncode for c in children])
         if all(code == 0 for code in codes):
             return 0
         time.sleep(0.05)
+
+
+def _verdict(codes: list[int]) -> int:
+    """The first positive exit code, else 128 + the signal that killed the first process killed, else 0."""
+    own = [code for code in codes if code > 0]
+    killed = [code for code in codes if code < 0]
+    return own[0] if own else 128 - killed[0] if killed else 0
 
 
 def _stop(children: list[subprocess.Popen], sig: int) -> None:
