@@ -3,6 +3,7 @@
     python -m experiments.diloco_vs_sync                    # the full sweep (~40 runs; rerun to continue it)
     python -m experiments.diloco_vs_sync --quick            # H=30, outer lr {0.4, 0.7}: a few minutes
     python -m experiments.diloco_vs_sync --steps 600 --set model.d_model=128
+    python -m experiments.diloco_vs_sync --warm-start 300   # DiLoCo continues a 300-step data-parallel run
 
 Every run trains the same small model from the same init for the same steps on the same global batch B: data
 parallel takes one AdamW step per batch; DiLoCo's M replicas each take inner AdamW steps on B/M rows and sync every
@@ -10,7 +11,9 @@ H steps with outer Nesterov SGD. The sweep covers M in {1, 2, 4} x H in {10, 30,
 {0.2, 0.4, 0.7, 1.0}, then (at M=4, H=30 and that cell's best outer lr) 4-bit outer gradients, streaming with 2
 fragments, and a replica lost for the second half of the run. Each run lives in WORKDIR/NAME and is skipped when
 complete, so an interrupted sweep continues. Prints a table (final eval loss, % gap to data parallel, bytes each
-replica sent), writes WORKDIR/eval_loss.png, and ends with one JSON line.
+replica sent), writes WORKDIR/eval_loss.png, and ends with one JSON line. With --warm-start W every run
+continues the same W-step data-parallel run (in WORKDIR/warm_start_W), as DiLoCo continues a pretrained model in
+the paper.
 """
 
 from __future__ import annotations
@@ -68,8 +71,9 @@ def variant_cell(grid: dict) -> tuple[int, int]:
     return max(grid["replicas"]), (30 if 30 in hs else hs[0])
 
 
-def train(name: str, cfg: TrainConfig, workdir: Path) -> list[dict]:
-    """Trains (or continues, or skips) one run; returns its metrics records."""
+def train(name: str, cfg: TrainConfig, workdir: Path, warm: Path | None = None) -> list[dict]:
+    """Trains (or continues, or skips) one run; returns its metrics records. `warm`: a data-parallel run whose
+    final checkpoint the run continues from (every DiLoCo replica starts from its params and optimizer state)."""
     import jax
 
     from experiments.cli import open_data
@@ -79,8 +83,31 @@ def train(name: str, cfg: TrainConfig, workdir: Path) -> list[dict]:
     run_dir = workdir / name
     train_iter, eval_data = open_data(cfg)
     mesh = build_mesh(MeshLayout(), devices=jax.devices()[:1])
+    if warm is not None and not (run_dir / "checkpoints").is_dir():
+        _start_from(warm, cfg, mesh, run_dir)
     Trainer(cfg, mesh, run_dir, train_iter, eval_data, progress=False).run()
     return read_metrics(run_dir / "metrics.jsonl")
+
+
+def _start_from(warm: Path, cfg: TrainConfig, mesh, run_dir: Path) -> None:
+    """Writes `run_dir`'s first checkpoint: the warm run's last state, converted to this run's program, with its
+    data position and its metrics so far (so curves cover the whole run)."""
+    import shutil
+
+    from jaxlm.checkpoint import Checkpointer
+    from jaxlm.config import to_dict
+    from jaxlm.train import Program, make_program
+
+    source = Checkpointer(warm / "checkpoints")
+    step = source.latest_step()
+    plain = Program(dataclasses.replace(cfg, diloco=DiLoCoConfig()), mesh)
+    state, data_state, _ = source.restore(step, plain.abstract_with_shardings())
+    source.close()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = Checkpointer(run_dir / "checkpoints", async_save=False)
+    target.save(step, make_program(cfg, mesh).adopt(state), data_state, to_dict(cfg))
+    target.close()
+    shutil.copy(warm / "metrics.jsonl", run_dir / "metrics.jsonl")
 
 
 def summarize(records: list[dict], cfg: TrainConfig) -> dict:
@@ -103,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outer-lrs", default=",".join(map(str, OUTER_LRS)), help="comma-separated outer lrs")
     p.add_argument("--outer-momentum", type=float, default=DiLoCoConfig.outer_momentum,
                    help="outer Nesterov momentum of every DiLoCo run (default %(default)s, the paper's)")
+    p.add_argument("--warm-start", type=int, default=0, metavar="W",
+                   help="train data parallel for W steps first; every run then continues from there (the paper "
+                        "starts DiLoCo from a pretrained model); 0: all runs from scratch")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override the base config")
     args = p.parse_args(argv)
     try:
@@ -111,18 +141,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             grid.update(inner_steps=[30], outer_lrs=[0.4, 0.7])
         base = validate(apply_overrides(dataclasses.replace(SMALL, steps=args.steps), args.set))
+        if not 0 <= args.warm_start < base.steps:
+            raise ValueError(f"--warm-start must be in [0, --steps = {base.steps}), got {args.warm_start}")
+        if args.warm_start:  # one lr schedule over the whole run, whichever run it is part of
+            base = dataclasses.replace(base, optim=dataclasses.replace(base.optim, decay_steps=base.steps))
     except ValueError as e:
         print(f"diloco_vs_sync: error: {e}", file=sys.stderr)
         return 2
     workdir = Path(args.workdir)
     results: dict[str, dict] = {}
+    warm = None
+    if args.warm_start:  # its own directory: run names are those of the runs from scratch
+        workdir = workdir / f"warm_start_{args.warm_start}"
+        warm = workdir / "pretrain"
+        train(warm.name, dataclasses.replace(base, steps=args.warm_start), workdir)
 
     def run_all(plan):
         for name, diloco in plan:
             if name in results:
                 continue
             cfg = validate(base if diloco is None else dataclasses.replace(base, diloco=diloco))
-            results[name] = {**summarize(train(name, cfg, workdir), cfg), "diloco": diloco}
+            results[name] = {**summarize(train(name, cfg, workdir, warm), cfg), "diloco": diloco}
             print(f"  {name}: eval loss {results[name]['eval_loss']:.4f}", file=sys.stderr, flush=True)
 
     run_all(runs(grid, base.steps))
@@ -139,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         gap = 100 * (r["eval_loss"] / dp - 1)
         sent = dp_bytes if r["diloco"] is None else r["bytes"]
         rows.append((name, r["eval_loss"], gap, r["syncs"], sent, r["peak_sync_bytes"] or params * 4))
+    start = f", all continuing a {args.warm_start}-step data-parallel run" if args.warm_start else ""
     print(f"\nDiLoCo vs data parallel: {params / 1e6:.2f}M params, {base.steps} steps x {base.data.batch_size} x "
-          f"{base.data.seq_len} tokens (equal tokens, equal global batch)\n")
+          f"{base.data.seq_len} tokens (equal tokens, equal global batch{start})\n")
     print(f"{'run':<22} {'eval loss':>9} {'gap %':>7} {'syncs':>6} {'MB sent/replica':>15} {'peak MB/sync':>12}")
     for name, loss, gap, syncs, sent, peak in rows:
         print(f"{name:<22} {loss:>9.4f} {gap:>+7.2f} {syncs:>6} {sent / 1e6:>15.2f} {peak / 1e6:>12.3f}")

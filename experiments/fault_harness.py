@@ -218,11 +218,9 @@ def run_scenario(harness: Harness, kind: str, seed: int) -> Outcome:
         out.detail, out.exit_code = f"tmpfs of {size / 2**20:.1f} MiB", code
     out.message = (err.strip().splitlines() or [""])[-1]
     out.steps_done = last_step(workdir)
-    out.resumed_from = checkpoint_steps(workdir)[-1] if checkpoint_steps(workdir) else 0
+    # where the rerun continues: the newest checkpoint the fault left intact
+    out.resumed_from = max((s for s in checkpoint_steps(workdir) if str(s) not in damaged), default=0)
     code, err = harness.run(workdir)  # the user's rerun
-    if kind == "corrupt":
-        # the corrupted checkpoint was the newest: the rerun continues from the one before it
-        out.resumed_from = max((s for s in checkpoint_steps(workdir) if s < int(next(iter(damaged)))), default=0)
     out.completed = code == 0 and last_step(workdir) == harness.steps
     if not out.completed:
         out.message += f" | rerun exit {code}: {(err.strip().splitlines() or [''])[-1]}"

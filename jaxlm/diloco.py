@@ -217,11 +217,18 @@ class DiLoCoProgram(Program):
     # ------------------------------------------------------------------------- state
 
     def _init_state(self) -> DiLoCoState:
-        plain = Program._init(self)  # every replica starts from the same init
+        return self._from_plain(Program._init(self))  # every replica starts from the same init
+
+    def _from_plain(self, plain: TrainState) -> DiLoCoState:
+        """Every replica continues `plain` (params, inner optimizer state, step); the global params are its params
+        and the outer momentum starts at zero: DiLoCo from a pretrained model, as in the paper."""
         replicas = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.M, *x.shape)), plain)
         leaves = jax.tree.leaves(plain.params)
         outer = tuple(self.outer_tx.init(self.fragments.view(leaves, p)) for p in range(self.c.fragments))
-        return DiLoCoState(jnp.zeros((), jnp.int32), plain.params, outer, replicas)
+        return DiLoCoState(plain.step, plain.params, outer, replicas)
+
+    def adopt(self, plain: TrainState) -> DiLoCoState:
+        return jax.jit(self._from_plain, out_shardings=self.state_shardings)(plain)
 
     def _state_shardings(self) -> DiLoCoState:
         mesh, replicated = self.mesh, NamedSharding(self.mesh, P())

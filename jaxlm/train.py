@@ -269,6 +269,10 @@ class Program:
         """The parameters evaluation and export use."""
         return state.params
 
+    def adopt(self, plain: TrainState):
+        """This program's state continuing a plain run's `TrainState` (a warm start; plain training: itself)."""
+        return plain
+
     def step_metrics(self, step: int) -> dict:
         """Host-side figures for metrics.jsonl at `step` (none for plain training)."""
         return {}

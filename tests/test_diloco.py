@@ -81,6 +81,20 @@ def test_one_replica_outer_sgd_lr1_equals_plain_training():
     np.testing.assert_allclose(dl_losses, plain_losses, rtol=1e-6)
 
 
+def test_a_warm_start_gives_every_replica_the_plain_run_s_state():
+    """`adopt` (diloco_vs_sync --warm-start): the global params and every replica's params, inner optimizer state
+    and step are the plain run's; the outer momentum starts at zero."""
+    cfg = tiny_config(steps=6, optim=dict(learning_rate=1e-2))
+    plain_state, _ = run(Program(cfg, mesh()), 2)
+    program = DiLoCoProgram(with_diloco(cfg, replicas=2, inner_steps=2), mesh())
+    state = program.adopt(plain_state)
+    assert int(state.step) == 2 and max_diff(state.global_params, plain_state.params) == 0
+    for m in range(2):
+        replica = jax.tree.map(lambda x: x[m], state.replicas)
+        assert max_diff(replica, plain_state) == 0
+    assert all(not np.any(x) for x in leaves(state.outer_opt_states))
+
+
 def test_outer_gradient_is_global_minus_local():
     """With outer SGD lr 0.5 and no momentum, one sync moves the global params half way to the replicas' mean: the
     outer gradient is θ_global − θ_local (the opposite sign would move them away)."""
