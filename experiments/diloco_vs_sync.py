@@ -9,9 +9,9 @@ Every run trains the same small model from the same init for the same steps on t
 parallel takes one AdamW step per batch; DiLoCo's M replicas each take inner AdamW steps on B/M rows and sync every
 H steps with outer Nesterov SGD. The sweep covers M in {1, 2, 4} x H in {10, 30, 100} x outer lr in
 {0.2, 0.4, 0.7, 1.0}, then (at M=4, H=30 and that cell's best outer lr) 4-bit outer gradients, streaming with 2
-fragments, and a replica lost for the second half of the run. Each run lives in WORKDIR/NAME and is skipped when
-complete, so an interrupted sweep continues. Prints a table (final eval loss, % gap to data parallel, bytes each
-replica sent), writes WORKDIR/eval_loss.png, and ends with one JSON line. With --warm-start W every run
+fragments, and a replica lost for the second half of the DiLoCo steps. Each run lives in WORKDIR/NAME and is
+skipped when complete, so an interrupted sweep continues. Prints a table (final eval loss, % gap to data parallel,
+bytes each replica sent), writes WORKDIR/eval_loss.png, and ends with one JSON line. With --warm-start W every run
 continues the same W-step data-parallel run (in WORKDIR/warm_start_W), as DiLoCo continues a pretrained model in
 the paper.
 """
@@ -38,9 +38,11 @@ SMALL = TrainConfig(
 REPLICAS, INNER_STEPS, OUTER_LRS = (1, 2, 4), (10, 30, 100), (0.2, 0.4, 0.7, 1.0)
 
 
-def runs(grid: dict, steps: int, best_lr: dict | None = None) -> list[tuple[str, DiLoCoConfig | None]]:
+def runs(grid: dict, steps: int, best_lr: dict | None = None,
+         start: int = 0) -> list[tuple[str, DiLoCoConfig | None]]:
     """(name, DiLoCo config or None for data parallel). The variants use the largest M, H = 30 (or the grid's
-    first H) and that cell's best outer lr."""
+    first H) and that cell's best outer lr; the lost replica is down for the second half of the DiLoCo phase
+    (steps start+1..steps)."""
     out = [("data_parallel", None)]
     mom, suffix = grid["momentum"], _suffix(grid)
     out += [(grid_name(m, h, lr, suffix), DiLoCoConfig(replicas=m, inner_steps=h, outer_lr=lr, outer_momentum=mom))
@@ -50,8 +52,9 @@ def runs(grid: dict, steps: int, best_lr: dict | None = None) -> list[tuple[str,
         base = DiLoCoConfig(replicas=m, inner_steps=h, outer_lr=best_lr[m, h], outer_momentum=mom)
         tag = f"M{m}_H{h}{suffix}"
         out += [(f"{tag}_int4", dataclasses.replace(base, compression="int4")),
-                (f"{tag}_stream2", dataclasses.replace(base, fragments=2, overlap_steps=min(1, h // 2 - 1))),
-                (f"{tag}_drop1", dataclasses.replace(base, drop=f"{m - 1}@{steps // 2 + 1}-{steps}"))]
+                (f"{tag}_stream2", dataclasses.replace(base, fragments=2, overlap_steps=min(1, h // 2 - 1)))]
+        if m > 1:  # one replica cannot be lost
+            out.append((f"{tag}_drop1", dataclasses.replace(base, drop=f"{m - 1}@{(start + steps) // 2 + 1}-{steps}")))
     return out
 
 
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     suffix = _suffix(grid)
     best_lr = {(m, h): min(grid["outer_lrs"], key=lambda lr: results[grid_name(m, h, lr, suffix)]["eval_loss"])
                for m in grid["replicas"] for h in grid["inner_steps"]}
-    run_all(runs(grid, base.steps, best_lr))
+    run_all(runs(grid, base.steps, best_lr, start=args.warm_start))
 
     params = _num_params(base)
     dp = results["data_parallel"]["eval_loss"]

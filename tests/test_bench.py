@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxlm.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--set", "model.vocab_size=512", "--set", "model.d_model=64", "--set", "model.num_heads=2",
         "--set", "model.num_kv_heads=2", "--set", "model.mlp_dim=128", "--set", "model.num_layers=2",
@@ -82,6 +84,25 @@ def test_diloco_vs_sync_runs_its_grid_and_continues_where_it_stopped(tmp_path):
     again = run("experiments.diloco_vs_sync", *map(str, args), env=cache)
     assert again.returncode == 0 and "starting from scratch" not in again.stderr
     assert again.stdout.strip().splitlines()[-1] == lines[-1]
+
+
+def test_diloco_vs_sync_warm_start_continues_the_data_parallel_run(tmp_path):
+    """--warm-start: every run continues the same data-parallel run. With one replica, outer SGD lr 1 and no
+    momentum, DiLoCo is plain training, so from the warm start it must end at data parallelism's eval loss."""
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    args = ["--workdir", tmp_path / "runs", "--steps", "4", "--warm-start", "2", "--replicas", "1", "--inner-steps",
+            "2", "--outer-lrs", "1.0", "--outer-momentum", "0", "--set", "model.d_model=32", "--set",
+            "model.num_layers=2", "--set", "model.mlp_dim=64", "--set", "data.seq_len=16", "--set",
+            "data.batch_size=4", "--set", "data.eval_batches=1", "--set", "eval_every=2"]
+    proc = run("experiments.diloco_vs_sync", *map(str, args), env=cache)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["best"]["M1_H2_mom0.0"]["eval_loss"] == pytest.approx(summary["data_parallel_eval_loss"], rel=1e-6)
+    assert "all continuing a 2-step data-parallel run" in proc.stdout
+    run_dir = tmp_path / "runs" / "warm_start_2"
+    for name in ("pretrain", "data_parallel", "M1_H2_lr1.0_mom0.0"):
+        steps = [r["step"] for r in read_metrics(run_dir / name / "metrics.jsonl") if "loss" in r]
+        assert steps == list(range(1, 5 if name != "pretrain" else 3)), (name, steps)
 
 
 def test_diloco_vs_sync_rejects_a_bad_grid(tmp_path):
