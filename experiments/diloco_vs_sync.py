@@ -113,13 +113,30 @@ def _start_from(warm: Path, cfg: TrainConfig, mesh, run_dir: Path) -> None:
     shutil.copy(warm / "metrics.jsonl", run_dir / "metrics.jsonl")
 
 
-def summarize(records: list[dict], cfg: TrainConfig) -> dict:
+def summarize(records: list[dict], cfg: TrainConfig, start: int = 0) -> dict:
+    """Final eval loss, the eval curve, and the syncs and bytes of the steps after `start` (a warm start's
+    data-parallel steps are the same for every run and are not counted)."""
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     final = [r for r in records if "loss" in r][-1]
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    syncs, sent = final.get("diloco_syncs", cfg.steps - start), final.get("diloco_bytes")
+    if start and cfg.diloco.replicas:
+        syncs, sent = _traffic_after(cfg, start)
     return {"eval_loss": evals[-1][1], "curve": [(s * tokens_per_step, e) for s, e in evals],
-            "bytes": final.get("diloco_bytes"), "syncs": final.get("diloco_syncs", cfg.steps),
-            "peak_sync_bytes": final.get("diloco_peak_sync_bytes")}
+            "bytes": sent, "syncs": syncs, "peak_sync_bytes": final.get("diloco_peak_sync_bytes")}
+
+
+def _traffic_after(cfg: TrainConfig, start: int) -> tuple[int, int]:
+    """(syncs, bytes one replica sends) over steps start+1..steps; metrics.jsonl counts from step 1."""
+    import jax
+
+    from jaxlm.diloco import DiLoCoProgram
+    from sharding import MeshLayout, build_mesh
+
+    program = DiLoCoProgram(cfg, build_mesh(MeshLayout(), devices=jax.devices()[:1]))
+    schedule = program.sync_schedule
+    counts = [n - m for n, m in zip(schedule.sync_counts(cfg.steps), schedule.sync_counts(start))]
+    return sum(counts), sum(n * b for n, b in zip(counts, program.sync_bytes))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             if name in results:
                 continue
             cfg = validate(base if diloco is None else dataclasses.replace(base, diloco=diloco))
-            results[name] = {**summarize(train(name, cfg, workdir, warm), cfg), "diloco": diloco}
+            results[name] = {**summarize(train(name, cfg, workdir, warm), cfg, args.warm_start), "diloco": diloco}
             print(f"  {name}: eval loss {results[name]['eval_loss']:.4f}", file=sys.stderr, flush=True)
 
     run_all(runs(grid, base.steps))
@@ -175,13 +192,15 @@ def main(argv: list[str] | None = None) -> int:
 
     params = _num_params(base)
     dp = results["data_parallel"]["eval_loss"]
-    dp_bytes = params * 4 * base.steps  # one float32 gradient per step (what a ring all-reduce moves per replica, x2)
+    # one float32 gradient per step (what a ring all-reduce moves per replica, x2), after the warm start
+    dp_bytes = params * 4 * (base.steps - args.warm_start)
     rows = []
     for name, r in results.items():
         gap = 100 * (r["eval_loss"] / dp - 1)
         sent = dp_bytes if r["diloco"] is None else r["bytes"]
         rows.append((name, r["eval_loss"], gap, r["syncs"], sent, r["peak_sync_bytes"] or params * 4))
-    start = f", all continuing a {args.warm_start}-step data-parallel run" if args.warm_start else ""
+    start = (f", all continuing a {args.warm_start}-step data-parallel run; syncs and bytes of the "
+             f"{base.steps - args.warm_start} steps after it" if args.warm_start else "")
     print(f"\nDiLoCo vs data parallel: {params / 1e6:.2f}M params, {base.steps} steps x {base.data.batch_size} x "
           f"{base.data.seq_len} tokens (equal tokens, equal global batch{start})\n")
     print(f"{'run':<22} {'eval loss':>9} {'gap %':>7} {'syncs':>6} {'MB sent/replica':>15} {'peak MB/sync':>12}")

@@ -99,6 +99,8 @@ def test_diloco_vs_sync_warm_start_continues_the_data_parallel_run(tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["best"]["M1_H2_mom0.0"]["eval_loss"] == pytest.approx(summary["data_parallel_eval_loss"], rel=1e-6)
     assert "all continuing a 2-step data-parallel run" in proc.stdout
+    table = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("data_", "M1"))}
+    assert table["data_parallel"][3] == "2" and table["M1_H2_lr1.0_mom0.0"][3] == "1"  # the 2 steps after it
     run_dir = tmp_path / "runs" / "warm_start_2"
     for name in ("pretrain", "data_parallel", "M1_H2_lr1.0_mom0.0"):
         steps = [r["step"] for r in read_metrics(run_dir / name / "metrics.jsonl") if "loss" in r]
