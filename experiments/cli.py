@@ -8,7 +8,7 @@
 Everything a user can get wrong (flags, config, layout, data) is checked before JAX compiles anything; a problem
 exits with status 2 and one line naming it. Exit codes:
     0  finished            2  bad input                    3  stopped: too many non-finite steps in a row
-    4  a checkpoint save failed (e.g. disk full)          75 preempted by SIGTERM / SIGINT: rerun to continue
+    4  a save failed (a checkpoint or the logs; e.g. disk full)   75 preempted by SIGTERM / SIGINT: rerun to continue
 """
 
 from __future__ import annotations
@@ -234,6 +234,8 @@ def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
         return _fail(prog, str(e), EXIT_DIVERGED, "stopped")
     except CheckpointError as e:  # e.g. the disk filled up during a save
         return _fail(prog, str(e), EXIT_CHECKPOINT_FAILED)
+    except OSError as e:  # e.g. the disk filled up while metrics.jsonl or the events were written
+        return _fail(prog, f"cannot write the run's files: {e}", EXIT_CHECKPOINT_FAILED)
     if final and trainer.primary:
         shown = {k: v for k, v in final.items() if k != "step" and (not k.startswith("data_")
                                                                    or k in ("data_hit_rate", "data_stall_frac"))}
