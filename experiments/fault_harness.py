@@ -21,7 +21,6 @@ Used by tests/fault_injection (a few seeds) and `python -m experiments.fault_swe
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import re
@@ -289,8 +288,3 @@ def damage(step_dir: Path, how: str, rng: random.Random) -> None:
 def preemption_save_seconds(message: str) -> float | None:
     match = re.search(r"checkpoint written in ([\d.]+)s", message)
     return float(match.group(1)) if match else None
-
-
-def goodput_records(workdir: Path) -> list[dict]:
-    path = workdir / "goodput.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

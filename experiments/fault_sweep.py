@@ -22,8 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments.fault_harness import KINDS, Harness, can_mount_tmpfs, first_step_seconds, goodput_records, \
-    preemption_save_seconds, run_scenario
+from experiments.fault_harness import KINDS, Harness, can_mount_tmpfs, first_step_seconds, preemption_save_seconds, \
+    run_scenario
+from jaxlm.goodput import read_goodput
 
 DEFAULT_COUNTS = {"sigkill": 35, "sigkill_save": 15, "sigterm": 10, "corrupt": 10, "disk_full": 3, "tmpfs_full": 3}
 
@@ -94,7 +95,7 @@ def measure_timing(harness: Harness, root: Path, outcomes) -> dict:
     shutil.rmtree(cache, ignore_errors=True)
     sync_dir = root / "sync_saves"
     harness.run(sync_dir, "--set", "async_checkpointing=false")
-    record = goodput_records(sync_dir)[-1]
+    record = read_goodput(sync_dir)[-1]
     preempt = [s for s in (preemption_save_seconds(o.message) for o in outcomes if o.kind == "sigterm") if s]
     return {"cold_first_step_s": cold, "restart_first_step_s": restart, "restart_ratio": restart / cold,
             "sync_save_s": record["checkpoint_s"] / max(record["saves"], 1),

@@ -9,9 +9,10 @@ Each run appends one record to `goodput.jsonl` in the workdir, so a run's cost a
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from pathlib import Path
+
+from jaxlm.metrics import read_metrics, write_records
 
 GOODPUT_FILE = "goodput.jsonl"
 ACTIVITIES = ("startup", "restore", "compile", "data", "eval", "checkpoint")
@@ -47,22 +48,21 @@ class Goodput:
         lost_s = step_s * min(self.lost_steps, self.steps) / max(self.steps, 1)
         productive = step_s - lost_s
         return {"outcome": outcome, "wall_s": wall, **{f"{k}_s": v for k, v in self.seconds.items()},
-                "step_s": step_s, "steps": self.steps, "saves": self.saves, "lost_steps": self.lost_steps, "lost_s": lost_s,
-                "productive_s": productive, "goodput": productive / wall if wall > 0 else 0.0,
+                "step_s": step_s, "steps": self.steps, "saves": self.saves, "lost_steps": self.lost_steps,
+                "lost_s": lost_s, "productive_s": productive, "goodput": productive / wall if wall > 0 else 0.0,
                 "first_step_s": self.first_step_s}
 
 
+def read_goodput(workdir: str | Path) -> list[dict]:
+    """Every run's record in the workdir's goodput.jsonl (a last line torn by a killed run is left out)."""
+    return read_metrics(Path(workdir) / GOODPUT_FILE)
+
+
 def append_record(workdir: str | Path, record: dict) -> list[dict]:
-    """Appends `record` to the workdir's goodput.jsonl; returns every run's record so far (this one last)."""
-    path = Path(workdir) / GOODPUT_FILE
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:  # a line torn by a killed run
-            continue
+    """Adds `record` to the workdir's goodput.jsonl; returns every run's record so far (this one last). The file is
+    rewritten whole, so a line torn by a killed run is dropped instead of glued to the new record."""
+    records = read_goodput(workdir) + [record]
+    write_records(Path(workdir) / GOODPUT_FILE, records)
     return records
 
 

@@ -95,15 +95,20 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
+def write_records(path: str | Path, records: list[dict]) -> None:
+    """Replaces a JSONL file with `records`, whole or not at all (a temporary file, then a rename)."""
+    path = Path(path)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(path)
+
+
 def _truncate_after(path: Path, step: int) -> int:
     """Drops the records of steps after `step` (about to be recomputed); returns the highest step the file had."""
     if not path.exists():
         return 0
     records = read_metrics(path)
-    kept = [r for r in records if r.get("step", 0) <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    tmp.replace(path)
+    write_records(path, [r for r in records if r.get("step", 0) <= step])
     return max((r.get("step", 0) for r in records), default=0)
 
 

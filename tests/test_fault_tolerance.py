@@ -3,7 +3,6 @@ time-based saves, goodput records and torn metrics lines. The subprocess kill/co
 tests/fault_injection/."""
 
 import dataclasses
-import json
 import os
 import signal
 
@@ -16,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from data import SeededBatchIterator, TokenFile
 from helpers import one_device_mesh, random_batch, random_token_file, tiny_config
 from jaxlm.checkpoint import TMP_MARKER, Checkpointer, integrity
-from jaxlm.goodput import GOODPUT_FILE
+from jaxlm.goodput import append_record, read_goodput
 from jaxlm.metrics import read_metrics
 from jaxlm.preemption import Preempted
 from jaxlm.train import Program
@@ -145,7 +144,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_rerun_matches(s
     assert signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)  # handlers restored
     train(setup, tmp_path, checkpoint_every=0)
     assert losses(tmp_path) == straight
-    records = [json.loads(line) for line in (tmp_path / GOODPUT_FILE).read_text().splitlines()]
+    records = read_goodput(tmp_path)
     assert [r["outcome"] for r in records] == ["preempted", "finished"]
     assert records[1]["lost_steps"] == 0
 
@@ -177,7 +176,7 @@ def test_a_corrupt_latest_checkpoint_is_moved_aside_and_the_previous_one_resumes
     assert losses(tmp_path) == straight  # resumed from 2, bit for bit
     assert (tmp_path / "checkpoints.corrupt" / "4").is_dir()  # kept for inspection, never deleted
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [2, 4, 6]
-    records = [json.loads(line) for line in (tmp_path / GOODPUT_FILE).read_text().splitlines()]
+    records = read_goodput(tmp_path)
     assert records[-1]["lost_steps"] == 2  # steps 3 and 4 were computed twice
 
 
@@ -216,7 +215,7 @@ def test_time_based_policy_saves_between_step_checkpoints(setup, tmp_path):
 
 def test_goodput_record_splits_the_wall_time(setup, tmp_path):
     train(setup, tmp_path)
-    (record,) = [json.loads(line) for line in (tmp_path / GOODPUT_FILE).read_text().splitlines()]
+    (record,) = read_goodput(tmp_path)
     parts = sum(record[k] for k in ("startup_s", "restore_s", "compile_s", "data_s", "eval_s", "checkpoint_s",
                                     "step_s"))
     assert parts == pytest.approx(record["wall_s"], rel=1e-6)
@@ -231,6 +230,9 @@ def test_a_metrics_line_torn_by_a_kill_is_ignored(tmp_path):
     path.write_text('{"step": 1, "loss": 2.0}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match="line 2 is not a JSON record"):
         read_metrics(path)
+    (tmp_path / "goodput.jsonl").write_text('{"wall_s": 1.0}\n{"wall_')  # a run killed while appending
+    assert append_record(tmp_path, {"wall_s": 2.0}) == [{"wall_s": 1.0}, {"wall_s": 2.0}]
+    assert read_goodput(tmp_path) == [{"wall_s": 1.0}, {"wall_s": 2.0}]  # not glued to the torn line
 
 
 # ----------------------------------------------------------------------------- the integrity digest
