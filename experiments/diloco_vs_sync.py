@@ -74,9 +74,10 @@ def variant_cell(grid: dict) -> tuple[int, int]:
     return max(grid["replicas"]), (30 if 30 in hs else hs[0])
 
 
-def train(name: str, cfg: TrainConfig, workdir: Path, warm: Path | None = None) -> list[dict]:
-    """Trains (or continues, or skips) one run; returns its metrics records. `warm`: a data-parallel run whose
-    final checkpoint the run continues from (every DiLoCo replica starts from its params and optimizer state)."""
+def train(name: str, cfg: TrainConfig, workdir: Path, warm: Path | None = None):
+    """Trains (or continues, or skips) one run; returns (its metrics records, its program). `warm`: a data-parallel
+    run whose final checkpoint the run continues from (every DiLoCo replica starts from its params and optimizer
+    state)."""
     import jax
 
     from experiments.cli import open_data
@@ -88,8 +89,9 @@ def train(name: str, cfg: TrainConfig, workdir: Path, warm: Path | None = None) 
     mesh = build_mesh(MeshLayout(), devices=jax.devices()[:1])
     if warm is not None and not (run_dir / "checkpoints").is_dir():
         _start_from(warm, cfg, mesh, run_dir)
-    Trainer(cfg, mesh, run_dir, train_iter, eval_data, progress=False).run()
-    return read_metrics(run_dir / "metrics.jsonl")
+    trainer = Trainer(cfg, mesh, run_dir, train_iter, eval_data, progress=False)
+    trainer.run()
+    return read_metrics(run_dir / "metrics.jsonl"), trainer.program
 
 
 def _start_from(warm: Path, cfg: TrainConfig, mesh, run_dir: Path) -> None:
@@ -113,29 +115,25 @@ def _start_from(warm: Path, cfg: TrainConfig, mesh, run_dir: Path) -> None:
     shutil.copy(warm / "metrics.jsonl", run_dir / "metrics.jsonl")
 
 
-def summarize(records: list[dict], cfg: TrainConfig, start: int = 0) -> dict:
+def summarize(records: list[dict], program, start: int = 0) -> dict:
     """Final eval loss, the eval curve, and the syncs and bytes of the steps after `start` (a warm start's
     data-parallel steps are the same for every run and are not counted)."""
+    cfg = program.cfg
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     final = [r for r in records if "loss" in r][-1]
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     syncs, sent = final.get("diloco_syncs", cfg.steps - start), final.get("diloco_bytes")
     if start and cfg.diloco.replicas:
-        syncs, sent = _traffic_after(cfg, start)
+        syncs, sent = _traffic_after(program, start)
     return {"eval_loss": evals[-1][1], "curve": [(s * tokens_per_step, e) for s, e in evals],
             "bytes": sent, "syncs": syncs, "peak_sync_bytes": final.get("diloco_peak_sync_bytes")}
 
 
-def _traffic_after(cfg: TrainConfig, start: int) -> tuple[int, int]:
-    """(syncs, bytes one replica sends) over steps start+1..steps; metrics.jsonl counts from step 1."""
-    import jax
-
-    from jaxlm.diloco import DiLoCoProgram
-    from sharding import MeshLayout, build_mesh
-
-    program = DiLoCoProgram(cfg, build_mesh(MeshLayout(), devices=jax.devices()[:1]))
+def _traffic_after(program, start: int) -> tuple[int, int]:
+    """(syncs, bytes one replica sends) of a DiLoCo program over steps start+1..steps (metrics.jsonl counts from
+    step 1)."""
     schedule = program.sync_schedule
-    counts = [n - m for n, m in zip(schedule.sync_counts(cfg.steps), schedule.sync_counts(start))]
+    counts = [n - m for n, m in zip(schedule.sync_counts(program.cfg.steps), schedule.sync_counts(start))]
     return sum(counts), sum(n * b for n, b in zip(counts, program.sync_bytes))
 
 
@@ -181,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             if name in results:
                 continue
             cfg = validate(base if diloco is None else dataclasses.replace(base, diloco=diloco))
-            results[name] = {**summarize(train(name, cfg, workdir, warm), cfg, args.warm_start), "diloco": diloco}
+            results[name] = {**summarize(*train(name, cfg, workdir, warm), args.warm_start), "diloco": diloco}
             print(f"  {name}: eval loss {results[name]['eval_loss']:.4f}", file=sys.stderr, flush=True)
 
     run_all(runs(grid, base.steps))
