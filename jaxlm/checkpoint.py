@@ -164,32 +164,23 @@ class Checkpointer:
         """Returns (state, data_state, config_dict), verified against the saved integrity record if there is one
         (checkpoints written before it existed are restored unverified). `abstract_state` carries the target
         shardings. Raises CheckpointCorrupt if the step cannot be read or fails verification."""
+        items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore(),
+                 "config": ocp.args.JsonRestore()}
+        verified = (self.directory / str(step) / "integrity").exists()
+        if verified:
+            items["integrity"] = ocp.args.JsonRestore()
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=ocp.args.JsonRestore(),
-                config=ocp.args.JsonRestore(),
-            ))
-            state, data_state, config = restored.state, dict(restored.data), dict(restored.config)
-            saved = self._read_integrity(step)
-        except CheckpointCorrupt:
-            raise
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:
             raise CheckpointCorrupt(_one_line(e)) from e
-        if saved is not None:
-            now = integrity(state)
-            for path, record in now.items():
+        if verified:
+            saved = dict(restored.integrity)
+            for path, record in integrity(restored.state).items():
                 if record["nonfinite"]:
                     raise CheckpointCorrupt(f"{path} holds {record['nonfinite']} non-finite values")
                 if saved.get(path, {}).get("digest") != record["digest"]:
                     raise CheckpointCorrupt(f"{path} does not match its saved checksum")
-        return state, data_state, config
-
-    def _read_integrity(self, step: int) -> dict | None:
-        if not (self.directory / str(step) / "integrity").exists():
-            return None
-        restored = self.manager.restore(step, args=ocp.args.Composite(integrity=ocp.args.JsonRestore()))
-        return dict(restored.integrity)
+        return restored.state, dict(restored.data), dict(restored.config)
 
     def restore_config(self, step: int) -> dict:
         """Only the config saved with `step` (cheap: lets a caller check it before restoring arrays)."""
