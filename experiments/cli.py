@@ -57,6 +57,9 @@ def build_parser(prog: str, default_workdir: str) -> argparse.ArgumentParser:
     mp.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
     mp.add_argument("--num-processes", type=int, metavar="N", help="number of processes in the run")
     mp.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
+    mp.add_argument("--replica-id", type=int, metavar="I",
+                    help="with diloco.exchange: this process's DiLoCo replica, 0..diloco.replicas-1 (default: "
+                         "$JAXLM_REPLICA_ID as set by `sharding.launch --independent`); it works in WORKDIR/replica_I")
     return p
 
 
@@ -98,6 +101,11 @@ def _prepare(args, default_config: Path):
     flags = {"steps": args.steps, "seed": args.seed, "log_every": args.log_every,
              "checkpoint_every": args.checkpoint_every}
     cfg = config_lib.apply_overrides(cfg, [f"{k}={v}" for k, v in flags.items() if v is not None] + args.set)
+    if cfg.diloco.replicas and cfg.diloco.exchange:
+        cfg, args.workdir = _replica_process(cfg, args)
+    elif args.replica_id is not None:
+        raise UsageError("--replica-id needs DiLoCo replicas in their own processes: set diloco.replicas and "
+                         "diloco.exchange=DIR")
     config_lib.validate(cfg)
 
     num_devices = jax.device_count()
@@ -117,6 +125,25 @@ def _prepare(args, default_config: Path):
     except OSError as e:
         raise UsageError(f"--workdir {workdir} is not writable: {e.strerror}") from None
     return cfg, layout, train_iter, eval_data
+
+
+def _replica_process(cfg, args):
+    """A DiLoCo replica in its own process: its index (flag, else $JAXLM_REPLICA_ID), the exchange directory as an
+    absolute path, and its own workdir WORKDIR/replica_I (checkpoints, metrics)."""
+    import dataclasses
+
+    from sharding.launch import ENV_REPLICA_ID
+
+    replica = args.replica_id
+    if replica is None and os.environ.get(ENV_REPLICA_ID):
+        try:
+            replica = int(os.environ[ENV_REPLICA_ID])
+        except ValueError:
+            raise UsageError(f"${ENV_REPLICA_ID} must be an integer, got {os.environ[ENV_REPLICA_ID]!r}") from None
+    if replica is None:
+        replica = cfg.diloco.replica
+    diloco = dataclasses.replace(cfg.diloco, replica=replica, exchange=str(Path(cfg.diloco.exchange).absolute()))
+    return dataclasses.replace(cfg, diloco=diloco), str(Path(args.workdir) / f"replica_{replica}")
 
 
 def open_data(cfg):
@@ -213,6 +240,7 @@ def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
     from jaxlm.config import ConfigError
     from jaxlm.goodput import Goodput
     from jaxlm.preemption import EXIT_PREEMPTED, Preempted
+    from jaxlm.replica_exchange import ExchangeError
     from jaxlm.trainer import Trainer, TrainingDiverged
     from sharding import LayoutError, build_mesh
     from sharding.distributed import DistributedError
@@ -221,12 +249,12 @@ def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
     try:  # builds shardings from the layout's rules (no compilation yet): a clash or an indivisible dim fails here
         trainer = Trainer(cfg, build_mesh(layout), args.workdir, train_iter, eval_data, layout=layout,
                           progress=not args.no_progress, goodput=Goodput(start=LAUNCHED))
-    except (LayoutError, DistributedError, ConfigError) as e:  # e.g. a process whose devices hold non-contiguous
+    except (LayoutError, DistributedError, ConfigError, ExchangeError) as e:  # e.g. a process whose devices hold non-contiguous
         # batch rows, or DiLoCo in a pipeline layout
         return _fail(prog, str(e))
     try:
         final = trainer.run()
-    except ConfigError as e:  # e.g. resuming a workdir written with another model config
+    except (ConfigError, ExchangeError) as e:  # e.g. resuming a workdir written with another model config
         return _fail(prog, str(e))
     except Preempted as e:
         return _fail(prog, str(e), EXIT_PREEMPTED, "stopped")

@@ -77,6 +77,8 @@ class OptimConfig:
 
 LOADERS = ("clairvoyant", "simple")
 # data fields that change how fast batches arrive, never which batches: a resumed run may change them
+# DiLoCo fields that say where and how a replica process syncs, not what the state is: a resume may change them.
+DILOCO_PROCESS_FIELDS = ("exchange", "replica", "sync_timeout_s")
 DATA_SPEED_FIELDS = ("cache_ram_mb", "cache_disk_mb", "cache_dir", "loader_workers", "prefetch_steps",
                      "throttle_latency_ms", "throttle_mb_per_s")
 
@@ -119,6 +121,10 @@ class DiLoCoConfig:
     compression_block: int = 256  # values per float32 scale for int8 / int4
     data: str = "iid"  # iid: each replica gets B/M rows of the global batch | partition: a disjoint slice of the data
     drop: str = ""  # simulated failures, "m@first-last,...": replica m is down for steps first..last and then rejoins
+    # One replica per independent process (jaxlm.diloco_processes), surviving the death of any of them:
+    exchange: str = ""  # directory all replicas' processes share for the outer syncs; "" = replicas in one program
+    replica: int = 0  # this process's replica, 0..replicas-1 (the CLI reads $JAXLM_REPLICA_ID, set by launch)
+    sync_timeout_s: float = 120.0  # how long a sync waits for a missing replica before going on without it
 
 
 @dataclass(frozen=True)
@@ -365,6 +371,14 @@ def _check_diloco(cfg: TrainConfig) -> None:
     if uses_delayed_scaling(m):
         raise ConfigError("delayed-scaling quantization (model.quant_scaling=delayed) keeps amax histories that "
                           "DiLoCo cannot average; set model.quant_scaling=current")
+    if c.exchange:
+        if not 0 <= c.replica < c.replicas:
+            raise ConfigError(f"diloco.replica must be in [0, diloco.replicas = {c.replicas}), got {c.replica}")
+        if c.sync_timeout_s <= 0:
+            raise ConfigError(f"diloco.sync_timeout_s must be positive, got {c.sync_timeout_s}")
+        if c.drop:
+            raise ConfigError("diloco.drop simulates failures inside one program; with diloco.exchange a replica "
+                              "fails by its process dying, so leave diloco.drop empty")
     drops = parse_drops(c.drop, c.replicas)
     for step in sorted({first for _, first, _ in drops}):  # the down set only grows where an interval starts
         if len(replicas_down(drops, step)) == c.replicas:

@@ -91,8 +91,12 @@ class Fragments:
 
     def sizes(self, shapes: list[tuple[int, ...]], p: int) -> list[int]:
         """Number of values of each leaf's part in fragment p, for leaves of these shapes."""
-        return [len(range(p, shapes[i][0], self.num)) * math.prod(shapes[i][1:]) if self.split[i]
-                else math.prod(shapes[i]) for i in self.members(p)]
+        return [math.prod(shape) for shape in self.view_shapes(shapes, p)]
+
+    def view_shapes(self, shapes: list[tuple[int, ...]], p: int) -> list[tuple[int, ...]]:
+        """Shapes of `view(leaves, p)` for leaves of these shapes."""
+        return [(len(range(p, shapes[i][0], self.num)), *shapes[i][1:]) if self.split[i] else tuple(shapes[i])
+                for i in self.members(p)]
 
     def update(self, leaves: list, p: int, values: tuple, lead: int = 0) -> list:
         out = list(leaves)
@@ -279,8 +283,7 @@ class DiLoCoProgram(Program):
     def _sync(self, state: DiLoCoState, alive_M, *, p: int, merge: bool) -> DiLoCoState:
         """Outer step on fragment p from the live replicas' compressed deltas; optionally merges it at once."""
         frag, c = self.fragments, self.c
-        g_leaves, g_def = jax.tree.flatten(state.global_params)
-        g_view = frag.view(g_leaves, p)
+        g_view = frag.view(jax.tree.leaves(state.global_params), p)
         r_view = frag.view(jax.tree.leaves(state.replicas.params), p, lead=1)
         w_M = alive_M / jnp.sum(alive_M)
 
@@ -288,7 +291,13 @@ class DiLoCoProgram(Program):
             sent_M = jax.vmap(lambda d: round_trip(d, c.compression, c.compression_block))(g[None] - r_M)
             return jnp.tensordot(w_M, sent_M, axes=1)  # float32 accumulation of the received deltas
 
-        grads = tuple(map(outer_grad, g_view, r_view))
+        return self._outer_step(state, tuple(map(outer_grad, g_view, r_view)), p=p, merge=merge)
+
+    def _outer_step(self, state: DiLoCoState, grads: tuple, *, p: int, merge: bool) -> DiLoCoState:
+        """The outer optimizer's step on fragment p given its averaged outer gradient (one array per member leaf)."""
+        frag = self.fragments
+        g_leaves, g_def = jax.tree.flatten(state.global_params)
+        g_view = frag.view(g_leaves, p)
         updates, opt_state = self.outer_tx.update(grads, state.outer_opt_states[p], g_view)
         g_leaves = frag.update(g_leaves, p, optax.apply_updates(g_view, updates))
         opt_states = tuple(opt_state if q == p else s for q, s in enumerate(state.outer_opt_states))

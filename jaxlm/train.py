@@ -277,13 +277,30 @@ class Program:
         """Host-side figures for metrics.jsonl at `step` (none for plain training)."""
         return {}
 
+    def attach(self, train_iter) -> None:
+        """Called once with the training iterator, before the first batch (a program may read only some rows)."""
+
+    def catch_up(self, state, log) -> tuple[Any, dict | None]:
+        """After restore or init: the state to start from, and a data position if it moved (a replica process
+        rejoining its peers, `jaxlm.diloco_processes`); plain programs start where they are."""
+        return state, None
+
+    def drain_notes(self) -> list[str]:
+        """Log lines the program collected while stepping (e.g. a missed sync)."""
+        return []
+
     def describe(self) -> str:
         """A line for the run log about how the program trains ("" for plain training)."""
         return ""
 
 
 def make_program(cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None) -> Program:
-    """DiLoCo's program when `diloco.replicas` is set, else the plain synchronous one."""
+    """DiLoCo's program when `diloco.replicas` is set (one replica of it per process with `diloco.exchange`), else
+    the plain synchronous one."""
+    if cfg.diloco.replicas and cfg.diloco.exchange:
+        from jaxlm.diloco_processes import ProcessDiLoCoProgram
+
+        return ProcessDiLoCoProgram(cfg, mesh, layout)
     if cfg.diloco.replicas:
         from jaxlm.diloco import DiLoCoProgram  # diloco builds on this module
 

@@ -107,6 +107,7 @@ class Trainer:
         self.primary = jax.process_index() == 0  # the one process that writes logs, plots and config.json
         if jax.process_count() > 1:
             self._read_process_rows()
+        self.program.attach(train_iter)
         self.checkpointer = Checkpointer(f"{workdir}/checkpoints", keep=cfg.keep_checkpoints,
                                          async_save=cfg.async_checkpointing, primary=self.primary)
         self.progress = progress
@@ -130,9 +131,13 @@ class Trainer:
         restored = self.checkpointer.restore_latest(self.program.abstract_with_shardings(),
                                                     check=self._check_compatible, log=self.notes.append)
         if restored is None:
-            return self.program.init()
-        _, state, data_state, _ = restored
-        self.train_iter.set_state(data_state)
+            state = self.program.init()
+        else:
+            _, state, data_state, _ = restored
+            self.train_iter.set_state(data_state)
+        state, moved_data_state = self.program.catch_up(state, log=self.notes.append)
+        if moved_data_state:
+            self.train_iter.set_state(moved_data_state)
         return state
 
     def _check_compatible(self, step: int, saved_cfg: dict) -> None:
@@ -145,8 +150,10 @@ class Trainer:
         changed += config_lib.diff(saved_data, data, "data.")
         # the optimizers and DiLoCo settings shape the saved state: another choice cannot continue it
         defaults = config_lib.to_dict(config_lib.TrainConfig())
-        changed += config_lib.diff(saved_cfg.get("diloco", defaults["diloco"]), config_lib.to_dict(self.cfg.diloco),
-                                   "diloco.")
+        saved_diloco, diloco = ({k: v for k, v in c.items() if k not in config_lib.DILOCO_PROCESS_FIELDS}
+                                for c in (saved_cfg.get("diloco", defaults["diloco"]),
+                                          config_lib.to_dict(self.cfg.diloco)))
+        changed += config_lib.diff(saved_diloco, diloco, "diloco.")
         saved_optimizer = saved_cfg["optim"].get("optimizer", "adamw")
         if saved_optimizer != self.cfg.optim.optimizer:
             changed.append(f"optim.optimizer: {saved_optimizer!r} -> {self.cfg.optim.optimizer!r}")
@@ -264,6 +271,8 @@ class Trainer:
                         **program.step_metrics(step), **loader_metrics.update(now)}
                 logger.log(last)
                 t_last, steps_since = now, 0
+            for note in program.drain_notes():
+                logger.info(note)
             if self.eval_batches and ((cfg.eval_every and step % cfg.eval_every == 0) or is_last):
                 with gp.timing("eval"):
                     eval_loss = program.evaluate(program.eval_params(state), self.eval_batches)

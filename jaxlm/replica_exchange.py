@@ -1,0 +1,177 @@
+"""A shared directory through which independent DiLoCo replica processes average their outer gradients and
+survive each other's death.
+
+Replicas inside one JAX program (`jaxlm.diloco`) average over the `replica` mesh axis; a collective across processes
+hangs or fails when one of them dies. Here each replica is its own JAX process and a sync is a small agreement
+protocol on a directory all of them can write (a shared filesystem on a cluster, a local one on one machine):
+
+  sync_<step>_f<fragment>/r<i>.npz    replica i's encoded outer gradient, renamed into place when complete
+  sync_<step>_f<fragment>/join_r<i>   replica i (re)joins at this sync: wait for it
+  sync_<step>_f<fragment>/members.json the decision: which replicas' gradients this sync averages
+  snapshot_<step>.npz                 the global state after a sync, for a replica that comes back
+
+A replica posts its gradient, then waits until every replica it expects has posted or `timeout_s` has passed, and
+then decides: the first to create members.json (an atomic hard link, so exactly one creation wins) fixes the
+members; everyone reads that file, so every survivor averages the same gradients in the same order and their global
+params stay bit for bit equal. Expected are the previous sync's members plus the replicas that announced a join;
+a replica that missed the decision is not a member and takes the new global params instead of its own. Decisions
+are durable, so a process that restarts from a checkpoint replays them and reaches the same state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+_SYNC = re.compile(r"sync_(\d+)_f(\d+)$")
+_SNAPSHOT = re.compile(r"snapshot_(\d+)\.npz$")
+
+
+class ExchangeError(RuntimeError):
+    """The exchange directory is unusable (e.g. unreadable) or inconsistent with this run."""
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    members: tuple[int, ...]  # the replicas whose gradients this sync averages, ascending
+    payloads: dict[int, dict[str, np.ndarray]]  # each member's posted arrays
+    waited_s: float  # time spent waiting for the others (0 for a replayed decision)
+
+
+def _write_atomic(path: Path, write) -> None:
+    """`write(file)` to a temporary name, then rename: a reader never sees a partial file."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    _write_atomic(path, lambda f: np.savez(f, **arrays))
+
+
+def load_arrays(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+class ReplicaExchange:
+    """Replica `index` of `replicas`' view of the exchange directory `root`."""
+
+    def __init__(self, root: str | Path, replicas: int, index: int, timeout_s: float, poll_s: float = 0.01):
+        if not 0 <= index < replicas:
+            raise ExchangeError(f"replica index {index} is not in [0, {replicas})")
+        self.root, self.replicas, self.index = Path(root), replicas, index
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ExchangeError(f"cannot create the exchange directory {self.root}: {e.strerror}") from None
+
+    # ------------------------------------------------------------------------- layout
+
+    def sync_dir(self, step: int, fragment: int) -> Path:
+        return self.root / f"sync_{step:09d}_f{fragment}"
+
+    def syncs(self) -> list[tuple[int, int]]:
+        """(step, fragment) of every sync directory present, in order."""
+        found = (_SYNC.match(p.name) for p in self.root.iterdir())
+        return sorted((int(m[1]), int(m[2])) for m in found if m)
+
+    def members(self, step: int, fragment: int) -> tuple[int, ...] | None:
+        """The decided members of a sync, or None if it is undecided (or gone)."""
+        try:
+            return tuple(json.loads((self.sync_dir(step, fragment) / "members.json").read_text())["members"])
+        except FileNotFoundError:
+            return None
+
+    def _expected(self, step: int, fragment: int) -> set[int]:
+        """Whom to wait for: the last decided sync's members (everyone, before the first) plus announced joins."""
+        earlier = [key for key in self.syncs() if key < (step, fragment)]
+        previous = next((m for m in map(lambda k: self.members(*k), reversed(earlier)) if m is not None), None)
+        expected = set(range(self.replicas)) if previous is None else set(previous)
+        joins = (re.fullmatch(r"join_r(\d+)", p.name) for p in self.sync_dir(step, fragment).iterdir())
+        return expected | {int(m[1]) for m in joins if m} | {self.index}
+
+    def _posted(self, directory: Path) -> set[int]:
+        found = (re.fullmatch(r"r(\d+)\.npz", p.name) for p in directory.iterdir())
+        return {int(m[1]) for m in found if m}
+
+    # ------------------------------------------------------------------------- the sync
+
+    def announce(self, step: int, fragment: int) -> None:
+        """Tells the others to wait for this replica at that sync (a restart or a replica that fell behind)."""
+        directory = self.sync_dir(step, fragment)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"join_r{self.index}").touch()
+
+    def allreduce(self, step: int, fragment: int, payload: dict[str, np.ndarray]) -> SyncResult:
+        """Posts this replica's payload and returns the sync's decided members and their payloads.
+
+        A sync decided earlier (a replay after a restart) returns at once with the recorded payloads; this replica's
+        own payload is not rewritten. If this replica is not among the members, `payloads` holds only theirs."""
+        directory = self.sync_dir(step, fragment)
+        directory.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        members = self.members(step, fragment)
+        if members is None:
+            save_arrays(directory / f"r{self.index}.npz", payload)
+            expected, deadline = self._expected(step, fragment), t0 + self.timeout_s
+            while (members := self.members(step, fragment)) is None:
+                posted = self._posted(directory)
+                if expected <= posted or time.monotonic() >= deadline:
+                    self._decide(directory, sorted(posted))
+                else:
+                    time.sleep(self.poll_s)
+        payloads = {m: load_arrays(directory / f"r{m}.npz") for m in members}
+        return SyncResult(members, payloads, time.monotonic() - t0)
+
+    def _decide(self, directory: Path, members: list[int]) -> None:
+        """Proposes `members`; the first proposal to land is the decision (link() fails if the file exists)."""
+        tmp = directory / f".members.{uuid.uuid4().hex}.tmp"
+        tmp.write_text(json.dumps({"members": members, "decided_by": self.index, "time": time.time()}))
+        try:
+            os.link(tmp, directory / "members.json")
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+
+    # ------------------------------------------------------------------------- snapshots and tidying
+
+    def snapshots(self) -> list[int]:
+        found = (_SNAPSHOT.match(p.name) for p in self.root.iterdir())
+        return sorted(int(m[1]) for m in found if m)
+
+    def publish(self, step: int, arrays: dict[str, np.ndarray]) -> None:
+        save_arrays(self.root / f"snapshot_{step:09d}.npz", arrays)
+
+    def latest_snapshot(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        """The newest snapshot (step, arrays); one deleted while it is read gives way to the next newest."""
+        for step in reversed(self.snapshots()):
+            try:
+                return step, load_arrays(self.root / f"snapshot_{step:09d}.npz")
+            except FileNotFoundError:
+                continue
+        return None
+
+    def tidy(self, step: int, keep_steps: int | None, keep_snapshots: int = 2) -> None:
+        """Removes syncs decided more than `keep_steps` steps before `step` (None: keep all) and all but the newest
+        `keep_snapshots` snapshots. Called by the leader after a sync."""
+        for old in self.snapshots()[:-keep_snapshots]:
+            (self.root / f"snapshot_{old:09d}.npz").unlink(missing_ok=True)
+        if keep_steps is None:
+            return
+        for s, f in self.syncs():
+            if s < step - keep_steps and self.members(s, f) is not None:
+                shutil.rmtree(self.sync_dir(s, f), ignore_errors=True)
