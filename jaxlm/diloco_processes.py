@@ -44,10 +44,11 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         self.rows = (self.index * rows, (self.index + 1) * rows)  # this replica's rows of every global batch
         local = dataclasses.replace(cfg, data=dataclasses.replace(d, batch_size=rows),
                                     diloco=dataclasses.replace(c, replicas=1))
-        super().__init__(local, mesh, layout)
-        if self.layout.replica != 1:
+        replica_axis = layout.replica if layout else mesh.shape.get("replica", 1)
+        if replica_axis != 1:
             raise ConfigError(f"with diloco.exchange each process holds one replica: the mesh layout's replica axis "
-                              f"must be 1, got {self.layout.replica}")
+                              f"must be 1, got {replica_axis}")
+        super().__init__(local, mesh, layout)
         self.exchange = ReplicaExchange(c.exchange, c.replicas, c.replica, c.sync_timeout_s)
         self.c = c  # the run's settings (the local program's say 1 replica); self.M stays 1: this process's stack
         shapes = [x.shape for x in jax.tree.leaves(self.replica_abstract.params)]

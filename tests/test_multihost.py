@@ -153,6 +153,8 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
     (["--processes", "2", "--"], "no command after `--`"),
     (["--processes", "0", "--", "true"], "--processes must be >= 1"),
     (["--", "true"], "--processes"),
+    (["--processes", "2", "--restart", "1", "--", "true"], "--restart needs --independent"),
+    (["--processes", "2", "--independent", "--restart", "-1", "--", "true"], "--restart must be >= 0"),
 ])
 def test_launcher_bad_usage(args, message, capsys):
     assert launch.main(args) == 2
@@ -173,6 +175,20 @@ def test_launcher_stops_the_others_and_returns_the_failure():
     proc = run(["-m", "sharding.launch", "--processes", 2, "--cpu-devices", 3, "--", sys.executable, "-c", child])
     assert proc.returncode == 3 and time.perf_counter() - t0 < 30
     assert "[p0] hello from 0 2 3" in proc.stdout and "[p1] hello from 1 2 3" in proc.stdout
+
+
+def test_independent_processes_outlive_a_failure_and_a_failed_one_is_restarted(tmp_path):
+    """--independent: no coordinator, JAXLM_REPLICA_ID per process; process 1 fails on its first start and is
+    started again (--restart 1); process 0 fails for good without stopping process 1."""
+    child = (f"import os, sys, time; i = os.environ['JAXLM_REPLICA_ID']; first = not os.path.exists(r'{tmp_path}/' + i); "
+             f"open(r'{tmp_path}/' + i, 'a').close(); print('start', i, 'JAXLM_COORDINATOR' in os.environ, flush=True); "
+             "time.sleep(0.5 if i == '1' else 0); sys.exit(5 if first and i == '1' else 3 if i == '0' else 0)")
+    proc = run(["-m", "sharding.launch", "--processes", 2, "--independent", "--restart", 1, "--",
+                sys.executable, "-c", child], timeout=60)
+    assert "[p0] start 0 False" in proc.stdout and proc.stdout.count("[p1] start 1 False") == 2, proc.stdout
+    assert "[launch] process 0 ended with exit code 3; starting it again (1 of 1)" in proc.stdout
+    assert "[launch] process 1 ended with exit code 5; starting it again (1 of 1)" in proc.stdout
+    assert proc.returncode == 3  # process 0 failed again with no restart left; process 1 finished
 
 
 def test_launcher_forwards_ctrl_c():

@@ -1,0 +1,148 @@
+"""DiLoCo with one replica per independent process (`jaxlm.diloco_processes`, `sharding.launch --independent`):
+
+- without failures, two replica processes train exactly like the two replicas inside one program;
+- a replica process killed mid-run is started again by the launcher, replays the decided syncs since its
+  checkpoint while the other waits, and the run ends as if nothing had happened;
+- a replica that is gone for good is left out after the sync timeout and the other trains on alone; when it comes
+  back later it rejoins from the newest snapshot of the global params and both finish with the same params.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxlm.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {k: v for k, v in os.environ.items() if not k.startswith(("JAXLM_", "SLURM_", "OMPI_"))}
+ENV["JAX_PLATFORMS"] = "cpu"
+TINY = ["--set", "model.d_model=64", "--set", "model.num_layers=2", "--set", "model.mlp_dim=128",
+        "--set", "data.seq_len=32", "--set", "data.batch_size=8", "--set", "data.microbatches=1",
+        "--set", "data.eval_batches=1", "--set", "optim.decay_steps=4", "--log-every", "1", "--no-progress",
+        "--set", "diloco.replicas=2", "--set", "diloco.inner_steps=2", "--set", "diloco.compression=int8"]
+FSDP = ["--mesh", str(REPO / "experiments/meshes/fsdp.py")]  # inside each replica process: FSDP over its 2 devices
+STEPS = 24
+
+
+def run(cmd, timeout=300):
+    return subprocess.run([sys.executable, *map(str, cmd)], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def launch_cmd(workdir, *args, restart=0):
+    return [sys.executable, "-m", "sharding.launch", "--processes", "2", "--cpu-devices", "2", "--independent",
+            "--restart", str(restart), "--", sys.executable, "-m", "experiments.tiny_lm", "--workdir", str(workdir),
+            *TINY, *FSDP, "--set", f"diloco.exchange={workdir}/exchange", *map(str, args)]
+
+
+def records(workdir, key):
+    return {r["step"]: r[key] for r in read_metrics(Path(workdir) / "metrics.jsonl") if key in r}
+
+
+def members(workdir, step):
+    return json.loads((Path(workdir) / "exchange" / f"sync_{step:09d}_f0" / "members.json").read_text())["members"]
+
+
+def kept_decisions(workdir) -> dict[int, list[int]]:
+    """{sync step: members} of the syncs the exchange still keeps (older ones are tidied away)."""
+    return {int(d.name.split("_")[1]): members(workdir, int(d.name.split("_")[1]))
+            for d in (Path(workdir) / "exchange").glob("sync_*")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Two replica processes, no failure."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    proc = subprocess.run(launch_cmd(workdir, "--steps", STEPS, "--checkpoint-every", 4), cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return workdir
+
+
+def test_two_replica_processes_train_like_two_replicas_in_one_program(tmp_path, uninterrupted):
+    one = run(["-m", "experiments.tiny_lm", "--cpu-devices", 4, "--workdir", tmp_path, *TINY, "--steps", STEPS,
+               "--mesh", REPO / "experiments/meshes/replicas2_fsdp.py"])
+    assert one.returncode == 0, one.stderr
+    replica = [records(uninterrupted / f"replica_{i}", "loss") for i in (0, 1)]
+    mean = [(replica[0][s] + replica[1][s]) / 2 for s in range(1, STEPS + 1)]  # one program logs the replicas' mean
+    np.testing.assert_allclose(mean, [records(tmp_path, "loss")[s] for s in range(1, STEPS + 1)], rtol=1e-6)
+    want = records(tmp_path, "eval_loss")
+    for i in (0, 1):
+        got = records(uninterrupted / f"replica_{i}", "eval_loss")
+        assert sorted(got) == sorted(want)
+        np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-6)
+        assert records(uninterrupted / f"replica_{i}", "diloco_bytes") == records(tmp_path, "diloco_bytes")
+    kept = kept_decisions(uninterrupted)  # checkpoint_every x keep_checkpoints + H steps: all a restore replays
+    assert sorted(kept) == list(range(10, STEPS + 1, 2)) and all(m == [0, 1] for m in kept.values())
+
+
+def _pid_of_replica(index: int, workdir) -> int | None:
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc.name.isdigit() and b"experiments.tiny_lm" in (proc / "cmdline").read_bytes()
+                    and str(workdir).encode() in (proc / "cmdline").read_bytes()
+                    and f"JAXLM_REPLICA_ID={index}".encode() in (proc / "environ").read_bytes().split(b"\0")):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
+def test_a_killed_replica_process_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, uninterrupted):
+    launcher = subprocess.Popen(launch_cmd(tmp_path, "--steps", STEPS, "--checkpoint-every", 4, restart=1),
+                                cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "replica_1" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and max(records(tmp_path / "replica_1", "loss"), default=0) >= 9):
+        assert launcher.poll() is None and time.monotonic() < deadline, "replica 1 never reached step 9"
+        time.sleep(0.01)
+    os.kill(_pid_of_replica(1, tmp_path), signal.SIGKILL)
+    out, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, out
+    assert "[launch] process 1 ended with signal 9; starting it again (1 of 1)" in out
+    assert "[p1] replica 1 of 2: replaying" in out or "resuming at step" in out, out
+    for i in (0, 1):
+        for key in ("loss", "eval_loss"):
+            assert records(tmp_path / f"replica_{i}", key) == records(uninterrupted / f"replica_{i}", key), (i, key)
+    assert kept_decisions(tmp_path) == kept_decisions(uninterrupted)
+
+
+def test_a_replica_gone_for_good_is_left_out_and_rejoins_from_a_snapshot_when_it_comes_back(tmp_path):
+    alone = run(["-m", "experiments.tiny_lm", "--cpu-devices", 2, "--workdir", tmp_path, *TINY, *FSDP, "--steps", 8,
+                 "--set", f"diloco.exchange={tmp_path}/exchange", "--set", "diloco.sync_timeout_s=1",
+                 "--replica-id", 0])
+    assert alone.returncode == 0, alone.stderr
+    assert [members(tmp_path, s) for s in (2, 4, 6, 8)] == [[0]] * 4  # waited 1 s for replica 1 once, then not
+    assert records(tmp_path / "replica_0", "diloco_alive")[8] == 1
+
+    both = subprocess.run(launch_cmd(tmp_path, "--steps", 12), cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert both.returncode == 0, both.stdout + both.stderr
+    assert "[p0] params" in both.stdout and "resuming at step 8" in both.stdout
+    assert "[p1] replica 1 of 2 missed 4 syncs since step 0 (first at step 2); rejoining at step 8" in both.stdout
+    assert [members(tmp_path, s) for s in (10, 12)] == [[0, 1]] * 2
+    final = [records(tmp_path / f"replica_{i}", "eval_loss") for i in (0, 1)]
+    assert sorted(final[1]) == [12] and final[0][12] == final[1][12]  # the same global params, bit for bit
+    assert records(tmp_path / "replica_1", "loss").keys() == set(range(9, 13))
+
+
+def test_bad_replica_settings_exit_2_with_one_line(tmp_path):
+    base = ["-m", "experiments.tiny_lm", "--workdir", tmp_path, *TINY, "--steps", 2]
+    cases = [
+        (["--set", f"diloco.exchange={tmp_path}/ex", "--replica-id", 2], "diloco.replica must be in [0, diloco.replicas = 2), got 2"),
+        (["--set", f"diloco.exchange={tmp_path}/ex", "--set", "diloco.drop=1@1-2"], "leave diloco.drop empty"),
+        (["--replica-id", 1], "--replica-id needs DiLoCo replicas in their own processes"),
+        (["--set", f"diloco.exchange={tmp_path}/ex", "--mesh", REPO / "experiments/meshes/replicas2_fsdp.py",
+          "--cpu-devices", 4], "the mesh layout's replica axis must be 1, got 2"),
+    ]
+    for extra, message in cases:
+        proc = run([*base, *extra], timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+            (extra, proc.stderr)
