@@ -10,8 +10,8 @@ Three runs of the same M-replica job, each replica its own JAX process (one CPU 
   restarted    the same kill, and the process is started again at once: it resumes from its checkpoint and
                replays the decided syncs, or, if the others went on without it, rejoins from their snapshot.
 The model, data and schedule are experiments.diloco_vs_sync's SMALL config (outer lr 0.4, the from-scratch
-M=4/H=30 best). Prints a table (final eval loss of the global params, % vs no_failure, the syncs each replica
-count took part in, time the survivors waited) and ends with one JSON line. Runs live in WORKDIR/NAME and a
+M=4/H=30 best). Prints a table (final eval loss of the global params, % vs no_failure, how many replicas the syncs
+still kept in the exchange averaged, the time survivors waited in syncs) and ends with one JSON line. Runs live in WORKDIR/NAME and a
 finished one is skipped on a rerun.
 """
 
@@ -136,7 +136,8 @@ def main(argv=None) -> int:
         results[name] = run(name, args, config)
     base = results["no_failure"]["eval_loss"]
     print(f"\n{args.replicas} DiLoCo replica processes, {args.steps} steps, sync timeout {args.timeout:g}s\n")
-    print("| run | final eval loss | vs no failure | killed after step | kept syncs by members | survivor waited (s) |")
+    print("| run | final eval loss | vs no failure | killed after step | syncs still in the exchange, by members | "
+          "survivor waited (s) |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
         how = (" (rejoined from a snapshot)" if r["rejoined_from_snapshot"] else " (replayed)" if r["replayed"]

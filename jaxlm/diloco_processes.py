@@ -158,23 +158,35 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         return self.take_global(treedef.unflatten(leaves)), json.loads(str(arrays["data_state"]))
 
     def catch_up(self, state: DiLoCoState, log) -> tuple[DiLoCoState, dict | None]:
-        """After a restore (or init): replay the decided syncs if this replica took part in all of them, else
-        rejoin from the newest snapshot. Returns the state and, on a rejoin, the data position to continue from."""
+        """After a restore (or init): replay the decided syncs if this replica took part in all of them and the
+        exchange still holds them all, else rejoin from the newest snapshot. Returns the state and, on a rejoin,
+        the data position to continue from."""
         start = int(jax.device_get(state.step))
         decided = {key: m for key in self.exchange.syncs() if key[0] > start
                    and (m := self.exchange.members(*key)) is not None}
+        latest = max(decided, default=(start, 0))[0]
+        # every sync the schedule held since `start`: one tidied away cannot be replayed, and deciding it anew
+        # would fork this replica's global params from the others'
+        scheduled = [(s, p) for s in range(start + 1, latest + 1) for p, _ in self.sync_schedule.syncs_at(s)]
+        gone = [s for s, p in scheduled if (s, p) not in decided]
         missed = sorted(s for (s, _), m in decided.items() if self.index not in m)
-        snapshot = self.exchange.latest_snapshot() if missed else None
+        snapshot = self.exchange.latest_snapshot() if gone or missed else None
         if snapshot is not None and snapshot[0] > start:
             step, arrays = snapshot
             state, data_state = self._state_from_snapshot(arrays)
-            log(f"replica {self.index} of {self.replicas_total} missed {len(missed)} syncs since step {start} (first at step "
-                f"{missed[0]}); rejoining at step {step} from the global params in {self.exchange.root}")
+            why = (f"missed {len(missed)} syncs since step {start} (first at step {missed[0]})" if missed else
+                   f"cannot replay the syncs since step {start} (the exchange no longer holds step {gone[0]})")
+            log(f"replica {self.index} of {self.replicas_total} {why}; rejoining at step {step} from the global "
+                f"params in {self.exchange.root}")
             self._announce_after(step)
             return state, data_state
+        if gone:
+            raise ExchangeError(f"replica {self.index} restored step {start}, but {self.exchange.root} no longer holds "
+                                f"the sync at step {gone[0]} and has no newer snapshot to rejoin from; use the "
+                                f"exchange directory of this run, or a new --workdir and exchange to start over")
         if decided:
-            log(f"replica {self.index} of {self.replicas_total}: replaying {len(decided)} decided syncs after step {start} "
-                f"from {self.exchange.root}")
+            log(f"replica {self.index} of {self.replicas_total}: replaying {len(decided)} decided syncs after step "
+                f"{start} from {self.exchange.root}")
         self._announce_after(start)
         return state, None
 

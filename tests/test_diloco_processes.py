@@ -7,18 +7,25 @@
   back later it rejoins from the newest snapshot of the global params and both finish with the same params.
 """
 
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
+from helpers import one_device_mesh, random_batch, tiny_config
+from jaxlm.config import DiLoCoConfig, validate
+from jaxlm.diloco_processes import ProcessDiLoCoProgram
 from jaxlm.metrics import read_metrics
+from jaxlm.replica_exchange import ExchangeError
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("JAXLM_", "SLURM_", "OMPI_"))}
@@ -146,3 +153,64 @@ def test_bad_replica_settings_exit_2_with_one_line(tmp_path):
         proc = run([*base, *extra], timeout=120)
         assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
             (extra, proc.stderr)
+
+
+def test_process_failure_experiment_end_to_end(tmp_path, capsys):
+    """The experiment's three runs on a tiny config: the lost replica's run finishes, its survivors agree, and the
+    last line is the JSON summary."""
+    from experiments import diloco_process_failure
+
+    tiny = ["model.d_model=32", "model.num_layers=2", "model.mlp_dim=64", "model.num_heads=2", "model.num_kv_heads=1",
+            "data.seq_len=16", "data.batch_size=4", "data.eval_batches=1", "diloco.inner_steps=2",
+            "optim.warmup_steps=1", "log_every=1"]
+    code = diloco_process_failure.main(["--workdir", str(tmp_path), "--steps", "12", "--kill-at", "6",
+                                        "--replicas", "2", "--timeout", "3",
+                                        *[a for kv in tiny for a in ("--set", kv)]])
+    out = capsys.readouterr().out
+    assert code == 0
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert set(summary) == {"no_failure_eval_loss", "lost_vs_no_failure_pct", "restarted_vs_no_failure_pct",
+                            "lost_eval_loss", "restarted_eval_loss"}
+    lost = json.loads((tmp_path / "lost" / "result.json").read_text())
+    assert lost["killed_after_step"] >= 6 and lost["kept_syncs_by_members"].get("1", 0) >= 1  # it went on alone
+    assert "| no_failure | " in out and "| lost | " in out
+
+
+# ----------------------------------------------------------------------------- catching up, in process
+
+
+def test_a_restarted_replica_replays_rejoins_from_a_snapshot_or_refuses_a_tidied_exchange(tmp_path):
+    """Replica 0 trains 6 steps alone (replica 1 never posts: syncs 2, 4, 6 are decided without it). Replica 1,
+    starting at step 0, missed them: it rejoins at the newest snapshot with replica 0's global params and step.
+    Replica 0 took part in all of them: from step 0 it would replay. With a sync tidied away and no snapshot left,
+    replaying is impossible and deciding it anew would fork the params: refused, naming the step."""
+    def program(replica):
+        diloco = DiLoCoConfig(replicas=2, inner_steps=2, exchange=str(tmp_path / "ex"), replica=replica,
+                              sync_timeout_s=0.3)
+        return ProcessDiLoCoProgram(validate(dataclasses.replace(tiny_config(steps=8), diloco=diloco)),
+                                    one_device_mesh())
+
+    first, notes = program(0), []
+    state = first.init()
+    step_fn = first.compile_step(state, first.device_batch(random_batch(0, batch=4)))
+    for t in range(1, 7):
+        state, _ = step_fn(state, first.device_batch(random_batch(t, batch=4)), t)
+    assert first.members == (0,) and first.exchange.snapshots() == [4, 6]
+
+    second = program(1)
+    rejoined, data_state = second.catch_up(second.init(), log=notes.append)
+    assert int(rejoined.step) == 6 and data_state == {}
+    assert "replica 1 of 2 missed 3 syncs since step 0 (first at step 2); rejoining at step 6" in notes[-1]
+    for got, want in zip(jax.tree.leaves(rejoined.global_params), jax.tree.leaves(state.global_params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for got, want in zip(jax.tree.leaves(rejoined.replicas.params), jax.tree.leaves(state.global_params)):
+        np.testing.assert_array_equal(np.asarray(got)[0], np.asarray(want))  # it continues from the global params
+
+    _, moved = first.catch_up(first.init(), log=notes.append)
+    assert moved is None and "replica 0 of 2: replaying 3 decided syncs after step 0" in notes[-1]
+
+    shutil.rmtree(first.exchange.sync_dir(2, 0))
+    for step in first.exchange.snapshots():
+        (tmp_path / "ex" / f"snapshot_{step:09d}.npz").unlink()
+    with pytest.raises(ExchangeError, match="no longer holds the sync at step 2 and has no newer snapshot"):
+        first.catch_up(first.init(), log=notes.append)
