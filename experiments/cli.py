@@ -3,6 +3,7 @@
     --workdir DIR --steps N --seed S --mesh PATH.py --config PATH.py --log-every K --checkpoint-every K
     --set dotted.key=value (repeatable) [--cpu-devices N] [--no-progress]
     [--coordinator HOST:PORT --num-processes N --process-id I]   (multi-process; see sharding.launch)
+    [--replica-id I]   (a DiLoCo replica in its own process, with diloco.exchange)
     [--compilation-cache DIR|none]
 
 Everything a user can get wrong (flags, config, layout, data) is checked before JAX compiles anything; a problem

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -67,3 +68,16 @@ def rel(a, b) -> float:
     """||a - b|| / ||b||, computed in float64."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def pid_of_process(workdir, variable: str, value: int) -> int | None:
+    """The pid of the process working in `workdir` whose environment has variable=value (read from /proc): one
+    process of a launched run (JAXLM_PROCESS_ID, JAXLM_REPLICA_ID), to signal it alone."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc.name.isdigit() and str(workdir).encode() in (proc / "cmdline").read_bytes()
+                    and f"{variable}={value}".encode() in (proc / "environ").read_bytes().split(b"\0")):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None

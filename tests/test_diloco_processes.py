@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import one_device_mesh, random_batch, tiny_config
+from helpers import one_device_mesh, pid_of_process, random_batch, tiny_config
 from jaxlm.config import DiLoCoConfig, validate
 from jaxlm.diloco_processes import ProcessDiLoCoProgram
 from jaxlm.metrics import read_metrics
@@ -90,18 +90,6 @@ def test_two_replica_processes_train_like_two_replicas_in_one_program(tmp_path, 
     assert sorted(kept) == list(range(10, STEPS + 1, 2)) and all(m == [0, 1] for m in kept.values())
 
 
-def _pid_of_replica(index: int, workdir) -> int | None:
-    for proc in Path("/proc").iterdir():
-        try:
-            if (proc.name.isdigit() and b"experiments.tiny_lm" in (proc / "cmdline").read_bytes()
-                    and str(workdir).encode() in (proc / "cmdline").read_bytes()
-                    and f"JAXLM_REPLICA_ID={index}".encode() in (proc / "environ").read_bytes().split(b"\0")):
-                return int(proc.name)
-        except OSError:
-            continue
-    return None
-
-
 def test_a_killed_replica_process_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, uninterrupted):
     launcher = subprocess.Popen(launch_cmd(tmp_path, "--steps", STEPS, "--checkpoint-every", 4, restart=1),
                                 cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -110,7 +98,7 @@ def test_a_killed_replica_process_is_restarted_and_the_run_ends_as_if_uninterrup
     while not (metrics.exists() and max(records(tmp_path / "replica_1", "loss"), default=0) >= 9):
         assert launcher.poll() is None and time.monotonic() < deadline, "replica 1 never reached step 9"
         time.sleep(0.01)
-    os.kill(_pid_of_replica(1, tmp_path), signal.SIGKILL)
+    os.kill(pid_of_process(tmp_path, "JAXLM_REPLICA_ID", 1), signal.SIGKILL)
     out, _ = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, out
     assert "[launch] process 1 ended with signal 9; starting it again (1 of 1)" in out

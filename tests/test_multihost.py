@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import pid_of_process
 from jaxlm.metrics import read_metrics
 from sharding import distributed, launch
 
@@ -108,18 +109,6 @@ def test_diloco_one_replica_per_process_matches_one_process(tmp_path, cached_env
     assert [losses(tmp_path / "two", "diloco_alive")[s] for s in range(1, 7)] == [2, 1, 1, 2, 2, 2]
 
 
-def _pid_of_process(index: int, workdir) -> int | None:
-    """The pid of the training process with JAXLM_PROCESS_ID=index working in `workdir` (read from /proc)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            if (proc.name.isdigit() and str(workdir).encode() in (proc / "cmdline").read_bytes()
-                    and f"JAXLM_PROCESS_ID={index}".encode() in (proc / "environ").read_bytes().split(b"\0")):
-                return int(proc.name)
-        except OSError:
-            continue
-    return None
-
-
 def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tmp_path, cached_env):
     """A signal that reaches only process 1 (a preempted host): the processes agree at the next log step, both
     write the checkpoint of that step and exit 75; the rerun continues with nothing lost, as one uninterrupted
@@ -132,7 +121,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (losses(workdir) if (workdir / "metrics.jsonl").exists() else {}):
         time.sleep(0.01)
-    os.kill(_pid_of_process(1, workdir), signal.SIGTERM)
+    os.kill(pid_of_process(workdir, "JAXLM_PROCESS_ID", 1), signal.SIGTERM)
     out, _ = launcher.communicate(timeout=180)
     assert launcher.returncode == 75, out
     stopped = re.search(r"\[p0\] tiny_lm: stopped: SIGTERM / SIGINT to another process after step (\d+)", out)
