@@ -110,9 +110,8 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         c, shapes = self.c, self.fragment_shapes[p]
         sent_M = tuple(np.zeros((self.replicas_total, *shape), np.float32) for shape in shapes)
         for m in result.members:
-            got = result.payloads[m]
-            for j, shape in enumerate(shapes):
-                leaf = {k.split(".", 1)[1]: v for k, v in got.items() if k.split(".", 1)[0] == str(j)}
+            for j, (shape, names) in enumerate(zip(shapes, parts)):  # every replica sends the same parts
+                leaf = {name: result.payloads[m][f"{j}.{name}"] for name in names}
                 sent_M[j][m] = decode(leaf, c.compression, shape, c.compression_block)
         w_M = np.zeros(self.replicas_total, np.float32)
         w_M[list(result.members)] = 1.0 / len(result.members)
@@ -170,7 +169,8 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         scheduled = [(s, p) for s in range(start + 1, latest + 1) for p, _ in self.sync_schedule.syncs_at(s)]
         gone = [s for s, p in scheduled if (s, p) not in decided]
         missed = sorted(s for (s, _), m in decided.items() if self.index not in m)
-        snapshot = self.exchange.latest_snapshot() if gone or missed else None
+        newer = (gone or missed) and max(self.exchange.snapshots(), default=-1) > start  # before reading one
+        snapshot = self.exchange.latest_snapshot() if newer else None
         if snapshot is not None and snapshot[0] > start:
             step, arrays = snapshot
             state, data_state = self._state_from_snapshot(arrays)

@@ -98,7 +98,7 @@ class ReplicaExchange:
     def _expected(self, step: int, fragment: int) -> set[int]:
         """Whom to wait for: the last decided sync's members (everyone, before the first) plus announced joins."""
         earlier = [key for key in self.syncs() if key < (step, fragment)]
-        previous = next((m for m in map(lambda k: self.members(*k), reversed(earlier)) if m is not None), None)
+        previous = next((m for m in (self.members(*k) for k in reversed(earlier)) if m is not None), None)
         expected = set(range(self.replicas)) if previous is None else set(previous)
         joins = (re.fullmatch(r"join_r(\d+)", p.name) for p in self.sync_dir(step, fragment).iterdir())
         return expected | {int(m[1]) for m in joins if m} | {self.index}
