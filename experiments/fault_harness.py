@@ -158,6 +158,7 @@ class Outcome:
     leftover_tmp: bool = False
     good_lost: bool = False  # a checkpoint was quarantined that the scenario did not damage
     message: str = ""  # the faulted run's last stderr line
+    tracebacks: int = 0  # printed by the faulted run: a fault it reports should read as one line, not a dump
 
     @property
     def steps_lost(self) -> int:
@@ -216,6 +217,7 @@ def run_scenario(harness: Harness, kind: str, seed: int) -> Outcome:
         workdir = rescued
         out.detail, out.exit_code = f"tmpfs of {size / 2**20:.1f} MiB", code
     out.message = (err.strip().splitlines() or [""])[-1]
+    out.tracebacks = err.count("Traceback (most recent call last)")
     out.steps_done = last_step(workdir)
     # where the rerun continues: the newest checkpoint the fault left intact
     out.resumed_from = max((s for s in checkpoint_steps(workdir) if str(s) not in damaged), default=0)

@@ -13,8 +13,11 @@ Crash safety, in three layers:
 
 from __future__ import annotations
 
+import gc
+import logging
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -87,6 +90,56 @@ def shape_mismatches(saved_tree, abstract_state, limit: int = 3) -> list[str]:
     return out
 
 
+# ----------------------------------------------------------------------------- orbax's own reports
+
+
+def _raised_in_orbax(exc_info) -> bool:
+    tb = exc_info[2] if exc_info and exc_info is not True else None
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _OneLineOrbaxFailures(logging.Filter):
+    """Orbax reports one failed write many times, each with a traceback: from each of its threads, then from every
+    abandoned asyncio task when it is collected (some only at exit, after the run's own one-line error). Its log
+    lines keep their first line; the abandoned-task reports are dropped, since CheckpointSaveError already says
+    what failed, and which checkpoint is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not _raised_in_orbax(record.exc_info):
+            return True
+        if record.getMessage().startswith("Task exception was never retrieved"):
+            return False
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _closed_loop_callback(unraisable) -> bool:
+    """A tensorstore write finishing after Orbax closed the event loop that awaited it (a failed save): Python
+    reports it as unraisable, with a traceback and no context, once per write."""
+    error = unraisable.exc_value
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+def _quiet_orbax_failures() -> None:
+    """Installs the filters above once per process, so a failed save ends with one line, the caller's."""
+    if getattr(sys.unraisablehook, "jaxlm_quiet", False):
+        return
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_OneLineOrbaxFailures())
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _closed_loop_callback(unraisable):
+            previous(unraisable)
+
+    hook.jaxlm_quiet = True
+    sys.unraisablehook = hook
+
+
 # ----------------------------------------------------------------------------- the checkpointer
 
 
@@ -95,6 +148,7 @@ class Checkpointer:
         """`primary`: the one process that tidies the directory (removes temporaries, moves corrupt steps)."""
         self.directory = Path(directory).absolute()
         self.primary = primary
+        _quiet_orbax_failures()
         self.removed = self._remove_incomplete() if primary else []
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=async_save)
@@ -150,6 +204,7 @@ class Checkpointer:
 
     def _save_failed(self, step: int | None, error: Exception) -> CheckpointSaveError:
         self.pending = None
+        gc.collect()  # orbax's abandoned write tasks report now, not after the caller's message
         if self.primary:
             self._remove_incomplete()  # a half-written step is useless and may fill the disk further
         self.manager.reload()
