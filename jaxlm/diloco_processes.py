@@ -2,7 +2,8 @@
 that a process that dies costs the run one replica, not the run.
 
 A process runs `DiLoCoProgram` with one replica (its B/M rows of each global batch, its own mesh: data / fsdp /
-tensor over its devices) and replaces the in-program sync by an exchange: it encodes its outer gradient on its
+tensor over its devices; a replica may also be a JAX distributed run of several processes, whose process 0 speaks
+for it in the exchange) and replaces the in-program sync by an exchange: it encodes its outer gradient on its
 devices (`outer_compression.encode`), posts it, and applies the outer step to the decided members' decoded
 gradients, laid out as the in-program sync lays out its [M] replicas (zeros and zero weight for non-members), so
 without failures both compute the same average. A replica left out of a sync (dead, restarting, or too slow for
@@ -28,6 +29,16 @@ from jaxlm.config import ConfigError, TrainConfig
 from jaxlm.diloco import DiLoCoProgram, DiLoCoState
 from jaxlm.outer_compression import decode, encode
 from jaxlm.replica_exchange import ExchangeError, ReplicaExchange
+from sharding.distributed import process_rows
+
+
+def to_host(tree):
+    """A pytree of (possibly cross-process sharded) arrays as numpy arrays, whole on every process."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 class ProcessDiLoCoProgram(DiLoCoProgram):
@@ -35,10 +46,6 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
 
     def __init__(self, cfg: TrainConfig, mesh, layout=None):
         c, d = cfg.diloco, cfg.data
-        if jax.process_count() > 1:
-            raise ConfigError("diloco.exchange runs each replica as its own JAX process; a replica spanning several "
-                              "processes (jax.distributed) is not supported: start the replicas without a "
-                              "coordinator, e.g. `python -m sharding.launch --independent`")
         self.run_cfg, self.replicas_total, self.index = cfg, c.replicas, c.replica
         rows = d.batch_size // c.replicas
         self.rows = (self.index * rows, (self.index + 1) * rows)  # this replica's rows of every global batch
@@ -49,6 +56,9 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
             raise ConfigError(f"with diloco.exchange each process holds one replica: the mesh layout's replica axis "
                               f"must be 1, got {replica_axis}")
         super().__init__(local, mesh, layout)
+        # a replica spanning several processes (its own jax.distributed run): its process 0 speaks for it in the
+        # exchange; the others read the same decisions and payloads, so all compute the same outer step
+        self.speaks = jax.process_index() == 0
         self.exchange = ReplicaExchange(c.exchange, c.replicas, c.replica, c.sync_timeout_s)
         self.c = c  # the run's settings (the local program's say 1 replica); self.M stays 1: this process's stack
         shapes = [x.shape for x in jax.tree.leaves(self.replica_abstract.params)]
@@ -84,8 +94,12 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
     # ------------------------------------------------------------------------- what the Trainer calls
 
     def attach(self, train_iter) -> None:
-        """Reads only this replica's rows; the data position goes into the snapshots this replica publishes."""
-        train_iter.set_rows(*self.rows)
+        """Reads only this replica's rows (this process's part of them, if the replica spans processes); the data
+        position goes into the snapshots this replica publishes."""
+        lo, hi = 0, self.rows[1] - self.rows[0]
+        if jax.process_count() > 1:
+            lo, hi = process_rows(self.batch_sharding, (hi, self.cfg.data.seq_len))
+        train_iter.set_rows(self.rows[0] + lo, self.rows[0] + hi)
         self._data_state = train_iter.get_state
 
     def compile_step(self, state, batch):
@@ -104,9 +118,9 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         return step_fn
 
     def _sync_through_exchange(self, state: DiLoCoState, step: int, p: int, merge: bool) -> DiLoCoState:
-        parts = jax.device_get(self.local_delta[p](state))
+        parts = to_host(self.local_delta[p](state))
         payload = {f"{j}.{name}": value for j, leaf in enumerate(parts) for name, value in leaf.items()}
-        result = self.exchange.allreduce(step, p, payload)
+        result = self.exchange.allreduce(step, p, payload if self.speaks else None)
         c, shapes = self.c, self.fragment_shapes[p]
         sent_M = tuple(np.zeros((self.replicas_total, *shape), np.float32) for shape in shapes)
         for m in result.members:
@@ -124,21 +138,23 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
                               f" continuing from the global params")
             self._announce_after(step)
         elif self.index == result.members[0]:
-            self.exchange.publish(step, self._snapshot_arrays(state))
-            self.exchange.tidy(step, self.keep_steps)
+            arrays = self._snapshot_arrays(state)  # every process of the replica takes part in the gather
+            if self.speaks:
+                self.exchange.publish(step, arrays)
+                self.exchange.tidy(step, self.keep_steps)
         return state
 
     def _announce_after(self, step: int) -> None:
         """Asks the others to wait for this replica at the first sync after `step`."""
         sched = self.sync_schedule
         nxt = next((s for s in range(step + 1, self.run_cfg.steps + 1) if sched.syncs_at(s)), None)
-        if nxt is not None:
+        if nxt is not None and self.speaks:
             self.exchange.announce(nxt, sched.syncs_at(nxt)[0][0])
 
     # ------------------------------------------------------------------------- snapshots and catching up
 
     def _snapshot_arrays(self, state: DiLoCoState) -> dict[str, np.ndarray]:
-        leaves = jax.device_get(jax.tree.leaves(state))
+        leaves = to_host(jax.tree.leaves(state))
         arrays = {f"leaf{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
         arrays["data_state"] = np.array(json.dumps({k: int(v) for k, v in self._data_state().items()}))
         return arrays
@@ -153,7 +169,7 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
                 got = "missing" if x is None else f"{x.shape} {x.dtype}"
                 raise ExchangeError(f"the snapshot in {self.exchange.root} does not fit this model (leaf {i}: {got}, "
                                     f"expected {a.shape} {a.dtype}); was the exchange directory used by another run?")
-            leaves.append(jax.device_put(x, s))
+            leaves.append(jax.make_array_from_callback(x.shape, s, lambda index, x=x: x[index]))
         return self.take_global(treedef.unflatten(leaves)), json.loads(str(arrays["data_state"]))
 
     def catch_up(self, state: DiLoCoState, log) -> tuple[DiLoCoState, dict | None]:
@@ -199,5 +215,6 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
                 "diloco_wait_s": self.waited_s}
 
     def describe(self) -> str:
-        return (f"{super().describe()}; replica {self.index} of {self.replicas_total} in its own process, synced through "
+        where = "its own process" if jax.process_count() == 1 else f"its own {jax.process_count()} processes"
+        return (f"{super().describe()}; replica {self.index} of {self.replicas_total} in {where}, synced through "
                 f"{self.exchange.root} (timeout {self.c.sync_timeout_s:g}s)")

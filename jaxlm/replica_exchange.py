@@ -33,6 +33,7 @@ import numpy as np
 
 _SYNC = re.compile(r"sync_(\d+)_f(\d+)$")
 _SNAPSHOT = re.compile(r"snapshot_(\d+)\.npz$")
+LISTENER_GRACE_S = 300.0  # beyond the poster's own wait: how far behind a replica's process 0 may reach a sync
 
 
 class ExchangeError(RuntimeError):
@@ -115,16 +116,19 @@ class ReplicaExchange:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"join_r{self.index}").touch()
 
-    def allreduce(self, step: int, fragment: int, payload: dict[str, np.ndarray]) -> SyncResult:
+    def allreduce(self, step: int, fragment: int, payload: dict[str, np.ndarray] | None) -> SyncResult:
         """Posts this replica's payload and returns the sync's decided members and their payloads.
 
         A sync decided earlier (a replay after a restart) returns at once with the recorded payloads; this replica's
-        own payload is not rewritten. If this replica is not among the members, `payloads` holds only theirs."""
+        own payload is not rewritten. If this replica is not among the members, `payloads` holds only theirs.
+        `payload=None`: a process of a replica that another process of it speaks for; it only reads the decision."""
         directory = self.sync_dir(step, fragment)
         directory.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         members = self.members(step, fragment)
-        if members is None:
+        if members is None and payload is None:
+            members = self._await_decision(step, fragment, t0 + 2 * self.timeout_s + LISTENER_GRACE_S)
+        elif members is None:
             save_arrays(directory / f"r{self.index}.npz", payload)
             expected, deadline = self._expected(step, fragment), t0 + self.timeout_s
             while (members := self.members(step, fragment)) is None:
@@ -135,6 +139,15 @@ class ReplicaExchange:
                     time.sleep(self.poll_s)
         payloads = {m: load_arrays(directory / f"r{m}.npz") for m in members}
         return SyncResult(members, payloads, time.monotonic() - t0)
+
+    def _await_decision(self, step: int, fragment: int, deadline: float) -> tuple[int, ...]:
+        while (members := self.members(step, fragment)) is None:
+            if time.monotonic() >= deadline:
+                raise ExchangeError(f"the sync at step {step} (fragment {fragment}) in {self.root} was not decided in "
+                                    f"{2 * self.timeout_s + LISTENER_GRACE_S:g}s: did process 0 of replica "
+                                    f"{self.index}, which posts for it, stop?")
+            time.sleep(self.poll_s)
+        return members
 
     def _decide(self, directory: Path, members: list[int]) -> None:
         """Proposes `members`; the first proposal to land is the decision (link() fails if the file exists)."""

@@ -237,11 +237,15 @@ class Program:
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree.leaves(split_trainable(self.abstract_state.params)[0]))
 
-    def device_batch(self, batch: Batch) -> Batch:
+    def device_batch(self, batch: Batch, whole: bool = False) -> Batch:
         """Host batch -> global arrays under `batch_sharding`. With several processes each passes only the rows its
-        devices hold (`sharding.distributed.process_rows`; a whole global batch is also accepted)."""
+        devices hold (`sharding.distributed.process_rows`; a whole global batch is also accepted), or with `whole`
+        every process passes the same batch of any row count (eval batches, read whole by every process)."""
         if jax.process_count() == 1:
             return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in batch.items()}
+        if whole:
+            return {k: jax.make_array_from_callback(np.shape(v), self.batch_sharding, lambda i, v=v: np.asarray(v)[i])
+                    for k, v in batch.items()}
         return {k: put_process_rows(np.asarray(v), self.batch_sharding, self.cfg.data.batch_size)
                 for k, v in batch.items()}
 
@@ -249,7 +253,7 @@ class Program:
         """Mean next-token loss over host batches (token-weighted: the sums of every batch, then one division)."""
         total, count = 0.0, 0.0
         for batch in batches:
-            loss_sum, n = jax.device_get(self.eval_step(params, self.device_batch(batch)))
+            loss_sum, n = jax.device_get(self.eval_step(params, self.device_batch(batch, whole=True)))
             total, count = total + float(loss_sum), count + float(n)
         return total / max(count, 1.0)
 

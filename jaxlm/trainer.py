@@ -111,6 +111,7 @@ class Trainer:
         self.checkpointer = Checkpointer(f"{workdir}/checkpoints", keep=cfg.keep_checkpoints,
                                          async_save=cfg.async_checkpointing, primary=self.primary)
         self.progress = progress
+        self.rejoined = False  # set by restore_or_init
         self.notes: list[str] = [f"removed incomplete checkpoint {name} (a save cut short by a crash)"
                                  for name in self.checkpointer.removed]
 
@@ -135,7 +136,9 @@ class Trainer:
         else:
             _, state, data_state, _ = restored
             self.train_iter.set_state(data_state)
+        step = int(jax.device_get(state.step))
         state, moved_data_state = self.program.catch_up(state, log=self.notes.append)
+        self.rejoined = int(jax.device_get(state.step)) != step  # a DiLoCo replica moved to the others' state
         if moved_data_state:
             self.train_iter.set_state(moved_data_state)
         return state
@@ -221,6 +224,8 @@ class Trainer:
         if layout.pipeline > 1:
             logger.info(f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}, {layout.num_microbatches} "
                         f"microbatches per step: bubble {bubble_fraction(layout.pipeline, layout.num_microbatches):.1%}")
+        if start >= cfg.steps and self.rejoined:
+            return self._finish_rejoined(state, start, logger)
         if start >= cfg.steps:
             logger.info(f"already at step {start} >= steps {cfg.steps}; nothing to do")
             return {}
@@ -288,6 +293,17 @@ class Trainer:
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or overdue:
                 self._save(step, state, data_state)  # every process saves
                 t_last = last_save = time.perf_counter()  # the blocking part of a save is not throughput either
+        return last
+
+    def _finish_rejoined(self, state, step: int, logger) -> dict:
+        """A replica that came back after the others finished rejoined at the final step: the run's final global
+        params are its result too, so it evaluates and checkpoints them like a replica that trained to the end."""
+        last = {"step": step}
+        if self.eval_batches:
+            with self.goodput.timing("eval"):
+                last["eval_loss"] = self.program.evaluate(self.program.eval_params(state), self.eval_batches)
+            logger.log(dict(last))
+        self._save(step, state, self.train_iter.get_state())
         return last
 
     def _save(self, step: int, state, data_state: dict, *, wait: bool = False) -> float:

@@ -15,6 +15,11 @@ not stop the others, and --restart K starts a failed copy again, up to K times, 
 
     python -m sharding.launch --processes 4 --independent --restart 1 -- python -m experiments.tiny_lm \
         --workdir runs/ft --set diloco.replicas=4 --set diloco.exchange=runs/ft/exchange
+
+With --processes-per-replica K as well, each replica is itself a JAX distributed run of K processes (its own
+coordinator; JAXLM_REPLICA_ID=i in all of them), output prefixed `[r1p0] `: a replica spanning several hosts. When
+one process of a replica fails, the rest of that replica is killed (its collectives cannot go on without it) and,
+with restarts left, the whole replica is started again.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ class _Parser(argparse.ArgumentParser):
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     cut = argv.index("--") if "--" in argv else len(argv)
     p = _Parser(prog="python -m sharding.launch", description=__doc__.split("\n\n")[0],
-                usage="%(prog)s --processes N [--port P] [--cpu-devices K] [--independent [--restart K]] -- "
+                usage="%(prog)s --processes N [--port P] [--cpu-devices K] [--independent [--restart R] "
+                      "[--processes-per-replica K]] -- "
                       "COMMAND [ARG ...]")
     p.add_argument("--processes", type=int, required=True, help="number of processes N (>= 1)")
     p.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (default: a free one)")
@@ -56,6 +62,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "distributed run; a failure does not stop the others")
     p.add_argument("--restart", type=int, default=0, metavar="K",
                    help="with --independent: start a process that fails again, up to K times each (default 0)")
+    p.add_argument("--processes-per-replica", type=int, default=1, metavar="K",
+                   help="with --independent: each of the N replicas is a JAX distributed run of K processes")
     args = p.parse_args(argv[:cut])
     command = argv[cut + 1:]
     if cut == len(argv):
@@ -73,6 +81,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise UsageError(f"--restart must be >= 0, got {args.restart}")
     if args.restart and not args.independent:
         raise UsageError("--restart needs --independent: one process of a JAX distributed run cannot rejoin it")
+    if args.processes_per_replica < 1:
+        raise UsageError(f"--processes-per-replica must be >= 1, got {args.processes_per_replica}")
+    if args.processes_per_replica > 1 and not args.independent:
+        raise UsageError("--processes-per-replica needs --independent (replicas that are separate runs)")
     return args, command
 
 
@@ -82,12 +94,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_env(i: int, n: int, port: int, cpu_devices: int, independent: bool = False) -> dict[str, str]:
-    if independent:
-        env = {**os.environ, ENV_REPLICA_ID: str(i), "PYTHONUNBUFFERED": "1"}
-    else:
-        env = {**os.environ, "JAXLM_COORDINATOR": f"127.0.0.1:{port}", "JAXLM_NUM_PROCESSES": str(n),
-               "JAXLM_PROCESS_ID": str(i), "PYTHONUNBUFFERED": "1"}
+def process_env(rank: int, n: int, port: int, cpu_devices: int, replica: int | None = None) -> dict[str, str]:
+    """Process `rank` of a JAX distributed run of `n` (no coordinator when n == 1), in DiLoCo replica `replica`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if replica is not None:
+        env[ENV_REPLICA_ID] = str(replica)
+    if n > 1 or replica is None:
+        env.update({"JAXLM_COORDINATOR": f"127.0.0.1:{port}", "JAXLM_NUM_PROCESSES": str(n),
+                    "JAXLM_PROCESS_ID": str(rank)})
     if cpu_devices:
         env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
     return env
@@ -113,26 +127,35 @@ def _pump(stream, prefix: bytes, out, lock: threading.Lock) -> None:
 
 
 def run(command: list[str], processes: int, port: int = 0, cpu_devices: int = 0, independent: bool = False,
-        restart: int = 0) -> int:
-    port = port or free_port()
+        restart: int = 0, processes_per_replica: int = 1) -> int:
+    """Runs the processes; with `independent`, `processes` replicas of `processes_per_replica` processes each."""
     received = []  # signals to forward: Ctrl-C (SIGINT) or SIGTERM; caught from before the first child starts
     previous = {sig: signal.signal(sig, lambda signum, _: received.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     out, lock = sys.stdout.buffer, threading.Lock()
-    children, pumps = [], []
+    children, pumps = [], []  # children: one list of processes per unit (the whole run, or one replica)
 
-    def start(i: int) -> subprocess.Popen:
-        # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it exactly once.
-        try:
-            child = subprocess.Popen(command, env=process_env(i, processes, port, cpu_devices, independent),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        except OSError as e:
-            _stop(children, signal.SIGTERM)
-            raise UsageError(f"cannot start {command[0]!r}: {e}") from None
-        pumps.append(threading.Thread(target=_pump, args=(child.stdout, f"[p{i}] ".encode(), out, lock),
-                                      daemon=True))
-        pumps[-1].start()
-        return child
+    def start_unit(i: int) -> list[subprocess.Popen]:
+        if not independent:
+            n, prefixes, replica = processes, [f"[p{j}] " for j in range(processes)], None
+        else:
+            n, replica = processes_per_replica, i
+            prefixes = [f"[p{i}] "] if n == 1 else [f"[r{i}p{j}] " for j in range(n)]
+        unit_port = port if port and not independent else free_port()  # each replica run has its own coordinator
+        unit = []
+        for j in range(n):
+            # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it exactly once.
+            try:
+                child = subprocess.Popen(command, env=process_env(j, n, unit_port, cpu_devices, replica),
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            except OSError as e:
+                _stop([c for u in children for c in u] + unit, signal.SIGTERM)
+                raise UsageError(f"cannot start {command[0]!r}: {e}") from None
+            unit.append(child)
+            pumps.append(threading.Thread(target=_pump, args=(child.stdout, prefixes[j].encode(), out, lock),
+                                          daemon=True))
+            pumps[-1].start()
+        return unit
 
     def note(line: str) -> None:
         with lock:
@@ -140,12 +163,12 @@ def run(command: list[str], processes: int, port: int = 0, cpu_devices: int = 0,
             out.flush()
 
     try:
-        for i in range(processes):
-            children.append(start(i))
+        for i in range(processes if independent else 1):
+            children.append(start_unit(i))
         if independent:
-            code = _wait_independent(children, received, restart, start, note)
+            code = _wait_independent(children, received, restart, start_unit, note)
         else:
-            code = _wait(children, received)
+            code = _wait(children[0], received)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -154,13 +177,20 @@ def run(command: list[str], processes: int, port: int = 0, cpu_devices: int = 0,
     return code
 
 
+def _forwarded(processes: list[subprocess.Popen], received: list[int]) -> int | None:
+    """After Ctrl-C or SIGTERM: forwards it, waits, and returns the exit code to report; None if none came."""
+    if not received:
+        return None
+    _stop(processes, received[0])
+    return _verdict([c.returncode for c in processes]) or 128 + received[0]
+
+
 def _wait(children: list[subprocess.Popen], received: list[int]) -> int:
     """0 if every process succeeds; else, after stopping the rest, the code a process exited with by itself (e.g.
     75: preempted, after its checkpoint) rather than a death by signal (the shell's 128 + s)."""
     while True:
-        if received:
-            _stop(children, received[0])
-            return _verdict([c.returncode for c in children]) or 128 + received[0]
+        if (code := _forwarded(children, received)) is not None:
+            return code
         codes = [c.poll() for c in children]
         if any(code not in (None, 0) for code in codes):
             _stop(children, signal.SIGTERM)
@@ -170,22 +200,30 @@ def _wait(children: list[subprocess.Popen], received: list[int]) -> int:
         time.sleep(0.05)
 
 
-def _wait_independent(children: list[subprocess.Popen], received: list[int], restart: int, start, note) -> int:
-    """Independent runs: a failed process is started again while it has restarts left, and otherwise left failed
-    while the others go on. 0 if every process finally succeeds, else the first failure's code (as `_wait`)."""
-    left = [restart] * len(children)
+def _wait_independent(units: list[list[subprocess.Popen]], received: list[int], restart: int, start_unit,
+                      note) -> int:
+    """Independent replicas: one whose process fails loses the rest of its processes (killed: their collectives
+    would hang without it) and is started again while it has restarts left, else left failed while the others go
+    on. 0 if every process finally succeeds, else the first failure's code (as `_wait`)."""
+    left = [restart] * len(units)
     while True:
-        if received:
-            _stop(children, received[0])
-            return _verdict([c.returncode for c in children]) or 128 + received[0]
-        for i, child in enumerate(children):
-            code = child.poll()
-            if code not in (None, 0, EXIT_USAGE) and left[i]:  # bad input would fail again
+        if (code := _forwarded([c for unit in units for c in unit], received)) is not None:
+            return code
+        for i, unit in enumerate(units):
+            failed = [(j, code) for j, c in enumerate(unit) if (code := c.poll()) not in (None, 0)]
+            if not failed:
+                continue
+            j, code = failed[0]
+            if any(c.poll() is None for c in unit):
+                _stop(unit, signal.SIGKILL)
+            if code != EXIT_USAGE and left[i]:  # bad input would fail again
                 left[i] -= 1
                 how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                note(f"process {i} ended with {how}; starting it again ({restart - left[i]} of {restart})")
-                children[i] = start(i)
-        codes = [c.poll() for c in children]
+                who = f"process {i}" if len(unit) == 1 else f"process {j} of replica {i}"
+                note(f"{who} ended with {how}; starting {'it' if len(unit) == 1 else 'the replica'} again "
+                     f"({restart - left[i]} of {restart})")
+                units[i] = start_unit(i)
+        codes = [c.poll() for unit in units for c in unit]
         if all(code is not None for code in codes):
             return _verdict(codes)
         time.sleep(0.05)
@@ -214,7 +252,8 @@ def _stop(children: list[subprocess.Popen], sig: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         args, command = parse(sys.argv[1:] if argv is None else argv)
-        return run(command, args.processes, args.port, args.cpu_devices, args.independent, args.restart)
+        return run(command, args.processes, args.port, args.cpu_devices, args.independent, args.restart,
+                   args.processes_per_replica)
     except UsageError as e:
         print(f"sharding.launch: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -70,13 +70,14 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def pid_of_process(workdir, variable: str, value: int) -> int | None:
-    """The pid of the process working in `workdir` whose environment has variable=value (read from /proc): one
-    process of a launched run (JAXLM_PROCESS_ID, JAXLM_REPLICA_ID), to signal it alone."""
+def pid_of_process(workdir, **environment) -> int | None:
+    """The pid of the process working in `workdir` whose environment has every VARIABLE=value given (read from
+    /proc): one process of a launched run (JAXLM_PROCESS_ID, JAXLM_REPLICA_ID), to signal it alone."""
+    wanted = {f"{k}={v}".encode() for k, v in environment.items()}
     for proc in Path("/proc").iterdir():
         try:
             if (proc.name.isdigit() and str(workdir).encode() in (proc / "cmdline").read_bytes()
-                    and f"{variable}={value}".encode() in (proc / "environ").read_bytes().split(b"\0")):
+                    and wanted <= set((proc / "environ").read_bytes().split(b"\0"))):
                 return int(proc.name)
         except OSError:
             continue

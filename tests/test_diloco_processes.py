@@ -10,6 +10,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -98,7 +99,7 @@ def test_a_killed_replica_process_is_restarted_and_the_run_ends_as_if_uninterrup
     while not (metrics.exists() and max(records(tmp_path / "replica_1", "loss"), default=0) >= 9):
         assert launcher.poll() is None and time.monotonic() < deadline, "replica 1 never reached step 9"
         time.sleep(0.01)
-    os.kill(pid_of_process(tmp_path, "JAXLM_REPLICA_ID", 1), signal.SIGKILL)
+    os.kill(pid_of_process(tmp_path, JAXLM_REPLICA_ID=1), signal.SIGKILL)
     out, _ = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, out
     assert "[launch] process 1 ended with signal 9; starting it again (1 of 1)" in out
@@ -109,7 +110,44 @@ def test_a_killed_replica_process_is_restarted_and_the_run_ends_as_if_uninterrup
     assert kept_decisions(tmp_path) == kept_decisions(uninterrupted)
 
 
+def test_replicas_of_two_processes_each_survive_a_killed_process_and_train_like_one_program(tmp_path):
+    """Each replica a JAX distributed run of its own: 2 processes x 1 device, FSDP across them, process 0 speaking
+    for it in the exchange. Process 1 of replica 1 is SIGKILLed after step 5; the launcher kills its partner and
+    starts the replica again, which resumes from its newest checkpoint. The run's losses and eval losses equal
+    those of the same 2 replicas x FSDP 2 inside one program."""
+    steps, workdir = 12, tmp_path / "groups"
+    cmd = [sys.executable, "-m", "sharding.launch", "--processes", "2", "--cpu-devices", "1", "--independent",
+           "--processes-per-replica", "2", "--restart", "1", "--", sys.executable, "-m", "experiments.tiny_lm",
+           "--workdir", str(workdir), *TINY, *FSDP, "--set", f"diloco.exchange={workdir}/exchange",
+           "--steps", str(steps), "--checkpoint-every", "4"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = workdir / "replica_1" / "metrics.jsonl", time.monotonic() + 240
+    saved = workdir / "replica_1" / "checkpoints" / "4"  # renamed into place once complete
+    while not (metrics.exists() and max(records(workdir / "replica_1", "loss"), default=0) >= 5 and saved.exists()):
+        assert launcher.poll() is None and time.monotonic() < deadline, "replica 1 never passed step 5 with step 4 saved"
+        time.sleep(0.01)
+    os.kill(pid_of_process(workdir, JAXLM_REPLICA_ID=1, JAXLM_PROCESS_ID=1), signal.SIGKILL)
+    out, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, out
+    assert "[launch] process 1 of replica 1 ended with signal 9; starting the replica again (1 of 1)" in out
+    assert re.search(r"\[r1p0\] params .*, resuming at step [48]\n", out) and "in its own 2 processes" in out, out
+
+    one = run(["-m", "experiments.tiny_lm", "--cpu-devices", 4, "--workdir", tmp_path / "one", *TINY,
+               "--steps", steps, "--checkpoint-every", 4, "--mesh", REPO / "experiments/meshes/replicas2_fsdp.py"])
+    assert one.returncode == 0, one.stderr
+    replica = [records(workdir / f"replica_{i}", "loss") for i in (0, 1)]
+    mean = [(replica[0][s] + replica[1][s]) / 2 for s in range(1, steps + 1)]
+    np.testing.assert_allclose(mean, [records(tmp_path / "one", "loss")[s] for s in range(1, steps + 1)], rtol=1e-6)
+    want = records(tmp_path / "one", "eval_loss")
+    for i in (0, 1):
+        got = records(workdir / f"replica_{i}", "eval_loss")
+        assert sorted(got) == sorted(want), (got, want)
+        np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-6)
+
+
 def test_a_replica_gone_for_good_is_left_out_and_rejoins_from_a_snapshot_when_it_comes_back(tmp_path):
+    """Replica 0 trains 8 steps alone. Replica 1, started after it finished, rejoins at the final step and records
+    the run's final eval and params as its own; both then continue to step 12 together."""
     alone = run(["-m", "experiments.tiny_lm", "--cpu-devices", 2, "--workdir", tmp_path, *TINY, *FSDP, "--steps", 8,
                  "--set", f"diloco.exchange={tmp_path}/exchange", "--set", "diloco.sync_timeout_s=1",
                  "--replica-id", 0])
@@ -117,14 +155,21 @@ def test_a_replica_gone_for_good_is_left_out_and_rejoins_from_a_snapshot_when_it
     assert [members(tmp_path, s) for s in (2, 4, 6, 8)] == [[0]] * 4  # waited 1 s for replica 1 once, then not
     assert records(tmp_path / "replica_0", "diloco_alive")[8] == 1
 
+    late = run(["-m", "experiments.tiny_lm", "--cpu-devices", 2, "--workdir", tmp_path, *TINY, *FSDP, "--steps", 8,
+                "--set", f"diloco.exchange={tmp_path}/exchange", "--replica-id", 1])  # after replica 0 finished
+    assert late.returncode == 0, late.stderr
+    assert "replica 1 of 2 missed 4 syncs since step 0 (first at step 2); rejoining at step 8" in late.stderr
+    assert records(tmp_path / "replica_1", "eval_loss") == {8: records(tmp_path / "replica_0", "eval_loss")[8]}
+    assert (tmp_path / "replica_1" / "checkpoints" / "8").is_dir()  # the final global params, as its own result
+
     both = subprocess.run(launch_cmd(tmp_path, "--steps", 12), cwd=REPO, env=ENV, capture_output=True, text=True,
                           timeout=300)
     assert both.returncode == 0, both.stdout + both.stderr
-    assert "[p0] params" in both.stdout and "resuming at step 8" in both.stdout
-    assert "[p1] replica 1 of 2 missed 4 syncs since step 0 (first at step 2); rejoining at step 8" in both.stdout
+    assert "[p0] params" in both.stdout and "[p1] params" in both.stdout
+    assert both.stdout.count("resuming at step 8") == 2, both.stdout
     assert [members(tmp_path, s) for s in (10, 12)] == [[0, 1]] * 2
     final = [records(tmp_path / f"replica_{i}", "eval_loss") for i in (0, 1)]
-    assert sorted(final[1]) == [12] and final[0][12] == final[1][12]  # the same global params, bit for bit
+    assert sorted(final[1]) == [8, 12] and final[0][12] == final[1][12]  # the same global params, bit for bit
     assert records(tmp_path / "replica_1", "loss").keys() == set(range(9, 13))
 
 

@@ -121,7 +121,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (losses(workdir) if (workdir / "metrics.jsonl").exists() else {}):
         time.sleep(0.01)
-    os.kill(pid_of_process(workdir, "JAXLM_PROCESS_ID", 1), signal.SIGTERM)
+    os.kill(pid_of_process(workdir, JAXLM_PROCESS_ID=1), signal.SIGTERM)
     out, _ = launcher.communicate(timeout=180)
     assert launcher.returncode == 75, out
     stopped = re.search(r"\[p0\] tiny_lm: stopped: SIGTERM / SIGINT to another process after step (\d+)", out)
@@ -144,6 +144,9 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
     (["--", "true"], "--processes"),
     (["--processes", "2", "--restart", "1", "--", "true"], "--restart needs --independent"),
     (["--processes", "2", "--independent", "--restart", "-1", "--", "true"], "--restart must be >= 0"),
+    (["--processes", "2", "--processes-per-replica", "2", "--", "true"], "--processes-per-replica needs --independent"),
+    (["--processes", "2", "--independent", "--processes-per-replica", "0", "--", "true"],
+     "--processes-per-replica must be >= 1"),
 ])
 def test_launcher_bad_usage(args, message, capsys):
     assert launch.main(args) == 2
@@ -178,6 +181,27 @@ def test_independent_processes_outlive_a_failure_and_a_failed_one_is_restarted(t
     assert "[launch] process 0 ended with exit code 3; starting it again (1 of 1)" in proc.stdout
     assert "[launch] process 1 ended with exit code 5; starting it again (1 of 1)" in proc.stdout
     assert proc.returncode == 3  # process 0 failed again with no restart left; process 1 finished
+
+
+def test_a_replica_of_several_processes_is_one_distributed_run_and_restarts_as_a_whole(tmp_path):
+    """--independent --processes-per-replica 2: each replica's processes share a coordinator of their own and the
+    replica id. Process 1 of replica 1 fails on its first start: its partner is killed and both start again."""
+    child = (f"import os, sys, time; r, p = os.environ['JAXLM_REPLICA_ID'], os.environ['JAXLM_PROCESS_ID']; "
+             f"mark = r'{tmp_path}/' + r + p; first = not os.path.exists(mark); open(mark, 'a').close(); "
+             "print('start', r, p, os.environ['JAXLM_NUM_PROCESSES'], os.environ['JAXLM_COORDINATOR'], flush=True); "
+             "time.sleep(60 if first and (r, p) == ('1', '0') else 0.5); "
+             "sys.exit(5 if first and (r, p) == ('1', '1') else 0)")
+    t0 = time.perf_counter()
+    proc = run(["-m", "sharding.launch", "--processes", 2, "--independent", "--processes-per-replica", 2,
+                "--restart", 1, "--", sys.executable, "-c", child], timeout=60)
+    assert proc.returncode == 0 and time.perf_counter() - t0 < 30, proc.stdout  # the sleeping partner was killed
+    starts = re.findall(r"\[r(\d)p(\d)\] start (\d) (\d) 2 (\S+)", proc.stdout)
+    assert all((r, p) == (r2, p2) for r, p, r2, p2, _ in starts), starts
+    assert sorted((r, p) for r, p, *_ in starts) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "0"), ("1", "1"),
+                                                     ("1", "1")]
+    coordinators = {r: {c for r2, _, _, _, c in starts if r2 == r} for r in "01"}
+    assert len(coordinators["0"]) == 1 and not coordinators["0"] & coordinators["1"]  # one per replica run
+    assert "[launch] process 1 of replica 1 ended with exit code 5; starting the replica again (1 of 1)" in proc.stdout
 
 
 def test_launcher_forwards_ctrl_c():
