@@ -54,14 +54,15 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                       "[--processes-per-replica K]] -- "
                       "COMMAND [ARG ...]")
     p.add_argument("--processes", type=int, required=True, help="number of processes N (>= 1)")
-    p.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (default: a free one; with --independent every replica "
+                        "run takes a free one)")
     p.add_argument("--cpu-devices", type=int, default=0,
                    help="simulated CPU devices per process (sets JAX_NUM_CPU_DEVICES); 0 keeps JAX's default")
     p.add_argument("--independent", action="store_true",
                    help="N separate runs with JAXLM_REPLICA_ID=i (DiLoCo replica processes) instead of one JAX "
                         "distributed run; a failure does not stop the others")
-    p.add_argument("--restart", type=int, default=0, metavar="K",
-                   help="with --independent: start a process that fails again, up to K times each (default 0)")
+    p.add_argument("--restart", type=int, default=0, metavar="R",
+                   help="with --independent: start a replica that fails again, up to R times each (default 0)")
     p.add_argument("--processes-per-replica", type=int, default=1, metavar="K",
                    help="with --independent: each of the N replicas is a JAX distributed run of K processes")
     args = p.parse_args(argv[:cut])

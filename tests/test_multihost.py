@@ -38,7 +38,7 @@ def run(cmd, timeout=180, env=ENV):
                           timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: kept while a worker runs other modules in between
 def cached_env(tmp_path_factory):
     """A persistent compilation cache shared by this module's runs: a resumed run reuses the first run's programs."""
     return {**ENV, "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
@@ -67,7 +67,7 @@ def assert_same_run(got: dict, want: dict):
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-6, atol=0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: kept while a worker runs other modules in between
 def reference(tmp_path_factory, cached_env):
     """One process, 4 devices, data parallel, 4 uninterrupted steps."""
     workdir = tmp_path_factory.mktemp("one_process")

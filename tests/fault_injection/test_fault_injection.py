@@ -12,7 +12,7 @@ CASES = [("sigkill", 0), ("sigkill", 1), ("sigkill_save", 0), ("sigkill_save", 1
          ("disk_full", 0), ("tmpfs_full", 0)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: kept while a worker runs other modules in between
 def harness(tmp_path_factory):
     harness = Harness(tmp_path_factory.mktemp("faults"), steps=12, checkpoint_every=3)
     harness.reference()
