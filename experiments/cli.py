@@ -250,8 +250,8 @@ def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
     try:  # builds shardings from the layout's rules (no compilation yet): a clash or an indivisible dim fails here
         trainer = Trainer(cfg, build_mesh(layout), args.workdir, train_iter, eval_data, layout=layout,
                           progress=not args.no_progress, goodput=Goodput(start=LAUNCHED))
-    except (LayoutError, DistributedError, ConfigError, ExchangeError) as e:  # e.g. a process whose devices hold non-contiguous
-        # batch rows, or DiLoCo in a pipeline layout
+    except (LayoutError, DistributedError, ConfigError, ExchangeError) as e:  # e.g. a process whose devices hold
+        # non-contiguous batch rows, or DiLoCo in a pipeline layout
         return _fail(prog, str(e))
     try:
         final = trainer.run()

@@ -117,6 +117,9 @@ class _OneLineOrbaxFailures(logging.Filter):
         return True
 
 
+_ONE_LINE = _OneLineOrbaxFailures()  # one instance: addFilter ignores it when it is already there
+
+
 def _closed_loop_callback(unraisable) -> bool:
     """A tensorstore write finishing after Orbax closed the event loop that awaited it (a failed save): Python
     reports it as unraisable, with a traceback and no context, once per write."""
@@ -126,10 +129,10 @@ def _closed_loop_callback(unraisable) -> bool:
 
 def _quiet_orbax_failures() -> None:
     """Installs the filters above once per process, so a failed save ends with one line, the caller's."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_ONE_LINE)
     if getattr(sys.unraisablehook, "jaxlm_quiet", False):
         return
-    for name in ("absl", "asyncio"):
-        logging.getLogger(name).addFilter(_OneLineOrbaxFailures())
     previous = sys.unraisablehook
 
     def hook(unraisable):

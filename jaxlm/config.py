@@ -77,10 +77,10 @@ class OptimConfig:
 
 LOADERS = ("clairvoyant", "simple")
 # data fields that change how fast batches arrive, never which batches: a resumed run may change them
-# DiLoCo fields that say where and how a replica process syncs, not what the state is: a resume may change them.
-DILOCO_PROCESS_FIELDS = ("exchange", "replica", "sync_timeout_s")
 DATA_SPEED_FIELDS = ("cache_ram_mb", "cache_disk_mb", "cache_dir", "loader_workers", "prefetch_steps",
                      "throttle_latency_ms", "throttle_mb_per_s")
+# DiLoCo fields that say where and how a replica process syncs, not what the state is: a resume may change them
+DILOCO_PROCESS_FIELDS = ("exchange", "replica", "sync_timeout_s")
 
 
 @dataclass(frozen=True)

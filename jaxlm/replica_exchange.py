@@ -127,7 +127,7 @@ class ReplicaExchange:
         t0 = time.monotonic()
         members = self.members(step, fragment)
         if members is None and payload is None:
-            members = self._await_decision(step, fragment, t0 + 2 * self.timeout_s + LISTENER_GRACE_S)
+            members = self._await_decision(step, fragment)
         elif members is None:
             save_arrays(directory / f"r{self.index}.npz", payload)
             expected, deadline = self._expected(step, fragment), t0 + self.timeout_s
@@ -140,12 +140,13 @@ class ReplicaExchange:
         payloads = {m: load_arrays(directory / f"r{m}.npz") for m in members}
         return SyncResult(members, payloads, time.monotonic() - t0)
 
-    def _await_decision(self, step: int, fragment: int, deadline: float) -> tuple[int, ...]:
+    def _await_decision(self, step: int, fragment: int) -> tuple[int, ...]:
+        wait_s = 2 * self.timeout_s + LISTENER_GRACE_S
+        deadline = time.monotonic() + wait_s
         while (members := self.members(step, fragment)) is None:
             if time.monotonic() >= deadline:
                 raise ExchangeError(f"the sync at step {step} (fragment {fragment}) in {self.root} was not decided in "
-                                    f"{2 * self.timeout_s + LISTENER_GRACE_S:g}s: did process 0 of replica "
-                                    f"{self.index}, which posts for it, stop?")
+                                    f"{wait_s:g}s: did process 0 of replica {self.index}, which posts for it, stop?")
             time.sleep(self.poll_s)
         return members
 

@@ -243,10 +243,7 @@ class Program:
         every process passes the same batch of any row count (eval batches, read whole by every process)."""
         if jax.process_count() == 1:
             return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in batch.items()}
-        if whole:
-            return {k: jax.make_array_from_callback(np.shape(v), self.batch_sharding, lambda i, v=v: np.asarray(v)[i])
-                    for k, v in batch.items()}
-        return {k: put_process_rows(np.asarray(v), self.batch_sharding, self.cfg.data.batch_size)
+        return {k: put_process_rows(np.asarray(v), self.batch_sharding, len(v) if whole else self.cfg.data.batch_size)
                 for k, v in batch.items()}
 
     def evaluate(self, params, batches: list[Batch]) -> float:

@@ -136,9 +136,8 @@ class Trainer:
         else:
             _, state, data_state, _ = restored
             self.train_iter.set_state(data_state)
-        step = int(jax.device_get(state.step))
         state, moved_data_state = self.program.catch_up(state, log=self.notes.append)
-        self.rejoined = int(jax.device_get(state.step)) != step  # a DiLoCo replica moved to the others' state
+        self.rejoined = moved_data_state is not None  # a DiLoCo replica moved to the others' state
         if moved_data_state:
             self.train_iter.set_state(moved_data_state)
         return state
@@ -279,10 +278,7 @@ class Trainer:
             for note in program.drain_notes():
                 logger.info(note)
             if self.eval_batches and ((cfg.eval_every and step % cfg.eval_every == 0) or is_last):
-                with gp.timing("eval"):
-                    eval_loss = program.evaluate(program.eval_params(state), self.eval_batches)
-                logger.log({"step": step, "eval_loss": eval_loss})
-                last["eval_loss"] = eval_loss
+                last["eval_loss"] = self._evaluate(state, step, logger)
                 t_last = time.perf_counter()  # eval time is not training throughput
             preempt, overdue = self._agree(step, is_log, signals.received is not None,
                                            cfg.checkpoint_minutes > 0
@@ -300,11 +296,16 @@ class Trainer:
         params are its result too, so it evaluates and checkpoints them like a replica that trained to the end."""
         last = {"step": step}
         if self.eval_batches:
-            with self.goodput.timing("eval"):
-                last["eval_loss"] = self.program.evaluate(self.program.eval_params(state), self.eval_batches)
-            logger.log(dict(last))
+            last["eval_loss"] = self._evaluate(state, step, logger)
         self._save(step, state, self.train_iter.get_state())
         return last
+
+    def _evaluate(self, state, step: int, logger) -> float:
+        """The eval loss of `state`'s params, logged at `step` (its time counted as eval, not training)."""
+        with self.goodput.timing("eval"):
+            eval_loss = self.program.evaluate(self.program.eval_params(state), self.eval_batches)
+        logger.log({"step": step, "eval_loss": eval_loss})
+        return eval_loss
 
     def _save(self, step: int, state, data_state: dict, *, wait: bool = False) -> float:
         """Checkpoints `step` (and waits for it to be on disk if `wait`); returns the seconds it blocked."""

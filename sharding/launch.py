@@ -215,8 +215,7 @@ def _wait_independent(units: list[list[subprocess.Popen]], received: list[int], 
             if not failed:
                 continue
             j, code = failed[0]
-            if any(c.poll() is None for c in unit):
-                _stop(unit, signal.SIGKILL)
+            _stop(unit, signal.SIGKILL)  # only those still running
             if code != EXIT_USAGE and left[i]:  # bad input would fail again
                 left[i] -= 1
                 how = f"signal {-code}" if code < 0 else f"exit code {code}"
