@@ -5,8 +5,9 @@
 
 Three runs of the same M-replica job, each replica its own JAX process (one CPU device each):
   no_failure   nobody dies;
-  lost         replica M-1 is SIGKILLed once its metrics reach --kill-at and stays dead: the others wait
-               `diloco.sync_timeout_s` at the next sync, then average without it and train on;
+  lost         replica M-1 is SIGKILLed once its metrics reach --kill-at and stays dead: at the next sync the
+               others see its heartbeat stand still for `diloco.heartbeat_s` (or wait `diloco.sync_timeout_s`
+               with heartbeats off), then average without it and train on;
   restarted    the same kill, and the process is started again at once: it resumes from its checkpoint and
                replays the decided syncs, or, if the others went on without it, rejoins from their snapshot.
 The model, data and schedule are experiments.diloco_vs_sync's SMALL config (outer lr 0.4, the from-scratch
@@ -41,7 +42,10 @@ def parse(argv):
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--kill-at", type=int, help="kill the last replica once it logged this step (default: steps / 2)")
-    p.add_argument("--timeout", type=float, default=20.0, help="diloco.sync_timeout_s (default 20)")
+    p.add_argument("--timeout", type=float, default=DiLoCoConfig.sync_timeout_s,
+                   help=f"diloco.sync_timeout_s (default {DiLoCoConfig.sync_timeout_s:g})")
+    p.add_argument("--heartbeat", type=float, default=DiLoCoConfig.heartbeat_s,
+                   help=f"diloco.heartbeat_s, 0 = off (default {DiLoCoConfig.heartbeat_s:g})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     args = p.parse_args(argv)
     args.kill_at = args.kill_at or args.steps // 2
@@ -54,7 +58,7 @@ def write_config(args) -> Path:
     """The runs' config file (WORKDIR/config.py): SMALL with DiLoCo at M replicas, H=30, outer lr 0.4."""
     cfg = dataclasses.replace(SMALL, steps=args.steps, log_every=10, checkpoint_every=100,
                               diloco=DiLoCoConfig(replicas=args.replicas, inner_steps=30, outer_lr=0.4,
-                                                  sync_timeout_s=args.timeout))
+                                                  sync_timeout_s=args.timeout, heartbeat_s=args.heartbeat))
     cfg = validate(apply_overrides(cfg, args.set))
     path = Path(args.workdir) / "config.py"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +139,8 @@ def main(argv=None) -> int:
         print(f"running {name} ...", file=sys.stderr)
         results[name] = run(name, args, config)
     base = results["no_failure"]["eval_loss"]
-    print(f"\n{args.replicas} DiLoCo replica processes, {args.steps} steps, sync timeout {args.timeout:g}s\n")
+    beat = f"heartbeat {args.heartbeat:g}s" if args.heartbeat > 0 else "no heartbeat"
+    print(f"\n{args.replicas} DiLoCo replica processes, {args.steps} steps, sync timeout {args.timeout:g}s, {beat}\n")
     print("| run | final eval loss | vs no failure | killed after step | syncs still in the exchange, by members | "
           "survivor waited (s) |")
     print("|---|---|---|---|---|---|")

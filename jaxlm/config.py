@@ -80,7 +80,7 @@ LOADERS = ("clairvoyant", "simple")
 DATA_SPEED_FIELDS = ("cache_ram_mb", "cache_disk_mb", "cache_dir", "loader_workers", "prefetch_steps",
                      "throttle_latency_ms", "throttle_mb_per_s")
 # DiLoCo fields that say where and how a replica process syncs, not what the state is: a resume may change them
-DILOCO_PROCESS_FIELDS = ("exchange", "replica", "sync_timeout_s")
+DILOCO_PROCESS_FIELDS = ("exchange", "replica", "sync_timeout_s", "heartbeat_s")
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,7 @@ class DiLoCoConfig:
     exchange: str = ""  # directory all replicas' processes share for the outer syncs; "" = replicas in one program
     replica: int = 0  # this process's replica, 0..replicas-1 (the CLI reads $JAXLM_REPLICA_ID, set by launch)
     sync_timeout_s: float = 120.0  # how long a sync waits for a missing replica before going on without it
+    heartbeat_s: float = 30.0  # a replica whose heartbeat file stood still this long is dead: no wait; 0: off
 
 
 @dataclass(frozen=True)
@@ -376,6 +377,8 @@ def _check_diloco(cfg: TrainConfig) -> None:
             raise ConfigError(f"diloco.replica must be in [0, diloco.replicas = {c.replicas}), got {c.replica}")
         if c.sync_timeout_s <= 0:
             raise ConfigError(f"diloco.sync_timeout_s must be positive, got {c.sync_timeout_s}")
+        if c.heartbeat_s < 0:
+            raise ConfigError(f"diloco.heartbeat_s must be >= 0 (0 turns the heartbeat off), got {c.heartbeat_s}")
         if c.drop:
             raise ConfigError("diloco.drop simulates failures inside one program; with diloco.exchange a replica "
                               "fails by its process dying, so leave diloco.drop empty")

@@ -6,8 +6,9 @@ tensor over its devices; a replica may also be a JAX distributed run of several 
 for it in the exchange) and replaces the in-program sync by an exchange: it encodes its outer gradient on its
 devices (`outer_compression.encode`), posts it, and applies the outer step to the decided members' decoded
 gradients, laid out as the in-program sync lays out its [M] replicas (zeros and zero weight for non-members), so
-without failures both compute the same average. A replica left out of a sync (dead, restarting, or too slow for
-`diloco.sync_timeout_s`) takes the new global params, like a rejoining replica in `jaxlm.diloco`.
+without failures both compute the same average. A replica left out of a sync (dead: its heartbeat stood still for
+`diloco.heartbeat_s`; or restarting or too slow for `diloco.sync_timeout_s`) takes the new global params, like a
+rejoining replica in `jaxlm.diloco`.
 
 After each sync its leader (the lowest member) publishes a snapshot: the global params, the outer momentum, its
 own inner optimizer state and step, and the data position. A process that starts again replays the decided syncs
@@ -59,7 +60,10 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         # a replica spanning several processes (its own jax.distributed run): its process 0 speaks for it in the
         # exchange; the others read the same decisions and payloads, so all compute the same outer step
         self.speaks = jax.process_index() == 0
-        self.exchange = ReplicaExchange(c.exchange, c.replicas, c.replica, c.sync_timeout_s)
+        self.exchange = ReplicaExchange(c.exchange, c.replicas, c.replica, c.sync_timeout_s,
+                                        heartbeat_s=c.heartbeat_s)
+        # beating from here on, before compiling and restoring: a restarted replica is waited for, a dead one not
+        self.heartbeat = self.exchange.beat() if self.speaks and c.heartbeat_s > 0 else None
         self.c = c  # the run's settings (the local program's say 1 replica); self.M stays 1: this process's stack
         shapes = [x.shape for x in jax.tree.leaves(self.replica_abstract.params)]
         self.fragment_shapes = [self.fragments.view_shapes(shapes, p) for p in range(c.fragments)]
@@ -131,6 +135,9 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         w_M[list(result.members)] = 1.0 / len(result.members)
         state = self.apply_outer[p, merge](state, sent_M, w_M)
         self.members, self.waited_s = result.members, self.waited_s + result.waited_s
+        for r, why in result.left_out.items():
+            if r != self.index:
+                self.notes.append(f"the sync at step {step} went on without replica {r} ({why})")
         if self.index not in result.members:
             state = self.take_global(state)
             self.excluded += 1
@@ -216,5 +223,11 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
 
     def describe(self) -> str:
         where = "its own process" if jax.process_count() == 1 else f"its own {jax.process_count()} processes"
+        beat = f", heartbeat {self.c.heartbeat_s:g}s" if self.c.heartbeat_s > 0 else ", no heartbeat"
         return (f"{super().describe()}; replica {self.index} of {self.replicas_total} in {where}, synced through "
-                f"{self.exchange.root} (timeout {self.c.sync_timeout_s:g}s)")
+                f"{self.exchange.root} (timeout {self.c.sync_timeout_s:g}s{beat})")
+
+    def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None

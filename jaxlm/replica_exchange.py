@@ -9,13 +9,17 @@ protocol on a directory all of them can write (a shared filesystem on a cluster,
   sync_<step>_f<fragment>/join_r<i>   replica i (re)joins at this sync: wait for it
   sync_<step>_f<fragment>/members.json the decision: which replicas' gradients this sync averages
   snapshot_<step>.npz                 the global state after a sync, for a replica that comes back
+  alive_r<i>                          replica i's heartbeat: rewritten every heartbeat_s / 4 while its process lives
 
-A replica posts its gradient, then waits until every replica it expects has posted or `timeout_s` has passed, and
-then decides: the first to create members.json (an atomic hard link, so exactly one creation wins) fixes the
-members; everyone reads that file, so every survivor averages the same gradients in the same order and their global
-params stay bit for bit equal. Expected are the previous sync's members plus the replicas that announced a join;
-a replica that missed the decision is not a member and takes the new global params instead of its own. Decisions
-are durable, so a process that restarts from a checkpoint replays them and reaches the same state.
+A replica posts its gradient, then waits until every replica it expects has posted, is dead, or `timeout_s` has
+passed, and then decides. Dead is a replica whose heartbeat has not changed for `heartbeat_s` as this process saw
+it (on its own clock, so hosts need not agree on the time): a process that died is not waited for, while one that
+is restarting (beating again) or merely slow is, up to the timeout. The first to create members.json (an atomic
+hard link, so exactly one creation wins) fixes the members and records whom it went on without; everyone reads
+that file, so every survivor averages the same gradients in the same order and their global params stay bit for
+bit equal. Expected are the previous sync's members plus the replicas that announced a join; a replica that missed
+the decision is not a member and takes the new global params instead of its own. Decisions are durable, so a
+process that restarts from a checkpoint replays them and reaches the same state.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,15 +50,17 @@ class SyncResult:
     members: tuple[int, ...]  # the replicas whose gradients this sync averages, ascending
     payloads: dict[int, dict[str, np.ndarray]]  # each member's posted arrays
     waited_s: float  # time spent waiting for the others (0 for a replayed decision)
+    left_out: dict[int, str]  # expected replicas the decision went on without, and why (decisions since heartbeats)
 
 
-def _write_atomic(path: Path, write) -> None:
+def _write_atomic(path: Path, write, durable: bool = True) -> None:
     """`write(file)` to a temporary name, then rename: a reader never sees a partial file."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     with open(tmp, "wb") as f:
         write(f)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -66,14 +73,47 @@ def load_arrays(path: Path) -> dict[str, np.ndarray]:
         return {k: z[k] for k in z.files}
 
 
-class ReplicaExchange:
-    """Replica `index` of `replicas`' view of the exchange directory `root`."""
+class Heartbeat:
+    """Rewrites `path` with a new count every `period_s` from a daemon thread while this process lives, so that
+    the others can tell a dead replica (its file stands still) from a slow one. Content, not mtime, is what changes:
+    readers compare it on their own clocks."""
 
-    def __init__(self, root: str | Path, replicas: int, index: int, timeout_s: float, poll_s: float = 0.01):
+    def __init__(self, path: Path, period_s: float):
+        self.path, self.period_s = path, period_s
+        self.token, self.count = uuid.uuid4().hex, 0  # a restarted process writes a new token: it beats again
+        self._stop = threading.Event()
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat {path.name}", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self.count += 1
+        _write_atomic(self.path, lambda f: f.write(f"{self.token} {self.count}".encode()), durable=False)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.beat()
+            except OSError:  # a filesystem hiccup: the next beat tries again (a long one reads as death)
+                pass
+
+    def stop(self) -> None:
+        """Stops beating; the file stays and stands still, as after a death (a restart beats it again)."""
+        self._stop.set()
+        self._thread.join()
+
+
+class ReplicaExchange:
+    """Replica `index` of `replicas`' view of the exchange directory `root`. `heartbeat_s` > 0: replicas whose
+    heartbeat stood still that long are not waited for (see `beat`)."""
+
+    def __init__(self, root: str | Path, replicas: int, index: int, timeout_s: float, poll_s: float = 0.01,
+                 heartbeat_s: float = 0.0):
         if not 0 <= index < replicas:
             raise ExchangeError(f"replica index {index} is not in [0, {replicas})")
         self.root, self.replicas, self.index = Path(root), replicas, index
-        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.timeout_s, self.poll_s, self.heartbeat_s = timeout_s, poll_s, heartbeat_s
+        self._seen: dict[int, tuple[str, float]] = {}  # replica -> (its heartbeat, when this process first saw it)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -89,12 +129,21 @@ class ReplicaExchange:
         found = (_SYNC.match(p.name) for p in self.root.iterdir())
         return sorted((int(m[1]), int(m[2])) for m in found if m)
 
-    def members(self, step: int, fragment: int) -> tuple[int, ...] | None:
-        """The decided members of a sync, or None if it is undecided (or gone)."""
+    def _decision(self, step: int, fragment: int) -> dict | None:
         try:
-            return tuple(json.loads((self.sync_dir(step, fragment) / "members.json").read_text())["members"])
+            return json.loads((self.sync_dir(step, fragment) / "members.json").read_text())
         except FileNotFoundError:
             return None
+
+    def members(self, step: int, fragment: int) -> tuple[int, ...] | None:
+        """The decided members of a sync, or None if it is undecided (or gone)."""
+        decision = self._decision(step, fragment)
+        return None if decision is None else tuple(decision["members"])
+
+    def left_out(self, step: int, fragment: int) -> dict[int, str]:
+        """The expected replicas a decided sync went on without, and why."""
+        decision = self._decision(step, fragment) or {}
+        return {int(r): why for r, why in decision.get("left_out", {}).items()}
 
     def _expected(self, step: int, fragment: int) -> set[int]:
         """Whom to wait for: the last decided sync's members (everyone, before the first) plus announced joins."""
@@ -107,6 +156,37 @@ class ReplicaExchange:
     def _posted(self, directory: Path) -> set[int]:
         found = (re.fullmatch(r"r(\d+)\.npz", p.name) for p in directory.iterdir())
         return {int(m[1]) for m in found if m}
+
+    # ------------------------------------------------------------------------- liveness
+
+    def beat(self) -> Heartbeat:
+        """Starts this replica's heartbeat (its speaking process calls it once, as early as it can: a restarted
+        replica that beats again is waited for). Stop it with `.stop()`."""
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"heartbeats need heartbeat_s > 0, got {self.heartbeat_s}")
+        return Heartbeat(self.root / f"alive_r{self.index}", self.heartbeat_s / 4)
+
+    def silent_s(self, replica: int) -> float | None:
+        """How long `replica`'s heartbeat has stood still as this process saw it (remembered across syncs: one
+        unchanged since the last sync's look stood still all along); None without a heartbeat file (not started
+        yet, or heartbeats off): nothing is known, so the sync waits up to the timeout."""
+        try:
+            beat = (self.root / f"alive_r{replica}").read_text()
+        except FileNotFoundError:
+            return None
+        now = time.monotonic()
+        seen = self._seen.get(replica)
+        if seen is None or seen[0] != beat:
+            self._seen[replica] = (beat, now)
+            return 0.0
+        return now - seen[1]
+
+    def _dead(self, replicas: set[int]) -> dict[int, str]:
+        """Which of `replicas` have been silent for `heartbeat_s` or longer, and for how long."""
+        if self.heartbeat_s <= 0:
+            return {}
+        silent = {r: self.silent_s(r) for r in sorted(replicas)}
+        return {r: f"no heartbeat for {s:.1f}s" for r, s in silent.items() if s is not None and s >= self.heartbeat_s}
 
     # ------------------------------------------------------------------------- the sync
 
@@ -133,12 +213,14 @@ class ReplicaExchange:
             expected, deadline = self._expected(step, fragment), t0 + self.timeout_s
             while (members := self.members(step, fragment)) is None:
                 posted = self._posted(directory)
-                if expected <= posted or time.monotonic() >= deadline:
-                    self._decide(directory, sorted(posted))
+                dead = self._dead(expected - posted)
+                if expected <= posted | set(dead) or time.monotonic() >= deadline:
+                    late = {r: f"did not post within {self.timeout_s:g}s" for r in expected - posted - set(dead)}
+                    self._decide(directory, sorted(posted), {**dead, **late})
                 else:
                     time.sleep(self.poll_s)
         payloads = {m: load_arrays(directory / f"r{m}.npz") for m in members}
-        return SyncResult(members, payloads, time.monotonic() - t0)
+        return SyncResult(members, payloads, time.monotonic() - t0, self.left_out(step, fragment))
 
     def _await_decision(self, step: int, fragment: int) -> tuple[int, ...]:
         wait_s = 2 * self.timeout_s + LISTENER_GRACE_S
@@ -150,10 +232,11 @@ class ReplicaExchange:
             time.sleep(self.poll_s)
         return members
 
-    def _decide(self, directory: Path, members: list[int]) -> None:
+    def _decide(self, directory: Path, members: list[int], left_out: dict[int, str]) -> None:
         """Proposes `members`; the first proposal to land is the decision (link() fails if the file exists)."""
         tmp = directory / f".members.{uuid.uuid4().hex}.tmp"
-        tmp.write_text(json.dumps({"members": members, "decided_by": self.index, "time": time.time()}))
+        tmp.write_text(json.dumps({"members": members, "left_out": {str(r): why for r, why in sorted(left_out.items())},
+                                   "decided_by": self.index, "time": time.time()}))
         try:
             os.link(tmp, directory / "members.json")
         except FileExistsError:

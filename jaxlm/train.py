@@ -294,6 +294,9 @@ class Program:
         """A line for the run log about how the program trains ("" for plain training)."""
         return ""
 
+    def close(self) -> None:
+        """Stops what the program runs beside the steps (a replica process's heartbeat); the Trainer calls it last."""
+
 
 def make_program(cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None) -> Program:
     """DiLoCo's program when `diloco.replicas` is set (one replica of it per process with `diloco.exchange`), else

@@ -210,6 +210,7 @@ class Trainer:
             logger.close()
             if hasattr(self.train_iter, "close"):
                 self.train_iter.close()  # stops prefetch threads; a later next() would start them again
+            self.program.close()
 
     def _loop(self, state, start: int, logger, signals: StopSignals) -> dict:
         cfg, program, gp = self.cfg, self.program, self.goodput

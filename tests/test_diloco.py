@@ -264,6 +264,8 @@ def test_bad_drop_schedules_are_refused(drop, message):
     (dict(replicas=2, compression="fp4"), "diloco.compression must be one of none, bf16, int8, int4"),
     (dict(replicas=2, outer_momentum=1.0), r"outer_momentum must be in \[0, 1\)"),
     (dict(replicas=2, data="shuffled"), "diloco.data must be one of iid, partition"),
+    (dict(replicas=2, exchange="ex", sync_timeout_s=0), "diloco.sync_timeout_s must be positive, got 0"),
+    (dict(replicas=2, exchange="ex", heartbeat_s=-1), r"diloco.heartbeat_s must be >= 0 \(0 turns the heartbeat off\)"),
 ])
 def test_bad_diloco_configs_are_refused(diloco, message):
     with pytest.raises(ConfigError, match=message):

@@ -3,8 +3,9 @@
 - without failures, two replica processes train exactly like the two replicas inside one program;
 - a replica process killed mid-run is started again by the launcher, replays the decided syncs since its
   checkpoint while the other waits, and the run ends as if nothing had happened;
-- a replica that is gone for good is left out after the sync timeout and the other trains on alone; when it comes
-  back later it rejoins from the newest snapshot of the global params and both finish with the same params.
+- a replica that is gone for good is left out after the sync timeout (or, once it had a heartbeat, as soon as that
+  stands still) and the other trains on alone; when it comes back later it rejoins from the newest snapshot of the
+  global params and both finish with the same params.
 """
 
 import dataclasses
@@ -185,15 +186,15 @@ def test_bad_replica_settings_exit_2_with_one_line(tmp_path):
 
 
 def test_process_failure_experiment_end_to_end(tmp_path, capsys):
-    """The experiment's three runs on a tiny config: the lost replica's run finishes, its survivors agree, and the
-    last line is the JSON summary."""
+    """The experiment's three runs on a tiny config: the lost replica's run finishes, its survivor did not wait for
+    the dead replica beyond its heartbeat, and the last line is the JSON summary."""
     from experiments import diloco_process_failure
 
     tiny = ["model.d_model=32", "model.num_layers=2", "model.mlp_dim=64", "model.num_heads=2", "model.num_kv_heads=1",
             "data.seq_len=16", "data.batch_size=4", "data.eval_batches=1", "diloco.inner_steps=2",
             "optim.warmup_steps=1", "log_every=1"]
     code = diloco_process_failure.main(["--workdir", str(tmp_path), "--steps", "12", "--kill-at", "6",
-                                        "--replicas", "2", "--timeout", "3",
+                                        "--replicas", "2", "--timeout", "60", "--heartbeat", "3",
                                         *[a for kv in tiny for a in ("--set", kv)]])
     out = capsys.readouterr().out
     assert code == 0
@@ -202,6 +203,8 @@ def test_process_failure_experiment_end_to_end(tmp_path, capsys):
                             "lost_eval_loss", "restarted_eval_loss"}
     lost = json.loads((tmp_path / "lost" / "result.json").read_text())
     assert lost["killed_after_step"] >= 6 and lost["kept_syncs_by_members"].get("1", 0) >= 1  # it went on alone
+    assert lost["survivor_wait_s"] < 30  # its heartbeat stood still for 3 s: the 60 s timeout did not matter
+    assert "went on without replica 1 (no heartbeat for" in (tmp_path / "lost" / "replica_0.log").read_text()
     assert "| no_failure | " in out and "| lost | " in out
 
 

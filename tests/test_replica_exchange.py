@@ -1,6 +1,7 @@
 """The exchange protocol replica processes sync through (`jaxlm.replica_exchange`), with threads standing in for
-processes: every participant gets the same decision, a missing replica is left out after the timeout, a late one
-learns it was left out, a decided sync replays unchanged, and an announced replica is waited for."""
+processes: every participant gets the same decision, a missing replica is left out after the timeout (at once when
+its heartbeat stopped, but not while it beats), a late one learns it was left out, a decided sync replays unchanged,
+and an announced replica is waited for."""
 
 import threading
 import time
@@ -39,8 +40,35 @@ def test_a_missing_replica_is_left_out_after_the_timeout_and_learns_it_when_it_c
     results = post_all(tmp_path, 3, [0, 2], timeout_s=0.3)
     assert 0.3 <= time.monotonic() - t0 < 20
     assert results[0].members == results[2].members == (0, 2)
+    assert results[0].left_out == results[2].left_out == {1: "did not post within 0.3s"}
     late = ReplicaExchange(tmp_path, 3, 1, 30.0).allreduce(10, 0, {"x": np.ones(3, np.float32)})
     assert late.members == (0, 2) and sorted(late.payloads) == [0, 2]
+
+
+def test_a_replica_whose_heartbeat_stopped_is_not_waited_for_and_one_that_beats_is(tmp_path):
+    beating = ReplicaExchange(tmp_path, 3, 1, 60.0, heartbeat_s=0.4).beat()  # replica 1 lives
+    ReplicaExchange(tmp_path, 3, 2, 60.0, heartbeat_s=0.4).beat().stop()  # replica 2 beat once, then died
+    results = {}
+
+    def sync(i, step):
+        results[i, step] = ReplicaExchange(tmp_path, 3, i, 60.0, heartbeat_s=0.4).allreduce(
+            step, 0, {"x": np.full(3, i, np.float32)})
+
+    waiting = threading.Thread(target=sync, args=(0, 2))
+    t0 = time.monotonic()
+    waiting.start()
+    time.sleep(2.0)  # five of replica 1's heartbeat periods: still waited for
+    assert waiting.is_alive()
+    sync(1, 2)
+    waiting.join(timeout=30)
+    assert time.monotonic() - t0 < 30  # far from the 60 s timeout: replica 2 was not waited for
+    assert results[0, 2].members == results[1, 2].members == (0, 1)
+    assert set(results[0, 2].left_out) == {2} and results[0, 2].left_out[2].startswith("no heartbeat for ")
+    beating.stop()  # replica 1 dies too: the next sync waits for it only heartbeat_s
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    sync(0, 4)
+    assert results[0, 4].members == (0,) and set(results[0, 4].left_out) == {1} and time.monotonic() - t0 < 30
 
 
 def test_a_decided_sync_replays_the_recorded_payloads(tmp_path):
