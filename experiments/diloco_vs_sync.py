@@ -4,6 +4,8 @@
     python -m experiments.diloco_vs_sync --quick            # H=30, outer lr {0.4, 0.7}: a few minutes
     python -m experiments.diloco_vs_sync --steps 600 --set model.d_model=128
     python -m experiments.diloco_vs_sync --warm-start 300   # DiLoCo continues a 300-step data-parallel run
+    python -m experiments.diloco_vs_sync --warm-start 300 --inner-steps 30,100 --outer-lrs 0.4,0.7,1.0 \\
+        --set model.d_model=128 --set model.mlp_dim=512 --set data.batch_size=32   # 1.03M params: the README's targets
 
 Every run trains the same small model from the same init for the same steps on the same global batch B: data
 parallel takes one AdamW step per batch; DiLoCo's M replicas each take inner AdamW steps on B/M rows and sync every
