@@ -46,18 +46,18 @@ def test_a_missing_replica_is_left_out_after_the_timeout_and_learns_it_when_it_c
 
 
 def test_a_replica_whose_heartbeat_stopped_is_not_waited_for_and_one_that_beats_is(tmp_path):
-    beating = ReplicaExchange(tmp_path, 3, 1, 60.0, heartbeat_s=0.4).beat()  # replica 1 lives
-    ReplicaExchange(tmp_path, 3, 2, 60.0, heartbeat_s=0.4).beat().stop()  # replica 2 beat once, then died
+    beating = ReplicaExchange(tmp_path, 3, 1, 60.0, heartbeat_s=1.0).beat()  # replica 1 lives
+    ReplicaExchange(tmp_path, 3, 2, 60.0, heartbeat_s=1.0).beat().stop()  # replica 2 beat once, then died
     results = {}
 
     def sync(i, step):
-        results[i, step] = ReplicaExchange(tmp_path, 3, i, 60.0, heartbeat_s=0.4).allreduce(
+        results[i, step] = ReplicaExchange(tmp_path, 3, i, 60.0, heartbeat_s=1.0).allreduce(
             step, 0, {"x": np.full(3, i, np.float32)})
 
     waiting = threading.Thread(target=sync, args=(0, 2))
     t0 = time.monotonic()
     waiting.start()
-    time.sleep(2.0)  # five of replica 1's heartbeat periods: still waited for
+    time.sleep(3.0)  # twelve of replica 1's heartbeat periods, three heartbeat_s: still waited for
     assert waiting.is_alive()
     sync(1, 2)
     waiting.join(timeout=30)
