@@ -213,9 +213,10 @@ class ReplicaExchange:
             expected, deadline = self._expected(step, fragment), t0 + self.timeout_s
             while (members := self.members(step, fragment)) is None:
                 posted = self._posted(directory)
-                dead = self._dead(expected - posted)
-                if expected <= posted | set(dead) or time.monotonic() >= deadline:
-                    late = {r: f"did not post within {self.timeout_s:g}s" for r in expected - posted - set(dead)}
+                missing = expected - posted
+                dead = self._dead(missing)
+                if missing <= dead.keys() or time.monotonic() >= deadline:
+                    late = {r: f"did not post within {self.timeout_s:g}s" for r in missing - dead.keys()}
                     self._decide(directory, sorted(posted), {**dead, **late})
                 else:
                     time.sleep(self.poll_s)

@@ -54,8 +54,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                       "[--processes-per-replica K]] -- "
                       "COMMAND [ARG ...]")
     p.add_argument("--processes", type=int, required=True, help="number of processes N (>= 1)")
-    p.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (default: a free one; with --independent every replica "
-                        "run takes a free one)")
+    p.add_argument("--port", type=int, default=0,
+                   help="coordinator port on 127.0.0.1 (default: a free one; with --independent every replica run "
+                        "takes a free one)")
     p.add_argument("--cpu-devices", type=int, default=0,
                    help="simulated CPU devices per process (sets JAX_NUM_CPU_DEVICES); 0 keeps JAX's default")
     p.add_argument("--independent", action="store_true",
