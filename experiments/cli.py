@@ -96,17 +96,15 @@ def _prepare(args, default_config: Path):
     initialize(args.coordinator, args.num_processes, args.process_id)  # before anything queries devices
 
     from jaxlm import config as config_lib
+    from jaxlm.diloco.config import for_this_process
+    from jaxlm.run_data import open_run_data
     from sharding import MeshLayout, load_layout
 
     cfg = config_lib.load_config(args.config or default_config)
     flags = {"steps": args.steps, "seed": args.seed, "log_every": args.log_every,
              "checkpoint_every": args.checkpoint_every}
     cfg = config_lib.apply_overrides(cfg, [f"{k}={v}" for k, v in flags.items() if v is not None] + args.set)
-    if cfg.diloco.replicas and cfg.diloco.exchange:
-        cfg, args.workdir = _replica_process(cfg, args)
-    elif args.replica_id is not None:
-        raise UsageError("--replica-id needs DiLoCo replicas in their own processes: set diloco.replicas and "
-                         "diloco.exchange=DIR")
+    cfg, args.workdir = for_this_process(cfg, args.workdir, args.replica_id)  # a DiLoCo replica's own process
     config_lib.validate(cfg)
 
     num_devices = jax.device_count()
@@ -115,7 +113,7 @@ def _prepare(args, default_config: Path):
     layout.check_divisibility(batch_size=d.batch_size, microbatches=d.microbatches, num_heads=m.num_heads,
                               num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, num_layers=m.num_layers)
 
-    train_iter, eval_data = open_data(cfg)
+    train_iter, eval_data = open_run_data(cfg)
     workdir = Path(args.workdir)
     not_dir = next((p for p in (workdir, *workdir.parents) if p.exists() and not p.is_dir()), None)
     if not_dir:
@@ -126,101 +124,6 @@ def _prepare(args, default_config: Path):
     except OSError as e:
         raise UsageError(f"--workdir {workdir} is not writable: {e.strerror}") from None
     return cfg, layout, train_iter, eval_data
-
-
-def _replica_process(cfg, args):
-    """A DiLoCo replica in its own process: its index (flag, else $JAXLM_REPLICA_ID), the exchange directory as an
-    absolute path, and its own workdir WORKDIR/replica_I (checkpoints, metrics)."""
-    import dataclasses
-
-    from sharding.launch import ENV_REPLICA_ID
-
-    replica = args.replica_id
-    if replica is None and os.environ.get(ENV_REPLICA_ID):
-        try:
-            replica = int(os.environ[ENV_REPLICA_ID])
-        except ValueError:
-            raise UsageError(f"${ENV_REPLICA_ID} must be an integer, got {os.environ[ENV_REPLICA_ID]!r}") from None
-    if replica is None:
-        replica = cfg.diloco.replica
-    diloco = dataclasses.replace(cfg.diloco, replica=replica, exchange=str(Path(cfg.diloco.exchange).absolute()))
-    return dataclasses.replace(cfg, diloco=diloco), str(Path(args.workdir) / f"replica_{replica}")
-
-
-def open_data(cfg):
-    """(train batch iterator, eval batches) for a config's data, checked against the model's vocabulary."""
-    from data import SeededBatchIterator, TokenFile, default_corpus, eval_batches, split_train_val
-    from data.iterator import num_windows
-    from data.sources import TokenWindowSource
-    from jaxlm.attention import parse_mask, uses_documents
-
-    d = cfg.data
-    token_file = TokenFile.open(d.path or default_corpus())
-    if token_file.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"token file {token_file.path} has vocab_size {token_file.vocab_size} but "
-                         f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
-    # Scan the ids, not only meta.json's max_token_id: an id past model.vocab_size would embed as NaN (jnp.take fills
-    # out-of-range rows), silently. Measured on 2 CPU cores: the default corpus (12M tokens = 3 chunks) scans in ~1 ms
-    # from the page cache, ~20 ms cold; a file over 16 chunks (64M tokens) gets an evenly spread 16-chunk sample
-    # instead (1G tokens: ~5 ms warm, vs ~120 ms warm and seconds cold for all of it).
-    token_file.validate_ids(cfg.model.vocab_size, deep=True, chunk_size=1 << 22, max_chunks=16)
-    path, n, batch_tokens = token_file.path, token_file.num_tokens, d.batch_size * d.seq_len + 1
-    if n < batch_tokens:
-        raise ValueError(f"token file {path} holds {n} tokens, fewer than one batch of data.batch_size x "
-                         f"data.seq_len + 1 = {batch_tokens}")
-    try:
-        (train_lo, train_hi), (val_lo, val_hi) = split_train_val(n, d.val_fraction, d.seq_len)
-    except ValueError as e:  # the validation split is shorter than a window, or leaves too little to train on
-        raise ValueError(f"token file {path}: {e}; adjust data.val_fraction (0: no validation)") from None
-    for split, lo, hi in (("training", train_lo, train_hi), ("validation", val_lo, val_hi)):
-        windows = num_windows(lo, hi, d.seq_len)
-        if (split == "training" or d.eval_batches and hi > lo) and windows < d.batch_size:
-            raise ValueError(f"token file {path}: its {split} split ({hi - lo} tokens at data.val_fraction "
-                             f"{d.val_fraction}) holds {windows} sequences, fewer than data.batch_size {d.batch_size}")
-    eos_id = None  # given, batches carry segment_ids: only when the "document" attention mask needs them
-    if uses_documents(parse_mask(cfg.model.attention_mask)):
-        eos_id = token_file.meta.get("eos_id")
-        if eos_id is None:
-            raise ValueError(f"model.attention_mask {cfg.model.attention_mask!r} uses document(), but token file "
-                             f"{token_file.path} records no eos_id to find document boundaries")
-    if cfg.diloco.replicas and cfg.diloco.data == "partition":
-        from data.partitioned import PartitionedBatches
-
-        train_iter = PartitionedBatches(token_file.tokens, parts=cfg.diloco.replicas, batch_size=d.batch_size,
-                                        seq_len=d.seq_len, seed=cfg.seed, start=train_lo, stop=train_hi, eos_id=eos_id)
-    elif d.loader == "simple":
-        train_iter = SeededBatchIterator(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len,
-                                         seed=cfg.seed, start=train_lo, stop=train_hi, eos_id=eos_id)
-    else:
-        train_iter = clairvoyant_loader(cfg, TokenWindowSource(token_file.tokens, seq_len=d.seq_len, start=train_lo,
-                                                               stop=train_hi), eos_id)
-    eval_data = []
-    if d.eval_batches and val_hi > val_lo:
-        eval_data = eval_batches(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len, start=val_lo,
-                                 stop=val_hi, max_batches=d.eval_batches, eos_id=eos_id)
-    return train_iter, eval_data
-
-
-def clairvoyant_loader(cfg, source, eos_id=None):
-    """The plan-driven loader over `source` with the config's tiers, optionally behind a simulated remote filesystem.
-
-    In a multi-process run the processes' loaders all-gather their plans over jax.distributed and serve each
-    other's misses; each process reads the rows its devices hold (the trainer calls set_rows)."""
-    import jax
-
-    from data.loader import ClairvoyantLoader, jax_exchange
-    from data.sources import ThrottledSource
-
-    d = cfg.data
-    if d.throttle_latency_ms or d.throttle_mb_per_s:
-        source = ThrottledSource(source, latency_s=d.throttle_latency_ms / 1e3,
-                                 bandwidth_bytes_per_s=d.throttle_mb_per_s * 1e6 or None)
-    multi = jax.process_count() > 1
-    return ClairvoyantLoader(source, batch_size=d.batch_size, seed=cfg.seed, ram_bytes=int(d.cache_ram_mb * 2**20),
-                             disk_bytes=int(d.cache_disk_mb * 2**20), disk_dir=d.cache_dir or None,
-                             workers=d.loader_workers, prefetch_steps=d.prefetch_steps, eos_id=eos_id,
-                             process_index=jax.process_index(), process_count=jax.process_count(),
-                             exchange=jax_exchange() if multi else None)
 
 
 def use_compilation_cache(choice: str | None) -> None:
@@ -241,7 +144,7 @@ def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
     from jaxlm.config import ConfigError
     from jaxlm.goodput import Goodput
     from jaxlm.preemption import EXIT_PREEMPTED, Preempted
-    from jaxlm.replica_exchange import ExchangeError
+    from jaxlm.diloco.exchange import ExchangeError
     from jaxlm.trainer import Trainer, TrainingDiverged
     from sharding import LayoutError, build_mesh
     from sharding.distributed import DistributedError

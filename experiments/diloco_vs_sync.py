@@ -82,12 +82,12 @@ def train(name: str, cfg: TrainConfig, workdir: Path, warm: Path | None = None):
     state)."""
     import jax
 
-    from experiments.cli import open_data
+    from jaxlm.run_data import open_run_data
     from jaxlm.trainer import Trainer
     from sharding import MeshLayout, build_mesh
 
     run_dir = workdir / name
-    train_iter, eval_data = open_data(cfg)
+    train_iter, eval_data = open_run_data(cfg)
     mesh = build_mesh(MeshLayout(), devices=jax.devices()[:1])
     if warm is not None and not (run_dir / "checkpoints").is_dir():
         _start_from(warm, cfg, mesh, run_dir)
@@ -103,7 +103,8 @@ def _start_from(warm: Path, cfg: TrainConfig, mesh, run_dir: Path) -> None:
 
     from jaxlm.checkpoint import Checkpointer
     from jaxlm.config import to_dict
-    from jaxlm.train import Program, make_program
+    from jaxlm.train import Program
+    from jaxlm.trainer import make_program
 
     source = Checkpointer(warm / "checkpoints")
     step = source.latest_step()

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     import orbax.checkpoint as ocp
     from flax import nnx, traverse_util
 
-    from experiments.cli import open_data
+    from jaxlm.run_data import open_run_data
     from jaxlm.quantized import quantize_weights
     from jaxlm.train import Program
     from pallas_kernels.quantize import dequantize
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.eval_batches:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_batches=args.eval_batches))
-    _, eval_data = open_data(cfg)
+    _, eval_data = open_run_data(cfg)
     if not eval_data:
         print(f"{PROG}: error: the run's data has no validation split (data.val_fraction = "
               f"{cfg.data.val_fraction}); nothing to evaluate", file=sys.stderr)

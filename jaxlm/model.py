@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlm.attention import attention
-from jaxlm.config import ModelConfig
+from jaxlm.config import REMAT_CHOICES, ModelConfig
 from jaxlm.quantized import AmaxHistory, amax_history, layer_recipe, project
 from pallas_kernels import BlockSizes, soft_cap
 from sharding.rules import LOGICAL_AXES_KEY as LOGICAL_AXES, constrain
@@ -32,6 +32,7 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+assert tuple(REMAT_POLICIES) == REMAT_CHOICES, "jaxlm.config.REMAT_CHOICES names the policies the config allows"
 
 
 def _param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float | None) -> nnx.Param:

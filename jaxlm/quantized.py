@@ -8,51 +8,21 @@ named stay "default" (the plain einsum). Precisions: default | int8 | fp8 | int8
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlm.config import parse_matmul_precision
 from pallas_kernels.quantized_training import QuantRecipe, new_amax_history, quantized_dot
 from sharding.rules import LOGICAL_AXES_KEY
-
-PRECISIONS = ("default", "int8", "fp8", "int8_weight_only")
-LAYER_CLASSES = ("attention", "mlp", "lm_head")
-SCALINGS = ("delayed", "current")
-BACKWARDS = ("quantized", "high")
-
 
 class AmaxHistory(nnx.Variable):
     """Delayed-scaling state of one quantized matmul: [3, H] amaxes of x, w and dY over the last H steps.
 
     Not a Param: the optimizer never sees it. Its gradient is the updated history (pallas_kernels.
     quantized_training), which the train step writes back; it is checkpointed with the params."""
-
-
-@functools.lru_cache(maxsize=32)
-def parse_matmul_precision(spec: str) -> dict[str, str]:
-    """'fp8' -> every class fp8; 'attention=fp8,mlp=int8' -> those, the rest 'default'. ValueError on bad specs."""
-    spec = spec.strip()
-    if "=" not in spec:
-        if spec not in PRECISIONS:
-            raise ValueError(f"matmul precision {spec!r} is not one of {', '.join(PRECISIONS)}")
-        return {c: spec for c in LAYER_CLASSES}
-    out = dict.fromkeys(LAYER_CLASSES, "default")
-    seen = set()
-    for item in spec.split(","):
-        cls, sep, precision = (part.strip() for part in item.partition("="))
-        if not sep or cls not in LAYER_CLASSES:
-            raise ValueError(f"matmul precision spec {spec!r}: {item.strip()!r} must be CLASS=PRECISION with CLASS one "
-                             f"of {', '.join(LAYER_CLASSES)}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"matmul precision spec {spec!r}: {precision!r} is not one of {', '.join(PRECISIONS)}")
-        if cls in seen:
-            raise ValueError(f"matmul precision spec {spec!r} names {cls!r} twice")
-        seen.add(cls)
-        out[cls] = precision
-    return out
 
 
 def layer_recipe(cfg, layer_class: str) -> QuantRecipe | None:
@@ -69,11 +39,6 @@ def layer_recipe(cfg, layer_class: str) -> QuantRecipe | None:
 def _keeps_history(cfg, recipe: QuantRecipe | None) -> bool:
     """A quantized, not weight-only, matmul under delayed scaling keeps an amax history."""
     return recipe is not None and not recipe.weight_only and cfg.quant_scaling == "delayed"
-
-
-def uses_delayed_scaling(cfg) -> bool:
-    """True when some matmul of the model keeps an amax history."""
-    return any(_keeps_history(cfg, layer_recipe(cfg, c)) for c in LAYER_CLASSES)
 
 
 def amax_history(cfg, recipe: QuantRecipe | None) -> AmaxHistory | None:

@@ -21,8 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxlm import config as config_lib
 from jaxlm.config import OptimConfig, TrainConfig
 from jaxlm.model import LOGICAL_AXES, Transformer, apply_layers, head_logits
-from jaxlm.quantized import uses_delayed_scaling
-from sharding.distributed import put_process_rows
+from sharding.distributed import process_rows, put_process_rows
 from sharding.mesh import MESH_AXES, MeshLayout
 from sharding.pipeline import pipeline_loss, split_stages
 from sharding.rules import batch_sharding, tree_shardings, use_rules
@@ -183,7 +182,7 @@ class Program:
     def __init__(self, cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None):
         """`layout` supplies the logical-axis rules and the pipeline schedule; None: defaults for the mesh's shape."""
         layout = layout or MeshLayout(**{axis: mesh.shape.get(axis, 1) for axis in MESH_AXES})
-        if layout.pipeline > 1 and uses_delayed_scaling(cfg.model):
+        if layout.pipeline > 1 and cfg.model.keeps_amax_history:
             # A pipeline sums each microbatch's gradient; an amax history must be combined by max (see train_step).
             raise config_lib.ConfigError("delayed-scaling quantization (model.quant_scaling=delayed) does not run in "
                                          "a pipeline layout; set model.quant_scaling=current")
@@ -258,11 +257,13 @@ class Program:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self.abstract_state, self.state_shardings)
 
-    # The Trainer drives every program through these three: a plain program is one compiled step; DiLoCo
-    # (jaxlm.diloco) picks among several compiled programs by step number.
+    # What the Trainer calls besides init / evaluate: a plain program is one compiled step; DiLoCo (jaxlm.diloco)
+    # subclasses these to pick among several compiled programs by step number and to sync its replicas.
 
     def compile_step(self, state, batch) -> Callable[[Any, Batch, int], tuple[Any, dict]]:
-        """Compiles for these arguments; returns step_fn(state, batch, step) -> (state, metrics) producing `step`."""
+        """Compiles for these arguments; returns step_fn(state, batch, step) -> (state, metrics) producing `step`.
+        The metrics hold device scalars (`loss`, `grad_norm`, `lr`, `skipped`) and any host figures the program
+        adds; the Trainer logs every one but `skipped`."""
         compiled = self.train_step.lower(state, batch).compile()
         return lambda state, batch, step: compiled(state, batch)
 
@@ -270,43 +271,19 @@ class Program:
         """The parameters evaluation and export use."""
         return state.params
 
-    def adopt(self, plain: TrainState):
-        """This program's state continuing a plain run's `TrainState` (a warm start; plain training: itself)."""
-        return plain
+    def rows_to_read(self) -> tuple[int, int] | None:
+        """The rows [lo, hi) of every global batch this process reads (the rows its devices hold, when the run spans
+        processes); None: all of them."""
+        if jax.process_count() == 1:
+            return None
+        d = self.cfg.data
+        return process_rows(self.batch_sharding, (d.batch_size, d.seq_len))
 
-    def step_metrics(self, step: int) -> dict:
-        """Host-side figures for metrics.jsonl at `step` (none for plain training)."""
-        return {}
-
-    def attach(self, train_iter) -> None:
-        """Called once with the training iterator, before the first batch (a program may read only some rows)."""
-
-    def catch_up(self, state, log) -> tuple[Any, dict | None]:
-        """After restore or init: the state to start from, and a data position if it moved (a replica process
-        rejoining its peers, `jaxlm.diloco_processes`); plain programs start where they are."""
+    def start(self, state, train_iter, log: Callable[[str], None]) -> tuple[Any, dict | None]:
+        """Called once, after restore or init and before compiling: the state to train from and, when the program
+        moved it (a replica catching up with its peers), the data position that goes with it. `log` takes lines for
+        the run log, now and while stepping."""
         return state, None
 
-    def drain_notes(self) -> list[str]:
-        """Log lines the program collected while stepping (e.g. a missed sync)."""
-        return []
-
-    def describe(self) -> str:
-        """A line for the run log about how the program trains ("" for plain training)."""
-        return ""
-
     def close(self) -> None:
-        """Stops what the program runs beside the steps (a replica process's heartbeat); the Trainer calls it last."""
-
-
-def make_program(cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None) -> Program:
-    """DiLoCo's program when `diloco.replicas` is set (one replica of it per process with `diloco.exchange`), else
-    the plain synchronous one."""
-    if cfg.diloco.replicas and cfg.diloco.exchange:
-        from jaxlm.diloco_processes import ProcessDiLoCoProgram
-
-        return ProcessDiLoCoProgram(cfg, mesh, layout)
-    if cfg.diloco.replicas:
-        from jaxlm.diloco import DiLoCoProgram  # diloco builds on this module
-
-        return DiLoCoProgram(cfg, mesh, layout)
-    return Program(cfg, mesh, layout)
+        """Stops what the program runs beside the steps; the Trainer calls it last."""

@@ -23,14 +23,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxlm import config as config_lib
+from jaxlm import diloco
 from jaxlm.checkpoint import Checkpointer, CheckpointSaveError, shape_mismatches
 from jaxlm.config import TrainConfig
 from jaxlm.goodput import Goodput, append_record, summary
 from jaxlm.metrics import MetricsLogger, NullLogger
 from jaxlm.model import model_flops_per_token
 from jaxlm.preemption import Preempted, StopSignals
-from jaxlm.train import Batch, make_program
-from sharding.distributed import process_rows
+from jaxlm.train import Batch, Program
 from sharding.mesh import MeshLayout
 from sharding.pipeline import bubble_fraction
 
@@ -41,6 +41,14 @@ class TrainingDiverged(RuntimeError):
 
 
 OUTCOMES = {Preempted: "preempted", TrainingDiverged: "diverged", CheckpointSaveError: "checkpoint_failed"}
+
+
+def make_program(cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None) -> Program:
+    """The compiled program a config asks for: DiLoCo's when its section is on (the one place the loop's side
+    knows of it), else plain synchronous training."""
+    if cfg.diloco.enabled:
+        return diloco.make_program(cfg, mesh, layout)
+    return Program(cfg, mesh, layout)
 
 
 class LoaderMetrics:
@@ -94,6 +102,27 @@ class BadStepCounter:
         return self.streak >= self.limit
 
 
+class Throughput:
+    """Tokens per second between two log records, leaving out the time spent in eval and blocking saves."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.t, self.steps = time.perf_counter(), 0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def restart(self) -> None:
+        """The time since the last record is not training throughput (an eval, a save)."""
+        self.t = time.perf_counter()
+
+    def record(self) -> dict:
+        now = time.perf_counter()
+        tokens_per_s = self.steps * self.tokens_per_step / (now - self.t)
+        self.t, self.steps = now, 0
+        return {"tokens_per_s": tokens_per_s, "model_gflops_per_s": tokens_per_s * self.flops_per_token / 1e9}
+
+
 class Trainer:
     """Runs `cfg.steps` optimizer steps, resuming from the workdir's latest usable checkpoint if there is one."""
 
@@ -105,39 +134,46 @@ class Trainer:
         self.goodput = goodput or Goodput()
         self.program = make_program(cfg, mesh, layout)
         self.primary = jax.process_index() == 0  # the one process that writes logs, plots and config.json
-        if jax.process_count() > 1:
-            self._read_process_rows()
-        self.program.attach(train_iter)
+        self._read_rows()
         self.checkpointer = Checkpointer(f"{workdir}/checkpoints", keep=cfg.keep_checkpoints,
                                          async_save=cfg.async_checkpointing, primary=self.primary)
         self.progress = progress
-        self.rejoined = False  # set by restore_or_init
+        self.moved = False  # set by restore_or_init: the program moved the restored state (a replica caught up)
+        self.logger = None  # the run's MetricsLogger (NullLogger on other processes), once run() opened it
         self.notes: list[str] = [f"removed incomplete checkpoint {name} (a save cut short by a crash)"
                                  for name in self.checkpointer.removed]
 
-    def _read_process_rows(self) -> None:
-        """Multi-process: each process reads only the training rows its devices hold under the batch sharding."""
-        d = self.cfg.data
-        lo, hi = process_rows(self.program.batch_sharding, (d.batch_size, d.seq_len))
+    def _read_rows(self) -> None:
+        """The iterator reads only the rows of each batch this process's program needs (all, on one process)."""
+        rows = self.program.rows_to_read()
+        if rows is None:
+            return
         if not hasattr(self.train_iter, "set_rows"):
-            raise TypeError(f"a multi-process run needs a data iterator with set_rows(start, stop) to read rows "
-                            f"[{lo}, {hi}) of each batch; {type(self.train_iter).__name__} has none")
-        self.train_iter.set_rows(lo, hi)  # eval batches stay whole: device_batch takes each device's rows
+            raise TypeError(f"this run reads rows [{rows[0]}, {rows[1]}) of each batch and needs a data iterator with "
+                            f"set_rows(start, stop); {type(self.train_iter).__name__} has none")
+        self.train_iter.set_rows(*rows)  # eval batches stay whole: device_batch takes each device's rows
+
+    def log(self, line: str) -> None:
+        """A line for the run log; kept until the log is open."""
+        if self.logger is None:
+            self.notes.append(line)
+        else:
+            self.logger.info(line)
 
     # ------------------------------------------------------------------------- restore
 
     def restore_or_init(self):
-        """The newest usable checkpoint's state (the data iterator repositioned), else a fresh init. Messages
-        about skipped checkpoints go to `self.notes`."""
+        """The newest usable checkpoint's state (the data iterator repositioned), else a fresh init, as the program
+        starts from it. Messages about skipped checkpoints go to the run log."""
         restored = self.checkpointer.restore_latest(self.program.abstract_with_shardings(),
-                                                    check=self._check_compatible, log=self.notes.append)
+                                                    check=self._check_compatible, log=self.log)
         if restored is None:
             state = self.program.init()
         else:
             _, state, data_state, _ = restored
             self.train_iter.set_state(data_state)
-        state, moved_data_state = self.program.catch_up(state, log=self.notes.append)
-        self.rejoined = moved_data_state is not None  # a DiLoCo replica moved to the others' state
+        state, moved_data_state = self.program.start(state, self.train_iter, log=self.log)
+        self.moved = moved_data_state is not None
         if moved_data_state:
             self.train_iter.set_state(moved_data_state)
         return state
@@ -146,19 +182,7 @@ class Trainer:
         """Refuses a checkpoint written with a config that shapes the state or the data differently, naming the
         fields (and the first parameters whose shapes differ): compared before any array is read, so the user
         gets that line instead of an Orbax shape error."""
-        changed = config_lib.diff(saved_cfg["model"], config_lib.to_dict(self.cfg.model), "model.")
-        saved_data, data = ({k: v for k, v in c.items() if k not in config_lib.DATA_SPEED_FIELDS}
-                            for c in (saved_cfg["data"], config_lib.to_dict(self.cfg.data)))
-        changed += config_lib.diff(saved_data, data, "data.")
-        # the optimizers and DiLoCo settings shape the saved state: another choice cannot continue it
-        defaults = config_lib.to_dict(config_lib.TrainConfig())
-        saved_diloco, diloco = ({k: v for k, v in c.items() if k not in config_lib.DILOCO_PROCESS_FIELDS}
-                                for c in (saved_cfg.get("diloco", defaults["diloco"]),
-                                          config_lib.to_dict(self.cfg.diloco)))
-        changed += config_lib.diff(saved_diloco, diloco, "diloco.")
-        saved_optimizer = saved_cfg["optim"].get("optimizer", "adamw")
-        if saved_optimizer != self.cfg.optim.optimizer:
-            changed.append(f"optim.optimizer: {saved_optimizer!r} -> {self.cfg.optim.optimizer!r}")
+        changed = config_lib.resume_changes(saved_cfg, self.cfg)
         if changed:
             try:
                 shapes = shape_mismatches(self.checkpointer.saved_shapes(step), self.program.abstract_state)
@@ -169,30 +193,21 @@ class Trainer:
                                          f"config ({'; '.join(changed)}{params}); use a new --workdir or the "
                                          f"original config")
 
-    # ------------------------------------------------------------------------- the loop
+    # ------------------------------------------------------------------------- the run
 
     def run(self) -> dict:
         """Trains to `cfg.steps`; returns the last logged record. Raises Preempted (after a checkpoint) on
         SIGTERM / SIGINT, TrainingDiverged, CheckpointSaveError, or ConfigError for an incompatible checkpoint."""
         gp = self.goodput
         gp.seconds["startup"] += time.perf_counter() - gp.start
-        logger, outcome = NullLogger(), "error"
+        outcome = "error"
         try:
             with StopSignals() as signals:
                 with gp.timing("restore"):
                     state = self.restore_or_init()
                 start = int(jax.device_get(state.step))  # replicated: every process reads its local copy
-                if self.primary:
-                    config_path = Path(self.workdir) / "config.json"
-                    tmp = config_path.with_suffix(".json.tmp")  # written whole or not at all
-                    tmp.write_text(json.dumps(config_lib.to_dict(self.cfg), indent=2) + "\n")
-                    tmp.replace(config_path)
-                    logger = MetricsLogger(self.workdir, total_steps=self.cfg.steps, start_step=start,
-                                           progress=self.progress, tensorboard=self.cfg.tensorboard)
-                    gp.lost_steps = logger.recomputed_steps
-                for note in self.notes:
-                    logger.info(note)
-                last = self._loop(state, start, logger, signals)
+                self._open_log(start)
+                last = self._train(state, start, signals)
                 with gp.timing("checkpoint"):
                     self.checkpointer.wait()
                 outcome = "finished"
@@ -201,111 +216,155 @@ class Trainer:
             outcome = OUTCOMES.get(type(e), "error")
             raise
         finally:
-            try:
-                self.checkpointer.manager.close()
-            except Exception:  # a failed save was already reported; closing must not mask the first error
-                pass
-            if self.primary and gp.steps:
-                logger.info(summary(append_record(self.workdir, gp.record(outcome))))
-            logger.close()
-            if hasattr(self.train_iter, "close"):
-                self.train_iter.close()  # stops prefetch threads; a later next() would start them again
-            self.program.close()
+            self._close(outcome)
 
-    def _loop(self, state, start: int, logger, signals: StopSignals) -> dict:
-        cfg, program, gp = self.cfg, self.program, self.goodput
-        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        flops_per_token = model_flops_per_token(cfg.model, program.num_params, cfg.data.seq_len)
-        logger.info(f"params {program.num_params / 1e6:.2f}M, {flops_per_token / 1e6:.1f} MFLOP/token, "
-                    f"{'resuming at step ' + str(start) if start else 'starting from scratch'}")
-        layout = program.layout
-        if description := program.describe():
-            logger.info(description)
+    def _open_log(self, start: int) -> None:
+        """config.json, the metrics logger, and the lines noted before it existed."""
+        self.logger = NullLogger()
+        if self.primary:
+            config_path = Path(self.workdir) / "config.json"
+            tmp = config_path.with_suffix(".json.tmp")  # written whole or not at all
+            tmp.write_text(json.dumps(config_lib.to_dict(self.cfg), indent=2) + "\n")
+            tmp.replace(config_path)
+            self.logger = MetricsLogger(self.workdir, total_steps=self.cfg.steps, start_step=start,
+                                        progress=self.progress, tensorboard=self.cfg.tensorboard)
+            self.goodput.lost_steps = self.logger.recomputed_steps
+        notes, self.notes = self.notes, []
+        for note in notes:
+            self.logger.info(note)
+
+    def _close(self, outcome: str) -> None:
+        try:
+            self.checkpointer.manager.close()
+        except Exception:  # a failed save was already reported; closing must not mask the first error
+            pass
+        logger = self.logger or NullLogger()
+        if self.primary and self.goodput.steps:
+            logger.info(summary(append_record(self.workdir, self.goodput.record(outcome))))
+        logger.close()
+        if hasattr(self.train_iter, "close"):
+            self.train_iter.close()  # stops prefetch threads; a later next() would start them again
+        self.program.close()
+
+    def _describe(self, start: int, flops_per_token: float) -> None:
+        program, layout = self.program, self.program.layout
+        self.log(f"params {program.num_params / 1e6:.2f}M, {flops_per_token / 1e6:.1f} MFLOP/token, "
+                 f"{'resuming at step ' + str(start) if start else 'starting from scratch'}")
         if layout.pipeline > 1:
-            logger.info(f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}, {layout.num_microbatches} "
-                        f"microbatches per step: bubble {bubble_fraction(layout.pipeline, layout.num_microbatches):.1%}")
-        if start >= cfg.steps and self.rejoined:
-            return self._finish_rejoined(state, start, logger)
-        if start >= cfg.steps:
-            logger.info(f"already at step {start} >= steps {cfg.steps}; nothing to do")
-            return {}
+            self.log(f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}, {layout.num_microbatches} "
+                     f"microbatches per step: bubble {bubble_fraction(layout.pipeline, layout.num_microbatches):.1%}")
+
+    def _batches(self):
+        """next_batch() -> the next batch on the devices, its wait counted as data time."""
         if hasattr(self.train_iter, "set_device_put"):  # the loader's thread puts batches on devices
-            self.train_iter.set_device_put(program.device_batch)
+            self.train_iter.set_device_put(self.program.device_batch)
             to_device = lambda batch: batch  # noqa: E731
         else:
-            to_device = program.device_batch
+            to_device = self.program.device_batch
 
         def next_batch():
-            with gp.timing("data"):
+            with self.goodput.timing("data"):
                 return to_device(next(self.train_iter))
 
-        batch = next_batch()
-        with gp.timing("compile"):
+        return next_batch
+
+    def _compile(self, state, batch):
+        with self.goodput.timing("compile"):
             t0 = time.perf_counter()
-            step_fn = program.compile_step(state, batch)
-        logger.info(f"compiled train step in {time.perf_counter() - t0:.1f}s")
+            step_fn = self.program.compile_step(state, batch)
+        self.log(f"compiled train step in {time.perf_counter() - t0:.1f}s")
+        return step_fn
+
+    # ------------------------------------------------------------------------- the loop and its steps
+
+    def _train(self, state, start: int, signals: StopSignals) -> dict:
+        """The loop: step, then account for skipped steps, log, evaluate, and stop or save, each in its own method."""
+        cfg = self.cfg
+        flops_per_token = model_flops_per_token(cfg.model, self.program.num_params, cfg.data.seq_len)
+        self._describe(start, flops_per_token)
+        if start >= cfg.steps and self.moved:
+            return self._finish_moved(state, start)
+        if start >= cfg.steps:
+            self.log(f"already at step {start} >= steps {cfg.steps}; nothing to do")
+            return {}
+        next_batch = self._batches()
+        batch = next_batch()
+        step_fn = self._compile(state, batch)
         bad = BadStepCounter(cfg.max_bad_steps)
-        last, t_last, steps_since = {}, time.perf_counter(), 0
-        last_save = t_last
-        loader_metrics = LoaderMetrics(self.train_iter, t_last)
+        speed = Throughput(cfg.data.batch_size * cfg.data.seq_len, flops_per_token)
+        loader_metrics = LoaderMetrics(self.train_iter, speed.t)
+        self.last_save, last = speed.t, {}
         for step in range(start + 1, cfg.steps + 1):
             state, metrics = step_fn(state, batch, step)
             data_state = self.train_iter.get_state()  # the next step's batch, before it is prefetched below
-            gp.step_done()
-            bad.add(step, metrics["skipped"])
-            steps_since += 1
-            is_last = step == cfg.steps
+            self.goodput.step_done()
+            speed.step()
             if step < cfg.steps:
                 batch = next_batch()  # overlaps with the running step
-            is_log = step % cfg.log_every == 0 or is_last or step == start + 1
-            for s in bad.resolve(keep_last=not is_log):
-                logger.info(f"step {s}: non-finite loss or gradient; update skipped ({bad.streak} in a row)")
-            if bad.exhausted:
-                self._save(step, state, data_state, wait=True)
-                raise TrainingDiverged(
-                    f"{bad.streak} consecutive steps up to step {bad.last_bad} had a non-finite loss or "
-                    f"gradient (max_bad_steps = {cfg.max_bad_steps}); their updates were skipped and the last good "
-                    f"weights are checkpointed at step {step}; lower optim.learning_rate or check the data")
+            is_log = step % cfg.log_every == 0 or step == cfg.steps or step == start + 1
+            self._account_bad_steps(bad, step, metrics["skipped"], is_log, state, data_state)
             if is_log:
-                metrics = jax.device_get(metrics)  # replicated outputs: a local copy, also across processes
-                now = time.perf_counter()
-                tokens_per_s = steps_since * tokens_per_step / (now - t_last)
-                last = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
-                        "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s,
-                        "model_gflops_per_s": tokens_per_s * flops_per_token / 1e9, "skipped_steps": bad.total,
-                        **program.step_metrics(step), **loader_metrics.update(now)}
-                logger.log(last)
-                t_last, steps_since = now, 0
-            for note in program.drain_notes():
-                logger.info(note)
-            if self.eval_batches and ((cfg.eval_every and step % cfg.eval_every == 0) or is_last):
-                last["eval_loss"] = self._evaluate(state, step, logger)
-                t_last = time.perf_counter()  # eval time is not training throughput
-            preempt, overdue = self._agree(step, is_log, signals.received is not None,
-                                           cfg.checkpoint_minutes > 0
-                                           and time.perf_counter() - last_save >= 60 * cfg.checkpoint_minutes)
-            if preempt:
-                save_s = self._save(step, state, data_state, wait=True)
-                raise Preempted(step, signals.received or "SIGTERM / SIGINT to another process", save_s)
-            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or is_last or overdue:
-                self._save(step, state, data_state)  # every process saves
-                t_last = last_save = time.perf_counter()  # the blocking part of a save is not throughput either
+                last = self._log_step(step, metrics, bad, speed, loader_metrics)
+            if self.eval_batches and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
+                last["eval_loss"] = self._evaluate(state, step)
+                speed.restart()
+            if self._stop_or_save(step, is_log, state, data_state, signals):
+                speed.restart()
         return last
 
-    def _finish_rejoined(self, state, step: int, logger) -> dict:
-        """A replica that came back after the others finished rejoined at the final step: the run's final global
-        params are its result too, so it evaluates and checkpoints them like a replica that trained to the end."""
+    def _account_bad_steps(self, bad: BadStepCounter, step: int, skipped, is_log: bool, state, data_state) -> None:
+        """Logs skipped (non-finite) steps; after `max_bad_steps` in a row, checkpoints and stops."""
+        bad.add(step, skipped)
+        for s in bad.resolve(keep_last=not is_log):
+            self.log(f"step {s}: non-finite loss or gradient; update skipped ({bad.streak} in a row)")
+        if bad.exhausted:
+            self._save(step, state, data_state, wait=True)
+            raise TrainingDiverged(
+                f"{bad.streak} consecutive steps up to step {bad.last_bad} had a non-finite loss or gradient "
+                f"(max_bad_steps = {self.cfg.max_bad_steps}); their updates were skipped and the last good weights "
+                f"are checkpointed at step {step}; lower optim.learning_rate or check the data")
+
+    def _log_step(self, step: int, metrics: dict, bad: BadStepCounter, speed: Throughput,
+                  loader_metrics: LoaderMetrics) -> dict:
+        """One metrics.jsonl record: the step's metrics (the program's own figures too), speed, the loader's."""
+        metrics = jax.device_get(metrics)  # replicated outputs: a local copy, also across processes
+        values = {k: (float(v) if isinstance(v, (np.ndarray, np.generic)) else v)
+                  for k, v in metrics.items() if k != "skipped"}
+        record = {"step": step, "loss": values.pop("loss"), "lr": values.pop("lr"), "grad_norm": values.pop("grad_norm"),
+                  **speed.record(), "skipped_steps": bad.total, **values, **loader_metrics.update(speed.t)}
+        self.logger.log(record)
+        return record
+
+    def _stop_or_save(self, step: int, is_log: bool, state, data_state, signals: StopSignals) -> bool:
+        """Stops with a checkpoint after a signal (every process at the same step); else saves when one is due.
+        Returns whether it saved (a blocking part of a save is not throughput)."""
+        cfg = self.cfg
+        overdue = cfg.checkpoint_minutes > 0 and time.perf_counter() - self.last_save >= 60 * cfg.checkpoint_minutes
+        preempt, overdue = self._agree(step, is_log, signals.received is not None, overdue)
+        if preempt:
+            save_s = self._save(step, state, data_state, wait=True)
+            raise Preempted(step, signals.received or "SIGTERM / SIGINT to another process", save_s)
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or overdue:
+            self._save(step, state, data_state)  # every process saves
+            self.last_save = time.perf_counter()
+            return True
+        return False
+
+    def _finish_moved(self, state, step: int) -> dict:
+        """The program moved the state to the final step (a DiLoCo replica that came back after the others finished
+        rejoined there): that state is this run's result too, so it is evaluated and checkpointed like a run that
+        trained to the end."""
         last = {"step": step}
         if self.eval_batches:
-            last["eval_loss"] = self._evaluate(state, step, logger)
+            last["eval_loss"] = self._evaluate(state, step)
         self._save(step, state, self.train_iter.get_state())
         return last
 
-    def _evaluate(self, state, step: int, logger) -> float:
+    def _evaluate(self, state, step: int) -> float:
         """The eval loss of `state`'s params, logged at `step` (its time counted as eval, not training)."""
         with self.goodput.timing("eval"):
             eval_loss = self.program.evaluate(self.program.eval_params(state), self.eval_batches)
-        logger.log({"step": step, "eval_loss": eval_loss})
+        self.logger.log({"step": step, "eval_loss": eval_loss})
         return eval_loss
 
     def _save(self, step: int, state, data_state: dict, *, wait: bool = False) -> float:

@@ -10,7 +10,7 @@ forwarded to every process. On a real cluster, start one process per host with t
 SLURM / Open MPI do it: the CLI then detects the cluster by itself).
 
 With --independent the copies are not one JAX run but N separate ones, each with JAXLM_REPLICA_ID=i: DiLoCo
-replicas that sync through a shared directory (`diloco.exchange`, `jaxlm.diloco_processes`). One that fails does
+replicas that sync through a shared directory (`diloco.exchange`, `jaxlm.diloco.processes`). One that fails does
 not stop the others, and --restart K starts a failed copy again, up to K times, so it rejoins the run:
 
     python -m sharding.launch --processes 4 --independent --restart 1 -- python -m experiments.tiny_lm \

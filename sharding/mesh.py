@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxlm.config import call_user_function, exec_python_file
+from sharding.user_file import call_user_function, exec_python_file
 
 MESH_AXES = ("replica", "data", "fsdp", "pipeline", "tensor")  # outermost (slowest links) first
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
@@ -63,8 +63,6 @@ class MeshLayout:
             raise LayoutError(f"mesh layout {sizes} covers {product} devices but {num_devices} are available")
         if not isinstance(self.rules, dict):
             raise LayoutError(f"rules must be a dict of logical axis -> mesh axis, got {type(self.rules).__name__}")
-        from sharding.rules import check_rules
-
         check_rules(self.rules)
         return self
 
@@ -85,6 +83,15 @@ class MeshLayout:
                 raise LayoutError(f"model.{name} = {size} is not divisible by mesh axis 'tensor' = {self.tensor}")
         if num_layers % self.pipeline:
             raise LayoutError(f"model.num_layers = {num_layers} is not divisible by mesh axis 'pipeline' = {self.pipeline}")
+
+
+def check_rules(rules: dict) -> None:
+    """Every rule targets a known mesh axis (or a tuple of them, or None)."""
+    for logical, target in rules.items():
+        targets = target if isinstance(target, tuple) else (target,)
+        for t in targets:
+            if t is not None and t not in MESH_AXES:
+                raise LayoutError(f"rule {logical!r} -> {t!r}: unknown mesh axis; known axes: {', '.join(MESH_AXES)}")
 
 
 def load_layout(path: str | Path, num_devices: int) -> MeshLayout:

@@ -16,10 +16,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from jaxlm.config import ConfigError, ModelConfig, load_config
 from sharding.hardware import PRESETS, get_hardware
 from sharding.mesh import LayoutError
-from sharding.planner import MODEL_PRESETS, REMAT_CHOICES, Plan, count_params, describe, plan
+from sharding.planner import MODEL_PRESETS, REMAT_CHOICES, ModelShape, Plan, count_params, describe, plan
+from sharding.user_file import call_user_function, exec_python_file
 
 PROG = "plan"
 
@@ -42,15 +42,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_model(spec: str) -> ModelConfig:
+def load_model(spec: str) -> ModelShape:
+    """A preset's shape, or the `model` section of a run's config file (read without jaxlm: a config file is
+    plain Python that defines `config`)."""
     if spec in MODEL_PRESETS:
         return MODEL_PRESETS[spec]
-    if not spec.endswith(".py") and not Path(spec).exists():
+    path = Path(spec)
+    if not spec.endswith(".py") and not path.exists():
         raise LayoutError(f"unknown model {spec!r}: give a config file path or a preset ({', '.join(MODEL_PRESETS)})")
-    try:
-        return load_config(spec).model
-    except ConfigError as e:
-        raise LayoutError(str(e)) from None
+    if not path.is_file():
+        raise LayoutError(f"config file not found: {path}")
+    module = exec_python_file(path, "config", LayoutError)
+    if not hasattr(module, "config"):
+        raise LayoutError(f"config file {path} must define `config` (a TrainConfig or a function returning one)")
+    cfg = module.config
+    if callable(cfg) and not hasattr(cfg, "model"):
+        cfg = call_user_function(cfg, path=path, kind="config", error=LayoutError)
+    if not hasattr(cfg, "model"):
+        raise LayoutError(f"config file {path}: `config` is a {type(cfg).__name__}, expected TrainConfig")
+    return ModelShape.from_config(cfg.model)
 
 
 def layout_file(p: Plan, command: str) -> str:
@@ -125,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
     text = layout_file(result, command)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+        try:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text)
+        except OSError as e:
+            print(f"{PROG}: error: cannot write --out {args.out}: {e.strerror}", file=sys.stderr)
+            return 2
         print(f"\nbest layout written to {args.out}")
     else:
         print(f"\nbest layout (pass --out PATH.py to write it):\n\n{text}")

@@ -19,10 +19,10 @@ overlap, kernel efficiency changing with microbatch size (all absorbed into the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from jaxlm.config import ModelConfig
 from sharding.hardware import Hardware
 from sharding.mesh import LayoutError, MeshLayout
 from sharding.pipeline import bubble_fraction, stash_slots
@@ -31,11 +31,42 @@ from sharding.rules import logical_spec
 FSDP_COLLECTIVES = 3  # all-gather for the forward, again for the backward, reduce-scatter of the gradients
 REMAT_CHOICES = ("none", "full")
 
-_LLAMA = dict(vocab_size=32000, max_seq_len=4096, tie_embeddings=False, dtype="bfloat16", attention_impl="pallas")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know of a model. `jaxlm.config.ModelConfig` has these fields too, so either is
+    accepted wherever a ModelShape is; `from_config` copies them from any object that has them."""
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    mlp_dim: int
+    head_dim: int = 0  # 0 -> d_model // num_heads
+    tie_embeddings: bool = True
+    dtype: str = "float32"  # the compute dtype: float32 | bfloat16
+    attention_impl: str = "reference"  # reference / jax keep T x T residuals; the block-sparse ones do not
+    remat: str = "none"
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @classmethod
+    def from_config(cls, model) -> "ModelShape":
+        missing = [f.name for f in dataclasses.fields(cls) if not hasattr(model, f.name)]
+        if missing:
+            raise LayoutError(f"a {type(model).__name__} is not a model config: it has no {', '.join(missing)}")
+        return cls(**{f.name: getattr(model, f.name) for f in dataclasses.fields(cls)})
+
+
+_LLAMA = dict(vocab_size=32000, tie_embeddings=False, dtype="bfloat16", attention_impl="pallas")
 MODEL_PRESETS = {  # Llama-2 shapes; bf16 compute with flash attention (no T x T residuals), as one trains them
-    "7b": ModelConfig(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, mlp_dim=11008, **_LLAMA),
-    "13b": ModelConfig(d_model=5120, num_layers=40, num_heads=40, num_kv_heads=40, mlp_dim=13824, **_LLAMA),
-    "70b": ModelConfig(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, mlp_dim=28672, **_LLAMA),
+    "7b": ModelShape(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, mlp_dim=11008, **_LLAMA),
+    "13b": ModelShape(d_model=5120, num_layers=40, num_heads=40, num_kv_heads=40, mlp_dim=13824, **_LLAMA),
+    "70b": ModelShape(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, mlp_dim=28672, **_LLAMA),
 }
 
 
@@ -49,7 +80,7 @@ class ParamSpec:
     axes: tuple[str | None, ...]  # logical axis names, as jaxlm.model tags them
 
 
-def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
+def param_specs(cfg: ModelShape) -> list[ParamSpec]:
     """jaxlm.model's parameters: fused wqkv [D, K, G+2, E], wo [H, E, D], SwiGLU w_in [D, 2, F] and w_out [F, D],
     RMSNorm scales, stacked over a leading `layers` axis; embedding [V, D]; lm_head [D, V] unless tied."""
     D, V, L, H, K, F, E = (cfg.d_model, cfg.vocab_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
@@ -69,7 +100,7 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
-def count_params(cfg: ModelConfig) -> int:
+def count_params(cfg: ModelShape) -> int:
     return sum(math.prod(p.shape) for p in param_specs(cfg))
 
 
@@ -90,7 +121,7 @@ def _local_size(spec: ParamSpec, layout: MeshLayout, skip: str | None = None) ->
                      for n, t in zip(spec.shape, logical_spec(spec.axes, layout.rules)))
 
 
-def _in_group(spec: ParamSpec, cfg: ModelConfig, group: str | None) -> bool:
+def _in_group(spec: ParamSpec, cfg: ModelShape, group: str | None) -> bool:
     """group None: every param; "layers": the stacked layers; "head": what the loss head reads (final norm and
     lm_head, or the embedding when tied)."""
     if group == "layers":
@@ -100,7 +131,7 @@ def _in_group(spec: ParamSpec, cfg: ModelConfig, group: str | None) -> bool:
     return True
 
 
-def params_per_device(cfg: ModelConfig, layout: MeshLayout, group: str | None = None) -> int:
+def params_per_device(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
     return sum(_local_size(p, layout) for p in param_specs(cfg) if _in_group(p, cfg, group))
 
 
@@ -108,7 +139,7 @@ def _on_mesh_axis(spec: ParamSpec, layout: MeshLayout, mesh_axis: str) -> bool:
     return any(mesh_axis in _mesh_axes(t) for t in logical_spec(spec.axes, layout.rules))
 
 
-def fsdp_gathered_params(cfg: ModelConfig, layout: MeshLayout, group: str | None = None) -> int:
+def fsdp_gathered_params(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
     """Params one device all-gathers over its FSDP ring: its tensor/pipeline slice of every FSDP-sharded array."""
     if layout.fsdp == 1:
         return 0
@@ -119,11 +150,11 @@ def fsdp_gathered_params(cfg: ModelConfig, layout: MeshLayout, group: str | None
 # ----------------------------------------------------------------------------- memory
 
 
-def dtype_bytes(cfg: ModelConfig) -> int:
+def dtype_bytes(cfg: ModelShape) -> int:
     return {"float32": 4, "bfloat16": 2}[cfg.dtype]
 
 
-def layer_residual_bytes(cfg: ModelConfig, seq_len: int, tensor: int = 1) -> float:
+def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1) -> float:
     """Bytes per token one transformer layer keeps from its forward for its backward (no remat), on one device of
     a `tensor`-way split: what jax's reverse mode saves for this block (`jax.ad_checkpoint.print_saved_residuals`),
     minus what no backward rule reads (the masked scores, the boolean mask), which XLA drops.
@@ -175,7 +206,7 @@ class Memory:
                 + max(self.loss_phase, self.layer_phase))
 
 
-def memory_per_device(cfg: ModelConfig, layout: MeshLayout, batch_sequences: int, seq_len: int,
+def memory_per_device(cfg: ModelShape, layout: MeshLayout, batch_sequences: int, seq_len: int,
                       remat: str = "none", accumulation: int = 1) -> Memory:
     """Peak bytes per device of one train step of `accumulation` gradient-accumulation microbatches (each split
     into the layout's pipeline microbatches). Rule for scans (layers, pipeline ticks, accumulation): the forward
@@ -233,7 +264,7 @@ def compute_seconds(num_params: float, tokens: float, devices: int, flops_per_de
     return (6 * num_params + attention_flops_per_token) * tokens / (devices * flops_per_device)
 
 
-def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def attention_flops_per_token(cfg: ModelShape, seq_len: int) -> float:
     """12 L H E T: QK^T and PV, forward and backward, over the full T x T (jaxlm.model.model_flops_per_token)."""
     return 12 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len
 
@@ -295,7 +326,7 @@ class Estimate:
         return self.overlapped_s <= self.compute_s
 
 
-def evaluate(cfg: ModelConfig, layout: MeshLayout, hw: Hardware, batch_tokens: int, seq_len: int,
+def evaluate(cfg: ModelShape, layout: MeshLayout, hw: Hardware, batch_tokens: int, seq_len: int,
              remat: str = "none", accumulation: int = 1) -> Estimate:
     """One layout's estimate. With gradient accumulation every microbatch gathers the params again and reduces its
     gradients (the SPMD program keeps the accumulator sharded like the params), so FSDP and DP comms scale with it."""
@@ -331,17 +362,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tensor_sizes(cfg: ModelConfig, devices: int, hw: Hardware) -> list[int]:
+def tensor_sizes(cfg: ModelShape, devices: int, hw: Hardware) -> list[int]:
     """Tensor-parallel sizes: inside the fast domain, splitting heads, kv heads, MLP and vocab evenly."""
     dims = (cfg.num_heads, cfg.num_kv_heads, cfg.mlp_dim, cfg.vocab_size)
     return [t for t in _divisors(devices) if t <= hw.devices_per_node and all(n % t == 0 for n in dims)]
 
 
-def pipeline_sizes(cfg: ModelConfig, devices: int) -> list[int]:
+def pipeline_sizes(cfg: ModelShape, devices: int) -> list[int]:
     return [p for p in _divisors(devices) if cfg.num_layers % p == 0]
 
 
-def candidate_layouts(cfg: ModelConfig, devices: int, batch_sequences: int, hw: Hardware) -> list[MeshLayout]:
+def candidate_layouts(cfg: ModelShape, devices: int, batch_sequences: int, hw: Hardware) -> list[MeshLayout]:
     """devices = data x fsdp x tensor x pipeline, each dimension splitting evenly; pipelines in both schedules with
     every microbatch count M <= 8 S that divides the per-shard batch."""
     out = []
@@ -363,7 +394,7 @@ def candidate_layouts(cfg: ModelConfig, devices: int, batch_sequences: int, hw: 
 
 @dataclass
 class Plan:
-    cfg: ModelConfig
+    cfg: ModelShape
     hardware: Hardware
     devices: int
     batch_tokens: int
@@ -377,7 +408,7 @@ class Plan:
         return self.estimates[0]
 
 
-def fitting_estimate(cfg: ModelConfig, layout: MeshLayout, hw: Hardware, batch_tokens: int, seq_len: int,
+def fitting_estimate(cfg: ModelShape, layout: MeshLayout, hw: Hardware, batch_tokens: int, seq_len: int,
                      remat: str) -> Estimate:
     """The layout with the fewest gradient-accumulation microbatches that fits (more only add comms), or with the
     most if none fits (the least memory)."""
@@ -393,7 +424,7 @@ def _rank_key(e: Estimate):
     return (not e.fits, e.step_s, e.memory.total)
 
 
-def plan(cfg: ModelConfig, devices: int, batch_tokens: int, seq_len: int, hw: Hardware, remat: str = "none") -> Plan:
+def plan(cfg: ModelShape, devices: int, batch_tokens: int, seq_len: int, hw: Hardware, remat: str = "none") -> Plan:
     """All valid layouts, evaluated and ranked (fitting ones first, then by step time); notes say why."""
     batch_sequences = check_inputs(cfg, devices, batch_tokens, seq_len, remat)
     layouts = candidate_layouts(cfg, devices, batch_sequences, hw)
@@ -410,7 +441,7 @@ def plan(cfg: ModelConfig, devices: int, batch_tokens: int, seq_len: int, hw: Ha
     return result
 
 
-def check_inputs(cfg: ModelConfig, devices: int, batch_tokens: int, seq_len: int, remat: str) -> int:
+def check_inputs(cfg: ModelShape, devices: int, batch_tokens: int, seq_len: int, remat: str) -> int:
     """Returns the batch in sequences; raises LayoutError naming the first bad input."""
     for name, value in (("devices", devices), ("global batch tokens", batch_tokens), ("seq", seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -432,7 +463,7 @@ def check_inputs(cfg: ModelConfig, devices: int, batch_tokens: int, seq_len: int
     return batch_tokens // seq_len
 
 
-def _no_layout_reason(cfg: ModelConfig, devices: int, batch_sequences: int, hw: Hardware) -> str:
+def _no_layout_reason(cfg: ModelShape, devices: int, batch_sequences: int, hw: Hardware) -> str:
     ts = tensor_sizes(cfg, devices, hw)
     model_parallel = sorted({t * p for t in ts for p in pipeline_sizes(cfg, devices // t)})
     smallest_dp = devices // model_parallel[-1]

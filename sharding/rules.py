@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sharding.mesh import MESH_AXES, LayoutError  # mesh imports rules only inside functions: no cycle
+from sharding.mesh import LayoutError
 
 LOGICAL_AXES_KEY = "logical_axes"  # the metadata key jaxlm.model writes
 
@@ -68,14 +68,6 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
         return kept if len(kept) > 1 else (kept[0] if kept else None)
 
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*(keep(t) for t in spec))))
-
-
-def check_rules(rules: dict) -> None:
-    for logical, target in rules.items():
-        targets = target if isinstance(target, tuple) else (target,)
-        for t in targets:
-            if t is not None and t not in MESH_AXES:
-                raise LayoutError(f"rule {logical!r} -> {t!r}: unknown mesh axis; known axes: {', '.join(MESH_AXES)}")
 
 
 def logical_spec(axes: tuple[str | None, ...], rules: dict | None = None) -> P:

@@ -12,7 +12,7 @@ from helpers import tiny_config
 from jaxlm import config as config_lib
 from jaxlm.config import ConfigError, ModelConfig, TrainConfig, apply_overrides, load_config, validate
 from sharding import DEFAULT_RULES, LayoutError, MeshLayout, build_mesh, load_layout, logical_spec
-from sharding.rules import check_rules
+from sharding.mesh import check_rules
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,9 +12,9 @@ from data import SeededBatchIterator, TokenFile
 from data.partitioned import PartitionedBatches
 from helpers import random_batch, random_token_file, tiny_config
 from jaxlm.config import ConfigError, DiLoCoConfig, validate
-from jaxlm.diloco import DiLoCoProgram, Schedule
+from jaxlm.diloco.program import DiLoCoProgram, Schedule
 from jaxlm.metrics import read_metrics
-from jaxlm.outer_compression import round_trip, wire_bytes
+from jaxlm.diloco.compression import round_trip, wire_bytes
 from jaxlm.train import Program
 from jaxlm.trainer import Trainer
 from sharding import LayoutError, MeshLayout, build_mesh
@@ -200,11 +200,11 @@ def test_compressed_outer_gradients_are_what_the_receivers_reconstruct_and_bytes
     g0, r = leaves(state.global_params), leaves(state.replicas.params)
     state = program.sync[0, True](state, program._alive_array(2))
     nesterov_first_step = 0.7 * (1 + 0.9)  # v = Δ, update = lr (Δ + μ v)
-    for g, r_M, got in zip(g0, r, leaves(state.global_params)):
-        sent = np.stack([np.asarray(round_trip(g - r_m, "int4", 64)) for r_m in r_M])
+    for g, r_R, got in zip(g0, r, leaves(state.global_params)):
+        sent = np.stack([np.asarray(round_trip(g - r_m, "int4", 64)) for r_m in r_R])
         np.testing.assert_allclose(got, g - nesterov_first_step * sent.mean(axis=0), rtol=1e-5, atol=1e-7)
-        exact = g - nesterov_first_step * (g - r_M).mean(axis=0)
-        half_step = np.abs(g - r_M).max() / 7 / 2
+        exact = g - nesterov_first_step * (g - r_R).mean(axis=0)
+        half_step = np.abs(g - r_R).max() / 7 / 2
         assert np.abs(got - exact).max() <= nesterov_first_step * half_step * (1 + 1e-5)
     shapes = [x.shape for x in jax.tree.leaves(program.replica_abstract.params)]
     expected = sum(sum(wire_bytes(int(np.prod(s)), "int4", 64)) for s in shapes)

@@ -1,4 +1,4 @@
-"""DiLoCo with one replica per independent process (`jaxlm.diloco_processes`, `sharding.launch --independent`):
+"""DiLoCo with one replica per independent process (`jaxlm.diloco.processes`, `sharding.launch --independent`):
 
 - without failures, two replica processes train exactly like the two replicas inside one program;
 - a replica process killed mid-run is started again by the launcher, replays the decided syncs since its
@@ -25,9 +25,9 @@ import pytest
 
 from helpers import one_device_mesh, pid_of_process, random_batch, tiny_config
 from jaxlm.config import DiLoCoConfig, validate
-from jaxlm.diloco_processes import ProcessDiLoCoProgram
+from jaxlm.diloco.processes import ProcessDiLoCoProgram
 from jaxlm.metrics import read_metrics
-from jaxlm.replica_exchange import ExchangeError
+from jaxlm.diloco.exchange import ExchangeError
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("JAXLM_", "SLURM_", "OMPI_"))}

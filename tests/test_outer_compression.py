@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxlm.outer_compression import BITS, decode, encode, round_trip, wire_bytes
+from jaxlm.diloco.compression import BITS, decode, encode, round_trip, wire_bytes
 
 
 @settings(max_examples=40, deadline=None)

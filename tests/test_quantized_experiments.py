@@ -11,7 +11,7 @@ import pytest
 from flax import nnx, traverse_util
 
 from experiments import compare_precision, quantize_checkpoint
-from experiments.cli import open_data
+from jaxlm.run_data import open_run_data
 from helpers import one_device_mesh, repetitive_token_file, tiny_config
 from jaxlm.train import Program
 from jaxlm.trainer import Trainer
@@ -23,7 +23,7 @@ def trained(tmp_path_factory):
     tokens = repetitive_token_file(root / "tokens")
     cfg = tiny_config(steps=20, checkpoint_every=20, optim=dict(learning_rate=1e-2),
                       data=dict(path=str(tokens), val_fraction=0.1, eval_batches=2))
-    train_iter, eval_data = open_data(cfg)
+    train_iter, eval_data = open_run_data(cfg)
     Trainer(cfg, one_device_mesh(), root / "run", train_iter, eval_data, progress=False).run()
     return root / "run", cfg, eval_data
 

@@ -12,7 +12,7 @@ from data import SeededBatchIterator, TokenFile
 from helpers import gaussian, one_device_mesh, pure, random_batch, rel, repetitive_token_file, tiny_config
 from jaxlm.config import ConfigError, validate
 from jaxlm.metrics import read_metrics
-from jaxlm.quantized import parse_matmul_precision
+from jaxlm.config import parse_matmul_precision
 from jaxlm.train import Program
 from jaxlm.trainer import Trainer
 from pallas_kernels.quantize import quantize

@@ -1,4 +1,4 @@
-"""The exchange protocol replica processes sync through (`jaxlm.replica_exchange`), with threads standing in for
+"""The exchange protocol replica processes sync through (`jaxlm.diloco.exchange`), with threads standing in for
 processes: every participant gets the same decision, a missing replica is left out after the timeout (at once when
 its heartbeat stopped, but not while it beats), a late one learns it was left out, a decided sync replays unchanged,
 and an announced replica is waited for."""
@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxlm.replica_exchange import ExchangeError, ReplicaExchange
+from jaxlm.diloco.exchange import ExchangeError, ReplicaExchange
 
 
 def post_all(root, replicas, indices, step=10, timeout_s=30.0):

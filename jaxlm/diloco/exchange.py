@@ -1,7 +1,7 @@
 """A shared directory through which independent DiLoCo replica processes average their outer gradients and
 survive each other's death.
 
-Replicas inside one JAX program (`jaxlm.diloco`) average over the `replica` mesh axis; a collective across processes
+Replicas inside one JAX program (`jaxlm.diloco.program`) average over the `replica` mesh axis; a collective across processes
 hangs or fails when one of them dies. Here each replica is its own JAX process and a sync is a small agreement
 protocol on a directory all of them can write (a shared filesystem on a cluster, a local one on one machine):
 

@@ -1,14 +1,14 @@
-"""DiLoCo with each replica in its own JAX process, exchanging outer gradients through `jaxlm.replica_exchange`, so
+"""DiLoCo with each replica in its own JAX process, exchanging outer gradients through `jaxlm.diloco.exchange`, so
 that a process that dies costs the run one replica, not the run.
 
 A process runs `DiLoCoProgram` with one replica (its B/M rows of each global batch, its own mesh: data / fsdp /
 tensor over its devices; a replica may also be a JAX distributed run of several processes, whose process 0 speaks
 for it in the exchange) and replaces the in-program sync by an exchange: it encodes its outer gradient on its
 devices (`outer_compression.encode`), posts it, and applies the outer step to the decided members' decoded
-gradients, laid out as the in-program sync lays out its [M] replicas (zeros and zero weight for non-members), so
+gradients, laid out as the in-program sync lays out its [R] replicas (zeros and zero weight for non-members), so
 without failures both compute the same average. A replica left out of a sync (dead: its heartbeat stood still for
 `diloco.heartbeat_s`; or restarting or too slow for `diloco.sync_timeout_s`) takes the new global params, like a
-rejoining replica in `jaxlm.diloco`.
+rejoining replica in `jaxlm.diloco.program`.
 
 After each sync its leader (the lowest member) publishes a snapshot: the global params, the outer momentum, its
 own inner optimizer state and step, and the data position. A process that starts again replays the decided syncs
@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm.config import ConfigError, TrainConfig
-from jaxlm.diloco import DiLoCoProgram, DiLoCoState
-from jaxlm.outer_compression import decode, encode
-from jaxlm.replica_exchange import ExchangeError, ReplicaExchange
+from jaxlm.diloco.program import DiLoCoProgram, DiLoCoState
+from jaxlm.diloco.compression import decode, encode
+from jaxlm.diloco.exchange import ExchangeError, ReplicaExchange
 from sharding.distributed import process_rows
 
 
@@ -75,7 +75,6 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         keep = cfg.checkpoint_every * cfg.keep_checkpoints
         self.keep_steps = keep + c.inner_steps if keep else None  # what a restore from the oldest checkpoint replays
         self.members, self.excluded, self.waited_s = tuple(range(c.replicas)), 0, 0.0
-        self.notes: list[str] = []
         self._data_state = lambda: {}
 
     # ------------------------------------------------------------------------- compiled parts
@@ -86,8 +85,8 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         r_view = self.fragments.view(jax.tree.leaves(state.replicas.params), p, lead=1)
         return tuple(encode(g - r[0], self.c.compression, self.c.compression_block) for g, r in zip(g_view, r_view))
 
-    def _apply_outer(self, state: DiLoCoState, sent_M: tuple, w_M, *, p: int, merge: bool) -> DiLoCoState:
-        grads = tuple(jnp.tensordot(w_M, s, axes=1) for s in sent_M)  # as DiLoCoProgram._sync averages
+    def _apply_outer(self, state: DiLoCoState, sent_R: tuple, w_R, *, p: int, merge: bool) -> DiLoCoState:
+        grads = tuple(jnp.tensordot(w_R, s, axes=1) for s in sent_R)  # as DiLoCoProgram._sync averages
         return self._outer_step(state, grads, p=p, merge=merge)
 
     def _take_global(self, state: DiLoCoState) -> DiLoCoState:
@@ -97,14 +96,19 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
 
     # ------------------------------------------------------------------------- what the Trainer calls
 
-    def attach(self, train_iter) -> None:
-        """Reads only this replica's rows (this process's part of them, if the replica spans processes); the data
-        position goes into the snapshots this replica publishes."""
+    def rows_to_read(self) -> tuple[int, int]:
+        """This replica's rows of every global batch (this process's part of them, if the replica spans processes)."""
         lo, hi = 0, self.rows[1] - self.rows[0]
         if jax.process_count() > 1:
             lo, hi = process_rows(self.batch_sharding, (hi, self.cfg.data.seq_len))
-        train_iter.set_rows(self.rows[0] + lo, self.rows[0] + hi)
+        return self.rows[0] + lo, self.rows[0] + hi
+
+    def start(self, state, train_iter, log):
+        """Catches up with the other replicas (`catch_up`); the data position goes into the snapshots this replica
+        publishes."""
         self._data_state = train_iter.get_state
+        super().start(state, train_iter, log)
+        return self.catch_up(state, log)
 
     def compile_step(self, state, batch):
         alive = self._alive_array(1)
@@ -117,7 +121,7 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
                 state = self.merge[p](state)
             for p, merge in sched.syncs_at(step):
                 state = self._sync_through_exchange(state, step, p, merge)
-            return state, metrics
+            return state, {**metrics, **self.step_metrics(step)}
 
         return step_fn
 
@@ -126,22 +130,22 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         payload = {f"{j}.{name}": value for j, leaf in enumerate(parts) for name, value in leaf.items()}
         result = self.exchange.allreduce(step, p, payload if self.speaks else None)
         c, shapes = self.c, self.fragment_shapes[p]
-        sent_M = tuple(np.zeros((self.replicas_total, *shape), np.float32) for shape in shapes)
+        sent_R = tuple(np.zeros((self.replicas_total, *shape), np.float32) for shape in shapes)
         for m in result.members:
             for j, (shape, names) in enumerate(zip(shapes, parts)):  # every replica sends the same parts
                 leaf = {name: result.payloads[m][f"{j}.{name}"] for name in names}
-                sent_M[j][m] = decode(leaf, c.compression, shape, c.compression_block)
-        w_M = np.zeros(self.replicas_total, np.float32)
-        w_M[list(result.members)] = 1.0 / len(result.members)
-        state = self.apply_outer[p, merge](state, sent_M, w_M)
+                sent_R[j][m] = decode(leaf, c.compression, shape, c.compression_block)
+        w_R = np.zeros(self.replicas_total, np.float32)
+        w_R[list(result.members)] = 1.0 / len(result.members)
+        state = self.apply_outer[p, merge](state, sent_R, w_R)
         self.members, self.waited_s = result.members, self.waited_s + result.waited_s
         for r, why in result.left_out.items():
             if r != self.index:
-                self.notes.append(f"the sync at step {step} went on without replica {r} ({why})")
+                self.log(f"the sync at step {step} went on without replica {r} ({why})")
         if self.index not in result.members:
             state = self.take_global(state)
             self.excluded += 1
-            self.notes.append(f"replica {self.index} missed the sync at step {step} (members {list(result.members)});"
+            self.log(f"replica {self.index} missed the sync at step {step} (members {list(result.members)});"
                               f" continuing from the global params")
             self._announce_after(step)
         elif self.index == result.members[0]:
@@ -212,10 +216,6 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
                 f"{start} from {self.exchange.root}")
         self._announce_after(start)
         return state, None
-
-    def drain_notes(self) -> list[str]:
-        notes, self.notes = self.notes, []
-        return notes
 
     def step_metrics(self, step: int) -> dict:
         return {**super().step_metrics(step), "diloco_alive": len(self.members), "diloco_missed": self.excluded,

@@ -2,7 +2,7 @@
 
 Replicas exchange Δ = θ_global − θ_replica. Compressing it is lossy. Inside one program the exchange is simulated
 exactly: every replica's Δ goes through `round_trip` (quantize, then dequantize as the receivers would) before the
-float32 average. Between independent processes (`jaxlm.replica_exchange`) the sender `encode`s on its devices and
+float32 average. Between independent processes (`jaxlm.diloco.exchange`) the sender `encode`s on its devices and
 the receivers `decode` on the host, with the same arithmetic, so both paths average the same float32 values.
 int8 / int4 are symmetric with one float32 scale per block of `block` consecutive values (a partial last block is
 padded), so one outlier only coarsens its own block; int4 packs two values per byte; bf16 is a plain cast.
@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BITS = {"none": 32, "bf16": 16, "int8": 8, "int4": 4}
+from jaxlm.diloco.config import COMPRESSION_BITS
+
+BITS = COMPRESSION_BITS  # the encodings the config allows, and their bits per value
 _QMAX = {"int8": 127, "int4": 7}
 SCALE_BYTES = 4  # one float32 scale per block
 

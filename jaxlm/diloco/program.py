@@ -2,8 +2,8 @@
 
 Papers: DiLoCo (Douillard et al., arXiv 2311.08105); Streaming DiLoCo (Douillard et al., arXiv 2501.18512).
 
-Every train-state leaf of the replicas is stacked on a leading [M] axis sharded over the `replica` mesh axis, and
-the inner step is the ordinary `train_step`, vmapped over a slice's M/R replicas inside a `shard_map` manual over
+Every train-state leaf of the replicas is stacked on a leading [R] axis sharded over the `replica` mesh axis, and
+the inner step is the ordinary `train_step`, vmapped over the replicas of a slice of the mesh inside a `shard_map` manual over
 `replica` only: each replica trains on its own B/M rows of the global batch with its own inner optimizer state,
 using data / fsdp / tensor inside its slice of the mesh. Nothing crosses the replica axis between syncs. (A plain
 `vmap(spmd_axis_name="replica")` miscomputed the gradients of the second slice's replicas when a slice held two
@@ -39,8 +39,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxlm.config import ConfigError, TrainConfig, parse_drops, replicas_down
-from jaxlm.outer_compression import round_trip, wire_bytes
+from jaxlm.config import ConfigError, TrainConfig
+from jaxlm.diloco.compression import round_trip, wire_bytes
+from jaxlm.diloco.config import parse_drops, replicas_down
 from jaxlm.train import Program, TrainState, train_step
 from sharding.mesh import LayoutError, MeshLayout
 from sharding.rules import DEFAULT_RULES
@@ -52,7 +53,7 @@ class DiLoCoState:
     step: jax.Array  # int32 scalar: completed inner steps
     global_params: nnx.State
     outer_opt_states: tuple  # one optax state per fragment, over that fragment's view (`Fragments.view`)
-    replicas: TrainState  # every leaf [M, ...]: each replica's params, inner optimizer state and step
+    replicas: TrainState  # every leaf [R, ...]: each replica's params, inner optimizer state and step
 
 
 class Fragments:
@@ -127,7 +128,7 @@ class Schedule:
         self.down = parse_drops(c.drop, c.replicas)
 
     def alive(self, step: int) -> np.ndarray:
-        """[M] float32: 1 for replicas that take inner step `step`."""
+        """[R] float32: 1 for replicas that take inner step `step`."""
         out = np.ones(self.replicas, np.float32)
         out[list(replicas_down(self.down, step))] = 0.0
         return out
@@ -217,6 +218,7 @@ class DiLoCoProgram(Program):
                               static_argnums=(1, 2))
         self.sync_bytes = [self._fragment_bytes(p) for p in range(c.fragments)]
         self._alive_arrays: dict[bytes, jax.Array] = {}
+        self.log = print  # lines for the run log; the Trainer hands over its own in `start`
 
     # ------------------------------------------------------------------------- state
 
@@ -232,6 +234,7 @@ class DiLoCoProgram(Program):
         return DiLoCoState(plain.step, plain.params, outer, replicas)
 
     def adopt(self, plain: TrainState) -> DiLoCoState:
+        """This program's state continuing a plain run's `TrainState` (a warm start, diloco_vs_sync --warm-start)."""
         return jax.jit(self._from_plain, out_shardings=self.state_shardings)(plain)
 
     def _state_shardings(self) -> DiLoCoState:
@@ -255,13 +258,13 @@ class DiLoCoProgram(Program):
 
     # ------------------------------------------------------------------------- programs
 
-    def _inner_step(self, state: DiLoCoState, batch, alive_M):
+    def _inner_step(self, state: DiLoCoState, batch, alive_R):
         """One inner step of every live replica on its own B/M rows; down replicas keep their state.
 
-        Manual over `replica` (shard_map), so each slice of the mesh steps its own M/R replicas with no traffic
+        Manual over `replica` (shard_map), so each slice of the mesh steps its own replicas with no traffic
         across the replica axis; inside a slice the replicas are vmapped and data / fsdp / tensor stay automatic."""
         M = self.M
-        batch_M = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
+        batch_R = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
         step = partial(train_step, graphdef=self.graphdef, tx=self.tx, schedule=self.schedule,
                        microbatches=self.cfg.data.microbatches)
 
@@ -273,23 +276,23 @@ class DiLoCoProgram(Program):
             return kept, metrics_k
 
         by_replica = P("replica")
-        replicas, metrics_M = jax.shard_map(local, mesh=self.mesh, in_specs=(by_replica, by_replica, by_replica),
+        replicas, metrics_R = jax.shard_map(local, mesh=self.mesh, in_specs=(by_replica, by_replica, by_replica),
                                             out_specs=(by_replica, by_replica), axis_names={"replica"},
-                                            check_vma=False)(state.replicas, batch_M, alive_M)
-        w_M = alive_M / jnp.sum(alive_M)
-        metrics = {k: jnp.sum(w_M * v) for k, v in metrics_M.items()}
+                                            check_vma=False)(state.replicas, batch_R, alive_R)
+        w_R = alive_R / jnp.sum(alive_R)
+        metrics = {k: jnp.sum(w_R * v) for k, v in metrics_R.items()}
         return dataclasses.replace(state, step=state.step + 1, replicas=replicas), metrics
 
-    def _sync(self, state: DiLoCoState, alive_M, *, p: int, merge: bool) -> DiLoCoState:
+    def _sync(self, state: DiLoCoState, alive_R, *, p: int, merge: bool) -> DiLoCoState:
         """Outer step on fragment p from the live replicas' compressed deltas; optionally merges it at once."""
         frag, c = self.fragments, self.c
         g_view = frag.view(jax.tree.leaves(state.global_params), p)
         r_view = frag.view(jax.tree.leaves(state.replicas.params), p, lead=1)
-        w_M = alive_M / jnp.sum(alive_M)
+        w_R = alive_R / jnp.sum(alive_R)
 
-        def outer_grad(g, r_M):
-            sent_M = jax.vmap(lambda d: round_trip(d, c.compression, c.compression_block))(g[None] - r_M)
-            return jnp.tensordot(w_M, sent_M, axes=1)  # float32 accumulation of the received deltas
+        def outer_grad(g, r_R):
+            sent_R = jax.vmap(lambda d: round_trip(d, c.compression, c.compression_block))(g[None] - r_R)
+            return jnp.tensordot(w_R, sent_R, axes=1)  # float32 accumulation of the received deltas
 
         return self._outer_step(state, tuple(map(outer_grad, g_view, r_view)), p=p, merge=merge)
 
@@ -324,7 +327,7 @@ class DiLoCoProgram(Program):
     # ------------------------------------------------------------------------- the step the Trainer drives
 
     def _alive_array(self, step: int) -> jax.Array:
-        """The [M] alive mask on the devices; one array per pattern (drops change it rarely), not one per step."""
+        """The [R] alive mask on the devices; one array per pattern (drops change it rarely), not one per step."""
         alive = self.sync_schedule.alive(step)
         key = alive.tobytes()
         if key not in self._alive_arrays:
@@ -345,9 +348,14 @@ class DiLoCoProgram(Program):
                 state = self.merge[p](state)
             for p, merge in sched.syncs_at(step):
                 state = self.sync[p, merge](state, alive)
-            return state, metrics
+            return state, {**metrics, **self.step_metrics(step)}
 
         return step_fn
+
+    def start(self, state, train_iter, log):
+        self.log = log
+        log(self.describe())
+        return state, None
 
     def step_metrics(self, step: int) -> dict:
         """Syncs so far and the bytes one replica has sent in them (payload + scales); for comparison, data

@@ -1,0 +1,16 @@
+"""A run's data from its config: `data.setup.open_data` told what the rest of the config implies (the model's
+vocabulary, whether the attention mask needs document boundaries, DiLoCo's data partitions)."""
+
+from __future__ import annotations
+
+from data.setup import open_data
+from jaxlm.config import TrainConfig
+from pallas_kernels.mask_spec import parse_mask, uses_documents
+
+
+def open_run_data(cfg: TrainConfig):
+    """(train batch iterator, eval batches) for a validated config; ValueError / OSError name a bad data path."""
+    mask = cfg.model.attention_mask
+    return open_data(cfg.data, vocab_size=cfg.model.vocab_size, seed=cfg.seed,
+                     document_mask=mask if uses_documents(parse_mask(mask)) else None,
+                     partitions=cfg.diloco.data_partitions)
