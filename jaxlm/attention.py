@@ -25,11 +25,10 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from pallas_kernels.kernel_mask import DocumentSlot
+from sharding.rules import active_mesh_axes
 
 IMPLEMENTATIONS = ("reference", "jax", "xla_blocksparse", "pallas")
 BLOCK_SPARSE = ("xla_blocksparse", "pallas")
-BATCH_MESH_AXES = ("data", "fsdp")  # mesh axes the block-sparse kernels shard the batch over (see _shard_map)
-HEAD_MESH_AXIS = "tensor"
 
 _SPEC_CONSTRUCTORS = {"sliding_window": pk.sliding_window, "chunked_causal": pk.chunked_causal,
                       "prefix_lm": pk.prefix_lm, "global_tokens": pk.global_tokens}
@@ -100,7 +99,8 @@ def attention(
 
     ``segment_ids_BT`` feeds the mask's ``document`` term (packed sequences) and is ignored by masks without one.
     Block-sparse implementations shrink ``block_sizes`` to the sequence (rounded up to a power of two) and, when a
-    mesh with data/fsdp/tensor axes is in context, run per shard under ``jax.shard_map`` (batch and heads split).
+    mesh is in context, run per shard under ``jax.shard_map``, batch and heads split as the active sharding rules
+    split them.
     """
     B, T, H, E = q_BTHE.shape
     S, K = k_BSKE.shape[1], k_BSKE.shape[2]
@@ -170,24 +170,33 @@ def _block_sparse(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, *, template, scale, sc
 def _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT):
     """Run ``fn`` per shard when a mesh is in context: a kernel is a custom call XLA cannot partition itself.
 
-    Batch goes over the mesh's data/fsdp axes and heads over tensor, where those are free (not already manual,
-    e.g. inside a user's shard_map) and divide the sizes; everything else is replicated.
+    Batch and heads split as the active rules (`sharding.rules.use_rules`, the layout's) split the logical axes
+    `batch` and `heads` / `kv_heads`, over the mesh axes that are free here (not manual, e.g. inside a pipeline
+    stage or a user's shard_map) and larger than 1, as far as they divide the sizes. Query head h reads kv head
+    h // G, so query and kv heads must split alike: heads go over the axes both rules name (and batch does not).
+    Sequence and head dim stay whole; everything else is replicated.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
-    free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
     B, K = q_BTHE.shape[0], k_BSKE.shape[2]
-    batch_axes, size = [], 1
-    for a in BATCH_MESH_AXES:
-        if a in free and mesh.shape[a] > 1 and B % (size * mesh.shape[a]) == 0:
-            batch_axes.append(a)
-            size *= mesh.shape[a]
-    head = HEAD_MESH_AXIS if HEAD_MESH_AXIS in free and K % mesh.shape.get(HEAD_MESH_AXIS, 1) == 0 else None
-    if not batch_axes and head is None:
+    batch = _dividing(mesh, active_mesh_axes("batch"), B)
+    kv_heads = active_mesh_axes("kv_heads")
+    heads = _dividing(mesh, [a for a in active_mesh_axes("heads") if a in kv_heads and a not in batch], K)
+    if not batch and not heads:
         return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
-    batch = tuple(batch_axes) or None
-    x_spec = P(batch, None, head, None)
-    seg_spec = None if segment_ids_BT is None else P(batch, None)
+    x_spec = P(batch or None, None, heads or None, None)
+    seg_spec = None if segment_ids_BT is None else P(batch or None, None)
+    free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
     return jax.shard_map(fn, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, seg_spec), out_specs=x_spec,
                          axis_names=free, check_vma=False)(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
+
+
+def _dividing(mesh, axes, size: int) -> tuple[str, ...]:
+    """``axes`` in order, less any that would leave their product no longer dividing ``size``."""
+    kept, shards = [], 1
+    for a in axes:
+        if size % (shards * mesh.shape[a]) == 0:
+            kept.append(a)
+            shards *= mesh.shape[a]
+    return tuple(kept)
