@@ -4,8 +4,7 @@ Every parameter carries `logical_axes` metadata (e.g. ("embed", "mlp")); `shardi
 axes, so the model never knows how it is parallelised. The layers are created stacked (a leading "layers" axis) and
 run with `lax.scan`, so compile time does not grow with depth.
 
-Shapes: B batch, T sequence, D d_model, V vocab, K kv heads, G query heads per kv head, H = K*G heads,
-E head dim, F mlp hidden.
+Shape suffixes follow the legend in docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ state each quantized matmul keeps, and the projection the layers call instead of
 
 Spec: one precision for every class ("fp8") or a comma list ("attention=fp8,mlp=fp8,lm_head=default"); classes not
 named stay "default" (the plain einsum). Precisions: default | int8 | fp8 | int8_weight_only.
+
+Shape suffixes follow the legend in docs/architecture.md; A is the length of an amax history.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pallas_kernels.quantized_training import QuantRecipe, new_amax_history, qua
 from sharding.rules import LOGICAL_AXES_KEY
 
 class AmaxHistory(nnx.Variable):
-    """Delayed-scaling state of one quantized matmul: [3, H] amaxes of x, w and dY over the last H steps.
+    """Delayed-scaling state of one quantized matmul: [3, A] amaxes of x, w and dY over the last A steps.
 
     Not a Param: the optimizer never sees it. Its gradient is the updated history (pallas_kernels.
     quantized_training), which the train step writes back; it is checkpointed with the params."""
@@ -62,8 +64,8 @@ def project(spec: str, x: jax.Array, w: jax.Array, recipe: QuantRecipe | None,
     if x_axes[len(x_axes) - n:] != w_axes[:n]:
         raise ValueError(f"project: {spec!r} must contract x's last axes with w's first ones")
     lead, out = x.shape[:x.ndim - n], w.shape[n:]
-    k = math.prod(w.shape[:n])
-    y = quantized_dot(x.reshape(-1, k), w.reshape(k, -1), history, _placed(recipe))
+    contracted = math.prod(w.shape[:n])
+    y = quantized_dot(x.reshape(-1, contracted), w.reshape(contracted, -1), history, _placed(recipe))
     return y.reshape(*lead, *out).astype(out_dtype or x.dtype)
 
 

@@ -1,5 +1,8 @@
 """Pallas kernels (block-sparse attention, low-precision matmuls) with their masks, references and custom_vjp
-wrappers. Imports nothing from jaxlm; jaxlm.attention picks an implementation from here by config."""
+wrappers. Imports nothing from jaxlm; jaxlm.attention picks an implementation from here by config.
+
+Shape suffixes follow the legend in docs/architecture.md; a module that adds kernel-only letters (block sizes, block
+list slots, matmul dims) lists them in its own docstring."""
 
 from .block_mask import EMPTY, FULL, PARTIAL, BlockMask, BlockSizes, make_block_mask
 from .masks import (

@@ -1,6 +1,8 @@
 """What the kernels do to their inputs before the math: which lowering a Pallas call takes, padding to whole
 blocks, and for both block-sparse attention implementations (Pallas kernels, XLA path) the shape contract and the
-block mask's lists and segment ids as arrays with a batch dim."""
+block mask's lists and segment ids as arrays with a batch dim.
+
+Shape suffixes follow the legend in docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -13,13 +15,13 @@ from .masks import Document
 
 def check_attention_inputs(name: str, q, k, v, block_mask: BlockMask) -> None:
     """The shape contract every block-sparse implementation shares; raises ValueError naming ``name``."""
-    B, Hq, T, D = q.shape
-    _, Hkv, S, _ = k.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+    B, H, T, E = q.shape
+    _, K, S, _ = k.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != E:
         raise ValueError(f"{name}: q {list(q.shape)} and k/v {list(k.shape)}/{list(v.shape)} shapes do not fit "
-                         f"[B, Hq, T, D] / [B, Hkv, S, D]")
-    if Hq % Hkv:
-        raise ValueError(f"{name}: kv heads {Hkv} must divide query heads {Hq}")
+                         f"[B, H, T, E] / [B, K, S, E]")
+    if H % K:
+        raise ValueError(f"{name}: kv heads {K} must divide query heads {H}")
     if (T, S) != (block_mask.q_len, block_mask.kv_len):
         raise ValueError(f"{name}: q/kv lengths {(T, S)} do not match the block mask's "
                          f"{(block_mask.q_len, block_mask.kv_len)}")

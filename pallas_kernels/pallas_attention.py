@@ -7,8 +7,10 @@ none. K and V (or Q and dO for dK/dV) stay whole per head in the kernel's view a
 the block offsets the mask lists, the way the JAX GPU flash-attention kernel walks its keys.
 
 Sequences that are not whole blocks are padded here; padded keys are masked out, padded queries are dropped.
-Grouped-query attention: query head h reads kv head h // (Hq // Hkv); the dK/dV program of a kv head loops over
-its query heads, so nothing is repeated in memory.
+Grouped-query attention: query head h reads kv head h // G; the dK/dV program of a kv head loops over its G query
+heads, so nothing is repeated in memory.
+
+Shape suffixes follow the legend in docs/architecture.md; Tp and Sp are T and S padded to whole blocks.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def block_sparse_attention(q, k, v, block_mask: BlockMask, *, scale: float | Non
                            backend: str | None = None):
     """Attention over the non-empty tiles of ``block_mask``, as Pallas kernels; differentiable.
 
-    q [B, Hq, T, D], k/v [B, Hkv, S, D] with Hkv dividing Hq, float32 or bfloat16 (accumulation is float32);
-    ``block_mask = make_block_mask(mask, T, S, block_sizes)``. Returns (out [B, Hq, T, D] in q.dtype,
-    lse [B, Hq, T] float32), equal to ``reference_attention(q, k, v, block_mask.mask, ...)``.
+    q [B, H, T, E], k/v [B, K, S, E] with K dividing H, float32 or bfloat16 (accumulation is float32);
+    ``block_mask = make_block_mask(mask, T, S, block_sizes)``. Returns (out [B, H, T, E] in q.dtype,
+    lse [B, H, T] float32), equal to ``reference_attention(q, k, v, block_mask.mask, ...)``.
 
     Works under ``jax.shard_map`` on local shards; in interpret mode the shard_map needs ``check_vma=False`` (the
     Pallas interpreter's slices do not track varying mesh axes in jax 0.10). ``interpret`` defaults to True on
@@ -59,8 +61,8 @@ def block_sparse_attention(q, k, v, block_mask: BlockMask, *, scale: float | Non
     a CPU machine lower (export) the kernels for an accelerator.
     """
     check_attention_inputs("block_sparse_attention", q, k, v, block_mask)
-    B, Hq, T, D = q.shape
-    _, Hkv, S, _ = k.shape
+    B, H, T, E = q.shape
+    _, K, S, _ = k.shape
     template, docs = split_documents(block_mask.mask)
     backend = resolve_backend("block_sparse_attention", interpret, backend)
 
@@ -69,8 +71,8 @@ def block_sparse_attention(q, k, v, block_mask: BlockMask, *, scale: float | Non
     segments = segment_arrays("block_sparse_attention", docs, block_mask, B)
     doc_arrays = [a for q_ids, kv_ids in segments for a in (q_ids[:, :, None], kv_ids[:, None, :])]
     mask_arrays = list_arrays(block_mask)
-    static = _Static(template, score_mod, 1.0 / math.sqrt(D) if scale is None else float(scale), bs.block_q,
-                     bs.block_kv, T, S, Hq // Hkv, mask_arrays[0].shape[0] == B and B > 1,
+    static = _Static(template, score_mod, 1.0 / math.sqrt(E) if scale is None else float(scale), bs.block_q,
+                     bs.block_kv, T, S, H // K, mask_arrays[0].shape[0] == B and B > 1,
                      tuple(q_ids.shape[0] == B and B > 1 for q_ids, _ in segments), backend)
     qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
@@ -176,19 +178,19 @@ def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_r
 
 
 def _forward(static, q, k, v, mask_arrays, doc_arrays):
-    B, Hq, Tp, D = q.shape
+    B, H, Tp, E = q.shape
     Sp = k.shape[2]
     G, bq = static.groups, static.block_q
-    grid = (B, Hq, Tp // bq)
-    q_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i: (b, h, i, 0))
-    kv_spec = pl.BlockSpec((None, None, Sp, D), lambda b, h, i: (b, h // G, 0, 0))
+    grid = (B, H, Tp // bq)
+    q_spec = pl.BlockSpec((None, None, bq, E), lambda b, h, i: (b, h, i, 0))
+    kv_spec = pl.BlockSpec((None, None, Sp, E), lambda b, h, i: (b, h // G, 0, 0))
     doc_specs = _row_doc_specs(static, Sp)
     return pl.pallas_call(
         functools.partial(_forward_kernel, static),
         grid=grid,
         in_specs=[q_spec, kv_spec, kv_spec, *[_index_spec(static)] * 3, *doc_specs],
         out_specs=[q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))],
-        out_shape=[_like(q.shape, q.dtype, q), _like((B, Hq, Tp, 1), jnp.float32, q)],
+        out_shape=[_like(q.shape, q.dtype, q), _like((B, H, Tp, 1), jnp.float32, q)],
         interpret=static.backend == "interpret",
         compiler_params=_compiler_params(static, 3),
         name="block_sparse_attention_fwd",
@@ -224,16 +226,16 @@ def _dq_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_idx_r
 
 
 def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
-    B, Hq, Tp, D = q.shape
+    B, H, Tp, E = q.shape
     Sp = k.shape[2]
     G, bq = static.groups, static.block_q
-    q_spec = pl.BlockSpec((None, None, bq, D), lambda b, h, i: (b, h, i, 0))
+    q_spec = pl.BlockSpec((None, None, bq, E), lambda b, h, i: (b, h, i, 0))
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))
-    kv_spec = pl.BlockSpec((None, None, Sp, D), lambda b, h, i: (b, h // G, 0, 0))
+    kv_spec = pl.BlockSpec((None, None, Sp, E), lambda b, h, i: (b, h // G, 0, 0))
     doc_specs = _row_doc_specs(static, Sp)
     return pl.pallas_call(
         functools.partial(_dq_kernel, static),
-        grid=(B, Hq, Tp // bq),
+        grid=(B, H, Tp // bq),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *[_index_spec(static)] * 3, *doc_specs],
         out_specs=q_spec,
         out_shape=_like(q.shape, q.dtype, q),
@@ -284,15 +286,15 @@ def _dkv_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_r
 
 
 def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
-    B, Hq, Tp, D = q.shape
-    Hkv, Sp = k.shape[1], k.shape[2]
+    B, H, Tp, E = q.shape
+    K, Sp = k.shape[1], k.shape[2]
     G, bkv = static.groups, static.block_kv
 
-    def grouped(x):  # [B, Hq, Tp, X] -> [B, Hkv, G, Tp, X]: a kv head's query heads side by side, no copy
-        return x.reshape(B, Hkv, G, Tp, x.shape[-1])
+    def grouped(x):  # [B, H, Tp, E or 1] -> [B, K, G, Tp, E or 1]: a kv head's query heads side by side, no copy
+        return x.reshape(B, K, G, Tp, x.shape[-1])
 
-    kv_spec = pl.BlockSpec((None, None, bkv, D), lambda b, h, j: (b, h, j, 0))
-    group_spec = pl.BlockSpec((None, None, G, Tp, D), lambda b, h, j: (b, h, 0, 0, 0))
+    kv_spec = pl.BlockSpec((None, None, bkv, E), lambda b, h, j: (b, h, j, 0))
+    group_spec = pl.BlockSpec((None, None, G, Tp, E), lambda b, h, j: (b, h, 0, 0, 0))
     row_spec = pl.BlockSpec((None, None, G, Tp, 1), lambda b, h, j: (b, h, 0, 0, 0))
     doc_specs = []
     for batched in static.docs_batched:
@@ -300,7 +302,7 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
                       pl.BlockSpec((None, 1, bkv), lambda b, h, j, bb=batched: (b if bb else 0, 0, j))]
     return pl.pallas_call(
         functools.partial(_dkv_kernel, static),
-        grid=(B, Hkv, Sp // bkv),
+        grid=(B, K, Sp // bkv),
         in_specs=[group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec, *[_index_spec(static)] * 3,
                   *doc_specs],
         out_specs=[kv_spec, kv_spec],

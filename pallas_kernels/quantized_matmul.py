@@ -8,9 +8,13 @@ scales along the contraction (``k_block``) each k-slice's partial product is sca
 Weight-only (``x_scale=None``): float activations times int8/fp8 weights converted tile by tile in the kernel, the
 memory-bound inference case. ``quantized_matmul`` quantizes float operands (current scaling) and calls it.
 
-Each kernel program owns one [block_m, block_n] output tile and loops over K in block_k slices, so nothing is
+Each kernel program owns one [block_m, block_n] output tile and loops over C in block_k slices, so nothing is
 accumulated across grid steps and one kernel body serves GPU and TPU. Shapes that are not whole tiles are padded
 with zeros (which add nothing) and the result is cut back.
+
+Shape suffixes follow the legend in docs/architecture.md, plus the matmul's own: x [X, C] @ w [C, Y] -> [X, Y]
+(X rows, tiled by block_m; C the contraction, by block_k; Y output columns, by block_n) and Z elements of a k block
+(k_block); N, the legend's block count, is the number of k blocks.
 """
 
 from __future__ import annotations
@@ -69,34 +73,34 @@ def _operand_kind(xq, wq, x_scale) -> str:
                      f"activations with x_scale=None (weight-only)")
 
 
-def _check_scales(x_scale, w_scale, M, K, N, k_block):
-    kb = 1 if k_block is None else -(-K // k_block)
+def _check_scales(x_scale, w_scale, X, C, Y, k_block):
+    N = 1 if k_block is None else -(-C // k_block)
     if k_block is not None and k_block <= 0:
         raise ValueError(f"scaled_matmul: k_block must be positive, got {k_block}")
-    if x_scale is not None and (x_scale.ndim != 2 or x_scale.shape[0] not in (1, M) or x_scale.shape[1] != kb):
-        raise ValueError(f"scaled_matmul: x_scale must be [{M} or 1, {kb}] for x [{M}, {K}]"
+    if x_scale is not None and (x_scale.ndim != 2 or x_scale.shape[0] not in (1, X) or x_scale.shape[1] != N):
+        raise ValueError(f"scaled_matmul: x_scale must be [{X} or 1, {N}] for x [{X}, {C}]"
                          f"{'' if k_block is None else f' with k_block {k_block}'}, got {list(x_scale.shape)}")
-    if w_scale.ndim != 2 or w_scale.shape[1] not in (1, N) or w_scale.shape[0] != kb:
-        raise ValueError(f"scaled_matmul: w_scale must be [{kb}, {N} or 1] for w [{K}, {N}]"
+    if w_scale.ndim != 2 or w_scale.shape[1] not in (1, Y) or w_scale.shape[0] != N:
+        raise ValueError(f"scaled_matmul: w_scale must be [{N}, {Y} or 1] for w [{C}, {Y}]"
                          f"{'' if k_block is None else f' with k_block {k_block}'}, got {list(w_scale.shape)}")
 
 
 def scaled_matmul(xq: jax.Array, x_scale: jax.Array | None, wq: jax.Array, w_scale: jax.Array, *,
                   out_dtype=jnp.float32, k_block: int | None = None, blocks: MatmulBlocks = MatmulBlocks(),
                   impl: str = "auto", interpret: bool | None = None, backend: str | None = None) -> jax.Array:
-    """(xq * x_scale) @ (wq * w_scale) for xq [M, K], wq [K, N] -> [M, N] in out_dtype.
+    """(xq * x_scale) @ (wq * w_scale) for xq [X, C], wq [C, Y] -> [X, Y] in out_dtype.
 
-    Scales are float32: x_scale [M or 1, Kb], w_scale [Kb, N or 1], with Kb = 1 (per row / per column / per
-    tensor, applied in the epilogue) or Kb = ceil(K / k_block) (one scale per k_block-long slice of the
+    Scales are float32: x_scale [X or 1, N], w_scale [N, Y or 1], with N = 1 (per row / per column / per
+    tensor, applied in the epilogue) or N = ceil(C / k_block) (one scale per k_block-long slice of the
     contraction). ``impl``: 'pallas', 'xla', or 'auto' (Pallas on GPU/TPU, XLA on CPU). ``interpret`` defaults to
     True on CPU; ``backend`` ('gpu', 'tpu') picks the kernel lowering and lets a CPU machine export for one.
     """
     if xq.ndim != 2 or wq.ndim != 2 or xq.shape[1] != wq.shape[0]:
-        raise ValueError(f"scaled_matmul: expected x [M, K] and w [K, N], got {list(xq.shape)} and {list(wq.shape)}")
+        raise ValueError(f"scaled_matmul: expected x [X, C] and w [C, Y], got {list(xq.shape)} and {list(wq.shape)}")
     kind = _operand_kind(xq, wq, x_scale)
-    M, K = xq.shape
-    N = wq.shape[1]
-    _check_scales(x_scale, w_scale, M, K, N, k_block)
+    X, C = xq.shape
+    Y = wq.shape[1]
+    _check_scales(x_scale, w_scale, X, C, Y, k_block)
     if x_scale is None:
         x_scale = jnp.ones((1, w_scale.shape[0]), jnp.float32)
     x_scale, w_scale = x_scale.astype(jnp.float32), w_scale.astype(jnp.float32)
@@ -118,12 +122,12 @@ def _xla(xq, x_scale, wq, w_scale, kind, k_block):
         wq = wq.astype(xq.dtype)
     if k_block is None:
         return lax.dot(xq, wq, preferred_element_type=acc).astype(jnp.float32) * x_scale * w_scale
-    M, K = xq.shape
-    N, kb = wq.shape[1], x_scale.shape[1]
-    x_MBk = pad_axis(xq, 1, kb * k_block).reshape(M, kb, k_block)
-    w_BkN = pad_axis(wq, 0, kb * k_block).reshape(kb, k_block, N)
-    partial_BMN = jnp.einsum("mbk,bkn->bmn", x_MBk, w_BkN, preferred_element_type=acc).astype(jnp.float32)
-    return jnp.sum(partial_BMN * x_scale.T[:, :, None] * w_scale[:, None, :], axis=0)
+    X, C = xq.shape
+    Y, N = wq.shape[1], x_scale.shape[1]
+    x_XNZ = pad_axis(xq, 1, N * k_block).reshape(X, N, k_block)
+    w_NZY = pad_axis(wq, 0, N * k_block).reshape(N, k_block, Y)
+    partial_NXY = jnp.einsum("xnz,nzy->nxy", x_XNZ, w_NZY, preferred_element_type=acc).astype(jnp.float32)
+    return jnp.sum(partial_NXY * x_scale.T[:, :, None] * w_scale[:, None, :], axis=0)
 
 
 def _fit(block: int, n: int) -> int:
@@ -132,45 +136,45 @@ def _fit(block: int, n: int) -> int:
 
 
 def _pallas(xq, x_scale, wq, w_scale, *, kind, k_block, blocks, out_dtype, backend):
-    M, K = xq.shape
-    N = wq.shape[1]
-    bm, bn = _fit(blocks.block_m, M), _fit(blocks.block_n, N)
-    bk = k_block if k_block is not None else _fit(blocks.block_k, K)
-    Mp, Np, Kp = -(-M // bm) * bm, -(-N // bn) * bn, -(-K // bk) * bk
-    xq, wq = pad_axis(pad_axis(xq, 0, Mp), 1, Kp), pad_axis(pad_axis(wq, 0, Kp), 1, Np)
-    kb = x_scale.shape[1]
-    if x_scale.shape[0] == M:
-        x_scale = pad_axis(x_scale, 0, Mp, 1.0)
-        xs_spec = pl.BlockSpec((bm, kb), lambda i, j: (i, 0))
+    X, C = xq.shape
+    Y = wq.shape[1]
+    bm, bn = _fit(blocks.block_m, X), _fit(blocks.block_n, Y)
+    bk = k_block if k_block is not None else _fit(blocks.block_k, C)
+    Xp, Yp, Cp = -(-X // bm) * bm, -(-Y // bn) * bn, -(-C // bk) * bk
+    xq, wq = pad_axis(pad_axis(xq, 0, Xp), 1, Cp), pad_axis(pad_axis(wq, 0, Cp), 1, Yp)
+    N = x_scale.shape[1]
+    if x_scale.shape[0] == X:
+        x_scale = pad_axis(x_scale, 0, Xp, 1.0)
+        xs_spec = pl.BlockSpec((bm, N), lambda i, j: (i, 0))
     else:
-        xs_spec = pl.BlockSpec((1, kb), lambda i, j: (0, 0))
-    if w_scale.shape[1] == N:
-        w_scale = pad_axis(w_scale, 1, Np, 1.0)
-        ws_spec = pl.BlockSpec((kb, bn), lambda i, j: (0, j))
+        xs_spec = pl.BlockSpec((1, N), lambda i, j: (0, 0))
+    if w_scale.shape[1] == Y:
+        w_scale = pad_axis(w_scale, 1, Yp, 1.0)
+        ws_spec = pl.BlockSpec((N, bn), lambda i, j: (0, j))
     else:
-        ws_spec = pl.BlockSpec((kb, 1), lambda i, j: (0, 0))
+        ws_spec = pl.BlockSpec((N, 1), lambda i, j: (0, 0))
     # Triton's dot takes one fp8 type per product; e5m2 x e4m3 (the backward's dY x W) is upcast to bfloat16 tiles
     # in the kernel, which is exact (bfloat16 holds every fp8 value) but runs at bfloat16 tensor-core speed.
     mixed_fp8 = kind == "fp8" and xq.dtype != wq.dtype and backend == "gpu"
-    kernel = functools.partial(_kernel, num_k=Kp // bk, bk=bk, acc_dtype=_accumulator(kind),
+    kernel = functools.partial(_kernel, num_k=Cp // bk, bk=bk, acc_dtype=_accumulator(kind),
                                blockwise=k_block is not None, weight_only=kind == "weight_only",
                                upcast=jnp.bfloat16 if mixed_fp8 else None)
     out = pl.pallas_call(
         kernel,
-        grid=(Mp // bm, Np // bn),
-        in_specs=[pl.BlockSpec((bm, Kp), lambda i, j: (i, 0)), xs_spec,
-                  pl.BlockSpec((Kp, bn), lambda i, j: (0, j)), ws_spec],
+        grid=(Xp // bm, Yp // bn),
+        in_specs=[pl.BlockSpec((bm, Cp), lambda i, j: (i, 0)), xs_spec,
+                  pl.BlockSpec((Cp, bn), lambda i, j: (0, j)), ws_spec],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((Mp, Np), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((Xp, Yp), out_dtype),
         interpret=backend == "interpret",
         compiler_params=_compiler_params(backend, bm, bn),
         name=f"{kind}_matmul",
     )(xq, x_scale, wq, w_scale)
-    return out[:M, :N]
+    return out[:X, :Y]
 
 
 def _kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k, bk, acc_dtype, blockwise, weight_only, upcast):
-    """One output tile: loop over K slices; int32 or float32 partial sums; scales in the epilogue (or per slice)."""
+    """One output tile: loop over C slices; int32 or float32 partial sums; scales in the epilogue (or per slice)."""
 
     def partial(k):
         x = x_ref[:, pl.ds(k * bk, bk)]
@@ -204,21 +208,21 @@ def _compiler_params(backend, bm, bn):
 
 def quantized_matmul(x: jax.Array, w: jax.Array, *, x_dtype=None, w_dtype="int8", out_dtype=None,
                      k_block: int | None = None, **kwargs) -> jax.Array:
-    """x [M, K] @ w [K, N] with both operands quantized on the fly (current scaling), or only w (x_dtype=None).
+    """x [X, C] @ w [C, Y] with both operands quantized on the fly (current scaling), or only w (x_dtype=None).
 
     x gets one scale per row and w one per output column (per channel), or with ``k_block`` one per row/column
     and k_block-long slice of the contraction. out_dtype defaults to x's dtype. Other keyword arguments go to
     ``scaled_matmul`` (blocks, impl, interpret, backend).
     """
     if x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"quantized_matmul: expected x [M, K] and w [K, N], got {list(x.shape)} and {list(w.shape)}")
+        raise ValueError(f"quantized_matmul: expected x [X, C] and w [C, Y], got {list(x.shape)} and {list(w.shape)}")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     block = {} if k_block is None else {"block": k_block}
-    wq, ws = quantize(w, w_dtype, axis=0, **block)  # [1 or Kb, N]
+    wq, ws = quantize(w, w_dtype, axis=0, **block)  # [1 or N, Y]
     if x_dtype is None:
         xq, xs = x, None
     else:
-        xq, xs = quantize(x, x_dtype, axis=1, **block)  # [M, 1 or Kb]
+        xq, xs = quantize(x, x_dtype, axis=1, **block)  # [X, 1 or N]
     return scaled_matmul(xq, xs, wq, ws, out_dtype=out_dtype, k_block=k_block, **kwargs)
 
 

@@ -4,8 +4,8 @@ Forward: x and w in int8 or float8_e4m3fn. Backward (Transformer Engine's recipe
 dY in float8_e5m2 (or int8), or unquantized in the compute dtype (``grad_dtype=None``).
 
 Scaling:
-- delayed (``history`` given): one scale per tensor from the largest amax of the last H steps, rows x / w / dY of
-  a [3, H] history (no history yet: the current amax). The step's own amaxes are recorded in the new history,
+- delayed (``history`` given): one scale per tensor from the largest amax of the last A steps, rows x / w / dY of
+  a [3, A] history (no history yet: the current amax). The step's own amaxes are recorded in the new history,
   which the backward pass returns as the history's "gradient": the caller overwrites the state with it instead of
   handing it to the optimizer (dY's amax only exists in the backward pass, so it cannot be a forward output).
   Quantized tensors are kept from the forward for the transposed backward products, as TE does.
@@ -14,6 +14,9 @@ Scaling:
 
 Weight-only (``recipe.weight_only``): int8 per-channel weights, float activations; dX is the exact derivative of
 the quantized forward, dW the straight-through estimate (Xᵀ·dY), so a weight-only model can also be fine-tuned.
+
+Shape suffixes follow the legend in docs/architecture.md, plus x [X, C] @ w [C, Y] -> [X, Y] (rows, contraction,
+output columns, as in quantized_matmul) and A, the length of an amax history.
 """
 
 from __future__ import annotations
@@ -80,23 +83,23 @@ def delayed_amax(history_row: jax.Array, current: jax.Array) -> jax.Array:
     return jnp.where(past > 0, past, current)
 
 
-def quantized_dot(x_MK: jax.Array, w_KN: jax.Array, history: jax.Array | None, recipe: QuantRecipe,
+def quantized_dot(x_XC: jax.Array, w_CY: jax.Array, history: jax.Array | None, recipe: QuantRecipe,
                   key: jax.Array | None = None) -> jax.Array:
-    """x [M, K] @ w [K, N] -> [M, N] in x's dtype, forward and backward quantized by `recipe`.
+    """x [X, C] @ w [C, Y] -> [X, Y] in x's dtype, forward and backward quantized by `recipe`.
 
-    history: a [3, H] amax history for delayed scaling, or None for current scaling. Its cotangent is the updated
+    history: a [3, A] amax history for delayed scaling, or None for current scaling. Its cotangent is the updated
     history (see the module docstring). key: for stochastic rounding of dY (``recipe.stochastic_grads``).
     """
-    if x_MK.ndim != 2 or w_KN.ndim != 2 or x_MK.shape[1] != w_KN.shape[0]:
-        raise ValueError(f"quantized_dot: expected x [M, K] and w [K, N], got {list(x_MK.shape)} and "
-                         f"{list(w_KN.shape)}")
+    if x_XC.ndim != 2 or w_CY.ndim != 2 or x_XC.shape[1] != w_CY.shape[0]:
+        raise ValueError(f"quantized_dot: expected x [X, C] and w [C, Y], got {list(x_XC.shape)} and "
+                         f"{list(w_CY.shape)}")
     if history is not None and (history.ndim != 2 or history.shape[0] != len(HISTORY_ROWS)):
-        raise ValueError(f"quantized_dot: amax history must be [3, H], got {list(history.shape)}")
+        raise ValueError(f"quantized_dot: amax history must be [3, A], got {list(history.shape)}")
     if recipe.weight_only and history is not None:
         raise ValueError("quantized_dot: weight-only quantization uses per-channel current scales; pass history=None")
     if recipe.stochastic_grads and key is None:
         raise ValueError("quantized_dot: recipe.stochastic_grads needs a key")
-    return _quantized_dot(x_MK, w_KN, history, key, recipe)
+    return _quantized_dot(x_XC, w_CY, history, key, recipe)
 
 
 def _matmul(recipe, xq, xs, wq, ws, out_dtype):
@@ -132,7 +135,7 @@ def _fwd(x, w, history, key, recipe):
 
 
 def _bwd(recipe, saved, g):
-    """Cotangents for (x, w, history, key); g [M, N] has x's dtype."""
+    """Cotangents for (x, w, history, key); g [X, Y] has x's dtype."""
     res, history, key = saved
     if recipe.weight_only:
         x, wq, ws = res
@@ -170,11 +173,11 @@ def _current_backward(recipe, x, w, g, key):
     if recipe.grad_dtype is None:
         return _unquantized_backward(x, w, g)
     k_rows, k_cols = (None, None) if key is None else jax.random.split(key)
-    g_rows, gs_rows = quantize(g, recipe.grad_dtype, axis=1, key=k_rows)  # [M, 1]
-    wt, wts = quantize(w.T, recipe.dtype, axis=0)  # [1, K]: one scale per column of Wᵀ
+    g_rows, gs_rows = quantize(g, recipe.grad_dtype, axis=1, key=k_rows)  # [X, 1]
+    wt, wts = quantize(w.T, recipe.dtype, axis=0)  # [1, C]: one scale per column of Wᵀ
     dx = _matmul(recipe, g_rows, gs_rows, wt, wts, jnp.float32)
-    xt, xts = quantize(x.T, recipe.dtype, axis=1)  # [K, 1]
-    g_cols, gs_cols = quantize(g, recipe.grad_dtype, axis=0, key=k_cols)  # [1, N]
+    xt, xts = quantize(x.T, recipe.dtype, axis=1)  # [C, 1]
+    g_cols, gs_cols = quantize(g, recipe.grad_dtype, axis=0, key=k_cols)  # [1, Y]
     dw = _matmul(recipe, xt, xts, g_cols, gs_cols, jnp.float32)
     return dx, dw
 

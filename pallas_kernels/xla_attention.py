@@ -10,6 +10,11 @@ scans the same kv lists, dK/dV scan the transposed q lists. Both only gather: au
 store every step's probabilities and scatter-add dK/dV over every visiting q block.
 
 Sequences that are not whole blocks are padded; padded keys are masked, padded queries dropped.
+
+Shape suffixes follow the legend in docs/architecture.md, plus: Q queries of a q block (block_q), W keys of a kv
+block (block_kv), J slots of a block list (one per scan step), O every block of the other axis (kv blocks in the
+forward and dQ, q blocks in dK/dV) before a step gathers from it. N counts the blocks a pass computes: q blocks,
+or kv blocks in dK/dV.
 """
 
 from __future__ import annotations
@@ -44,21 +49,21 @@ def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float |
                                score_mod: ScoreMod | None = None):
     """Attention over the non-empty tiles of ``block_mask`` only; differentiable.
 
-    q [B, Hq, T, D], k/v [B, Hkv, S, D] (Hkv divides Hq); ``block_mask`` from ``make_block_mask(mask, T, S, ...)``.
-    Returns (out [B, Hq, T, D] in q.dtype, lse [B, Hq, T] float32), equal to
+    q [B, H, T, E], k/v [B, K, S, E] (K divides H); ``block_mask`` from ``make_block_mask(mask, T, S, ...)``.
+    Returns (out [B, H, T, E] in q.dtype, lse [B, H, T] float32), equal to
     ``reference_attention(q, k, v, block_mask.mask, ...)``.
     """
     check_attention_inputs("block_sparse_attention_xla", q, k, v, block_mask)
-    B, Hq, T, D = q.shape
-    _, Hkv, S, _ = k.shape
+    B, H, T, E = q.shape
+    _, K, S, _ = k.shape
     template, docs = split_documents(block_mask.mask)
 
     mask_arrays = tuple(jnp.broadcast_to(a, (B, *a.shape[1:])) for a in list_arrays(block_mask))
     doc_arrays = [jnp.broadcast_to(ids, (B, ids.shape[1]))
                   for pair in segment_arrays("block_sparse_attention_xla", docs, block_mask, B) for ids in pair]
     bq, bkv = block_mask.block_sizes.block_q, block_mask.block_sizes.block_kv
-    static = _Static(template, score_mod, 1.0 / math.sqrt(D) if scale is None else float(scale), bq, bkv, T, S,
-                     Hq // Hkv)
+    static = _Static(template, score_mod, 1.0 / math.sqrt(E) if scale is None else float(scale), bq, bkv, T, S,
+                     H // K)
     qp = pad_axis(q, 2, block_mask.padded_q_len)
     kp, vp = (pad_axis(x, 2, block_mask.padded_kv_len) for x in (k, v))
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
@@ -93,34 +98,32 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 # ----------------------------------------------------------------------------- one batch element
 
-# Shapes below: N q blocks (or kv blocks in _dkv), K kv heads, G query heads per kv head, Q block_q, V block_kv.
 
-
-def _q_blocks(static, x_HxTxD):
-    H, T, D = x_HxTxD.shape
+def _q_blocks(static, x_HTE):
+    H, T, E = x_HTE.shape
     K, G, bq = H // static.groups, static.groups, static.block_q
-    return x_HxTxD.astype(jnp.float32).reshape(K, G, T // bq, bq, D).transpose(2, 0, 1, 3, 4)
+    return x_HTE.astype(jnp.float32).reshape(K, G, T // bq, bq, E).transpose(2, 0, 1, 3, 4)
 
 
-def _q_rows(static, x_HxT):
-    H, T = x_HxT.shape
+def _q_rows(static, x_HT):
+    H, T = x_HT.shape
     K, G, bq = H // static.groups, static.groups, static.block_q
-    return x_HxT.reshape(K, G, T // bq, bq).transpose(2, 0, 1, 3)
+    return x_HT.reshape(K, G, T // bq, bq).transpose(2, 0, 1, 3)
 
 
-def _kv_blocks(static, x_KxSxD):
-    K, S, D = x_KxSxD.shape
-    return x_KxSxD.astype(jnp.float32).reshape(K, S // static.block_kv, static.block_kv, D).transpose(1, 0, 2, 3)
+def _kv_blocks(static, x_KSE):
+    K, S, E = x_KSE.shape
+    return x_KSE.astype(jnp.float32).reshape(K, S // static.block_kv, static.block_kv, E).transpose(1, 0, 2, 3)
 
 
-def _scores(static, q_NKGQD, k_NKVD, q_pos_NQ1, kv_pos_N1V, live, masked, doc_tiles, with_grad=False):
-    """Scaled, score-modded scores [N, K, G, Q, V], -inf outside the mask; optionally d mod / d s."""
-    s = jnp.einsum("nkgqd,nkvd->nkgqv", q_NKGQD, k_NKVD) * static.scale
+def _scores(static, q_NKGQE, k_NKWE, q_pos_NQ1, kv_pos_N1W, live, masked, doc_tiles, with_grad=False):
+    """Scaled, score-modded scores [N, K, G, Q, W], -inf outside the mask; optionally d mod / d s."""
+    s = jnp.einsum("nkgqe,nkwe->nkgqw", q_NKGQE, k_NKWE) * static.scale
     d_mod = None
     if static.score_mod is not None:
-        K, G = q_NKGQD.shape[1], q_NKGQD.shape[2]
+        K, G = q_NKGQE.shape[1], q_NKGQE.shape[2]
         head = jnp.arange(K * G, dtype=jnp.int32).reshape(1, K, G, 1, 1)
-        q_pos, kv_pos = q_pos_NQ1[:, None, None], kv_pos_N1V[:, None, None]
+        q_pos, kv_pos = q_pos_NQ1[:, None, None], kv_pos_N1W[:, None, None]
 
         def mod(x):
             return static.score_mod(x, q_pos, kv_pos, head)
@@ -129,111 +132,111 @@ def _scores(static, q_NKGQD, k_NKVD, q_pos_NQ1, kv_pos_N1V, live, masked, doc_ti
             s, d_mod = jax.jvp(mod, (s,), (jnp.ones_like(s),))
         else:
             s = mod(s)
-    elem = jnp.asarray(bind_documents(static.template, doc_tiles)(q_pos_NQ1, kv_pos_N1V), dtype=bool)
-    elem = elem & (q_pos_NQ1 < static.q_len) & (kv_pos_N1V < static.kv_len)
-    keep = live[:, None, None] & (~masked[:, None, None] | elem)  # [N, Q, V]
+    elem = jnp.asarray(bind_documents(static.template, doc_tiles)(q_pos_NQ1, kv_pos_N1W), dtype=bool)
+    elem = elem & (q_pos_NQ1 < static.q_len) & (kv_pos_N1W < static.kv_len)
+    keep = live[:, None, None] & (~masked[:, None, None] | elem)  # [N, Q, W]
     return jnp.where(keep[:, None, None], s, -jnp.inf), d_mod
 
 
-def _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V):
-    return [(q_ids[q_pos_NQ1], kv_ids[kv_pos_N1V]) for q_ids, kv_ids in zip(doc_arrays[0::2], doc_arrays[1::2])]
+def _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W):
+    return [(q_ids[q_pos_NQ1], kv_ids[kv_pos_N1W]) for q_ids, kv_ids in zip(doc_arrays[0::2], doc_arrays[1::2])]
 
 
-def _entries(idx_NxJ, np_N, cnt_N):
+def _entries(idx_NJ, np_N, cnt_N):
     """Scan inputs, one list entry per step: block indices [J, N], live (a real entry) and masked (a PARTIAL entry,
     needing the element mask) [J, N]. Batching several entries per step (wider tiles) measured slower on CPU."""
-    j_J1 = jnp.arange(idx_NxJ.shape[1], dtype=jnp.int32)[:, None]
-    return idx_NxJ.T, j_J1 < cnt_N[None], j_J1 < np_N[None]
+    j_J1 = jnp.arange(idx_NJ.shape[1], dtype=jnp.int32)[:, None]
+    return idx_NJ.T, j_J1 < cnt_N[None], j_J1 < np_N[None]
 
 
 def _positions(blocks_N, block):
     return blocks_N[:, None] * block + jnp.arange(block, dtype=jnp.int32)  # [N, block]
 
 
-def _forward(static, q_HxTxD, k_KxSxD, v_KxSxD, mask_arrays, doc_arrays):
-    H, T, D = q_HxTxD.shape
+def _forward(static, q_HTE, k_KSE, v_KSE, mask_arrays, doc_arrays):
+    H, T, E = q_HTE.shape
     bq, bkv = static.block_q, static.block_kv
     xs = _entries(*mask_arrays[:3])
-    q_NKGQD = _q_blocks(static, q_HxTxD)
-    k_MKVD, v_MKVD = _kv_blocks(static, k_KxSxD), _kv_blocks(static, v_KxSxD)
+    q_NKGQE = _q_blocks(static, q_HTE)
+    k_OKWE, v_OKWE = _kv_blocks(static, k_KSE), _kv_blocks(static, v_KSE)
     q_pos_NQ1 = jnp.arange(T, dtype=jnp.int32).reshape(-1, bq, 1)
 
     def step(carry, xs):
-        m_prev, l_prev, acc_prev = carry  # [N, K, G, Q], same, [N, K, G, Q, D]
+        m_prev, l_prev, acc_prev = carry  # [N, K, G, Q], same, [N, K, G, Q, E]
         blocks_N, live_N, masked_N = xs
-        kv_pos_N1V = _positions(blocks_N, bkv)[:, None, :]
-        s, _ = _scores(static, q_NKGQD, k_MKVD[blocks_N], q_pos_NQ1, kv_pos_N1V, live_N, masked_N,
-                       _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V))
+        kv_pos_N1W = _positions(blocks_N, bkv)[:, None, :]
+        s, _ = _scores(static, q_NKGQE, k_OKWE[blocks_N], q_pos_NQ1, kv_pos_N1W, live_N, masked_N,
+                       _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W))
         m_new = jnp.maximum(m_prev, s.max(-1))
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a row with nothing seen yet
         alpha = jnp.exp(m_prev - m_safe)
         p = jnp.exp(s - m_safe[..., None])
         l_new = alpha * l_prev + p.sum(-1)
-        acc_new = alpha[..., None] * acc_prev + jnp.einsum("nkgqv,nkvd->nkgqd", p, v_MKVD[blocks_N])
+        acc_new = alpha[..., None] * acc_prev + jnp.einsum("nkgqw,nkwe->nkgqe", p, v_OKWE[blocks_N])
         return (m_new, l_new, acc_new), None
 
     # carries built from q, so that under a user's shard_map they vary over the same mesh axes as the outputs
-    acc0 = jnp.zeros_like(q_NKGQD)
+    acc0 = jnp.zeros_like(q_NKGQE)
     (m, l, acc), _ = lax.scan(step, (acc0[..., 0] - jnp.inf, acc0[..., 0], acc0), xs)
     seen = l > 0  # False only on padding rows (and rows a traced mask leaves empty)
     out = acc / jnp.where(seen, l, 1.0)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)  # +inf: p = 0 there in the backward
-    return (out.transpose(1, 2, 0, 3, 4).reshape(H, T, D).astype(q_HxTxD.dtype),
+    return (out.transpose(1, 2, 0, 3, 4).reshape(H, T, E).astype(q_HTE.dtype),
             lse.transpose(1, 2, 0, 3).reshape(H, T))
 
 
-def _dq(static, q_HxTxD, k_KxSxD, v_KxSxD, do_HxTxD, lse_HxT, delta_HxT, mask_arrays, doc_arrays):
-    H, T, D = q_HxTxD.shape
+def _dq(static, q_HTE, k_KSE, v_KSE, do_HTE, lse_HT, delta_HT, mask_arrays, doc_arrays):
+    H, T, E = q_HTE.shape
     bq, bkv = static.block_q, static.block_kv
     xs = _entries(*mask_arrays[:3])
-    q_NKGQD, do_NKGQD = _q_blocks(static, q_HxTxD), _q_blocks(static, do_HxTxD)
-    lse_NKGQ, delta_NKGQ = _q_rows(static, lse_HxT), _q_rows(static, delta_HxT)
-    k_MKVD, v_MKVD = _kv_blocks(static, k_KxSxD), _kv_blocks(static, v_KxSxD)
+    q_NKGQE, do_NKGQE = _q_blocks(static, q_HTE), _q_blocks(static, do_HTE)
+    lse_NKGQ, delta_NKGQ = _q_rows(static, lse_HT), _q_rows(static, delta_HT)
+    k_OKWE, v_OKWE = _kv_blocks(static, k_KSE), _kv_blocks(static, v_KSE)
     q_pos_NQ1 = jnp.arange(T, dtype=jnp.int32).reshape(-1, bq, 1)
 
     def step(dq, xs):
         blocks_N, live_N, masked_N = xs
-        kv_pos_N1V = _positions(blocks_N, bkv)[:, None, :]
-        k_NKVD, v_NKVD = k_MKVD[blocks_N], v_MKVD[blocks_N]
-        s, d_mod = _scores(static, q_NKGQD, k_NKVD, q_pos_NQ1, kv_pos_N1V, live_N, masked_N,
-                           _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V), with_grad=True)
+        kv_pos_N1W = _positions(blocks_N, bkv)[:, None, :]
+        k_NKWE, v_NKWE = k_OKWE[blocks_N], v_OKWE[blocks_N]
+        s, d_mod = _scores(static, q_NKGQE, k_NKWE, q_pos_NQ1, kv_pos_N1W, live_N, masked_N,
+                           _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W), with_grad=True)
         p = jnp.exp(s - lse_NKGQ[..., None])
-        ds = p * (jnp.einsum("nkgqd,nkvd->nkgqv", do_NKGQD, v_NKVD) - delta_NKGQ[..., None])
+        ds = p * (jnp.einsum("nkgqe,nkwe->nkgqw", do_NKGQE, v_NKWE) - delta_NKGQ[..., None])
         if d_mod is not None:
             ds = ds * d_mod
-        return dq + jnp.einsum("nkgqv,nkvd->nkgqd", ds, k_NKVD), None
+        return dq + jnp.einsum("nkgqw,nkwe->nkgqe", ds, k_NKWE), None
 
-    dq, _ = lax.scan(step, jnp.zeros_like(q_NKGQD), xs)
-    return (dq * static.scale).transpose(1, 2, 0, 3, 4).reshape(H, T, D)
+    dq, _ = lax.scan(step, jnp.zeros_like(q_NKGQE), xs)
+    return (dq * static.scale).transpose(1, 2, 0, 3, 4).reshape(H, T, E)
 
 
-def _dkv(static, q_HxTxD, k_KxSxD, v_KxSxD, do_HxTxD, lse_HxT, delta_HxT, mask_arrays, doc_arrays):
-    K, S, D = k_KxSxD.shape
+def _dkv(static, q_HTE, k_KSE, v_KSE, do_HTE, lse_HT, delta_HT, mask_arrays, doc_arrays):
+    K, S, E = k_KSE.shape
     bq, bkv = static.block_q, static.block_kv
     xs = _entries(*mask_arrays[3:])
-    q_MKGQD, do_MKGQD = _q_blocks(static, q_HxTxD), _q_blocks(static, do_HxTxD)
-    lse_MKGQ, delta_MKGQ = _q_rows(static, lse_HxT), _q_rows(static, delta_HxT)
-    k_NKVD, v_NKVD = _kv_blocks(static, k_KxSxD), _kv_blocks(static, v_KxSxD)
-    kv_pos_N1V = jnp.arange(S, dtype=jnp.int32).reshape(-1, 1, bkv)
+    q_OKGQE, do_OKGQE = _q_blocks(static, q_HTE), _q_blocks(static, do_HTE)
+    lse_OKGQ, delta_OKGQ = _q_rows(static, lse_HT), _q_rows(static, delta_HT)
+    k_NKWE, v_NKWE = _kv_blocks(static, k_KSE), _kv_blocks(static, v_KSE)
+    kv_pos_N1W = jnp.arange(S, dtype=jnp.int32).reshape(-1, 1, bkv)
 
     def step(carry, xs):
         dk, dv = carry
         blocks_N, live_N, masked_N = xs
         q_pos_NQ1 = _positions(blocks_N, bq)[:, :, None]
-        q_NKGQD, do_NKGQD = q_MKGQD[blocks_N], do_MKGQD[blocks_N]
-        s, d_mod = _scores(static, q_NKGQD, k_NKVD, q_pos_NQ1, kv_pos_N1V, live_N, masked_N,
-                           _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1V), with_grad=True)
-        p = jnp.exp(s - lse_MKGQ[blocks_N][..., None])
-        dv = dv + jnp.einsum("nkgqv,nkgqd->nkvd", p, do_NKGQD)
-        ds = p * (jnp.einsum("nkgqd,nkvd->nkgqv", do_NKGQD, v_NKVD) - delta_MKGQ[blocks_N][..., None])
+        q_NKGQE, do_NKGQE = q_OKGQE[blocks_N], do_OKGQE[blocks_N]
+        s, d_mod = _scores(static, q_NKGQE, k_NKWE, q_pos_NQ1, kv_pos_N1W, live_N, masked_N,
+                           _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W), with_grad=True)
+        p = jnp.exp(s - lse_OKGQ[blocks_N][..., None])
+        dv = dv + jnp.einsum("nkgqw,nkgqe->nkwe", p, do_NKGQE)
+        ds = p * (jnp.einsum("nkgqe,nkwe->nkgqw", do_NKGQE, v_NKWE) - delta_OKGQ[blocks_N][..., None])
         if d_mod is not None:
             ds = ds * d_mod
-        return (dk + jnp.einsum("nkgqv,nkgqd->nkvd", ds, q_NKGQD), dv), None
+        return (dk + jnp.einsum("nkgqw,nkgqe->nkwe", ds, q_NKGQE), dv), None
 
-    zeros = jnp.zeros_like(k_NKVD)
+    zeros = jnp.zeros_like(k_NKWE)
     (dk, dv), _ = lax.scan(step, (zeros, zeros), xs)
 
-    def unblock(x_NKVD):
-        return x_NKVD.transpose(1, 0, 2, 3).reshape(K, S, D)
+    def unblock(x_NKWE):
+        return x_NKWE.transpose(1, 0, 2, 3).reshape(K, S, E)
 
     return unblock(dk * static.scale), unblock(dv)

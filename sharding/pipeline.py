@@ -1,6 +1,6 @@
 """Pipeline parallelism over the `pipeline` mesh axis: GPipe and 1F1B schedules as one SPMD program.
 
-The layers' stacked params [L, ...] are viewed as [S, L/S, ...], one block of layers per stage. Inside a
+The layers' stacked params [L, ...] are viewed as [P, L/P, ...], one block of layers per stage. Inside a
 `jax.shard_map` that is manual over `pipeline` only (data / fsdp / tensor stay automatic, so FSDP and tensor
 parallelism keep working inside a stage), every stage runs the same `lax.scan` over clock ticks and passes
 activations to its neighbour with `lax.ppermute`. Microbatch m reaches stage s at tick m + s.
@@ -9,14 +9,15 @@ GPipe: all forwards, then all backwards. The forward scan is differentiated by J
 residuals of every microbatch it ran: activation memory grows with the number of microbatches M.
 
 1F1B: after a warm-up, each stage alternates one forward and one backward. Stage s runs the backward of
-microbatch m at tick m + 2(S-1) - s, so it holds at most 2(S-1-s) + 1 microbatch inputs: memory scales with the
+microbatch m at tick m + 2(P-1) - s, so it holds at most 2(P-1-s) + 1 microbatch inputs: memory scales with the
 stages, not with M. The backward is written out (`jax.vjp` per tick, recomputing the stage's forward from its
 stashed input) and the loss head runs on the last stage inside the loop, so the schedule computes the gradients
 itself; a `jax.custom_vjp` hands them to the surrounding autodiff.
 
-Both schedules idle (S-1) of every (M+S-1) stage-slots: `bubble_fraction`.
+Both schedules idle (P-1) of every (M+P-1) stage-slots: `bubble_fraction`.
 
-Names: S stages, M microbatches, B microbatch rows, T tokens, D model dim; a `_M` suffix means a leading [M] axis.
+Shape suffixes follow the legend in docs/architecture.md (B: the rows of one microbatch; a `_M` suffix is a leading
+[M] axis), plus P pipeline stages.
 """
 
 from __future__ import annotations
@@ -31,30 +32,30 @@ from jax.sharding import PartitionSpec as P
 AXIS = "pipeline"
 SCHEDULES = ("gpipe", "1f1b")
 
-StageFn = Callable[[Any, jax.Array, Any], jax.Array]  # (stage params [L/S, ...], x_BTD, side inputs) -> x_BTD
+StageFn = Callable[[Any, jax.Array, Any], jax.Array]  # (stage params [L/P, ...], x_BTD, side inputs) -> x_BTD
 HeadFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, jax.Array]]  # (head params, y_BTD, side) -> (sum, count)
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Idle share of a GPipe or 1F1B step: (S - 1) / (M + S - 1)."""
+    """Idle share of a GPipe or 1F1B step: (P - 1) / (M + P - 1)."""
     return (stages - 1) / (microbatches + stages - 1)
 
 
 def stash_slots(stages: int) -> int:
-    """Microbatch inputs a 1F1B stage keeps alive at once (stage 0 holds the most): 2S - 1, whatever M is."""
+    """Microbatch inputs a 1F1B stage keeps alive at once (stage 0 holds the most): 2P - 1, whatever M is."""
     return 2 * stages - 1
 
 
 def split_stages(stacked, stages: int):
-    """[L, ...] -> [S, L/S, ...] on every leaf: stage s gets layers s*L/S ... (s+1)*L/S - 1."""
+    """[L, ...] -> [P, L/P, ...] on every leaf: stage s gets layers s*L/P ... (s+1)*L/P - 1."""
     return jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]), stacked)
 
 
 def pipeline_loss(schedule: str, stage_fn: StageFn, head_fn: HeadFn, stage_params, head_params, x_MBTD: jax.Array,
                   stage_side_M, head_side_M, *, stages: int) -> tuple[jax.Array, jax.Array]:
-    """(loss sum, count) of `head_fn(stage_fn_S(...stage_fn_1(x)))` summed over microbatches, pipelined.
+    """(loss sum, count) of `head_fn(stage_fn_P(...stage_fn_1(x)))` summed over microbatches, pipelined.
 
-    stage_params: [S, L/S, ...] leaves (`split_stages`); x_MBTD: the first stage's inputs; *_side_M: pytrees with a
+    stage_params: [P, L/P, ...] leaves (`split_stages`); x_MBTD: the first stage's inputs; *_side_M: pytrees with a
     leading [M] axis (e.g. segment ids for the stages, targets for the head). Differentiable in stage_params,
     head_params and x_MBTD with either schedule.
     """
@@ -88,7 +89,7 @@ def _shard_map(body, stage_params, *args, out_specs):
 
 
 def _local(stage_params):
-    """This stage's [1, L/S, ...] block -> [L/S, ...]."""
+    """This stage's [1, L/P, ...] block -> [L/P, ...]."""
     return jax.tree.map(lambda a: a[0], stage_params)
 
 
@@ -107,7 +108,7 @@ def _shift(x, stages: int, direction: int):
 
 def _gpipe_outputs(fns: _Fns, stage_params, x_MBTD, stage_side_M):
     """Last-stage outputs y_MBTD of every microbatch (replicated over stages). Plain JAX: autodiff gives GPipe."""
-    S = fns.stages
+    stages = fns.stages
     M = x_MBTD.shape[0]
 
     def body(stage_params, x_MBTD, stage_side_M):
@@ -118,13 +119,13 @@ def _gpipe_outputs(fns: _Fns, stage_params, x_MBTD, stage_side_M):
             m = jnp.clip(t - s, 0, M - 1)  # the microbatch this stage works on (garbage while idle, discarded)
             x = jnp.where(s == 0, _at(x_MBTD, jnp.minimum(t, M - 1)), received)
             y = fns.stage_fn(params, x, _at(stage_side_M, m))
-            done = (s == S - 1) & (t >= S - 1)
+            done = (s == stages - 1) & (t >= stages - 1)
             out_MBTD = jnp.where(done, jax.lax.dynamic_update_index_in_dim(out_MBTD, y, m, 0), out_MBTD)
-            return (_shift(y, S, +1), out_MBTD), None
+            return (_shift(y, stages, +1), out_MBTD), None
 
         zeros = jnp.zeros_like(x_MBTD[0])
-        (_, out_MBTD), _ = jax.lax.scan(tick, (zeros, jnp.zeros_like(x_MBTD)), jnp.arange(M + S - 1))
-        return jax.lax.psum(jnp.where(s == S - 1, out_MBTD, 0), AXIS)  # only the last stage's buffer is filled
+        (_, out_MBTD), _ = jax.lax.scan(tick, (zeros, jnp.zeros_like(x_MBTD)), jnp.arange(M + stages - 1))
+        return jax.lax.psum(jnp.where(s == stages - 1, out_MBTD, 0), AXIS)  # only the last stage's buffer is filled
 
     return _shard_map(body, stage_params, x_MBTD, stage_side_M, out_specs=P())
 
@@ -172,13 +173,13 @@ _one_f_one_b.defvjp(_one_f_one_b_fwd, _one_f_one_b_bwd)
 
 def _one_f_one_b_grads(fns: _Fns, stage_params, head_params, x_MBTD, stage_side_M, head_side_M):
     """Runs the 1F1B schedule: (loss sum, count, (d stage_params, d head_params, d x_MBTD))."""
-    S = fns.stages
+    stages = fns.stages
     M = x_MBTD.shape[0]
-    slots = stash_slots(S)
+    slots = stash_slots(stages)
 
     def body(stage_params, head_params, x_MBTD, stage_side_M, head_side_M):
         params, s = _local(stage_params), jax.lax.axis_index(AXIS)
-        last = s == S - 1
+        last = s == stages - 1
 
         def tick(carry, t):
             recv_x, recv_g, stash, g_params, g_head, g_x_MBTD, loss, count = carry
@@ -195,7 +196,7 @@ def _one_f_one_b_grads(fns: _Fns, stage_params, head_params, x_MBTD, stage_side_
             loss, count = loss + jnp.where(head_ok, l, 0.0), count + jnp.where(head_ok, n, 0.0)
             g_head = jax.tree.map(lambda a, g: a + jnp.where(head_ok, g, 0), g_head, g_h)
             # Backward of microbatch b from its stashed input (the stage forward is recomputed inside the vjp).
-            b = t - (2 * (S - 1) - s)
+            b = t - (2 * (stages - 1) - s)
             b_ok = (b >= 0) & (b < M)
             b_i = jnp.clip(b, 0, M - 1)
             g_out = jnp.where(last, g_y, recv_g)
@@ -205,7 +206,7 @@ def _one_f_one_b_grads(fns: _Fns, stage_params, head_params, x_MBTD, stage_side_
             g_params = jax.tree.map(lambda a, g: a + jnp.where(b_ok, g, 0), g_params, g_p)
             g_x_MBTD = jnp.where((s == 0) & b_ok, jax.lax.dynamic_update_index_in_dim(g_x_MBTD, g_xb, b_i, 0),
                                  g_x_MBTD)
-            carry = (_shift(y, S, +1), _shift(jnp.where(b_ok, g_xb, 0), S, -1), stash, g_params, g_head,
+            carry = (_shift(y, stages, +1), _shift(jnp.where(b_ok, g_xb, 0), stages, -1), stash, g_params, g_head,
                      g_x_MBTD, loss, count)
             return carry, None
 
@@ -213,7 +214,7 @@ def _one_f_one_b_grads(fns: _Fns, stage_params, head_params, x_MBTD, stage_side_
         init = (x0, x0, jnp.zeros((slots,) + x0.shape, x0.dtype), jax.tree.map(jnp.zeros_like, params),
                 jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(x_MBTD), jnp.zeros((), jnp.float32),
                 jnp.zeros((), jnp.float32))
-        carry, _ = jax.lax.scan(tick, init, jnp.arange(M + 2 * (S - 1)))
+        carry, _ = jax.lax.scan(tick, init, jnp.arange(M + 2 * (stages - 1)))
         _, _, _, g_params, g_head, g_x_MBTD, loss, count = carry
         # Stage params' gradients stay on their stage; the rest lives on one stage and is summed to all.
         g_params = jax.tree.map(lambda g: g[None], g_params)

@@ -50,6 +50,29 @@ def use_rules(rules: dict | None):
         _ACTIVE_RULES.reset(token)
 
 
+def active_rules() -> dict[str, str | tuple[str, ...] | None]:
+    """The rules in effect: DEFAULT_RULES with the overrides of the enclosing `use_rules` (none outside one)."""
+    return {**DEFAULT_RULES, **(_ACTIVE_RULES.get() or {})}
+
+
+def active_mesh_axes(logical: str) -> tuple[str, ...]:
+    """The mesh axes the active rules split logical axis `logical` over, as far as the mesh in context can split
+    here: axes that are not manual (inside a shard_map, e.g. pipeline stages or a DiLoCo replica) and of size > 1,
+    the ones `constrain` keeps. In rule order; () outside a mesh context."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return _splitting(mesh, active_rules().get(logical))
+
+
+def _splitting(mesh, target) -> tuple[str, ...]:
+    """The mesh axes of one rule target (an axis, a tuple of axes or None) that `mesh` has, not manual here and of
+    size > 1."""
+    free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual
+            and mesh.shape[a] > 1}
+    return tuple(a for a in (target if isinstance(target, tuple) else (target,)) if a in free)
+
+
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     """Pins an activation's sharding by logical names, e.g. ("batch", "seq", "act_embed") at layer boundaries.
 
@@ -60,11 +83,9 @@ def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     if mesh.empty:
         return x
     spec = logical_spec(axes, _ACTIVE_RULES.get())
-    auto = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual
-            and mesh.shape[a] > 1}
 
     def keep(target):
-        kept = tuple(a for a in (target if isinstance(target, tuple) else (target,)) if a in auto)
+        kept = _splitting(mesh, target)
         return kept if len(kept) > 1 else (kept[0] if kept else None)
 
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*(keep(t) for t in spec))))

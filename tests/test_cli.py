@@ -1,4 +1,4 @@
-"""The experiment CLI contract (DESIGN.md), exercised as a user would: `python -m experiments.tiny_lm ...`."""
+"""The experiment CLI contract (experiments/cli.py), exercised as a user would: `python -m experiments.tiny_lm ...`."""
 
 import json
 import os

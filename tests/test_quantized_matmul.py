@@ -167,7 +167,7 @@ def test_bad_operands_and_scales_are_named():
         scaled_matmul(xq, xs, quantize(gaussian((16, 4)), "float8_e4m3fn")[0], ws)
     with pytest.raises(ValueError, match="unsupported weight dtype float32"):
         scaled_matmul(f8, f8s, gaussian((16, 4)), ws)
-    with pytest.raises(ValueError, match=r"expected x \[M, K\] and w \[K, N\]"):
+    with pytest.raises(ValueError, match=r"expected x \[X, C\] and w \[C, Y\]"):
         scaled_matmul(xq, xs, wq[:15], ws)
     with pytest.raises(ValueError, match=r"w_scale must be \[1, 4 or 1\]"):
         scaled_matmul(xq, xs, wq, ws[:, :3])

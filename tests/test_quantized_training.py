@@ -113,7 +113,7 @@ def test_recipe_errors_are_named():
         QuantRecipe("fp4")
     with pytest.raises(ValueError, match="weight-only quantization is int8"):
         QuantRecipe("float8_e4m3fn", weight_only=True)
-    with pytest.raises(ValueError, match=r"amax history must be \[3, H\]"):
+    with pytest.raises(ValueError, match=r"amax history must be \[3, A\]"):
         quantized_dot(X, W, jnp.zeros((2, 4)), QuantRecipe.fp8())
 
 

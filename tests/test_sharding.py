@@ -7,12 +7,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 
+import pallas_kernels as pk
 from helpers import one_device_mesh, random_batch, tiny_config
 from jaxlm.train import Program
 from sharding import MeshLayout, build_mesh, load_layout
-from sharding.rules import LOGICAL_AXES_KEY, logical_spec
+from sharding.rules import LOGICAL_AXES_KEY, active_mesh_axes, active_rules, logical_spec, use_rules
 
 MESHES = Path(__file__).resolve().parents[1] / "experiments" / "meshes"
 SHIPPED = ["fsdp8", "dp2_fsdp2_tp2", "fsdp2_tp2_pp2", "dp4_pp2"]  # single_device.py is the reference itself
@@ -85,3 +86,51 @@ def test_four_stage_pipeline_with_document_mask(schedule, impl, reference):
     program = Program(cfg, build_mesh(layout), layout)
     _, *result = loss_and_grads(program, _doc_batch())
     assert_same(result, reference["document"])
+
+
+# Layouts whose rules move the batch and the heads off their default mesh axes, and the [rows, query heads] each
+# device's attention kernel then sees of the [16, 4] batch x heads (the old hard-coded data/fsdp x tensor split
+# gave [4, 2] and [8, 4]).
+RULE_OVERRIDES = {
+    "batch_on_data_heads_whole": (MeshLayout(data=2, fsdp=2, tensor=2, rules={"batch": ("data",), "heads": None}),
+                                  (8, 4)),
+    "batch_on_tensor_heads_on_fsdp": (MeshLayout(fsdp=2, tensor=4, rules={
+        "batch": ("tensor",), "heads": "fsdp", "kv_heads": "fsdp", "embed": None, "mlp": None, "vocab": None}),
+        (4, 2)),
+}
+
+
+@pytest.mark.parametrize("name, impl", [("batch_on_data_heads_whole", "xla_blocksparse"),
+                                        ("batch_on_tensor_heads_on_fsdp", "pallas")])
+def test_attention_kernels_split_as_the_rules_say(name, impl, reference, monkeypatch):
+    """The block-sparse kernels run under their own shard_map; its batch and head axes come from the layout's rules,
+    and the loss and gradients stay the single device's."""
+    layout, local_rows_heads = RULE_OVERRIDES[name]
+    kernel_name = "block_sparse_attention" if impl == "pallas" else "block_sparse_attention_xla"
+    kernel, seen = getattr(pk, kernel_name), set()
+
+    def recording(q, *args, **kwargs):
+        seen.add(tuple(q.shape[:2]))  # q [B, H, T, E] as one device holds it
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(pk, kernel_name, recording)
+    cfg = _documents(CFG)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl, attention_block_q=8,
+                                                             attention_block_kv=8))
+    program = Program(cfg, build_mesh(layout.validate(8)), layout)
+    _, *result = loss_and_grads(program, _doc_batch())
+    assert seen == {local_rows_heads}
+    assert_same(result, reference["document"])
+
+
+def test_active_mesh_axes_follow_the_rules_in_context():
+    mesh = build_mesh(MeshLayout(data=2, fsdp=4)).abstract_mesh
+    assert active_mesh_axes("batch") == ()  # no mesh in context
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert active_mesh_axes("batch") == ("data", "fsdp")  # the defaults, less axes of size 1 (replica)
+        assert active_mesh_axes("heads") == ()  # tensor is 1
+        with use_rules({"batch": ("fsdp",), "heads": "data"}):
+            assert active_rules()["batch"] == ("fsdp",) and active_rules()["embed"] == "fsdp"
+            assert (active_mesh_axes("batch"), active_mesh_axes("heads")) == (("fsdp",), ("data",))
+    with jax.sharding.use_abstract_mesh(mesh.update_axis_types({"data": AxisType.Manual})):
+        assert active_mesh_axes("batch") == ("fsdp",)  # data is manual here, as inside a shard_map over it
