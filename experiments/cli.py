@@ -1,4 +1,4 @@
-"""The experiment CLI contract shared by every training experiment (see DESIGN.md).
+"""The experiment CLI contract shared by every training experiment (docs/architecture.md).
 
     --workdir DIR --steps N --seed S --mesh PATH.py --config PATH.py --log-every K --checkpoint-every K
     --set dotted.key=value (repeatable) [--cpu-devices N] [--no-progress]
