@@ -10,21 +10,50 @@ numpy (and jax only inside `loader.jax_exchange`), never jaxlm: higher layers
 depend on this one, not the reverse.
 """
 
-from data.corpus import default_corpus
 from data.access_plan import AccessPlan, FeistelPermutation
+from data.corpus import default_corpus
 from data.iterator import Batch, BatchIterator, SeededBatchIterator, eval_batches, segment_ids, split_train_val
 from data.loader import ClairvoyantLoader, LoaderError, file_exchange, jax_exchange
 from data.perf_model import TierModel
-from data.sources import (SampleSource, ShardedSource, SourceError, ThrottledSource, TokenWindowSource, open_source,
-                          write_shards)
+from data.sources import (
+    SampleSource,
+    ShardedSource,
+    SourceError,
+    ThrottledSource,
+    TokenWindowSource,
+    open_source,
+    write_shards,
+)
 from data.token_file import TokenFile, TokenFileError, write_token_file
 from data.tokenizer import BYTE_TOKENIZER_VOCAB_SIZE, EOS_ID, decode, encode
 
 __all__ = [
-    "AccessPlan", "ClairvoyantLoader", "FeistelPermutation", "LoaderError", "SampleSource", "ShardedSource",
-    "SourceError", "ThrottledSource", "TierModel", "TokenWindowSource", "file_exchange", "jax_exchange", "open_source",
+    "AccessPlan",
+    "ClairvoyantLoader",
+    "FeistelPermutation",
+    "LoaderError",
+    "SampleSource",
+    "ShardedSource",
+    "SourceError",
+    "ThrottledSource",
+    "TierModel",
+    "TokenWindowSource",
+    "file_exchange",
+    "jax_exchange",
+    "open_source",
     "write_shards",
-    "BYTE_TOKENIZER_VOCAB_SIZE", "EOS_ID", "Batch", "BatchIterator", "SeededBatchIterator", "TokenFile",
-    "TokenFileError", "decode", "default_corpus", "encode", "eval_batches", "segment_ids", "split_train_val",
+    "BYTE_TOKENIZER_VOCAB_SIZE",
+    "EOS_ID",
+    "Batch",
+    "BatchIterator",
+    "SeededBatchIterator",
+    "TokenFile",
+    "TokenFileError",
+    "decode",
+    "default_corpus",
+    "encode",
+    "eval_batches",
+    "segment_ids",
+    "split_train_val",
     "write_token_file",
 ]

@@ -19,6 +19,7 @@ import dataclasses
 
 import numpy as np
 
+
 def mix64(x) -> np.ndarray:
     """splitmix64's finalizer: a fast, well-mixed 64-bit hash (vectorized)."""
     with np.errstate(over="ignore"):
@@ -78,8 +79,9 @@ class AccessPlan:
         if self.global_batch < 1:
             raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
         if self.num_samples < self.global_batch:
-            raise ValueError(f"the dataset has {self.num_samples} samples, fewer than one global batch of "
-                             f"{self.global_batch}")
+            raise ValueError(
+                f"the dataset has {self.num_samples} samples, fewer than one global batch of {self.global_batch}"
+            )
         if self.seed < 0:
             raise ValueError(f"seed must be non-negative, got {self.seed}")
 
@@ -114,7 +116,9 @@ class AccessPlan:
             stop = min(step_stop, (epoch + 1) * spe)
             ks = np.arange(k, k + stop - step)
             positions = ks[:, None] * self.global_batch + np.arange(lo, hi)
-            out[step - step_start:stop - step_start] = self.permutation(epoch)(positions.ravel()).reshape(positions.shape)
+            out[step - step_start : stop - step_start] = self.permutation(epoch)(positions.ravel()).reshape(
+                positions.shape
+            )
             step = stop
         return out
 
@@ -137,8 +141,9 @@ def checked_rows(start, stop, global_batch: int) -> tuple[int, int]:
     """(start, stop) as ints, if they are a non-empty row range [start, stop) of a global batch; set_rows checks."""
     start, stop = int(start), int(stop)
     if not 0 <= start < stop <= global_batch:
-        raise ValueError(f"rows must be [start, stop) with 0 <= start < stop <= batch_size={global_batch}, "
-                         f"got [{start}, {stop})")
+        raise ValueError(
+            f"rows must be [start, stop) with 0 <= start < stop <= batch_size={global_batch}, got [{start}, {stop})"
+        )
     return start, stop
 
 

@@ -32,6 +32,7 @@ class DirKind:
 
     def read_marker(self, path: Path, version: int) -> dict:
         """The parsed marker file of the dataset at `path`, checked for format and version."""
+
         def fail(problem: str):
             raise self.error(f"{path}: {problem}")
 
@@ -58,8 +59,9 @@ class DirKind:
         if not any(out_dir.iterdir()):
             return
         if not self.is_one(out_dir):
-            raise self.error(f"{out_dir}: output directory is not empty and is not a {self.name}; "
-                             "refusing to overwrite it")
+            raise self.error(
+                f"{out_dir}: output directory is not empty and is not a {self.name}; refusing to overwrite it"
+            )
         if not overwrite:
             raise self.error(f"{out_dir}: {self.name} already exists ({self.overwrite_hint})")
 
@@ -86,8 +88,9 @@ class DirKind:
         try:
             os.replace(tmp, out_dir)  # atomic; fails if another writer got there first
         except OSError as e:
-            raise self.error(f"{out_dir}: could not move the new {self.name} into place ({e}); "
-                             "another process may have written it") from e
+            raise self.error(
+                f"{out_dir}: could not move the new {self.name} into place ({e}); another process may have written it"
+            ) from e
         finally:
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)

@@ -42,10 +42,10 @@ class ProcessPlan:
     step_start: int
     step_stop: int
     rows: tuple[int, int]
-    samples: np.ndarray      # [positions] int64
-    fetch_from: np.ndarray   # [positions] int8: SOURCE | RAM | DISK | PEER
-    peer: np.ndarray         # [positions] int32: the holding process when fetch_from == PEER, else -1
-    store: np.ndarray        # [positions] int8: 0, or the tier (RAM | DISK) the sample is cached in once read
+    samples: np.ndarray  # [positions] int64
+    fetch_from: np.ndarray  # [positions] int8: SOURCE | RAM | DISK | PEER
+    peer: np.ndarray  # [positions] int32: the holding process when fetch_from == PEER, else -1
+    store: np.ndarray  # [positions] int8: 0, or the tier (RAM | DISK) the sample is cached in once read
     ops: dict[int, list[tuple[str, int, int]]]  # pos -> [(DROP, sample, tier) | (DEMOTE, sample, RAM)]
 
 
@@ -66,11 +66,19 @@ class PlacementPlanner:
     order; `lookahead_steps` (default two epochs) beyond a chunk are scanned for next uses.
     """
 
-    def __init__(self, plan: AccessPlan, process_rows: list[tuple[int, int]], capacities: list[tuple[int, int]],
-                 *, lookahead_steps: int | None = None):
+    def __init__(
+        self,
+        plan: AccessPlan,
+        process_rows: list[tuple[int, int]],
+        capacities: list[tuple[int, int]],
+        *,
+        lookahead_steps: int | None = None,
+    ):
         if len(process_rows) != len(capacities) or not process_rows:
-            raise ValueError(f"need one (ram, disk) capacity per process, got {len(capacities)} capacities for "
-                             f"{len(process_rows)} processes")
+            raise ValueError(
+                f"need one (ram, disk) capacity per process, got {len(capacities)} capacities for "
+                f"{len(process_rows)} processes"
+            )
         for p, (ram, disk) in enumerate(capacities):
             if ram < 0 or disk < 0:
                 raise ValueError(f"process {p}: cache capacities must be >= 0 samples, got ram={ram} disk={disk}")
@@ -189,8 +197,18 @@ class PlacementPlanner:
         plans = []
         for p, (lo, hi) in enumerate(self.process_rows):
             flat = (np.arange(steps)[:, None] * n_cols + np.arange(col_start[p], col_start[p + 1])).ravel()
-            plans.append(ProcessPlan(step_start, step_stop, (lo, hi), stream[flat], fetch_from[flat], peer[flat],
-                                     store[flat], per_process_ops[p]))
+            plans.append(
+                ProcessPlan(
+                    step_start,
+                    step_stop,
+                    (lo, hi),
+                    stream[flat],
+                    fetch_from[flat],
+                    peer[flat],
+                    store[flat],
+                    per_process_ops[p],
+                )
+            )
         return plans
 
 

@@ -58,8 +58,9 @@ def default_corpus(cache_dir: str | os.PathLike | None = None) -> Path:
     documents = (encode((root / rel).read_bytes()) for rel in files)
     sources = [f"python {version} standard library at {root}", f"{len(files)} *.py files, tests excluded"]
     try:
-        write_token_file(path, documents, vocab_size=BYTE_TOKENIZER_VOCAB_SIZE,
-                         tokenizer="bytes", sources=sources, overwrite=broken)
+        write_token_file(
+            path, documents, vocab_size=BYTE_TOKENIZER_VOCAB_SIZE, tokenizer="bytes", sources=sources, overwrite=broken
+        )
     except TokenFileError:
         TokenFile.open(path)  # another process won the race: fine if its file is valid
     return path

@@ -43,12 +43,16 @@ def split_train_val(num_tokens: int, val_fraction: float, seq_len: int) -> tuple
     window = seq_len + 1
     num_val = int(num_tokens * val_fraction)
     if val_fraction > 0 and num_val < window:
-        raise ValueError(f"val_fraction={val_fraction} of {num_tokens} tokens gives {num_val} validation tokens, "
-                         f"fewer than one window of seq_len+1={window}")
+        raise ValueError(
+            f"val_fraction={val_fraction} of {num_tokens} tokens gives {num_val} validation tokens, "
+            f"fewer than one window of seq_len+1={window}"
+        )
     num_train = num_tokens - num_val
     if num_train < window:
-        raise ValueError(f"{num_tokens} tokens leave {num_train} for training after val_fraction={val_fraction}, "
-                         f"fewer than one window of seq_len+1={window}")
+        raise ValueError(
+            f"{num_tokens} tokens leave {num_train} for training after val_fraction={val_fraction}, "
+            f"fewer than one window of seq_len+1={window}"
+        )
     return (0, num_train), (num_train, num_tokens)
 
 
@@ -70,9 +74,11 @@ def batch_from_windows(windows_BT1: np.ndarray, eos_id: int | None) -> Batch:
     """Windows of seq_len + 1 tokens -> a training batch (inputs, next-token targets, mask, documents)."""
     windows_BT1 = np.asarray(windows_BT1).astype(np.int32)
     inputs_BT = np.ascontiguousarray(windows_BT1[:, :-1])
-    batch = {"inputs": inputs_BT,
-             "targets": np.ascontiguousarray(windows_BT1[:, 1:]),
-             "loss_mask": np.ones(inputs_BT.shape, np.float32)}
+    batch = {
+        "inputs": inputs_BT,
+        "targets": np.ascontiguousarray(windows_BT1[:, 1:]),
+        "loss_mask": np.ones(inputs_BT.shape, np.float32),
+    }
     if eos_id is not None:
         batch["segment_ids"] = segment_ids(inputs_BT, eos_id)
     return batch
@@ -86,8 +92,10 @@ def _check_region(tokens, start: int, stop: int | None, seq_len: int, batch_size
         raise ValueError(f"need 0 <= start <= stop <= len(tokens), got start={start} stop={stop} len={len(tokens)}")
     n = num_windows(start, stop, seq_len)
     if n < batch_size:
-        raise ValueError(f"tokens[{start}:{stop}] ({stop - start} tokens) hold {n} windows of seq_len={seq_len}, "
-                         f"fewer than batch_size={batch_size}")
+        raise ValueError(
+            f"tokens[{start}:{stop}] ({stop - start} tokens) hold {n} windows of seq_len={seq_len}, "
+            f"fewer than batch_size={batch_size}"
+        )
     return start, stop, n
 
 
@@ -101,8 +109,19 @@ class SeededBatchIterator:
     otherwise. Rows do not affect the state: every process keeps the same position.
     """
 
-    def __init__(self, tokens, *, batch_size: int, seq_len: int, seed: int, start: int = 0,
-                 stop: int | None = None, process_index: int = 0, process_count: int = 1, eos_id: int | None = None):
+    def __init__(
+        self,
+        tokens,
+        *,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        start: int = 0,
+        stop: int | None = None,
+        process_index: int = 0,
+        process_count: int = 1,
+        eos_id: int | None = None,
+    ):
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
         self.tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
@@ -130,7 +149,7 @@ class SeededBatchIterator:
 
     def __next__(self) -> Batch:
         first = self.batch_in_epoch * self.batch_size + self.rows[0]
-        window_ids_B = self._permutation(self.epoch)[first:first + self.local_batch_size]
+        window_ids_B = self._permutation(self.epoch)[first : first + self.local_batch_size]
         batch = _gather(self.tokens, window_ids_B, self.start, self.seq_len, self.eos_id)
         self.skip()
         return batch
@@ -152,13 +171,25 @@ class SeededBatchIterator:
         if seed != self.seed:
             raise ValueError(f"iterator state has seed {seed} but this iterator was built with seed {self.seed}")
         if epoch < 0 or not 0 <= batch < self.batches_per_epoch:
-            raise ValueError(f"iterator state epoch={epoch} batch_in_epoch={batch} is out of range "
-                             f"({self.batches_per_epoch} batches per epoch)")
+            raise ValueError(
+                f"iterator state epoch={epoch} batch_in_epoch={batch} is out of range "
+                f"({self.batches_per_epoch} batches per epoch)"
+            )
         self.epoch, self.batch_in_epoch = epoch, batch
 
 
-def eval_batches(tokens, *, batch_size: int, seq_len: int, start: int, stop: int, max_batches: int,
-                 process_index: int = 0, process_count: int = 1, eos_id: int | None = None) -> list[Batch]:
+def eval_batches(
+    tokens,
+    *,
+    batch_size: int,
+    seq_len: int,
+    start: int,
+    stop: int,
+    max_batches: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    eos_id: int | None = None,
+) -> list[Batch]:
     """Sequential, unshuffled batches from tokens[start:stop]: the same every eval."""
     tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     start, stop, n = _check_region(tokens, start, stop, seq_len, batch_size)

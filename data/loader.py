@@ -56,13 +56,32 @@ class ClairvoyantLoader:
     runs; pass one to seed or inspect it).
     """
 
-    def __init__(self, source, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,
-                 ram_bytes: int = 256 << 20, disk_bytes: int = 0, disk_dir: str | None = None, workers: int = 16,
-                 prefetch_steps: int = 4, plan_chunk_steps: int | None = None, eos_id: int | None = None,
-                 exchange: Exchange | None = None, peer_host: str = "127.0.0.1", peer_wait_s: float = 0.5,
-                 model: TierModel | None = None):
-        for name, value, low in (("workers", workers, 1), ("prefetch_steps", prefetch_steps, 1),
-                                 ("ram_bytes", ram_bytes, 0), ("disk_bytes", disk_bytes, 0)):
+    def __init__(
+        self,
+        source,
+        *,
+        batch_size: int,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+        ram_bytes: int = 256 << 20,
+        disk_bytes: int = 0,
+        disk_dir: str | None = None,
+        workers: int = 16,
+        prefetch_steps: int = 4,
+        plan_chunk_steps: int | None = None,
+        eos_id: int | None = None,
+        exchange: Exchange | None = None,
+        peer_host: str = "127.0.0.1",
+        peer_wait_s: float = 0.5,
+        model: TierModel | None = None,
+    ):
+        for name, value, low in (
+            ("workers", workers, 1),
+            ("prefetch_steps", prefetch_steps, 1),
+            ("ram_bytes", ram_bytes, 0),
+            ("disk_bytes", disk_bytes, 0),
+        ):
             if value < low:
                 raise ValueError(f"ClairvoyantLoader: {name} must be >= {low}, got {value}")
         self._threads: list[threading.Thread] = []
@@ -124,8 +143,12 @@ class ClairvoyantLoader:
         return batch
 
     def get_state(self) -> dict[str, int]:
-        return {"seed": self.seed, "step": self.step, "num_samples": self.plan.num_samples,
-                "global_batch": self.batch_size}
+        return {
+            "seed": self.seed,
+            "step": self.step,
+            "num_samples": self.plan.num_samples,
+            "global_batch": self.batch_size,
+        }
 
     def set_state(self, state: dict[str, int]) -> None:
         missing = {"seed", "step"} - set(state)
@@ -146,12 +169,15 @@ class ClairvoyantLoader:
             c, b = dict(self._counts), dict(self._bytes)
         served = c["ram"] + c["disk"] + c["peer"] + c["source"]
         planned = sum(self._planned.values())
-        return {"data_batches": c["batches"], "data_stall_s": self._stall_s,
-                **{f"data_samples_{k}": c[k] for k in ("ram", "disk", "peer", "source", "fallback", "rerouted")},
-                **{f"data_bytes_{k}": b[k] for k in ("local", "peer", "source")},
-                "data_hit_rate": (served - c["source"]) / served if served else 0.0,
-                "data_planned_hit_rate": (planned - self._planned["source"]) / planned if planned else 0.0,
-                **self.model.metrics(self._upcoming_mix, self.workers)}
+        return {
+            "data_batches": c["batches"],
+            "data_stall_s": self._stall_s,
+            **{f"data_samples_{k}": c[k] for k in ("ram", "disk", "peer", "source", "fallback", "rerouted")},
+            **{f"data_bytes_{k}": b[k] for k in ("local", "peer", "source")},
+            "data_hit_rate": (served - c["source"]) / served if served else 0.0,
+            "data_planned_hit_rate": (planned - self._planned["source"]) / planned if planned else 0.0,
+            **self.model.metrics(self._upcoming_mix, self.workers),
+        }
 
     def close(self) -> None:
         self._stop_pipeline()
@@ -173,15 +199,25 @@ class ClairvoyantLoader:
         if self.exchange is not None:
             from data.peers import PeerClient, PeerServer
 
-            self._server = PeerServer(self._serve, host=self.peer_host, sample_len=self.source.sample_len,
-                                      dtype=self.source.dtype).start()
-            infos = self.exchange({"rows": [lo, hi], "capacity": list(self.capacity), "step": self.step,
-                                   "address": list(self._server.address), "fingerprint": self.plan.fingerprint()})
+            self._server = PeerServer(
+                self._serve, host=self.peer_host, sample_len=self.source.sample_len, dtype=self.source.dtype
+            ).start()
+            infos = self.exchange(
+                {
+                    "rows": [lo, hi],
+                    "capacity": list(self.capacity),
+                    "step": self.step,
+                    "address": list(self._server.address),
+                    "fingerprint": self.plan.fingerprint(),
+                }
+            )
             for p, info in enumerate(infos):
                 if info["fingerprint"] != self.plan.fingerprint() or info["step"] != self.step:
-                    raise LoaderError(f"loader process {p} reads stream {info['fingerprint']} from step "
-                                      f"{info['step']}, but process {self.process_index} reads "
-                                      f"{self.plan.fingerprint()} from step {self.step}: they must agree")
+                    raise LoaderError(
+                        f"loader process {p} reads stream {info['fingerprint']} from step "
+                        f"{info['step']}, but process {self.process_index} reads "
+                        f"{self.plan.fingerprint()} from step {self.step}: they must agree"
+                    )
             all_rows = [tuple(i["rows"]) for i in infos]
             capacities = [tuple(i["capacity"]) for i in infos]
             self._peer_addresses = [tuple(i["address"]) for i in infos]
@@ -201,8 +237,10 @@ class ClairvoyantLoader:
         self._fetched_cond, self._room_cond = threading.Condition(lock), threading.Condition(lock)
         self._stopping = threading.Event()
         self._ready: queue.Queue = queue.Queue(maxsize=self.prefetch_steps)
-        self._threads = [threading.Thread(target=self._fetch_loop, args=(w,), daemon=True, name=f"jaxlm-fetch-{w}")
-                         for w in range(self.workers)]
+        self._threads = [
+            threading.Thread(target=self._fetch_loop, args=(w,), daemon=True, name=f"jaxlm-fetch-{w}")
+            for w in range(self.workers)
+        ]
         self._threads.append(threading.Thread(target=self._assemble_loop, daemon=True, name="jaxlm-assemble"))
         self._threads.append(threading.Thread(target=self._plan_ahead_loop, daemon=True, name="jaxlm-plan"))
         for t in self._threads:
@@ -263,7 +301,7 @@ class ClairvoyantLoader:
             while not self._stopping.is_set():
                 plan, routed, remote = self._chunk(chunk)
                 base = chunk * self._per_chunk
-                for i in remote[worker::self.workers].tolist():
+                for i in remote[worker :: self.workers].tolist():
                     pos = base + i
                     if pos >= self._consumed + window:
                         with self._room_cond:
@@ -360,11 +398,11 @@ class ClairvoyantLoader:
                     self._upcoming_mix = {t: float(per_batch[t]) for t in TIER_NAMES}
                 batch_start = time.perf_counter()
                 waited = 0.0  # for remote rows: the workers' time, not the assembler's
-                samples, fetch_from = plan.samples[i0:i0 + b].tolist(), routed[i0:i0 + b].tolist()
-                stores, ops = plan.store[i0:i0 + b].tolist(), plan.ops
+                samples, fetch_from = plan.samples[i0 : i0 + b].tolist(), routed[i0 : i0 + b].tolist()
+                stores, ops = plan.store[i0 : i0 + b].tolist(), plan.ops
                 rows = np.empty((b, self.source.sample_len), self.source.dtype)
                 served = dict.fromkeys(("ram", "disk", "peer", "source", "fallback"), 0)
-                served["rerouted"] = int(np.count_nonzero(routed[i0:i0 + b] != plan.fetch_from[i0:i0 + b]))
+                served["rerouted"] = int(np.count_nonzero(routed[i0 : i0 + b] != plan.fetch_from[i0 : i0 + b]))
                 for k in range(b):
                     sample, where = samples[k], fetch_from[k]
                     if where == RAM or where == DISK:
@@ -395,12 +433,16 @@ class ClairvoyantLoader:
                 with self._room_cond:
                     self._consumed = pos
                     self._room_cond.notify_all()  # room for a batch more: wake the workers once per batch
-                planned = np.bincount(plan.fetch_from[i0:i0 + b], minlength=len(TIER_NAMES))
+                planned = np.bincount(plan.fetch_from[i0 : i0 + b], minlength=len(TIER_NAMES))
                 counts = {("_counts", k): v for k, v in served.items()}
                 counts.update({("_planned", TIER_NAMES[t]): int(planned[t]) for t in TIER_NAMES})
-                counts.update({("_bytes", "local"): (served["ram"] + served["disk"]) * nbytes,
-                               ("_bytes", "peer"): served["peer"] * nbytes,
-                               ("_bytes", "source"): served["source"] * nbytes})
+                counts.update(
+                    {
+                        ("_bytes", "local"): (served["ram"] + served["disk"]) * nbytes,
+                        ("_bytes", "peer"): served["peer"] * nbytes,
+                        ("_bytes", "source"): served["source"] * nbytes,
+                    }
+                )
                 batch = batch_from_windows(rows, self.eos_id)
                 if self._to_device is not None:
                     batch = self._to_device(batch)
@@ -441,9 +483,10 @@ def jax_exchange(max_bytes: int = 4096) -> Exchange:
             raise LoaderError(f"loader exchange payload is {len(raw)} bytes, more than {max_bytes}")
         buf = np.zeros(max_bytes + 4, np.uint8)
         buf[:4] = np.frombuffer(np.uint32(len(raw)).tobytes(), np.uint8)
-        buf[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+        buf[4 : 4 + len(raw)] = np.frombuffer(raw, np.uint8)
         gathered = np.asarray(multihost_utils.process_allgather(buf))
-        return [json.loads(bytes(g[4:4 + int(np.frombuffer(g[:4].tobytes(), np.uint32)[0])]).decode())
-                for g in gathered]
+        return [
+            json.loads(bytes(g[4 : 4 + int(np.frombuffer(g[:4].tobytes(), np.uint32)[0])]).decode()) for g in gathered
+        ]
 
     return exchange

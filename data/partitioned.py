@@ -15,15 +15,34 @@ from data.iterator import Batch, SeededBatchIterator
 
 
 class PartitionedBatches:
-    def __init__(self, tokens, *, parts: int, batch_size: int, seq_len: int, seed: int, start: int, stop: int,
-                 eos_id: int | None = None):
+    def __init__(
+        self,
+        tokens,
+        *,
+        parts: int,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        start: int,
+        stop: int,
+        eos_id: int | None = None,
+    ):
         if parts < 1 or batch_size % parts:
             raise ValueError(f"batch_size {batch_size} must split evenly into {parts} partitions")
         bounds = np.linspace(start, stop, parts + 1).astype(np.int64)
         self.rows_per_part = batch_size // parts
-        self.parts = [SeededBatchIterator(tokens, batch_size=self.rows_per_part, seq_len=seq_len, seed=seed + m,
-                                          start=int(bounds[m]), stop=int(bounds[m + 1]), eos_id=eos_id)
-                      for m in range(parts)]
+        self.parts = [
+            SeededBatchIterator(
+                tokens,
+                batch_size=self.rows_per_part,
+                seq_len=seq_len,
+                seed=seed + m,
+                start=int(bounds[m]),
+                stop=int(bounds[m + 1]),
+                eos_id=eos_id,
+            )
+            for m in range(parts)
+        ]
         self.batch_size = batch_size
         self.held = list(range(parts))  # parts with rows this process reads
 
@@ -55,8 +74,10 @@ class PartitionedBatches:
     def set_state(self, state: dict[str, int]) -> None:
         for m, part in enumerate(self.parts):
             prefix = f"part{m}."
-            mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            mine = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
             if not mine:
-                raise ValueError(f"data state has no entries for partition {m} (keys {sorted(state)[:4]}...): "
-                                 f"was it written with another diloco.data or diloco.replicas?")
+                raise ValueError(
+                    f"data state has no entries for partition {m} (keys {sorted(state)[:4]}...): "
+                    f"was it written with another diloco.data or diloco.replicas?"
+                )
             part.set_state(mine)

@@ -118,8 +118,15 @@ class PeerServer:
         self._listener = socket.create_server((host, port))
         self._listener.settimeout(0.1)  # the accept loop polls its stop flag this often
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._stats = _Stats("requests", "samples_served", "samples_missing", "bytes_sent", "lookup_errors",
-                             "bad_requests", "connections")
+        self._stats = _Stats(
+            "requests",
+            "samples_served",
+            "samples_missing",
+            "bytes_sent",
+            "lookup_errors",
+            "bad_requests",
+            "connections",
+        )
         self._closed = threading.Event()
         self._accept_thread: threading.Thread | None = None
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -134,8 +141,9 @@ class PeerServer:
     def start(self) -> PeerServer:
         if self._closed.is_set() or self._accept_thread is not None:
             raise RuntimeError("PeerServer.start: already started or closed")
-        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                               name=f"peer-server-{self.address[1]}")
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, daemon=True, name=f"peer-server-{self.address[1]}"
+        )
         self._accept_thread.start()
         return self
 
@@ -176,8 +184,9 @@ class PeerServer:
                 break
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            thread = threading.Thread(target=self._serve_connection, args=(conn,), daemon=True,
-                                      name=f"peer-conn-{self.address[1]}")
+            thread = threading.Thread(
+                target=self._serve_connection, args=(conn,), daemon=True, name=f"peer-conn-{self.address[1]}"
+            )
             with self._conns_lock:
                 self._conns[conn] = thread
             self._stats.add(connections=1)
@@ -231,8 +240,13 @@ class PeerServer:
             rows.append(row)
         body = found.tobytes() + (np.stack(rows).tobytes() if rows else b"")
         header = RESPONSE_HEADER.pack(RESPONSE_MAGIC, len(ids), self.row_nbytes, len(body))
-        self._stats.add(requests=1, samples_served=len(rows), samples_missing=len(ids) - len(rows),
-                        bytes_sent=len(header) + len(body), lookup_errors=errors)
+        self._stats.add(
+            requests=1,
+            samples_served=len(rows),
+            samples_missing=len(ids) - len(rows),
+            bytes_sent=len(header) + len(body),
+            lookup_errors=errors,
+        )
         return header + body
 
 
@@ -310,8 +324,7 @@ class PeerClient:
         found[:] = np.frombuffer(body, dtype=np.uint8, count=len(ids)).astype(bool)
         rows[found] = np.frombuffer(body, dtype=self.dtype, offset=len(ids)).reshape(-1, self.sample_len)
         n_found = int(found.sum())
-        self._stats.add(requests=1, samples_received=n_found, samples_missing=len(ids) - n_found,
-                        bytes_received=nbytes)
+        self._stats.add(requests=1, samples_received=n_found, samples_missing=len(ids) - n_found, bytes_received=nbytes)
         return rows, found
 
     def close(self) -> None:
@@ -351,8 +364,10 @@ class PeerClient:
         if magic != RESPONSE_MAGIC or n != count:
             raise PeerError(f"{where}: malformed response header {bytes(header)!r} for {count} ids")
         if row_nbytes != self.row_nbytes:
-            raise PeerError(f"{where}: peer serves {row_nbytes}-byte rows, this client expects "
-                            f"{self.row_nbytes} (sample_len={self.sample_len}, dtype={self.dtype})")
+            raise PeerError(
+                f"{where}: peer serves {row_nbytes}-byte rows, this client expects "
+                f"{self.row_nbytes} (sample_len={self.sample_len}, dtype={self.dtype})"
+            )
         if body_nbytes < count or (body_nbytes - count) % max(row_nbytes, 1) or body_nbytes > count * (1 + row_nbytes):
             raise PeerError(f"{where}: response body of {body_nbytes} bytes does not fit {count} ids")
         body = _recv_exact(conn.sock, body_nbytes, deadline)
@@ -360,13 +375,15 @@ class PeerClient:
             raise PeerError(f"{where}: connection closed before the response body")
         n_found = int(np.count_nonzero(np.frombuffer(body, dtype=np.uint8, count=count)))
         if body_nbytes != count + n_found * row_nbytes:
-            raise PeerError(f"{where}: response has {body_nbytes} bytes, {n_found} found rows need "
-                            f"{count + n_found * row_nbytes}")
+            raise PeerError(
+                f"{where}: response has {body_nbytes} bytes, {n_found} found rows need {count + n_found * row_nbytes}"
+            )
         return body, len(header) + body_nbytes
 
 
-def all_gather_via_files(directory, process_index: int, process_count: int, payload: dict, key: str,
-                         timeout_s: float = 60.0) -> list[dict]:
+def all_gather_via_files(
+    directory, process_index: int, process_count: int, payload: dict, key: str, timeout_s: float = 60.0
+) -> list[dict]:
     """Every process contributes `payload`; returns all payloads ordered by process index.
 
     A rendezvous over a shared directory for processes without jax.distributed
@@ -399,16 +416,20 @@ def all_gather_via_files(directory, process_index: int, process_count: int, payl
                 record = _read_record(directory / f"peer-{i}.json", key)
                 if record is not None:
                     if record["process_count"] != process_count:
-                        raise PeerError(f"{directory}/peer-{i}.json (key {key!r}) says process_count="
-                                        f"{record['process_count']}, this process says {process_count}")
+                        raise PeerError(
+                            f"{directory}/peer-{i}.json (key {key!r}) says process_count="
+                            f"{record['process_count']}, this process says {process_count}"
+                        )
                     payloads[i] = record["payload"]
         if len(payloads) == process_count:
             return [payloads[i] for i in range(process_count)]
         if time.monotonic() >= deadline:
             mine.unlink(missing_ok=True)
             missing = [i for i in range(process_count) if i not in payloads]
-            raise PeerError(f"all_gather_via_files({directory}, key={key!r}): timed out after {timeout_s}s "
-                            f"waiting for process indices {missing}")
+            raise PeerError(
+                f"all_gather_via_files({directory}, key={key!r}): timed out after {timeout_s}s "
+                f"waiting for process indices {missing}"
+            )
         time.sleep(0.01)
 
 

@@ -36,8 +36,14 @@ PRIOR_S = {RAM: 2e-6, DISK: 1e-4, PEER: 1e-3, SOURCE: 1e-2}  # before any measur
 class TierModel:
     """Per-tier seconds per sample (EWMA of observations), the consumer's step time, and what follows from them."""
 
-    def __init__(self, *, smoothing: float = 0.05, probe_every: int = 64, slack: float = 10.0,
-                 prior_s: dict[int, float] | None = None):
+    def __init__(
+        self,
+        *,
+        smoothing: float = 0.05,
+        probe_every: int = 64,
+        slack: float = 10.0,
+        prior_s: dict[int, float] | None = None,
+    ):
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         if not slack >= 1:
@@ -91,7 +97,7 @@ class TierModel:
             if self.estimate(tier) > self.slack * source_s:
                 positions = np.flatnonzero(fetch_from == tier)
                 keep = np.zeros(len(positions), bool)
-                keep[::self.probe_every] = True
+                keep[:: self.probe_every] = True
                 routed[positions[~keep]] = SOURCE
         return routed
 

@@ -30,8 +30,7 @@ def find_inputs(paths: list[str], pattern: str) -> list[Path]:
         if path.is_file():
             found[path] = None
         elif path.is_dir():
-            matches = sorted(Path(d) / name for d, _, names in os.walk(path)
-                             for name in fnmatch.filter(names, pattern))
+            matches = sorted(Path(d) / name for d, _, names in os.walk(path) for name in fnmatch.filter(names, pattern))
             if not matches:
                 raise PrepareError(f"no files matching {pattern!r} under {path}")
             found.update(dict.fromkeys(matches))
@@ -49,8 +48,14 @@ def prepare(inputs: list[Path], output: Path, *, overwrite: bool = False) -> Tok
                 raise PrepareError(f"cannot read {path}: {e.strerror or e}") from e
 
     sources = [str(p) for p in inputs[:20]] + ([f"... {len(inputs) - 20} more"] if len(inputs) > 20 else [])
-    write_token_file(output, documents(), vocab_size=BYTE_TOKENIZER_VOCAB_SIZE, tokenizer="bytes",
-                     sources=sources, overwrite=overwrite)
+    write_token_file(
+        output,
+        documents(),
+        vocab_size=BYTE_TOKENIZER_VOCAB_SIZE,
+        tokenizer="bytes",
+        sources=sources,
+        overwrite=overwrite,
+    )
     return TokenFile.open(output)
 
 
@@ -66,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     except (PrepareError, TokenFileError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {token_file.meta['num_documents']} documents, {token_file.num_tokens} tokens "
-          f"to {token_file.path}")
+    print(f"wrote {token_file.meta['num_documents']} documents, {token_file.num_tokens} tokens to {token_file.path}")
     return 0
 
 

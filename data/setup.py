@@ -7,8 +7,8 @@ needs as arguments, so this package imports nothing of jaxlm.
 
 from __future__ import annotations
 
-from data.iterator import SeededBatchIterator, eval_batches, num_windows, split_train_val
 from data.corpus import default_corpus
+from data.iterator import SeededBatchIterator, eval_batches, num_windows, split_train_val
 from data.sources import ThrottledSource, TokenWindowSource
 from data.token_file import TokenFile
 
@@ -20,8 +20,10 @@ def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None
     found at the token file's eos_id); `partitions` > 0: each of that many replicas reads its own slice."""
     token_file = TokenFile.open(d.path or default_corpus())
     if token_file.vocab_size > vocab_size:
-        raise ValueError(f"token file {token_file.path} has vocab_size {token_file.vocab_size} but "
-                         f"model.vocab_size is {vocab_size}; raise model.vocab_size")
+        raise ValueError(
+            f"token file {token_file.path} has vocab_size {token_file.vocab_size} but "
+            f"model.vocab_size is {vocab_size}; raise model.vocab_size"
+        )
     # Scan the ids, not only meta.json's max_token_id: an id past model.vocab_size would embed as NaN (jnp.take fills
     # out-of-range rows), silently. Measured on 2 CPU cores: the default corpus (12M tokens = 3 chunks) scans in ~1 ms
     # from the page cache, ~20 ms cold; a file over 16 chunks (64M tokens) gets an evenly spread 16-chunk sample
@@ -29,8 +31,10 @@ def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None
     token_file.validate_ids(vocab_size, deep=True, chunk_size=1 << 22, max_chunks=16)
     path, n, batch_tokens = token_file.path, token_file.num_tokens, d.batch_size * d.seq_len + 1
     if n < batch_tokens:
-        raise ValueError(f"token file {path} holds {n} tokens, fewer than one batch of data.batch_size x "
-                         f"data.seq_len + 1 = {batch_tokens}")
+        raise ValueError(
+            f"token file {path} holds {n} tokens, fewer than one batch of data.batch_size x "
+            f"data.seq_len + 1 = {batch_tokens}"
+        )
     try:
         (train_lo, train_hi), (val_lo, val_hi) = split_train_val(n, d.val_fraction, d.seq_len)
     except ValueError as e:  # the validation split is shorter than a window, or leaves too little to train on
@@ -38,29 +42,56 @@ def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None
     for split, lo, hi in (("training", train_lo, train_hi), ("validation", val_lo, val_hi)):
         windows = num_windows(lo, hi, d.seq_len)
         if (split == "training" or d.eval_batches and hi > lo) and windows < d.batch_size:
-            raise ValueError(f"token file {path}: its {split} split ({hi - lo} tokens at data.val_fraction "
-                             f"{d.val_fraction}) holds {windows} sequences, fewer than data.batch_size {d.batch_size}")
+            raise ValueError(
+                f"token file {path}: its {split} split ({hi - lo} tokens at data.val_fraction "
+                f"{d.val_fraction}) holds {windows} sequences, fewer than data.batch_size {d.batch_size}"
+            )
     eos_id = None  # given, batches carry segment_ids: only when the "document" attention mask needs them
     if document_mask:
         eos_id = token_file.meta.get("eos_id")
         if eos_id is None:
-            raise ValueError(f"model.attention_mask {document_mask!r} uses document(), but token file "
-                             f"{token_file.path} records no eos_id to find document boundaries")
+            raise ValueError(
+                f"model.attention_mask {document_mask!r} uses document(), but token file "
+                f"{token_file.path} records no eos_id to find document boundaries"
+            )
     if partitions:
         from data.partitioned import PartitionedBatches
 
-        train_iter = PartitionedBatches(token_file.tokens, parts=partitions, batch_size=d.batch_size,
-                                        seq_len=d.seq_len, seed=seed, start=train_lo, stop=train_hi, eos_id=eos_id)
+        train_iter = PartitionedBatches(
+            token_file.tokens,
+            parts=partitions,
+            batch_size=d.batch_size,
+            seq_len=d.seq_len,
+            seed=seed,
+            start=train_lo,
+            stop=train_hi,
+            eos_id=eos_id,
+        )
     elif d.loader == "simple":
-        train_iter = SeededBatchIterator(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len,
-                                         seed=seed, start=train_lo, stop=train_hi, eos_id=eos_id)
+        train_iter = SeededBatchIterator(
+            token_file.tokens,
+            batch_size=d.batch_size,
+            seq_len=d.seq_len,
+            seed=seed,
+            start=train_lo,
+            stop=train_hi,
+            eos_id=eos_id,
+        )
     else:
-        train_iter = clairvoyant_loader(d, TokenWindowSource(token_file.tokens, seq_len=d.seq_len, start=train_lo,
-                                                             stop=train_hi), seed, eos_id)
+        train_iter = clairvoyant_loader(
+            d, TokenWindowSource(token_file.tokens, seq_len=d.seq_len, start=train_lo, stop=train_hi), seed, eos_id
+        )
     eval_data = []
     if d.eval_batches and val_hi > val_lo:
-        eval_data = eval_batches(token_file.tokens, batch_size=d.batch_size, seq_len=d.seq_len, start=val_lo,
-                                 stop=val_hi, max_batches=d.eval_batches, eos_id=eos_id)
+        eval_data = eval_batches(
+            token_file.tokens,
+            batch_size=d.batch_size,
+            seq_len=d.seq_len,
+            start=val_lo,
+            stop=val_hi,
+            max_batches=d.eval_batches,
+            eos_id=eos_id,
+        )
     return train_iter, eval_data
 
 
@@ -74,11 +105,21 @@ def clairvoyant_loader(d, source, seed: int, eos_id=None):
     from data.loader import ClairvoyantLoader, jax_exchange
 
     if d.throttle_latency_ms or d.throttle_mb_per_s:
-        source = ThrottledSource(source, latency_s=d.throttle_latency_ms / 1e3,
-                                 bandwidth_bytes_per_s=d.throttle_mb_per_s * 1e6 or None)
+        source = ThrottledSource(
+            source, latency_s=d.throttle_latency_ms / 1e3, bandwidth_bytes_per_s=d.throttle_mb_per_s * 1e6 or None
+        )
     multi = jax.process_count() > 1
-    return ClairvoyantLoader(source, batch_size=d.batch_size, seed=seed, ram_bytes=int(d.cache_ram_mb * 2**20),
-                             disk_bytes=int(d.cache_disk_mb * 2**20), disk_dir=d.cache_dir or None,
-                             workers=d.loader_workers, prefetch_steps=d.prefetch_steps, eos_id=eos_id,
-                             process_index=jax.process_index(), process_count=jax.process_count(),
-                             exchange=jax_exchange() if multi else None)
+    return ClairvoyantLoader(
+        source,
+        batch_size=d.batch_size,
+        seed=seed,
+        ram_bytes=int(d.cache_ram_mb * 2**20),
+        disk_bytes=int(d.cache_disk_mb * 2**20),
+        disk_dir=d.cache_dir or None,
+        workers=d.loader_workers,
+        prefetch_steps=d.prefetch_steps,
+        eos_id=eos_id,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        exchange=jax_exchange() if multi else None,
+    )

@@ -79,6 +79,7 @@ def _stored_dtype_name(dtype: np.dtype) -> str | None:
 
 # --- a token stream cut into windows -------------------------------------------------------------
 
+
 class TokenWindowSource:
     """The non-overlapping windows of tokens[start:stop], exactly as data.iterator cuts them.
 
@@ -89,19 +90,22 @@ class TokenWindowSource:
     def __init__(self, tokens, *, seq_len: int, start: int = 0, stop: int | None = None):
         self.tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
         if self.tokens.ndim != 1 or self.tokens.dtype.kind not in "iu":
-            raise SourceError(f"tokens must be a 1-D integer array, got shape {self.tokens.shape} "
-                              f"dtype {self.tokens.dtype}")
+            raise SourceError(
+                f"tokens must be a 1-D integer array, got shape {self.tokens.shape} dtype {self.tokens.dtype}"
+            )
         stop = len(self.tokens) if stop is None else stop
         if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
             raise SourceError(f"seq_len must be an integer >= 1, got {seq_len!r}")
         if not 0 <= start <= stop <= len(self.tokens):
-            raise SourceError(f"need 0 <= start <= stop <= len(tokens), got start={start} stop={stop} "
-                              f"len={len(self.tokens)}")
+            raise SourceError(
+                f"need 0 <= start <= stop <= len(tokens), got start={start} stop={stop} len={len(self.tokens)}"
+            )
         self.seq_len, self.start, self.stop = int(seq_len), int(start), int(stop)
         self.num_samples = num_windows(self.start, self.stop, self.seq_len)
         if self.num_samples == 0:
-            raise SourceError(f"tokens[{start}:{stop}] ({stop - start} tokens) hold no window of "
-                              f"seq_len+1={seq_len + 1} tokens")
+            raise SourceError(
+                f"tokens[{start}:{stop}] ({stop - start} tokens) hold no window of seq_len+1={seq_len + 1} tokens"
+            )
         self.sample_len = self.seq_len + 1
         self.dtype = self.tokens.dtype
 
@@ -115,18 +119,22 @@ class TokenWindowSource:
         return np.asarray(self.tokens[index_KS])  # fancy indexing copies: never a memmap view
 
     def __repr__(self) -> str:
-        return (f"TokenWindowSource(num_samples={self.num_samples}, seq_len={self.seq_len}, "
-                f"start={self.start}, stop={self.stop}, dtype={self.dtype})")
+        return (
+            f"TokenWindowSource(num_samples={self.num_samples}, seq_len={self.seq_len}, "
+            f"start={self.start}, stop={self.stop}, dtype={self.dtype})"
+        )
 
 
 # --- a directory of shards -----------------------------------------------------------------------
+
 
 def _shard_name(i: int) -> str:
     return f"shard-{i:05d}.bin"
 
 
-def write_shards(out_dir: str | os.PathLike, source: SampleSource, *, samples_per_shard: int,
-                 overwrite: bool = False) -> Path:
+def write_shards(
+    out_dir: str | os.PathLike, source: SampleSource, *, samples_per_shard: int, overwrite: bool = False
+) -> Path:
     """Copies every sample of `source` into a shard dataset at `out_dir`; returns the path.
 
     Shards are built in a temp dir beside `out_dir` and renamed into place, so
@@ -153,15 +161,25 @@ def write_shards(out_dir: str | os.PathLike, source: SampleSource, *, samples_pe
                     b = min(a + chunk, last)
                     samples = np.asarray(source.read(np.arange(a, b)))
                     if samples.shape != (b - a, sample_len):
-                        raise SourceError(f"{out_dir}: source.read of samples [{a}, {b}) returned shape "
-                                          f"{samples.shape}, expected {(b - a, sample_len)}")
+                        raise SourceError(
+                            f"{out_dir}: source.read of samples [{a}, {b}) returned shape "
+                            f"{samples.shape}, expected {(b - a, sample_len)}"
+                        )
                     f.write(np.ascontiguousarray(samples, dtype=dtype).tobytes())
                 f.flush()
                 os.fsync(f.fileno())
-            shards.append({"name": _shard_name(i), "num_samples": last - first,
-                           "bytes": (last - first) * sample_nbytes})
-        manifest = {"format": FORMAT, "version": VERSION, "num_samples": n, "sample_len": sample_len,
-                    "dtype": dtype_name, "samples_per_shard": int(samples_per_shard), "shards": shards}
+            shards.append(
+                {"name": _shard_name(i), "num_samples": last - first, "bytes": (last - first) * sample_nbytes}
+            )
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "num_samples": n,
+            "sample_len": sample_len,
+            "dtype": dtype_name,
+            "samples_per_shard": int(samples_per_shard),
+            "shards": shards,
+        }
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
     return out_dir
 
@@ -221,16 +239,24 @@ class ShardedSource:
         shards = m.get("shards")
         if not isinstance(shards, list) or len(shards) != math.ceil(n / per):
             got = len(shards) if isinstance(shards, list) else repr(shards)
-            fail(f"{MANIFEST_NAME} lists {got} shards, expected {math.ceil(n / per)} "
-                 f"for {n} samples at {per} per shard")
+            fail(
+                f"{MANIFEST_NAME} lists {got} shards, expected {math.ceil(n / per)} for {n} samples at {per} per shard"
+            )
         for i, s in enumerate(shards):
             want = min(per, n - i * per)
-            ok = (isinstance(s, dict) and isinstance(s.get("name"), str) and s["name"] == Path(s["name"]).name
-                  and s["name"] not in ("", ".", "..") and s.get("num_samples") == want
-                  and s.get("bytes") == want * sample_nbytes)
+            ok = (
+                isinstance(s, dict)
+                and isinstance(s.get("name"), str)
+                and s["name"] == Path(s["name"]).name
+                and s["name"] not in ("", ".", "..")
+                and s.get("num_samples") == want
+                and s.get("bytes") == want * sample_nbytes
+            )
             if not ok:
-                fail(f"{MANIFEST_NAME} shard {i} is {s!r}, expected a plain file name with num_samples={want} "
-                     f"and bytes={want * sample_nbytes}")
+                fail(
+                    f"{MANIFEST_NAME} shard {i} is {s!r}, expected a plain file name with num_samples={want} "
+                    f"and bytes={want * sample_nbytes}"
+                )
         return m
 
     @staticmethod
@@ -323,11 +349,14 @@ class ShardedSource:
         return (type(self), (self.path,))  # file descriptors do not travel: reopen (and revalidate) there
 
     def __repr__(self) -> str:
-        return (f"ShardedSource({str(self.path)!r}, num_samples={self.num_samples}, "
-                f"sample_len={self.sample_len}, dtype={self.dtype}, shards={len(self._shard_paths)})")
+        return (
+            f"ShardedSource({str(self.path)!r}, num_samples={self.num_samples}, "
+            f"sample_len={self.sample_len}, dtype={self.dtype}, shards={len(self._shard_paths)})"
+        )
 
 
 # --- a simulated remote store --------------------------------------------------------------------
+
 
 class ThrottledSource:
     """Wraps a source to behave like a remote store: per-request latency plus one shared pipe.
@@ -338,15 +367,22 @@ class ThrottledSource:
     bandwidth. `max_concurrency` caps requests in flight, like a connection pool.
     """
 
-    def __init__(self, source: SampleSource, *, latency_s: float = 0.002,
-                 bandwidth_bytes_per_s: float | None = 50e6, max_concurrency: int | None = None):
+    def __init__(
+        self,
+        source: SampleSource,
+        *,
+        latency_s: float = 0.002,
+        bandwidth_bytes_per_s: float | None = 50e6,
+        max_concurrency: int | None = None,
+    ):
         if not (isinstance(latency_s, (int, float)) and math.isfinite(latency_s) and latency_s >= 0):
             raise SourceError(f"latency_s must be a finite number >= 0, got {latency_s!r}")
         if bandwidth_bytes_per_s is None:
             bandwidth_bytes_per_s = math.inf
         if not (isinstance(bandwidth_bytes_per_s, (int, float)) and bandwidth_bytes_per_s > 0):
-            raise SourceError(f"bandwidth_bytes_per_s must be > 0 (or None/inf for unlimited), "
-                              f"got {bandwidth_bytes_per_s!r}")
+            raise SourceError(
+                f"bandwidth_bytes_per_s must be > 0 (or None/inf for unlimited), got {bandwidth_bytes_per_s!r}"
+            )
         if max_concurrency is not None and (not isinstance(max_concurrency, int) or max_concurrency < 1):
             raise SourceError(f"max_concurrency must be an integer >= 1 or None, got {max_concurrency!r}")
         self.source = source
@@ -392,11 +428,14 @@ class ThrottledSource:
             self._stats = {"requests": 0, "samples": 0, "bytes": 0, "busy_s": 0.0}
 
     def __repr__(self) -> str:
-        return (f"ThrottledSource({self.source!r}, latency_s={self.latency_s}, "
-                f"bandwidth_bytes_per_s={self.bandwidth_bytes_per_s}, max_concurrency={self.max_concurrency})")
+        return (
+            f"ThrottledSource({self.source!r}, latency_s={self.latency_s}, "
+            f"bandwidth_bytes_per_s={self.bandwidth_bytes_per_s}, max_concurrency={self.max_concurrency})"
+        )
 
 
 # --- opening whatever is at a path ---------------------------------------------------------------
+
 
 def open_source(path: str | os.PathLike, seq_len: int | None = None) -> SampleSource:
     """A shard dataset as a ShardedSource, or a token file cut into windows of `seq_len` + 1.
@@ -413,8 +452,10 @@ def open_source(path: str | os.PathLike, seq_len: int | None = None) -> SampleSo
     if (path / MANIFEST_NAME).exists():
         source = ShardedSource(path)
         if seq_len is not None and seq_len != source.sample_len - 1:
-            raise SourceError(f"{path}: shard dataset has sample_len={source.sample_len} "
-                              f"(seq_len={source.sample_len - 1}) but seq_len={seq_len} was requested")
+            raise SourceError(
+                f"{path}: shard dataset has sample_len={source.sample_len} "
+                f"(seq_len={source.sample_len - 1}) but seq_len={seq_len} was requested"
+            )
         return source
     if (path / META_NAME).exists():
         if seq_len is None:

@@ -90,7 +90,9 @@ class TieredCache:
                 return self.disk.get(sample), DISK
         return None
 
-    def wait_get(self, sample: int, timeout_s: float, give_up_if_dropped: bool = False) -> tuple[np.ndarray, int] | None:
+    def wait_get(
+        self, sample: int, timeout_s: float, give_up_if_dropped: bool = False
+    ) -> tuple[np.ndarray, int] | None:
         """Waits for a sample the plan says is coming. A failed store ends the wait at once; so does an earlier
         drop when `give_up_if_dropped` (a peer asking for what this process already evicted)."""
         deadline = time.monotonic() + timeout_s

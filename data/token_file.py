@@ -69,14 +69,16 @@ def write_token_file(
                 if ids.ndim != 1 or not (ids.dtype.kind in "iu" or ids.size == 0):
                     raise TokenFileError(
                         f"{out_dir}: document {num_documents} must be a 1-D integer array, "
-                        f"got shape {ids.shape} dtype {ids.dtype}")
+                        f"got shape {ids.shape} dtype {ids.dtype}"
+                    )
                 if ids.size:
                     lo, hi = int(ids.min()), int(ids.max())
                     if lo < 0 or hi >= vocab_size:
                         bad = lo if lo < 0 else hi
                         raise TokenFileError(
                             f"{out_dir}: document {num_documents} has token id {bad} "
-                            f"outside [0, vocab_size={vocab_size})")
+                            f"outside [0, vocab_size={vocab_size})"
+                        )
                     max_id = max(max_id, hi)
                 f.write(ids.astype(dtype).tobytes())
                 f.write(eos.tobytes())
@@ -85,10 +87,16 @@ def write_token_file(
             f.flush()
             os.fsync(f.fileno())
         meta = {
-            "format": FORMAT, "version": VERSION, "dtype": dtype_name,
-            "num_tokens": num_tokens, "vocab_size": vocab_size, "tokenizer": tokenizer,
-            "num_documents": num_documents, "max_token_id": max(max_id, eos_id),
-            "eos_id": eos_id, "sources": list(sources),
+            "format": FORMAT,
+            "version": VERSION,
+            "dtype": dtype_name,
+            "num_tokens": num_tokens,
+            "vocab_size": vocab_size,
+            "tokenizer": tokenizer,
+            "num_documents": num_documents,
+            "max_token_id": max(max_id, eos_id),
+            "eos_id": eos_id,
+            "sources": list(sources),
         }
         (tmp / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
     return out_dir
@@ -160,8 +168,9 @@ class TokenFile:
         tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(n,))
         return cls(path=path, meta=meta, tokens=tokens)
 
-    def validate_ids(self, vocab_size: int, *, deep: bool = False, chunk_size: int = 1 << 24,
-                     max_chunks: int = 0) -> int:
+    def validate_ids(
+        self, vocab_size: int, *, deep: bool = False, chunk_size: int = 1 << 24, max_chunks: int = 0
+    ) -> int:
         """Checks every id fits a model with `vocab_size`; returns meta.json's max_token_id.
 
         meta.json's max_token_id is trusted unless `deep`, which scans tokens.bin
@@ -175,11 +184,14 @@ class TokenFile:
             starts = range(0, self.num_tokens, chunk_size)
             if 0 < max_chunks < len(starts):
                 starts = [starts[i * len(starts) // max_chunks] for i in range(max_chunks)]
-            scanned = max(int(self.tokens[i:i + chunk_size].max()) for i in starts)
+            scanned = max(int(self.tokens[i : i + chunk_size].max()) for i in starts)
             if scanned > max_id:
-                raise TokenFileError(f"token file {self.path}: {TOKENS_NAME} holds token id {scanned} but "
-                                     f"{META_NAME} says max_token_id {max_id}; the file is damaged or mislabelled")
+                raise TokenFileError(
+                    f"token file {self.path}: {TOKENS_NAME} holds token id {scanned} but "
+                    f"{META_NAME} says max_token_id {max_id}; the file is damaged or mislabelled"
+                )
         if max_id >= vocab_size:
-            raise TokenFileError(f"token file {self.path}: token id {max_id} does not fit model vocab_size "
-                                 f"{vocab_size}")
+            raise TokenFileError(
+                f"token file {self.path}: token id {max_id} does not fit model vocab_size {vocab_size}"
+            )
         return max_id

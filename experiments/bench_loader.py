@@ -53,8 +53,10 @@ def make_dataset(directory: Path, num_samples: int, seq_len: int) -> ShardedSour
     tokens = TokenFile.open(default_corpus()).tokens
     windows = TokenWindowSource(tokens, seq_len=seq_len)
     if windows.num_samples < num_samples:
-        raise SystemExit(f"bench_loader: the default corpus holds {windows.num_samples} windows of seq_len={seq_len}; "
-                         f"lower --samples or --seq-len")
+        raise SystemExit(
+            f"bench_loader: the default corpus holds {windows.num_samples} windows of seq_len={seq_len}; "
+            f"lower --samples or --seq-len"
+        )
     windows = TokenWindowSource(tokens, seq_len=seq_len, stop=num_samples * seq_len + 1)
     return ShardedSource.open(write_shards(directory / "shards", windows, samples_per_shard=4096))
 
@@ -102,10 +104,11 @@ def grain_epoch_times(source, batch: int, seed: int, epochs: int) -> list[float]
     import grain.python as gp
 
     n = source.num_samples
-    loader = gp.DataLoader(data_source=_GrainSource(source),
-                           sampler=gp.IndexSampler(n, shuffle=True, seed=seed, num_epochs=epochs,
-                                                   shard_options=gp.NoSharding()),
-                           operations=[gp.Batch(batch, drop_remainder=True)])
+    loader = gp.DataLoader(
+        data_source=_GrainSource(source),
+        sampler=gp.IndexSampler(n, shuffle=True, seed=seed, num_epochs=epochs, shard_options=gp.NoSharding()),
+        operations=[gp.Batch(batch, drop_remainder=True)],
+    )
     return _epoch_times(iter(loader), n // batch, epochs)
 
 
@@ -123,11 +126,18 @@ def _epoch_times(iterator, steps_per_epoch: int, epochs: int, on_epoch_end=lambd
 
 def ours(source, batch: int, seed: int, epochs: int, fraction: float, workers: int):
     """(epoch times, hit rate over all epochs, hit rate of epochs 2+) of the clairvoyant loader with a RAM tier."""
-    loader = ClairvoyantLoader(source, batch_size=batch, seed=seed, workers=workers, prefetch_steps=8,
-                               ram_bytes=int(fraction * source.num_samples) * source.sample_nbytes)
+    loader = ClairvoyantLoader(
+        source,
+        batch_size=batch,
+        seed=seed,
+        workers=workers,
+        prefetch_steps=8,
+        ram_bytes=int(fraction * source.num_samples) * source.sample_nbytes,
+    )
     after_first = []
-    times = _epoch_times(loader, loader.batches_per_epoch, epochs,
-                         lambda e: after_first.append(loader.metrics()) if e == 0 else None)
+    times = _epoch_times(
+        loader, loader.batches_per_epoch, epochs, lambda e: after_first.append(loader.metrics()) if e == 0 else None
+    )
     m, after_first = loader.metrics(), after_first[0]
     loader.close()
     later = sum(m[f"data_samples_{k}"] - after_first[f"data_samples_{k}"] for k in ("ram", "disk", "peer", "source"))
@@ -137,11 +147,22 @@ def ours(source, batch: int, seed: int, epochs: int, fraction: float, workers: i
 
 def _peer_worker(directory, index, procs, samples, seq_len, fraction, epochs, latency_s, bytes_per_s, out):
     tokens = TokenFile.open(default_corpus()).tokens
-    source = ThrottledSource(TokenWindowSource(tokens, seq_len=seq_len, stop=samples * seq_len + 1),
-                             latency_s=latency_s, bandwidth_bytes_per_s=bytes_per_s)
+    source = ThrottledSource(
+        TokenWindowSource(tokens, seq_len=seq_len, stop=samples * seq_len + 1),
+        latency_s=latency_s,
+        bandwidth_bytes_per_s=bytes_per_s,
+    )
     capacity = int(fraction * samples / procs) * source.sample_nbytes
-    loader = ClairvoyantLoader(source, batch_size=16 * procs, seed=0, process_index=index, process_count=procs,
-                               ram_bytes=capacity, workers=8, exchange=file_exchange(directory, index, procs, "bench"))
+    loader = ClairvoyantLoader(
+        source,
+        batch_size=16 * procs,
+        seed=0,
+        process_index=index,
+        process_count=procs,
+        ram_bytes=capacity,
+        workers=8,
+        exchange=file_exchange(directory, index, procs, "bench"),
+    )
     for step in range(epochs * loader.batches_per_epoch):
         next(loader)
         if step == loader.batches_per_epoch - 1:
@@ -156,14 +177,19 @@ def _peer_worker(directory, index, procs, samples, seq_len, fraction, epochs, la
     out.put((index, later))
 
 
-def four_processes(procs: int, samples: int, seq_len: int, fraction: float, epochs: int, latency_s: float,
-                   bytes_per_s: float) -> dict:
+def four_processes(
+    procs: int, samples: int, seq_len: int, fraction: float, epochs: int, latency_s: float, bytes_per_s: float
+) -> dict:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as directory:
-        workers = [ctx.Process(target=_peer_worker, args=(directory, i, procs, samples, seq_len, fraction, epochs,
-                                                                 latency_s, bytes_per_s, out))
-                   for i in range(procs)]
+        workers = [
+            ctx.Process(
+                target=_peer_worker,
+                args=(directory, i, procs, samples, seq_len, fraction, epochs, latency_s, bytes_per_s, out),
+            )
+            for i in range(procs)
+        ]
         for w in workers:
             w.start()
         results = [out.get(timeout=900) for _ in workers]
@@ -173,19 +199,32 @@ def four_processes(procs: int, samples: int, seq_len: int, fraction: float, epoc
     for _, later in results:
         total.update(later)
     reads = sum(total.values())
-    return {"local": (total["ram"] + total["disk"]) / reads, "peer": total["peer"] / reads,
-            "hit": 1 - total["source"] / reads}
+    return {
+        "local": (total["ram"] + total["disk"]) / reads,
+        "peer": total["peer"] / reads,
+        "hit": 1 - total["source"] / reads,
+    }
 
 
-def model_check(samples: int, seq_len: int, batch: int, step_s: float, latency_s: float, bytes_per_s: float,
-                workers: int) -> dict:
+def model_check(
+    samples: int, seq_len: int, batch: int, step_s: float, latency_s: float, bytes_per_s: float, workers: int
+) -> dict:
     """Epoch 1 fills a 50% RAM cache at full speed; epoch 2 runs behind a training step of `step_s`: what the
     loader's timing model predicts (time per batch vs step time) and the stall fraction it then measured."""
     tokens = TokenFile.open(default_corpus()).tokens
-    source = ThrottledSource(TokenWindowSource(tokens, seq_len=seq_len, stop=samples * seq_len + 1),
-                             latency_s=latency_s, bandwidth_bytes_per_s=bytes_per_s)
-    loader = ClairvoyantLoader(source, batch_size=batch, seed=0, workers=workers, prefetch_steps=8,
-                               ram_bytes=samples // 2 * source.sample_nbytes)
+    source = ThrottledSource(
+        TokenWindowSource(tokens, seq_len=seq_len, stop=samples * seq_len + 1),
+        latency_s=latency_s,
+        bandwidth_bytes_per_s=bytes_per_s,
+    )
+    loader = ClairvoyantLoader(
+        source,
+        batch_size=batch,
+        seed=0,
+        workers=workers,
+        prefetch_steps=8,
+        ram_bytes=samples // 2 * source.sample_nbytes,
+    )
     steps = loader.batches_per_epoch
     for _ in range(steps):
         next(loader)
@@ -196,22 +235,45 @@ def model_check(samples: int, seq_len: int, batch: int, step_s: float, latency_s
     wall = time.perf_counter() - t0
     m = loader.metrics()
     loader.close()
-    return {"batch_s": m["data_model_batch_s"], "step_s": m["data_model_step_s"],
-            "keeps_up": bool(m["data_model_keeps_up"]), "stall_frac": (m["data_stall_s"] - stall_before) / wall,
-            "measured_s": wall / steps}
+    return {
+        "batch_s": m["data_model_batch_s"],
+        "step_s": m["data_model_step_s"],
+        "keeps_up": bool(m["data_model_keeps_up"]),
+        "stall_frac": (m["data_stall_s"] - stall_before) / wall,
+        "measured_s": wall / steps,
+    }
 
 
 def train_stall(workdir: Path, steps: int, latency_ms: float, mb_per_s: float) -> dict:
-    cmd = [sys.executable, "-m", "experiments.tiny_lm", "--workdir", str(workdir), "--steps", str(steps),
-           "--no-progress", "--checkpoint-every", "0", "--set", f"data.throttle_latency_ms={latency_ms}",
-           "--set", f"data.throttle_mb_per_s={mb_per_s}", "--set", "eval_every=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.tiny_lm",
+        "--workdir",
+        str(workdir),
+        "--steps",
+        str(steps),
+        "--no-progress",
+        "--checkpoint-every",
+        "0",
+        "--set",
+        f"data.throttle_latency_ms={latency_ms}",
+        "--set",
+        f"data.throttle_mb_per_s={mb_per_s}",
+        "--set",
+        "eval_every=0",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     records = read_metrics(workdir / "metrics.jsonl")
     train = [r for r in records if "loss" in r and "data_stall_s" in r]
     first, last = train[0], train[-1]
     wall = (last["step"] - first["step"]) * 16 * 256 / np.mean([r["tokens_per_s"] for r in train[1:]])
-    return {"steps": last["step"], "stall_s": last["data_stall_s"] - first["data_stall_s"], "wall_s": wall,
-            "hit_rate": last["data_hit_rate"]}
+    return {
+        "steps": last["step"],
+        "stall_s": last["data_stall_s"] - first["data_stall_s"],
+        "wall_s": wall,
+        "hit_rate": last["data_hit_rate"],
+    }
 
 
 def main(argv=None) -> int:
@@ -238,19 +300,24 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         raw = make_dataset(tmp, args.samples, args.seq_len)
         source = ThrottledSource(raw, latency_s=args.latency_ms / 1e3, bandwidth_bytes_per_s=args.mb_per_s * 1e6)
-        print(f"dataset: {raw.num_samples} samples x {raw.sample_nbytes} B in {len(raw.manifest['shards'])} shards; "
-              f"source: {args.latency_ms} ms per request, {args.mb_per_s} MB/s shared; batch {args.batch}, "
-              f"{args.epochs} epochs")
+        print(
+            f"dataset: {raw.num_samples} samples x {raw.sample_nbytes} B in {len(raw.manifest['shards'])} shards; "
+            f"source: {args.latency_ms} ms per request, {args.mb_per_s} MB/s shared; batch {args.batch}, "
+            f"{args.epochs} epochs"
+        )
 
-        stream = AccessPlan(raw.num_samples, args.batch, 0).samples(
-            0, args.epochs * (raw.num_samples // args.batch)).ravel()
+        stream = (
+            AccessPlan(raw.num_samples, args.batch, 0).samples(0, args.epochs * (raw.num_samples // args.batch)).ravel()
+        )
         first_epoch = len(stream) // args.epochs
         measured = {}
         for fraction in (0.25, 0.5):
             measured[fraction] = ours(source, args.batch, 0, args.epochs, fraction, args.workers)
         print("\nhit rate (all epochs | epochs 2+)")
-        print(f"{'capacity':>9} {'this loader':>17} {'Belady (optimum)':>19} {'LRU':>17} {'ours/Belady':>12} "
-              f"{'ours/LRU':>9}")
+        print(
+            f"{'capacity':>9} {'this loader':>17} {'Belady (optimum)':>19} {'LRU':>17} {'ours/Belady':>12} "
+            f"{'ours/LRU':>9}"
+        )
         for fraction in CAPACITIES:
             cap = int(fraction * raw.num_samples)
             bel, lru = belady_hits(stream, cap), lru_hits(stream, cap)
@@ -258,9 +325,11 @@ def main(argv=None) -> int:
                 _, hit, hit_later = measured[fraction]
             else:  # the planner alone (what the loader realizes, as the measured rows show)
                 hit, hit_later = _planned(raw.num_samples, args.batch, args.epochs, cap)
-            row = (f"{fraction:>9.0%} {hit:>8.4f} | {hit_later:.4f} {bel.mean():>10.4f} | {bel[first_epoch:].mean():.4f}"
-                   f" {lru.mean():>8.4f} | {lru[first_epoch:].mean():.4f} {hit / max(bel.mean(), 1e-12):>12.4f} "
-                   f"{hit / max(lru.mean(), 1e-12):>9.1f}")
+            row = (
+                f"{fraction:>9.0%} {hit:>8.4f} | {hit_later:.4f} {bel.mean():>10.4f} | {bel[first_epoch:].mean():.4f}"
+                f" {lru.mean():>8.4f} | {lru[first_epoch:].mean():.4f} {hit / max(bel.mean(), 1e-12):>12.4f} "
+                f"{hit / max(lru.mean(), 1e-12):>9.1f}"
+            )
             print(row + ("" if fraction in measured else "   (planned)"))
             summary[f"hit_{int(fraction * 100)}"] = round(hit, 4)
             summary[f"hit_vs_belady_{int(fraction * 100)}"] = round(hit / max(bel.mean(), 1e-12), 4)
@@ -273,46 +342,74 @@ def main(argv=None) -> int:
         rows[f"this loader 25% ({args.workers} workers)"] = measured[0.25][0]
         rows[f"this loader 50% ({args.workers} workers)"] = measured[0.5][0]
         grain_later = np.mean(rows["grain DataLoader (default prefetch)"][1:]) if args.epochs > 1 else float("nan")
-        print(f"{'':>40} " + " ".join(f"{'epoch ' + str(e + 1):>9}" for e in range(args.epochs))
-              + f" {'e2+ vs grain':>13}")
+        print(
+            f"{'':>40} "
+            + " ".join(f"{'epoch ' + str(e + 1):>9}" for e in range(args.epochs))
+            + f" {'e2+ vs grain':>13}"
+        )
         for name, times in rows.items():
             speedup = grain_later / np.mean(times[1:]) if args.epochs > 1 else float("nan")
             print(f"{name:>40} " + " ".join(f"{t:>9.2f}" for t in times) + f" {speedup:>12.2f}x")
         if args.epochs > 1:
             summary["speedup_e2_vs_grain_50"] = round(grain_later / np.mean(measured[0.5][0][1:]), 2)
-            summary["speedup_e2_vs_grain_lru_50"] = round(np.mean(rows["grain + LRU cache 50%"][1:])
-                                                          / np.mean(measured[0.5][0][1:]), 2)
+            summary["speedup_e2_vs_grain_lru_50"] = round(
+                np.mean(rows["grain + LRU cache 50%"][1:]) / np.mean(measured[0.5][0][1:]), 2
+            )
 
     if not args.skip_peers:
         print(f"\n{args.procs} processes, {args.peer_samples} samples, {args.peer_epochs} epochs (epochs 2+)")
         print(f"{'aggregate capacity':>19} {'local':>7} {'peer':>7} {'hit':>7} {'target 0.95*min(1,c)':>21}")
         for fraction in (0.25, 0.5, 1.0):
-            r = four_processes(args.procs, args.peer_samples, args.seq_len, fraction, args.peer_epochs,
-                               args.latency_ms / 1e3, args.mb_per_s * 1e6)
-            print(f"{fraction:>19.0%} {r['local']:>7.4f} {r['peer']:>7.4f} {r['hit']:>7.4f} "
-                  f"{0.95 * min(1, fraction):>21.4f}")
+            r = four_processes(
+                args.procs,
+                args.peer_samples,
+                args.seq_len,
+                fraction,
+                args.peer_epochs,
+                args.latency_ms / 1e3,
+                args.mb_per_s * 1e6,
+            )
+            print(
+                f"{fraction:>19.0%} {r['local']:>7.4f} {r['peer']:>7.4f} {r['hit']:>7.4f} "
+                f"{0.95 * min(1, fraction):>21.4f}"
+            )
             summary[f"peers_hit_{int(fraction * 100)}"] = round(r["hit"], 4)
 
     if not args.skip_model:
-        print(f"\ntiming model vs measured stall: {args.model_samples} samples, 50% RAM, epoch 2 behind a "
-              f"{args.model_step_ms:g} ms step")
-        print(f"{'source':>28} {'predicted s/batch':>18} {'step s':>8} {'keeps up':>9} {'measured s/batch':>17} "
-              f"{'stall':>7}")
+        print(
+            f"\ntiming model vs measured stall: {args.model_samples} samples, 50% RAM, epoch 2 behind a "
+            f"{args.model_step_ms:g} ms step"
+        )
+        print(
+            f"{'source':>28} {'predicted s/batch':>18} {'step s':>8} {'keeps up':>9} {'measured s/batch':>17} "
+            f"{'stall':>7}"
+        )
         cases = {"fast": (args.latency_ms, args.workers), "slow": (5 * args.latency_ms, max(1, args.workers // 8))}
         for name, (latency_ms, workers) in cases.items():
-            r = model_check(args.model_samples, args.seq_len, args.batch, args.model_step_ms / 1e3, latency_ms / 1e3,
-                            args.mb_per_s * 1e6, workers)
+            r = model_check(
+                args.model_samples,
+                args.seq_len,
+                args.batch,
+                args.model_step_ms / 1e3,
+                latency_ms / 1e3,
+                args.mb_per_s * 1e6,
+                workers,
+            )
             label = f"{name}: {latency_ms:g} ms, {workers} workers"
-            print(f"{label:>28} {r['batch_s']:>18.4f} {r['step_s']:>8.4f} {str(r['keeps_up']):>9} "
-                  f"{r['measured_s']:>17.4f} {r['stall_frac']:>7.2%}")
+            print(
+                f"{label:>28} {r['batch_s']:>18.4f} {r['step_s']:>8.4f} {str(r['keeps_up']):>9} "
+                f"{r['measured_s']:>17.4f} {r['stall_frac']:>7.2%}"
+            )
             summary[f"model_{name}_keeps_up"] = r["keeps_up"]
             summary[f"model_{name}_stall_frac"] = round(r["stall_frac"], 4)
 
     if not args.skip_train:
         with tempfile.TemporaryDirectory() as tmp:
             r = train_stall(Path(tmp), args.train_steps, args.latency_ms, args.mb_per_s)
-        print(f"\ntiny_lm through the throttled source: {r['steps']} steps, waited {r['stall_s']:.3f} s for data "
-              f"of ~{r['wall_s']:.1f} s ({r['stall_s'] / r['wall_s']:.2%})")
+        print(
+            f"\ntiny_lm through the throttled source: {r['steps']} steps, waited {r['stall_s']:.3f} s for data "
+            f"of ~{r['wall_s']:.1f} s ({r['stall_s'] / r['wall_s']:.2%})"
+        )
         summary["train_stall_frac"] = round(r["stall_s"] / r["wall_s"], 4)
     print(json.dumps(summary))
     return 0

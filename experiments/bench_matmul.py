@@ -50,8 +50,13 @@ def model_shapes(tokens: int | None = None) -> dict:
     m, d = GPT_BENCH.model, GPT_BENCH.data
     M = tokens or d.batch_size * d.seq_len
     E, D = m.resolved_head_dim, m.d_model
-    return {"qkv": (M, D, (m.num_heads + 2 * m.num_kv_heads) * E), "attn out": (M, m.num_heads * E, D),
-            "mlp in": (M, D, 2 * m.mlp_dim), "mlp out": (M, m.mlp_dim, D), "lm_head": (M, D, m.vocab_size)}
+    return {
+        "qkv": (M, D, (m.num_heads + 2 * m.num_kv_heads) * E),
+        "attn out": (M, m.num_heads * E, D),
+        "mlp in": (M, D, 2 * m.mlp_dim),
+        "mlp out": (M, m.mlp_dim, D),
+        "lm_head": (M, D, m.vocab_size),
+    }
 
 
 def rel_err(out, ref) -> float:
@@ -80,8 +85,10 @@ def bench_shape(M, K, N, args, impl: str, timed: bool) -> dict:
     ref = jnp.dot(x, w, precision=lax.Precision.HIGHEST)
     f32_dot, bf16 = jax.jit(jnp.dot), jax.jit(bf16_dot)
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    res = {"f32 jnp.dot": {"rel_err": rel_err(f32_dot(x, w), ref)},
-           "bf16 jnp.dot": {"rel_err": rel_err(bf16(xb, wb), ref)}}
+    res = {
+        "f32 jnp.dot": {"rel_err": rel_err(f32_dot(x, w), ref)},
+        "bf16 jnp.dot": {"rel_err": rel_err(bf16(xb, wb), ref)},
+    }
     if timed:
         res["f32 jnp.dot"]["seconds"] = best_time(f32_dot, x, w, repeats=args.repeats, warmup=2)
         res["bf16 jnp.dot"]["seconds"] = best_time(bf16, xb, wb, repeats=args.repeats, warmup=2)
@@ -90,8 +97,10 @@ def bench_shape(M, K, N, args, impl: str, timed: bool) -> dict:
         xq, xs, wq, ws, k_block = quantized_operands(x, w, mode)
         fn = jax.jit(functools.partial(scaled_matmul, k_block=k_block, blocks=blocks, impl=impl))
         out = fn(xq, xs, wq, ws)
-        r = res[mode] = {"rel_err": rel_err(out, ref),
-                         "kernel_vs_ref": rel_err(out, reference_scaled_matmul(xq, xs, wq, ws, k_block=k_block))}
+        r = res[mode] = {
+            "rel_err": rel_err(out, ref),
+            "kernel_vs_ref": rel_err(out, reference_scaled_matmul(xq, xs, wq, ws, k_block=k_block)),
+        }
         if timed:
             r["seconds"] = best_time(fn, xq, xs, wq, ws, repeats=args.repeats, warmup=2)
         del out, xq, xs, wq, ws
@@ -118,16 +127,22 @@ def summarize(device, impl, timed, results) -> dict:
     kref = max(r[mode]["kernel_vs_ref"] for r, _ in results.values() for mode in MODES)
     largest = max(results, key=lambda name: results[name][1][0] * results[name][1][1] * results[name][1][2])
     res, (M, K, N) = results[largest]
-    summary = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__, "impl": impl,
-               "timed": timed, "shapes": len(results),
-               "max_rel_err_int8": round(worst["int8 channel"], 5),
-               "max_rel_err_int8_block128": round(worst["int8 block128"], 5),
-               "max_rel_err_fp8": round(worst["fp8 channel"], 5),
-               "max_rel_err_fp8_block128": round(worst["fp8 block128"], 5),
-               "max_rel_err_int8_weight_only": round(worst["int8 weight-only"], 5),
-               "max_rel_err_bf16": round(worst["bf16 jnp.dot"], 5),
-               "max_kernel_vs_reference": float(f"{kref:.3g}"),
-               "largest_shape": {"name": largest, "M": M, "K": K, "N": N}}
+    summary = {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "impl": impl,
+        "timed": timed,
+        "shapes": len(results),
+        "max_rel_err_int8": round(worst["int8 channel"], 5),
+        "max_rel_err_int8_block128": round(worst["int8 block128"], 5),
+        "max_rel_err_fp8": round(worst["fp8 channel"], 5),
+        "max_rel_err_fp8_block128": round(worst["fp8 block128"], 5),
+        "max_rel_err_int8_weight_only": round(worst["int8 weight-only"], 5),
+        "max_rel_err_bf16": round(worst["bf16 jnp.dot"], 5),
+        "max_kernel_vs_reference": float(f"{kref:.3g}"),
+        "largest_shape": {"name": largest, "M": M, "K": K, "N": N},
+    }
     summary.update(speedup_int8_vs_bf16=None, speedup_fp8_vs_bf16=None, tflops=None)  # null when not timed
     if timed:
         bf16_s = res["bf16 jnp.dot"]["seconds"]
@@ -138,10 +153,17 @@ def summarize(device, impl, timed, results) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_matmul", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--impl", choices=("auto", "xla", "pallas"), default="auto",
-                   help="scaled_matmul implementation (auto: Pallas on GPU/TPU, XLA on CPU)")
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.bench_matmul",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--impl",
+        choices=("auto", "xla", "pallas"),
+        default="auto",
+        help="scaled_matmul implementation (auto: Pallas on GPU/TPU, XLA on CPU)",
+    )
     p.add_argument("--large", action="store_true", help="also 4096^3 and 8192^3 square products (for GPUs)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per case; the best is reported")
     p.add_argument("--quick", action="store_true", help="two small shapes (256 tokens), 2 repeats: for tests")
@@ -164,12 +186,16 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     impl = resolve_impl(args.impl)
     timed = not (impl == "pallas" and device.platform == "cpu")
-    print(f"device: {device.platform} ({device.device_kind}); jax {jax.__version__}; impl {args.impl} -> {impl}; "
-          f"blocks {args.block_m}x{args.block_n}x{args.block_k}; best of {args.repeats}")
+    print(
+        f"device: {device.platform} ({device.device_kind}); jax {jax.__version__}; impl {args.impl} -> {impl}; "
+        f"blocks {args.block_m}x{args.block_n}x{args.block_k}; best of {args.repeats}"
+    )
     if not timed:
         print("note: Pallas on CPU runs in interpret mode, which is not a speed measurement; timing skipped")
-    print(f"{'shape':9s} {'M':>5s} {'K':>5s} {'N':>5s}  {'mode':17s} {'rel err':>9s} {'kernel-ref':>10s}  "
-          f"{'ms':>9s} {'TFLOP/s':>8s} {'vs bf16':>8s}")
+    print(
+        f"{'shape':9s} {'M':>5s} {'K':>5s} {'N':>5s}  {'mode':17s} {'rel err':>9s} {'kernel-ref':>10s}  "
+        f"{'ms':>9s} {'TFLOP/s':>8s} {'vs bf16':>8s}"
+    )
     results = {}
     for name, (M, K, N) in shapes.items():
         res = bench_shape(M, K, N, args, impl, timed)

@@ -17,8 +17,11 @@ import time
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_torch_reference", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.bench_torch_reference",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--windows", type=int, default=3)
@@ -86,12 +89,25 @@ def main(argv=None) -> int:
     tokens_per_s = B * T / best
     gflops = tokens_per_s * flops_per_token / 1e9
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compile={args.compile}")
-    print(f"params {n_params / 1e6:.2f}M, {flops_per_token / 1e6:.1f} MFLOP/token; torch.mm peak {peak / 1e9:.1f} GFLOP/s")
-    print(f"step {best:.3f}s, {tokens_per_s:.0f} tokens/s, {gflops:.1f} model GFLOP/s, MFU {gflops * 1e9 / peak:.3f} "
-          f"(first step incl. compile {compile_s:.1f}s)")
-    print(json.dumps({"tokens_per_s": round(tokens_per_s, 1), "model_gflops_per_s": round(gflops, 2),
-                      "peak_gflops_per_s": round(peak / 1e9, 2), "mfu": round(gflops * 1e9 / peak, 4),
-                      "compile": args.compile, "torch": torch.__version__}))
+    print(
+        f"params {n_params / 1e6:.2f}M, {flops_per_token / 1e6:.1f} MFLOP/token; torch.mm peak {peak / 1e9:.1f} GFLOP/s"
+    )
+    print(
+        f"step {best:.3f}s, {tokens_per_s:.0f} tokens/s, {gflops:.1f} model GFLOP/s, MFU {gflops * 1e9 / peak:.3f} "
+        f"(first step incl. compile {compile_s:.1f}s)"
+    )
+    print(
+        json.dumps(
+            {
+                "tokens_per_s": round(tokens_per_s, 1),
+                "model_gflops_per_s": round(gflops, 2),
+                "peak_gflops_per_s": round(peak / 1e9, 2),
+                "mfu": round(gflops * 1e9 / peak, 4),
+                "compile": args.compile,
+                "torch": torch.__version__,
+            }
+        )
+    )
     return 0
 
 

@@ -27,8 +27,17 @@ from jaxlm.train import Program
 from sharding import MeshLayout, build_mesh
 
 GPT_BENCH = TrainConfig(
-    model=ModelConfig(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, num_kv_heads=6, mlp_dim=1024,
-                      max_seq_len=256, tie_embeddings=True, dtype="float32"),
+    model=ModelConfig(
+        vocab_size=8192,
+        d_model=384,
+        num_layers=6,
+        num_heads=6,
+        num_kv_heads=6,
+        mlp_dim=1024,
+        max_seq_len=256,
+        tie_embeddings=True,
+        dtype="float32",
+    ),
     optim=OptimConfig(learning_rate=1e-3, warmup_steps=10),
     data=DataConfig(seq_len=256, batch_size=16),
     steps=1000,
@@ -60,8 +69,9 @@ def measure_train_step(cfg: TrainConfig, steps: int, windows: int, profile_dir: 
     rng = np.random.default_rng(0)
     B, T, V = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
     tokens = rng.integers(0, V, size=(B, T + 1), dtype=np.int32)
-    batch = program.device_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-                                  "loss_mask": np.ones((B, T), np.float32)})
+    batch = program.device_batch(
+        {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((B, T), np.float32)}
+    )
     state = program.init()
     t0 = time.perf_counter()
     step_fn = program.train_step.lower(state, batch).compile()
@@ -79,9 +89,15 @@ def measure_train_step(cfg: TrainConfig, steps: int, windows: int, profile_dir: 
         print_profile(lambda: step_fn(state, batch), profile_dir)
     flops_per_token = model_flops_per_token(cfg.model, program.num_params, T)
     tokens_per_s = B * T / best
-    return {"params": program.num_params, "mflop_per_token": flops_per_token / 1e6, "compile_s": compile_s,
-            "step_s": best, "tokens_per_s": tokens_per_s, "model_gflops_per_s": tokens_per_s * flops_per_token / 1e9,
-            "loss": float(metrics["loss"])}
+    return {
+        "params": program.num_params,
+        "mflop_per_token": flops_per_token / 1e6,
+        "compile_s": compile_s,
+        "step_s": best,
+        "tokens_per_s": tokens_per_s,
+        "model_gflops_per_s": tokens_per_s * flops_per_token / 1e9,
+        "loss": float(metrics["loss"]),
+    }
 
 
 def print_profile(run_step, profile_dir: str, top: int = 15) -> None:
@@ -114,8 +130,11 @@ def print_profile(run_step, profile_dir: str, top: int = 15) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.bench_train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a gpt-bench field")
     p.add_argument("--steps", type=int, default=5, help="steps per timed window")
     p.add_argument("--windows", type=int, default=3, help="timed windows; the best is reported")
@@ -126,34 +145,50 @@ def main(argv=None) -> int:
         p.error("--steps and --windows must be >= 1")
     try:
         base = validate(apply_overrides(GPT_BENCH, args.set))
-        variants = {name: validate(apply_overrides(base, sets)) for name, sets in VARIANTS.items()} \
-            if args.compare else {"gpt-bench": base}
+        variants = (
+            {name: validate(apply_overrides(base, sets)) for name, sets in VARIANTS.items()}
+            if args.compare
+            else {"gpt-bench": base}
+        )
     except ValueError as e:
         print(f"bench_train: error: {e}", file=sys.stderr)
         return 2
 
     device = jax.devices()[0]
     peak = matmul_peak_flops()
-    print(f"device: {device.platform} ({device.device_kind}), {jax.device_count()} device(s); "
-          f"jnp.dot float32 2048^2 peak: {peak / 1e9:.1f} GFLOP/s")
+    print(
+        f"device: {device.platform} ({device.device_kind}), {jax.device_count()} device(s); "
+        f"jnp.dot float32 2048^2 peak: {peak / 1e9:.1f} GFLOP/s"
+    )
     print(f"{'variant':34s} {'params':>7s} {'step s':>7s} {'tok/s':>8s} {'GFLOP/s':>8s} {'MFU':>6s} {'compile s':>9s}")
     results = {}
     for i, (name, cfg) in enumerate(variants.items()):
         r = measure_train_step(cfg, args.steps, args.windows, args.profile if i == 0 else None)
         r["mfu"] = r["model_gflops_per_s"] * 1e9 / peak
         results[name] = r
-        print(f"{name:34s} {r['params'] / 1e6:6.2f}M {r['step_s']:7.3f} {r['tokens_per_s']:8.0f} "
-              f"{r['model_gflops_per_s']:8.1f} {r['mfu']:6.3f} {r['compile_s']:9.1f}", flush=True)
+        print(
+            f"{name:34s} {r['params'] / 1e6:6.2f}M {r['step_s']:7.3f} {r['tokens_per_s']:8.0f} "
+            f"{r['model_gflops_per_s']:8.1f} {r['mfu']:6.3f} {r['compile_s']:9.1f}",
+            flush=True,
+        )
     head = next(iter(results.values()))
-    summary = {"tokens_per_s": round(head["tokens_per_s"], 1), "model_gflops_per_s": round(head["model_gflops_per_s"], 2),
-               "peak_gflops_per_s": round(peak / 1e9, 2), "mfu": round(head["mfu"], 4),
-               "mflop_per_token": round(head["mflop_per_token"], 2), "params": head["params"],
-               "device": device.device_kind}
+    summary = {
+        "tokens_per_s": round(head["tokens_per_s"], 1),
+        "model_gflops_per_s": round(head["model_gflops_per_s"], 2),
+        "peak_gflops_per_s": round(peak / 1e9, 2),
+        "mfu": round(head["mfu"], 4),
+        "mflop_per_token": round(head["mflop_per_token"], 2),
+        "params": head["params"],
+        "device": device.device_kind,
+    }
     if args.compare:
         summary["variants_mfu"] = {name: round(r["mfu"], 4) for name, r in results.items()}
         best = max(results, key=lambda name: results[name]["mfu"])
-        summary["best_variant"] = {"name": best, "tokens_per_s": round(results[best]["tokens_per_s"], 1),
-                                   "mfu": round(results[best]["mfu"], 4)}
+        summary["best_variant"] = {
+            "name": best,
+            "tokens_per_s": round(results[best]["tokens_per_s"], 1),
+            "mfu": round(results[best]["mfu"], 4),
+        }
     print(json.dumps(summary))
     return 0
 

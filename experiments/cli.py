@@ -45,22 +45,40 @@ def build_parser(prog: str, default_workdir: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="seed for init and data order")
     p.add_argument("--log-every", type=int, help="log metrics every K steps")
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every K steps (0: only at the end)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set model.d_model=512 (repeatable)")
-    p.add_argument("--cpu-devices", type=int, default=0,
-                   help="simulate N CPU devices (set before JAX starts); 0 keeps JAX's default")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set model.d_model=512 (repeatable)",
+    )
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=0,
+        help="simulate N CPU devices (set before JAX starts); 0 keeps JAX's default",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--compilation-cache", metavar="DIR",
-                   help=f"JAX's persistent compilation cache, so a restart does not compile again; 'none' disables "
-                        f"(default: $JAX_COMPILATION_CACHE_DIR if set, else {DEFAULT_COMPILATION_CACHE})")
-    mp = p.add_argument_group("multi-process (default: $JAXLM_COORDINATOR etc. as set by sharding.launch, else a "
-                              "SLURM / Open MPI / Cloud TPU cluster if detected, else one process)")
+    p.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        help=f"JAX's persistent compilation cache, so a restart does not compile again; 'none' disables "
+        f"(default: $JAX_COMPILATION_CACHE_DIR if set, else {DEFAULT_COMPILATION_CACHE})",
+    )
+    mp = p.add_argument_group(
+        "multi-process (default: $JAXLM_COORDINATOR etc. as set by sharding.launch, else a "
+        "SLURM / Open MPI / Cloud TPU cluster if detected, else one process)"
+    )
     mp.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
     mp.add_argument("--num-processes", type=int, metavar="N", help="number of processes in the run")
     mp.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
-    mp.add_argument("--replica-id", type=int, metavar="I",
-                    help="with diloco.exchange: this process's DiLoCo replica, 0..diloco.replicas-1 (default: "
-                         "$JAXLM_REPLICA_ID as set by `sharding.launch --independent`); it works in WORKDIR/replica_I")
+    mp.add_argument(
+        "--replica-id",
+        type=int,
+        metavar="I",
+        help="with diloco.exchange: this process's DiLoCo replica, 0..diloco.replicas-1 (default: "
+        "$JAXLM_REPLICA_ID as set by `sharding.launch --independent`); it works in WORKDIR/replica_I",
+    )
     return p
 
 
@@ -101,8 +119,12 @@ def _prepare(args, default_config: Path):
     from sharding import MeshLayout, load_layout
 
     cfg = config_lib.load_config(args.config or default_config)
-    flags = {"steps": args.steps, "seed": args.seed, "log_every": args.log_every,
-             "checkpoint_every": args.checkpoint_every}
+    flags = {
+        "steps": args.steps,
+        "seed": args.seed,
+        "log_every": args.log_every,
+        "checkpoint_every": args.checkpoint_every,
+    }
     cfg = config_lib.apply_overrides(cfg, [f"{k}={v}" for k, v in flags.items() if v is not None] + args.set)
     cfg, args.workdir = for_this_process(cfg, args.workdir, args.replica_id)  # a DiLoCo replica's own process
     config_lib.validate(cfg)
@@ -110,8 +132,14 @@ def _prepare(args, default_config: Path):
     num_devices = jax.device_count()
     layout = load_layout(args.mesh, num_devices) if args.mesh else MeshLayout(data=num_devices).validate(num_devices)
     m, d = cfg.model, cfg.data
-    layout.check_divisibility(batch_size=d.batch_size, microbatches=d.microbatches, num_heads=m.num_heads,
-                              num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, num_layers=m.num_layers)
+    layout.check_divisibility(
+        batch_size=d.batch_size,
+        microbatches=d.microbatches,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        mlp_dim=m.mlp_dim,
+        num_layers=m.num_layers,
+    )
 
     train_iter, eval_data = open_run_data(cfg)
     workdir = Path(args.workdir)
@@ -142,17 +170,25 @@ def use_compilation_cache(choice: str | None) -> None:
 def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
     from jaxlm.checkpoint import CheckpointError
     from jaxlm.config import ConfigError
+    from jaxlm.diloco.exchange import ExchangeError
     from jaxlm.goodput import Goodput
     from jaxlm.preemption import EXIT_PREEMPTED, Preempted
-    from jaxlm.diloco.exchange import ExchangeError
     from jaxlm.trainer import Trainer, TrainingDiverged
     from sharding import LayoutError, build_mesh
     from sharding.distributed import DistributedError
 
     use_compilation_cache(args.compilation_cache)
     try:  # builds shardings from the layout's rules (no compilation yet): a clash or an indivisible dim fails here
-        trainer = Trainer(cfg, build_mesh(layout), args.workdir, train_iter, eval_data, layout=layout,
-                          progress=not args.no_progress, goodput=Goodput(start=LAUNCHED))
+        trainer = Trainer(
+            cfg,
+            build_mesh(layout),
+            args.workdir,
+            train_iter,
+            eval_data,
+            layout=layout,
+            progress=not args.no_progress,
+            goodput=Goodput(start=LAUNCHED),
+        )
     except (LayoutError, DistributedError, ConfigError, ExchangeError) as e:  # e.g. a process whose devices hold
         # non-contiguous batch rows, or DiLoCo in a pipeline layout
         return _fail(prog, str(e))
@@ -169,8 +205,11 @@ def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
     except OSError as e:  # e.g. the disk filled up while metrics.jsonl or the events were written
         return _fail(prog, f"cannot write the run's files: {e}", EXIT_CHECKPOINT_FAILED)
     if final and trainer.primary:
-        shown = {k: v for k, v in final.items() if k != "step" and (not k.startswith("data_")
-                                                                   or k in ("data_hit_rate", "data_stall_frac"))}
+        shown = {
+            k: v
+            for k, v in final.items()
+            if k != "step" and (not k.startswith("data_") or k in ("data_hit_rate", "data_stall_frac"))
+        }
         summary = ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
         print(f"{prog}: step {final['step']}: {summary}; outputs in {args.workdir}", file=sys.stderr)
     return 0

@@ -18,8 +18,12 @@ from pathlib import Path
 
 from experiments.tiny_lm import main as tiny_lm
 
-PRECISIONS = {"f32": "default", "fp8": "attention=fp8,mlp=fp8", "int8": "attention=int8,mlp=int8",
-              "int8_weight_only": "attention=int8_weight_only,mlp=int8_weight_only"}
+PRECISIONS = {
+    "f32": "default",
+    "fp8": "attention=fp8,mlp=fp8",
+    "int8": "attention=int8,mlp=int8",
+    "int8_weight_only": "attention=int8_weight_only,mlp=int8_weight_only",
+}
 
 
 def parse_args(argv):
@@ -58,12 +62,16 @@ def main(argv: list[str] | None = None) -> int:
 
     final = {n: _final(records) for n, records in curves.items()}
     base = final.get("f32")
-    print(f"{'precision':<18}{'matmuls (attention, mlp)':<52}{'final loss':>11}{'eval loss':>10}{'vs f32':>9}"
-          f"{'tokens/s':>10}")
+    print(
+        f"{'precision':<18}{'matmuls (attention, mlp)':<52}{'final loss':>11}{'eval loss':>10}{'vs f32':>9}"
+        f"{'tokens/s':>10}"
+    )
     for name, f in final.items():
         gap = "" if base is None or name == "f32" else f"{100 * (f['eval_loss'] / base['eval_loss'] - 1):+.2f}%"
-        print(f"{name:<18}{PRECISIONS[name]:<52}{f['loss']:>11.4f}{f['eval_loss']:>10.4f}{gap:>9}"
-              f"{f['tokens_per_s']:>10.0f}")
+        print(
+            f"{name:<18}{PRECISIONS[name]:<52}{f['loss']:>11.4f}{f['eval_loss']:>10.4f}{gap:>9}"
+            f"{f['tokens_per_s']:>10.0f}"
+        )
     plot(curves, root / "loss_by_precision.png")
     print(f"plot: {root / 'loss_by_precision.png'}")
     summary = {n: {"eval_loss": round(f["eval_loss"], 4), "loss": round(f["loss"], 4)} for n, f in final.items()}
@@ -79,8 +87,11 @@ def _final(records: list[dict]) -> dict:
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     rates = sorted(r["tokens_per_s"] for r in train[1:]) or [train[-1]["tokens_per_s"]]
-    return {"loss": train[-1]["loss"], "eval_loss": evals[-1]["eval_loss"] if evals else float("nan"),
-            "tokens_per_s": rates[len(rates) // 2]}
+    return {
+        "loss": train[-1]["loss"],
+        "eval_loss": evals[-1]["eval_loss"] if evals else float("nan"),
+        "tokens_per_s": rates[len(rates) // 2],
+    }
 
 
 def plot(curves: dict[str, list[dict]], out: Path) -> None:

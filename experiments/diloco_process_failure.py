@@ -12,8 +12,8 @@ Three runs of the same M-replica job, each replica its own JAX process (one CPU 
                replays the decided syncs, or, if the others went on without it, rejoins from their snapshot.
 The model, data and schedule are experiments.diloco_vs_sync's SMALL config (outer lr 0.4, the from-scratch
 M=4/H=30 best). Prints a table (final eval loss of the global params, % vs no_failure, how many replicas the syncs
-still kept in the exchange averaged, the time survivors waited in syncs) and ends with one JSON line. Runs live in WORKDIR/NAME and a
-finished one is skipped on a rerun.
+still kept in the exchange averaged, the time survivors waited in syncs) and ends with one JSON line. Runs live in
+WORKDIR/NAME and a finished one is skipped on a rerun.
 """
 
 from __future__ import annotations
@@ -36,16 +36,25 @@ RUNS = ("no_failure", "lost", "restarted")
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m experiments.diloco_process_failure",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.diloco_process_failure", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--workdir", default="runs/diloco_process_failure")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--kill-at", type=int, help="kill the last replica once it logged this step (default: steps / 2)")
-    p.add_argument("--timeout", type=float, default=DiLoCoConfig.sync_timeout_s,
-                   help=f"diloco.sync_timeout_s (default {DiLoCoConfig.sync_timeout_s:g})")
-    p.add_argument("--heartbeat", type=float, default=DiLoCoConfig.heartbeat_s,
-                   help=f"diloco.heartbeat_s, 0 = off (default {DiLoCoConfig.heartbeat_s:g})")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DiLoCoConfig.sync_timeout_s,
+        help=f"diloco.sync_timeout_s (default {DiLoCoConfig.sync_timeout_s:g})",
+    )
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=DiLoCoConfig.heartbeat_s,
+        help=f"diloco.heartbeat_s, 0 = off (default {DiLoCoConfig.heartbeat_s:g})",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     args = p.parse_args(argv)
     args.kill_at = args.kill_at or args.steps // 2
@@ -56,14 +65,26 @@ def parse(argv):
 
 def write_config(args) -> Path:
     """The runs' config file (WORKDIR/config.py): SMALL with DiLoCo at M replicas, H=30, outer lr 0.4."""
-    cfg = dataclasses.replace(SMALL, steps=args.steps, log_every=10, checkpoint_every=100,
-                              diloco=DiLoCoConfig(replicas=args.replicas, inner_steps=30, outer_lr=0.4,
-                                                  sync_timeout_s=args.timeout, heartbeat_s=args.heartbeat))
+    cfg = dataclasses.replace(
+        SMALL,
+        steps=args.steps,
+        log_every=10,
+        checkpoint_every=100,
+        diloco=DiLoCoConfig(
+            replicas=args.replicas,
+            inner_steps=30,
+            outer_lr=0.4,
+            sync_timeout_s=args.timeout,
+            heartbeat_s=args.heartbeat,
+        ),
+    )
     cfg = validate(apply_overrides(cfg, args.set))
     path = Path(args.workdir) / "config.py"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# written by experiments.diloco_process_failure\nimport json\n\nfrom jaxlm.config import "
-                    f"from_dict\n\nconfig = from_dict(json.loads({json.dumps(json.dumps(to_dict(cfg)))}))\n")
+    path.write_text(
+        f"# written by experiments.diloco_process_failure\nimport json\n\nfrom jaxlm.config import "
+        f"from_dict\n\nconfig = from_dict(json.loads({json.dumps(json.dumps(to_dict(cfg)))}))\n"
+    )
     return path
 
 
@@ -78,10 +99,23 @@ class Job:
         env = {**os.environ, "JAXLM_REPLICA_ID": str(i), "JAX_NUM_CPU_DEVICES": "1", "PYTHONUNBUFFERED": "1"}
         log = open(self.workdir / f"replica_{i}.log", "a")
         self.logs.append(log)
-        return subprocess.Popen([sys.executable, "-m", "experiments.tiny_lm", "--workdir", str(self.workdir),
-                                 "--no-progress", "--config", str(self.config),
-                                 "--set", f"diloco.exchange={self.workdir}/exchange"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "experiments.tiny_lm",
+                "--workdir",
+                str(self.workdir),
+                "--no-progress",
+                "--config",
+                str(self.config),
+                "--set",
+                f"diloco.exchange={self.workdir}/exchange",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     def last_step(self, i: int) -> int:
         path = self.workdir / f"replica_{i}" / "metrics.jsonl"
@@ -123,10 +157,16 @@ def run(name: str, args, config: Path) -> dict:
     sizes = [len(json.loads(p.read_text())["members"]) for p in decisions]
     last = [r for r in records[0] if "diloco_wait_s" in r][-1]
     log_text = (workdir / f"replica_{victim}.log").read_text()
-    result = {"eval_loss": evals[0], "killed_after_step": killed_after, "wall_s": time.perf_counter() - t0,
-              "kept_syncs": len(sizes), "kept_syncs_by_members": {n: sizes.count(n) for n in sorted(set(sizes))},
-              "survivor_wait_s": last["diloco_wait_s"], "rejoined_from_snapshot": "rejoining at step" in log_text,
-              "replayed": "replaying" in log_text}
+    result = {
+        "eval_loss": evals[0],
+        "killed_after_step": killed_after,
+        "wall_s": time.perf_counter() - t0,
+        "kept_syncs": len(sizes),
+        "kept_syncs_by_members": {n: sizes.count(n) for n in sorted(set(sizes))},
+        "survivor_wait_s": last["diloco_wait_s"],
+        "rejoined_from_snapshot": "rejoining at step" in log_text,
+        "replayed": "replaying" in log_text,
+    }
     result_path.write_text(json.dumps(result))
     return result
 
@@ -141,20 +181,36 @@ def main(argv=None) -> int:
     base = results["no_failure"]["eval_loss"]
     beat = f"heartbeat {args.heartbeat:g}s" if args.heartbeat > 0 else "no heartbeat"
     print(f"\n{args.replicas} DiLoCo replica processes, {args.steps} steps, sync timeout {args.timeout:g}s, {beat}\n")
-    print("| run | final eval loss | vs no failure | killed after step | syncs still in the exchange, by members | "
-          "survivor waited (s) |")
+    print(
+        "| run | final eval loss | vs no failure | killed after step | syncs still in the exchange, by members | "
+        "survivor waited (s) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
-        how = (" (rejoined from a snapshot)" if r["rejoined_from_snapshot"] else " (replayed)" if r["replayed"]
-               else "") if name == "restarted" else ""
+        how = (
+            (" (rejoined from a snapshot)" if r["rejoined_from_snapshot"] else " (replayed)" if r["replayed"] else "")
+            if name == "restarted"
+            else ""
+        )
         members = ", ".join(f"{n}: {c}" for n, c in r["kept_syncs_by_members"].items())
-        print(f"| {name}{how} | {r['eval_loss']:.4f} | {100 * (r['eval_loss'] / base - 1):+.2f}% | "
-              f"{r['killed_after_step'] or ''} | {members} | {r['survivor_wait_s']:.1f} |")
+        print(
+            f"| {name}{how} | {r['eval_loss']:.4f} | {100 * (r['eval_loss'] / base - 1):+.2f}% | "
+            f"{r['killed_after_step'] or ''} | {members} | {r['survivor_wait_s']:.1f} |"
+        )
     summary = {name: round(100 * (r["eval_loss"] / base - 1), 3) for name, r in results.items() if name != "no_failure"}
-    print(f"\ntarget: a run that loses a replica finishes within 1% of no_failure: lost {summary['lost']:+.2f}% "
-          f"({'met' if abs(summary['lost']) <= 1 else 'missed'})")
-    print(json.dumps({"no_failure_eval_loss": base, **{f"{k}_vs_no_failure_pct": v for k, v in summary.items()},
-                      **{f"{k}_eval_loss": r["eval_loss"] for k, r in results.items() if k != "no_failure"}}))
+    print(
+        f"\ntarget: a run that loses a replica finishes within 1% of no_failure: lost {summary['lost']:+.2f}% "
+        f"({'met' if abs(summary['lost']) <= 1 else 'missed'})"
+    )
+    print(
+        json.dumps(
+            {
+                "no_failure_eval_loss": base,
+                **{f"{k}_vs_no_failure_pct": v for k, v in summary.items()},
+                **{f"{k}_eval_loss": r["eval_loss"] for k, r in results.items() if k != "no_failure"},
+            }
+        )
+    )
     return 0
 
 

@@ -26,35 +26,51 @@ import json
 import sys
 from pathlib import Path
 
-from jaxlm.config import (DataConfig, DiLoCoConfig, ModelConfig, OptimConfig, TrainConfig, apply_overrides,
-                          validate)
+from jaxlm.config import DataConfig, DiLoCoConfig, ModelConfig, OptimConfig, TrainConfig, apply_overrides, validate
 from jaxlm.metrics import read_metrics
 
 SMALL = TrainConfig(
-    model=ModelConfig(vocab_size=384, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=256,
-                      max_seq_len=64, scan_layers=False),
+    model=ModelConfig(
+        vocab_size=384,
+        d_model=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_dim=256,
+        max_seq_len=64,
+        scan_layers=False,
+    ),
     optim=OptimConfig(learning_rate=3e-3, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0),
     data=DataConfig(seq_len=64, batch_size=16, val_fraction=0.01, eval_batches=8, loader="simple"),
-    steps=600, log_every=50, eval_every=50, checkpoint_every=0, tensorboard=False,
+    steps=600,
+    log_every=50,
+    eval_every=50,
+    checkpoint_every=0,
+    tensorboard=False,
 )
 REPLICAS, INNER_STEPS, OUTER_LRS = (1, 2, 4), (10, 30, 100), (0.2, 0.4, 0.7, 1.0)
 
 
-def runs(grid: dict, steps: int, best_lr: dict | None = None,
-         start: int = 0) -> list[tuple[str, DiLoCoConfig | None]]:
+def runs(grid: dict, steps: int, best_lr: dict | None = None, start: int = 0) -> list[tuple[str, DiLoCoConfig | None]]:
     """(name, DiLoCo config or None for data parallel). The variants use the largest M, H = 30 (or the grid's
     first H) and that cell's best outer lr; the lost replica is down for the second half of the DiLoCo phase
     (steps start+1..steps)."""
     out = [("data_parallel", None)]
     mom, suffix = grid["momentum"], _suffix(grid)
-    out += [(grid_name(m, h, lr, suffix), DiLoCoConfig(replicas=m, inner_steps=h, outer_lr=lr, outer_momentum=mom))
-            for m in grid["replicas"] for h in grid["inner_steps"] for lr in grid["outer_lrs"]]
+    out += [
+        (grid_name(m, h, lr, suffix), DiLoCoConfig(replicas=m, inner_steps=h, outer_lr=lr, outer_momentum=mom))
+        for m in grid["replicas"]
+        for h in grid["inner_steps"]
+        for lr in grid["outer_lrs"]
+    ]
     if best_lr is not None:
         m, h = variant_cell(grid)
         base = DiLoCoConfig(replicas=m, inner_steps=h, outer_lr=best_lr[m, h], outer_momentum=mom)
         tag = f"M{m}_H{h}{suffix}"
-        out += [(f"{tag}_int4", dataclasses.replace(base, compression="int4")),
-                (f"{tag}_stream2", dataclasses.replace(base, fragments=2, overlap_steps=min(1, h // 2 - 1)))]
+        out += [
+            (f"{tag}_int4", dataclasses.replace(base, compression="int4")),
+            (f"{tag}_stream2", dataclasses.replace(base, fragments=2, overlap_steps=min(1, h // 2 - 1))),
+        ]
         if m > 1:  # one replica cannot be lost
             out.append((f"{tag}_drop1", dataclasses.replace(base, drop=f"{m - 1}@{(start + steps) // 2 + 1}-{steps}")))
     return out
@@ -128,8 +144,13 @@ def summarize(records: list[dict], program, start: int = 0) -> dict:
     syncs, sent = final.get("diloco_syncs", cfg.steps - start), final.get("diloco_bytes")
     if start and cfg.diloco.replicas:
         syncs, sent = _traffic_after(program, start)
-    return {"eval_loss": evals[-1][1], "curve": [(s * tokens_per_step, e) for s, e in evals],
-            "bytes": sent, "syncs": syncs, "peak_sync_bytes": final.get("diloco_peak_sync_bytes")}
+    return {
+        "eval_loss": evals[-1][1],
+        "curve": [(s * tokens_per_step, e) for s, e in evals],
+        "bytes": sent,
+        "syncs": syncs,
+        "peak_sync_bytes": final.get("diloco_peak_sync_bytes"),
+    }
 
 
 def _traffic_after(program, start: int) -> tuple[int, int]:
@@ -141,24 +162,40 @@ def _traffic_after(program, start: int) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.diloco_vs_sync", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.diloco_vs_sync",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--workdir", default="runs/diloco_vs_sync")
     p.add_argument("--steps", type=int, default=SMALL.steps)
     p.add_argument("--quick", action="store_true", help="H=30 and outer lr {0.4, 0.7} only")
     p.add_argument("--replicas", default=",".join(map(str, REPLICAS)), help="comma-separated M values")
     p.add_argument("--inner-steps", default=",".join(map(str, INNER_STEPS)), help="comma-separated H values")
     p.add_argument("--outer-lrs", default=",".join(map(str, OUTER_LRS)), help="comma-separated outer lrs")
-    p.add_argument("--outer-momentum", type=float, default=DiLoCoConfig.outer_momentum,
-                   help="outer Nesterov momentum of every DiLoCo run (default %(default)s, the paper's)")
-    p.add_argument("--warm-start", type=int, default=0, metavar="W",
-                   help="train data parallel for W steps first; every run then continues from there (the paper "
-                        "starts DiLoCo from a pretrained model); 0: all runs from scratch")
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=DiLoCoConfig.outer_momentum,
+        help="outer Nesterov momentum of every DiLoCo run (default %(default)s, the paper's)",
+    )
+    p.add_argument(
+        "--warm-start",
+        type=int,
+        default=0,
+        metavar="W",
+        help="train data parallel for W steps first; every run then continues from there (the paper "
+        "starts DiLoCo from a pretrained model); 0: all runs from scratch",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override the base config")
     args = p.parse_args(argv)
     try:
-        grid = {"replicas": _ints(args.replicas, "--replicas"), "inner_steps": _ints(args.inner_steps, "--inner-steps"),
-                "outer_lrs": [float(x) for x in _items(args.outer_lrs, "--outer-lrs")], "momentum": args.outer_momentum}
+        grid = {
+            "replicas": _ints(args.replicas, "--replicas"),
+            "inner_steps": _ints(args.inner_steps, "--inner-steps"),
+            "outer_lrs": [float(x) for x in _items(args.outer_lrs, "--outer-lrs")],
+            "momentum": args.outer_momentum,
+        }
         if args.quick:
             grid.update(inner_steps=[30], outer_lrs=[0.4, 0.7])
         base = validate(apply_overrides(dataclasses.replace(SMALL, steps=args.steps), args.set))
@@ -187,8 +224,11 @@ def main(argv: list[str] | None = None) -> int:
 
     run_all(runs(grid, base.steps))
     suffix = _suffix(grid)
-    best_lr = {(m, h): min(grid["outer_lrs"], key=lambda lr: results[grid_name(m, h, lr, suffix)]["eval_loss"])
-               for m in grid["replicas"] for h in grid["inner_steps"]}
+    best_lr = {
+        (m, h): min(grid["outer_lrs"], key=lambda lr: results[grid_name(m, h, lr, suffix)]["eval_loss"])
+        for m in grid["replicas"]
+        for h in grid["inner_steps"]
+    }
     run_all(runs(grid, base.steps, best_lr, start=args.warm_start))
 
     params = _num_params(base)
@@ -200,29 +240,53 @@ def main(argv: list[str] | None = None) -> int:
         gap = 100 * (r["eval_loss"] / dp - 1)
         sent = dp_bytes if r["diloco"] is None else r["bytes"]
         rows.append((name, r["eval_loss"], gap, r["syncs"], sent, r["peak_sync_bytes"] or params * 4))
-    start = (f", all continuing a {args.warm_start}-step data-parallel run; syncs and bytes of the "
-             f"{base.steps - args.warm_start} steps after it" if args.warm_start else "")
-    print(f"\nDiLoCo vs data parallel: {params / 1e6:.2f}M params, {base.steps} steps x {base.data.batch_size} x "
-          f"{base.data.seq_len} tokens (equal tokens, equal global batch{start})\n")
+    start = (
+        f", all continuing a {args.warm_start}-step data-parallel run; syncs and bytes of the "
+        f"{base.steps - args.warm_start} steps after it"
+        if args.warm_start
+        else ""
+    )
+    print(
+        f"\nDiLoCo vs data parallel: {params / 1e6:.2f}M params, {base.steps} steps x {base.data.batch_size} x "
+        f"{base.data.seq_len} tokens (equal tokens, equal global batch{start})\n"
+    )
     print(f"{'run':<22} {'eval loss':>9} {'gap %':>7} {'syncs':>6} {'MB sent/replica':>15} {'peak MB/sync':>12}")
     for name, loss, gap, syncs, sent, peak in rows:
         print(f"{name:<22} {loss:>9.4f} {gap:>+7.2f} {syncs:>6} {sent / 1e6:>15.2f} {peak / 1e6:>12.3f}")
     best_runs = {(m, h): results[grid_name(m, h, lr, suffix)] for (m, h), lr in best_lr.items()}
-    best = {f"M{m}_H{h}{suffix}": {"outer_lr": best_lr[m, h], "eval_loss": r["eval_loss"],
-                                    "gap_pct": 100 * (r["eval_loss"] / dp - 1)}
-            for (m, h), r in best_runs.items()}
-    print("\nbest outer lr per (M, H): " + ", ".join(f"{k} {v['outer_lr']} ({v['gap_pct']:+.2f}%)"
-                                                      for k, v in best.items()))
+    best = {
+        f"M{m}_H{h}{suffix}": {
+            "outer_lr": best_lr[m, h],
+            "eval_loss": r["eval_loss"],
+            "gap_pct": 100 * (r["eval_loss"] / dp - 1),
+        }
+        for (m, h), r in best_runs.items()
+    }
+    print(
+        "\nbest outer lr per (M, H): "
+        + ", ".join(f"{k} {v['outer_lr']} ({v['gap_pct']:+.2f}%)" for k, v in best.items())
+    )
     print("\ntargets:")
     for line in target_lines(results, best, grid, suffix):
         print("  " + line)
     best_names = {grid_name(m, h, lr, suffix) for (m, h), lr in best_lr.items()}
-    _plot({name: r for name, r in results.items() if "_lr" not in name or name in best_names},
-          workdir / "eval_loss.png")
-    summary = {"data_parallel_eval_loss": dp, "best": best,
-               **{name: {"eval_loss": r["eval_loss"], "gap_pct": 100 * (r["eval_loss"] / dp - 1),
-                         "bytes": r["bytes"], "peak_sync_bytes": r["peak_sync_bytes"]}
-                  for name, r in results.items() if not name.startswith("M") or "_lr" not in name}}
+    _plot(
+        {name: r for name, r in results.items() if "_lr" not in name or name in best_names}, workdir / "eval_loss.png"
+    )
+    summary = {
+        "data_parallel_eval_loss": dp,
+        "best": best,
+        **{
+            name: {
+                "eval_loss": r["eval_loss"],
+                "gap_pct": 100 * (r["eval_loss"] / dp - 1),
+                "bytes": r["bytes"],
+                "peak_sync_bytes": r["peak_sync_bytes"],
+            }
+            for name, r in results.items()
+            if not name.startswith("M") or "_lr" not in name
+        },
+    }
     print(json.dumps(summary))
     return 0
 
@@ -240,8 +304,11 @@ def target_lines(results: dict, best: dict, grid: dict, suffix: str) -> list[str
     m, h = variant_cell(grid)
     tag = f"M{m}_H{h}{suffix}"
     base = results.get(grid_name(m, h, best[tag]["outer_lr"], suffix))
-    checks = (("int4", "4-bit outer gradients", 0.3), ("stream2", "streaming, 2 fragments", 0.5),
-              ("drop1", "one of the replicas lost for the second half", 1.0))
+    checks = (
+        ("int4", "4-bit outer gradients", 0.3),
+        ("stream2", "streaming, 2 fragments", 0.5),
+        ("drop1", "one of the replicas lost for the second half", 1.0),
+    )
     for key, what, limit in checks:
         r = results.get(f"{tag}_{key}")
         if base and r:

@@ -37,9 +37,26 @@ from jaxlm.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 # A small model whose steps and saves take tens of milliseconds, so a sweep of ~100 runs takes minutes.
-TINY_FLAGS = ["--set", "model.d_model=128", "--set", "model.num_layers=2", "--set", "model.mlp_dim=512",
-              "--set", "model.max_seq_len=128", "--set", "data.seq_len=128", "--set", "data.batch_size=8",
-              "--set", "data.microbatches=1", "--set", "eval_every=0", "--set", "tensorboard=false"]
+TINY_FLAGS = [
+    "--set",
+    "model.d_model=128",
+    "--set",
+    "model.num_layers=2",
+    "--set",
+    "model.mlp_dim=512",
+    "--set",
+    "model.max_seq_len=128",
+    "--set",
+    "data.seq_len=128",
+    "--set",
+    "data.batch_size=8",
+    "--set",
+    "data.microbatches=1",
+    "--set",
+    "eval_every=0",
+    "--set",
+    "tensorboard=false",
+]
 EXIT_PREEMPTED, EXIT_CHECKPOINT_FAILED = 75, 4
 KINDS = ("sigkill", "sigkill_save", "sigterm", "corrupt", "disk_full", "tmpfs_full")
 DAMAGES = ("flip_byte", "truncate", "delete_file", "garbage_metadata")
@@ -58,17 +75,38 @@ class Harness:
 
     def command(self, workdir: Path, *extra: str) -> list[str]:
         cache = ["--compilation-cache", str(self.cache_dir)] if self.cache_dir else []
-        return [sys.executable, "-m", "experiments.tiny_lm", "--workdir", str(workdir), "--steps", str(self.steps),
-                "--log-every", "1", "--checkpoint-every", str(self.checkpoint_every), "--no-progress", *cache,
-                *self.flags, *extra]
+        return [
+            sys.executable,
+            "-m",
+            "experiments.tiny_lm",
+            "--workdir",
+            str(workdir),
+            "--steps",
+            str(self.steps),
+            "--log-every",
+            "1",
+            "--checkpoint-every",
+            str(self.checkpoint_every),
+            "--no-progress",
+            *cache,
+            *self.flags,
+            *extra,
+        ]
 
     def launch(self, workdir: Path, *extra: str, file_size_limit: int | None = None) -> subprocess.Popen:
         def limit():  # runs in the child: a full disk, as far as files larger than the limit are concerned
             resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        return subprocess.Popen(self.command(workdir, *extra), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, preexec_fn=limit if file_size_limit else None)
+        return subprocess.Popen(
+            self.command(workdir, *extra),
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=limit if file_size_limit else None,
+        )
 
     def run(self, workdir: Path, *extra: str, **kw) -> tuple[int, str]:
         proc = self.launch(workdir, *extra, **kw)
@@ -134,8 +172,16 @@ def first_step_seconds(harness: Harness, workdir: Path, *extra: str) -> tuple[fl
     metrics = workdir / "metrics.jsonl"
     t0, launched = time.perf_counter(), time.time()
     proc = harness.launch(workdir, *extra)
-    _wait_for(lambda: metrics.exists() and metrics.stat().st_mtime >= launched and last_step(workdir) == first
-              and losses(workdir)[-1][0] == first, proc, poll=0.005)
+    _wait_for(
+        lambda: (
+            metrics.exists()
+            and metrics.stat().st_mtime >= launched
+            and last_step(workdir) == first
+            and losses(workdir)[-1][0] == first
+        ),
+        proc,
+        poll=0.005,
+    )
     seconds = time.perf_counter() - t0
     proc.communicate(timeout=600)
     return seconds, proc.returncode
@@ -245,9 +291,13 @@ def can_mount_tmpfs() -> bool:
 
     probe = Path(tempfile.mkdtemp(prefix="tmpfs-probe-"))
     try:
-        return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
-                              capture_output=True).returncode == 0 and \
-            subprocess.run(["umount", str(probe)], capture_output=True).returncode == 0
+        return (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)], capture_output=True
+            ).returncode
+            == 0
+            and subprocess.run(["umount", str(probe)], capture_output=True).returncode == 0
+        )
     finally:
         probe.rmdir()
 
@@ -280,8 +330,9 @@ def damage(step_dir: Path, how: str, rng: random.Random) -> None:
     elif how == "delete_file":
         rng.choice(files).unlink()
     elif how == "garbage_metadata":
-        target = rng.choice([step_dir / "data" / "metadata", step_dir / "config" / "metadata",
-                             step_dir / "state" / "_METADATA"])
+        target = rng.choice(
+            [step_dir / "data" / "metadata", step_dir / "config" / "metadata", step_dir / "state" / "_METADATA"]
+        )
         target.write_text("{not json")
     else:
         raise ValueError(f"unknown damage {how!r}; one of {', '.join(DAMAGES)}")

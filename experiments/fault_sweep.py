@@ -22,8 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments.fault_harness import KINDS, Harness, can_mount_tmpfs, first_step_seconds, preemption_save_seconds, \
-    run_scenario
+from experiments.fault_harness import (
+    KINDS,
+    Harness,
+    can_mount_tmpfs,
+    first_step_seconds,
+    preemption_save_seconds,
+    run_scenario,
+)
 from jaxlm.goodput import read_goodput
 
 DEFAULT_COUNTS = {"sigkill": 35, "sigkill_save": 15, "sigterm": 10, "corrupt": 10, "disk_full": 3, "tmpfs_full": 3}
@@ -63,8 +69,12 @@ def main(argv: list[str] | None = None) -> int:
             out = run_scenario(harness, kind, seed)
             outcomes.append(out)
             status = "ok" if out.ok else "FAILED"
-            print(f"{kind:13s} seed {seed:3d} {out.detail:42s} exit {out.exit_code!s:4s} lost {out.steps_lost:2d} "
-                  f"{'mid-save ' if out.in_save else ''}{status}", file=sys.stderr, flush=True)
+            print(
+                f"{kind:13s} seed {seed:3d} {out.detail:42s} exit {out.exit_code!s:4s} lost {out.steps_lost:2d} "
+                f"{'mid-save ' if out.in_save else ''}{status}",
+                file=sys.stderr,
+                flush=True,
+            )
     table = summarize(outcomes)
     timing = {} if args.no_timing else measure_timing(harness, root, outcomes)
     report(table, timing, outcomes, time.perf_counter() - t0)
@@ -76,12 +86,15 @@ def summarize(outcomes) -> dict:
     for kind in KINDS:
         group = [o for o in outcomes if o.kind == kind]
         if group:
-            rows[kind] = {"faults": len(group), "mid_save": sum(o.in_save for o in group),
-                          "resumed": sum(o.completed for o in group),
-                          "steps_lost": sum(o.steps_lost for o in group),
-                          "loss_mismatches": sum(not o.loss_match for o in group),
-                          "tmp_left": sum(o.leftover_tmp for o in group),
-                          "good_checkpoints_lost": sum(o.good_lost for o in group)}
+            rows[kind] = {
+                "faults": len(group),
+                "mid_save": sum(o.in_save for o in group),
+                "resumed": sum(o.completed for o in group),
+                "steps_lost": sum(o.steps_lost for o in group),
+                "loss_mismatches": sum(not o.loss_match for o in group),
+                "tmp_left": sum(o.leftover_tmp for o in group),
+                "good_checkpoints_lost": sum(o.good_lost for o in group),
+            }
     return rows
 
 
@@ -97,42 +110,68 @@ def measure_timing(harness: Harness, root: Path, outcomes) -> dict:
     harness.run(sync_dir, "--set", "async_checkpointing=false")
     record = read_goodput(sync_dir)[-1]
     preempt = [s for s in (preemption_save_seconds(o.message) for o in outcomes if o.kind == "sigterm") if s]
-    return {"cold_first_step_s": cold, "restart_first_step_s": restart, "restart_ratio": restart / cold,
-            "sync_save_s": record["checkpoint_s"] / max(record["saves"], 1),
-            "preemption_save_s": statistics.median(preempt) if preempt else None}
+    return {
+        "cold_first_step_s": cold,
+        "restart_first_step_s": restart,
+        "restart_ratio": restart / cold,
+        "sync_save_s": record["checkpoint_s"] / max(record["saves"], 1),
+        "preemption_save_s": statistics.median(preempt) if preempt else None,
+    }
 
 
 def report(table: dict, timing: dict, outcomes, seconds: float) -> None:
-    header = f"{'fault':14s} {'injected':>8s} {'mid-save':>8s} {'resumed':>8s} {'steps lost':>10s} " \
-             f"{'loss mismatches':>15s} {'tmp dirs left':>13s} {'good ckpts lost':>15s}"
+    header = (
+        f"{'fault':14s} {'injected':>8s} {'mid-save':>8s} {'resumed':>8s} {'steps lost':>10s} "
+        f"{'loss mismatches':>15s} {'tmp dirs left':>13s} {'good ckpts lost':>15s}"
+    )
     print(header)
     print("-" * len(header))
     for kind, r in table.items():
-        print(f"{kind:14s} {r['faults']:8d} {r['mid_save']:8d} {r['resumed']:8d} {r['steps_lost']:10d} "
-              f"{r['loss_mismatches']:15d} {r['tmp_left']:13d} {r['good_checkpoints_lost']:15d}")
+        print(
+            f"{kind:14s} {r['faults']:8d} {r['mid_save']:8d} {r['resumed']:8d} {r['steps_lost']:10d} "
+            f"{r['loss_mismatches']:15d} {r['tmp_left']:13d} {r['good_checkpoints_lost']:15d}"
+        )
     total = {k: sum(r[k] for r in table.values()) for k in next(iter(table.values()))} if table else {}
     kills = sum(r["faults"] for k, r in table.items() if k.startswith("sigkill"))
     mid_save = sum(r["mid_save"] for k, r in table.items() if k.startswith("sigkill"))
     print(f"\n{len(outcomes)} faults in {seconds / 60:.1f} min; {sum(o.ok for o in outcomes)} runs continued exactly")
     print("targets:")
-    print(f"  every run completes, bit-exact, no good checkpoint lost, no temporaries left: "
-          f"{_met(all(o.ok for o in outcomes))}")
-    print(f"  >= 50 SIGKILLs, >= 10 of them mid-save: {kills} kills, {mid_save} mid-save: "
-          f"{_met(kills >= 50 and mid_save >= 10)}")
+    print(
+        f"  every run completes, bit-exact, no good checkpoint lost, no temporaries left: "
+        f"{_met(all(o.ok for o in outcomes))}"
+    )
+    print(
+        f"  >= 50 SIGKILLs, >= 10 of them mid-save: {kills} kills, {mid_save} mid-save: "
+        f"{_met(kills >= 50 and mid_save >= 10)}"
+    )
     if "sigterm" in table:
-        print(f"  steps lost on SIGTERM: {table['sigterm']['steps_lost']} (target 0): "
-              f"{_met(table['sigterm']['steps_lost'] == 0)}")
+        print(
+            f"  steps lost on SIGTERM: {table['sigterm']['steps_lost']} (target 0): "
+            f"{_met(table['sigterm']['steps_lost'] == 0)}"
+        )
     if timing:
         if timing["preemption_save_s"] is not None:
             ratio = timing["preemption_save_s"] / timing["sync_save_s"]
             timing["preemption_save_ratio"] = ratio
-            print(f"  preemption checkpoint {timing['preemption_save_s']:.3f}s vs synchronous save "
-                  f"{timing['sync_save_s']:.3f}s = {ratio:.2f}x (target < 2x): {_met(ratio < 2)}")
-        print(f"  restart to first step {timing['restart_first_step_s']:.1f}s vs cold start "
-              f"{timing['cold_first_step_s']:.1f}s = {timing['restart_ratio']:.2f}x (target <= 0.5x): "
-              f"{_met(timing['restart_ratio'] <= 0.5)}")
-    print(json.dumps({"faults": len(outcomes), "ok": sum(o.ok for o in outcomes), **total,
-                      **{k: round(v, 4) for k, v in timing.items() if v is not None}}))
+            print(
+                f"  preemption checkpoint {timing['preemption_save_s']:.3f}s vs synchronous save "
+                f"{timing['sync_save_s']:.3f}s = {ratio:.2f}x (target < 2x): {_met(ratio < 2)}"
+            )
+        print(
+            f"  restart to first step {timing['restart_first_step_s']:.1f}s vs cold start "
+            f"{timing['cold_first_step_s']:.1f}s = {timing['restart_ratio']:.2f}x (target <= 0.5x): "
+            f"{_met(timing['restart_ratio'] <= 0.5)}"
+        )
+    print(
+        json.dumps(
+            {
+                "faults": len(outcomes),
+                "ok": sum(o.ok for o in outcomes),
+                **total,
+                **{k: round(v, 4) for k, v in timing.items() if v is not None},
+            }
+        )
+    )
 
 
 def _met(ok: bool) -> str:

@@ -45,8 +45,10 @@ def load_run(workdir: Path):
     except (TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"{workdir}/config.json is not a jaxlm config: {e}") from None
     if cfg.model.matmul_precision != "default":
-        raise ValueError(f"the run in {workdir} already trained with model.matmul_precision="
-                         f"{cfg.model.matmul_precision!r}; post-training quantization starts from a float model")
+        raise ValueError(
+            f"the run in {workdir} already trained with model.matmul_precision="
+            f"{cfg.model.matmul_precision!r}; post-training quantization starts from a float model"
+        )
     checkpointer = Checkpointer(workdir / "checkpoints", async_save=False)
     step = checkpointer.latest_step()
     if step is None:
@@ -71,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     import orbax.checkpoint as ocp
     from flax import nnx, traverse_util
 
-    from jaxlm.run_data import open_run_data
     from jaxlm.quantized import quantize_weights
+    from jaxlm.run_data import open_run_data
     from jaxlm.train import Program
     from pallas_kernels.quantize import dequantize
     from sharding import MeshLayout, build_mesh
@@ -81,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_batches=args.eval_batches))
     _, eval_data = open_run_data(cfg)
     if not eval_data:
-        print(f"{PROG}: error: the run's data has no validation split (data.val_fraction = "
-              f"{cfg.data.val_fraction}); nothing to evaluate", file=sys.stderr)
+        print(
+            f"{PROG}: error: the run's data has no validation split (data.val_fraction = "
+            f"{cfg.data.val_fraction}); nothing to evaluate",
+            file=sys.stderr,
+        )
         checkpointer.close()
         return 2
     mesh = build_mesh(MeshLayout(data=1), devices=jax.devices()[:1])
@@ -95,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     quantized = quantize_weights(float_params)
     flat = {k: np.asarray(v) for k, v in traverse_util.flatten_dict(float_params).items()}  # {path tuple: array}
     dequantized = traverse_util.unflatten_dict(
-        {**flat, **{path: np.asarray(dequantize(q, scale)) for path, (q, scale) in quantized.items()}})
+        {**flat, **{path: np.asarray(dequantize(q, scale)) for path, (q, scale) in quantized.items()}}
+    )
     int8_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, matmul_precision="int8_weight_only"))
     int8_program = Program(int8_cfg, mesh)
     int8_params = jax.tree.map(lambda a: a, state.params)  # same tree: weight-only matmuls keep no state
@@ -105,26 +111,38 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else workdir / "quantized_int8"
     float_bytes = sum(a.nbytes for a in flat.values())
     keys = {"/".join(path) for path in quantized}
-    artifact = {"int8": {"/".join(p): {"q": np.asarray(q), "scale": np.asarray(s)} for p, (q, s) in quantized.items()},
-                "float": {"/".join(map(str, k)): v for k, v in flat.items() if k not in quantized}}
+    artifact = {
+        "int8": {"/".join(p): {"q": np.asarray(q), "scale": np.asarray(s)} for p, (q, s) in quantized.items()},
+        "float": {"/".join(map(str, k)): v for k, v in flat.items() if k not in quantized},
+    }
     int8_bytes = sum(a.nbytes for a in jax.tree.leaves(artifact))
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save((out / "weights").absolute(), artifact, force=True)
     checkpointer.wait_until_finished()
     checkpointer.close()
-    summary = {"workdir": str(workdir), "step": step, "precision": "int8 per output channel",
-               "eval_loss_before": round(before, 5), "eval_loss_after": round(after, 5),
-               "eval_loss_change": round((after - before) / before, 5),
-               "weight_bytes_before": int(float_bytes), "weight_bytes_after": int(int8_bytes),
-               "quantized_tensors": sorted(keys), "eval_tokens": int(sum(np.sum(b["loss_mask"]) for b in eval_data))}
-    (out / "manifest.json").write_text(json.dumps({**summary, "config": json.loads(
-        (workdir / "config.json").read_text())}, indent=2) + "\n")
+    summary = {
+        "workdir": str(workdir),
+        "step": step,
+        "precision": "int8 per output channel",
+        "eval_loss_before": round(before, 5),
+        "eval_loss_after": round(after, 5),
+        "eval_loss_change": round((after - before) / before, 5),
+        "weight_bytes_before": int(float_bytes),
+        "weight_bytes_after": int(int8_bytes),
+        "quantized_tensors": sorted(keys),
+        "eval_tokens": int(sum(np.sum(b["loss_mask"]) for b in eval_data)),
+    }
+    (out / "manifest.json").write_text(
+        json.dumps({**summary, "config": json.loads((workdir / "config.json").read_text())}, indent=2) + "\n"
+    )
     print(f"checkpoint step {step} of {workdir}: {len(keys)} weight tensors -> int8 per output channel")
     print(f"{'':<22}{'eval loss':>10}{'weight MB':>11}")
     print(f"{'float32':<22}{before:>10.4f}{float_bytes / 1e6:>11.2f}")
     print(f"{'int8 (weight-only)':<22}{after:>10.4f}{int8_bytes / 1e6:>11.2f}")
-    print(f"change {100 * (after - before) / before:+.2f}% eval loss; {float_bytes / int8_bytes:.2f}x smaller; "
-          f"written to {out}")
+    print(
+        f"change {100 * (after - before) / before:+.2f}% eval loss; {float_bytes / int8_bytes:.2f}x smaller; "
+        f"written to {out}"
+    )
     print(json.dumps(summary))
     return 0
 

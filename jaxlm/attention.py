@@ -68,14 +68,21 @@ def attention(
     if not uses_documents(template):
         segment_ids_BT = None  # nothing reads them: don't carry them into the kernels' shard_map
     elif segment_ids_BT is None:
-        raise ValueError("the attention mask uses document() but no segment ids were given (the batch needs "
-                         "'segment_ids')")
+        raise ValueError(
+            "the attention mask uses document() but no segment ids were given (the batch needs 'segment_ids')"
+        )
     scale = E**-0.5 if scale is None else scale
 
     if impl in BLOCK_SPARSE:
-        return _shard_map(functools.partial(_block_sparse, template=template, scale=scale, score_mod=score_mod,
-                                            impl=impl, block_sizes=block_sizes),
-                          q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
+        return _shard_map(
+            functools.partial(
+                _block_sparse, template=template, scale=scale, score_mod=score_mod, impl=impl, block_sizes=block_sizes
+            ),
+            q_BTHE,
+            k_BSKE,
+            v_BSKE,
+            segment_ids_BT,
+        )
     mask_obj = _bind_segments(template, segment_ids_BT)
     if impl == "jax":
         if score_mod is not None:
@@ -83,8 +90,14 @@ def attention(
         is_causal = mask_obj == pk.causal()
         dense = None if is_causal else _dense_mask(mask_obj, T, S)
         return jax.nn.dot_product_attention(
-            q_BTHE, k_BSKE, v_BSKE, mask=None if dense is None else dense[:, None], is_causal=is_causal,
-            scale=scale, implementation="xla")
+            q_BTHE,
+            k_BSKE,
+            v_BSKE,
+            mask=None if dense is None else dense[:, None],
+            is_causal=is_causal,
+            scale=scale,
+            implementation="xla",
+        )
     return _reference(q_BTHE, k_BSKE, v_BSKE, _dense_mask(mask_obj, T, S), scale, score_mod)
 
 
@@ -144,8 +157,9 @@ def _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT):
     x_spec = P(batch or None, None, heads or None, None)
     seg_spec = None if segment_ids_BT is None else P(batch or None, None)
     free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
-    return jax.shard_map(fn, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, seg_spec), out_specs=x_spec,
-                         axis_names=free, check_vma=False)(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, seg_spec), out_specs=x_spec, axis_names=free, check_vma=False
+    )(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
 
 
 def _dividing(mesh, axes, size: int) -> tuple[str, ...]:

@@ -66,8 +66,7 @@ def integrity(state) -> dict[str, dict[str, int]]:
     """{leaf path: {"digest": int, "nonfinite": int}} of a (possibly sharded) pytree of arrays."""
     paths_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     digests = jax.device_get(_digests([leaf for _, leaf in paths_leaves]))
-    return {dotted(path): {"digest": int(d), "nonfinite": int(n)}
-            for (path, _), (d, n) in zip(paths_leaves, digests)}
+    return {dotted(path): {"digest": int(d), "nonfinite": int(n)} for (path, _), (d, n) in zip(paths_leaves, digests)}
 
 
 def dotted(path) -> str:
@@ -153,10 +152,10 @@ class Checkpointer:
         self.primary = primary
         _quiet_orbax_failures()
         self.removed = self._remove_incomplete() if primary else []
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=async_save)
-        handlers = {name: ocp.StandardCheckpointHandler() if name == "state" else ocp.JsonCheckpointHandler()
-                    for name in ITEMS}
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
+        handlers = {
+            name: ocp.StandardCheckpointHandler() if name == "state" else ocp.JsonCheckpointHandler() for name in ITEMS
+        }
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self.pending: int | None = None  # the step of an asynchronous save that may still be running
 
@@ -184,15 +183,20 @@ class Checkpointer:
         digest = integrity(state)
         bad = [path for path, d in digest.items() if d["nonfinite"]]
         if bad:
-            raise CheckpointSaveError(f"refusing to checkpoint step {step}: {len(bad)} leaves hold non-finite "
-                                      f"values (first: {bad[0]}); the previous checkpoints are kept")
+            raise CheckpointSaveError(
+                f"refusing to checkpoint step {step}: {len(bad)} leaves hold non-finite "
+                f"values (first: {bad[0]}); the previous checkpoints are kept"
+            )
         try:
-            self.manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave({k: int(v) for k, v in data_state.items()}),
-                config=ocp.args.JsonSave(config),
-                integrity=ocp.args.JsonSave(digest),
-            ))
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=ocp.args.JsonSave({k: int(v) for k, v in data_state.items()}),
+                    config=ocp.args.JsonSave(config),
+                    integrity=ocp.args.JsonSave(digest),
+                ),
+            )
         except Exception as e:
             raise self._save_failed(step, e) from e
         self.pending = step
@@ -212,9 +216,11 @@ class Checkpointer:
             self._remove_incomplete()  # a half-written step is useless and may fill the disk further
         self.manager.reload()
         kept = self.manager.latest_step()
-        return CheckpointSaveError(f"checkpoint save of step {step} failed ({_storage_cause(error)}); the last "
-                                   f"complete checkpoint is {'step ' + str(kept) if kept is not None else 'none'} "
-                                   f"in {self.directory}")
+        return CheckpointSaveError(
+            f"checkpoint save of step {step} failed ({_storage_cause(error)}); the last "
+            f"complete checkpoint is {'step ' + str(kept) if kept is not None else 'none'} "
+            f"in {self.directory}"
+        )
 
     # ------------------------------------------------------------------------- restoring
 
@@ -222,8 +228,11 @@ class Checkpointer:
         """Returns (state, data_state, config_dict), verified against the saved integrity record if there is one
         (checkpoints written before it existed are restored unverified). `abstract_state` carries the target
         shardings. Raises CheckpointCorrupt if the step cannot be read or fails verification."""
-        items = {"state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore(),
-                 "config": ocp.args.JsonRestore()}
+        items = {
+            "state": ocp.args.StandardRestore(abstract_state),
+            "data": ocp.args.JsonRestore(),
+            "config": ocp.args.JsonRestore(),
+        }
         verified = (self.directory / str(step) / "integrity").exists()
         if verified:
             items["integrity"] = ocp.args.JsonRestore()
@@ -252,8 +261,9 @@ class Checkpointer:
         """The saved state's tree of array metadata (shape, dtype), read without restoring the arrays."""
         return self.manager.item_metadata(step).state.tree
 
-    def restore_latest(self, abstract_state, check: Callable[[int, dict], None] | None = None,
-                       log: Callable[[str], None] = print) -> tuple[int, Any, dict, dict] | None:
+    def restore_latest(
+        self, abstract_state, check: Callable[[int, dict], None] | None = None, log: Callable[[str], None] = print
+    ) -> tuple[int, Any, dict, dict] | None:
         """(step, state, data_state, config) of the newest checkpoint that reads and verifies, or None if the
         directory holds none. `check(step, saved_config)` may raise to refuse a checkpoint written with an
         incompatible config (that is the user's error: it propagates, and nothing is moved).
@@ -272,12 +282,16 @@ class Checkpointer:
                 failures.append((step, e))
                 continue
             for bad, error in failures:
-                log(f"checkpoint step {bad} is unusable ({error}); moved it to {self.quarantine(bad)}; "
-                    f"resuming from step {step}")
+                log(
+                    f"checkpoint step {bad} is unusable ({error}); moved it to {self.quarantine(bad)}; "
+                    f"resuming from step {step}"
+                )
             return (step, *restored)
         if failures:
-            raise CheckpointCorrupt(f"no checkpoint in {self.directory} is usable: "
-                                    + "; ".join(f"step {step}: {e}" for step, e in failures))
+            raise CheckpointCorrupt(
+                f"no checkpoint in {self.directory} is usable: "
+                + "; ".join(f"step {step}: {e}" for step, e in failures)
+            )
         return None
 
     def quarantine(self, step: int) -> Path:
@@ -305,8 +319,10 @@ class Checkpointer:
             self.manager.close()
 
 
-_OS_PROBLEM = re.compile(r"No space left on device|File too large|Disk quota exceeded|Read-only file system|"
-                         r"Permission denied|Input/output error")
+_OS_PROBLEM = re.compile(
+    r"No space left on device|File too large|Disk quota exceeded|Read-only file system|"
+    r"Permission denied|Input/output error"
+)
 
 
 def _storage_cause(error: Exception) -> str:

@@ -18,8 +18,21 @@ from jaxlm.config_checks import ConfigError, Section, check_choice, check_non_ne
 from jaxlm.diloco.config import DiLoCoConfig
 from sharding.user_file import call_user_function, exec_python_file
 
-__all__ = ["ConfigError", "DataConfig", "DiLoCoConfig", "ModelConfig", "OptimConfig", "TrainConfig", "apply_overrides",
-           "diff", "from_dict", "load_config", "resume_changes", "to_dict", "validate"]
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "DiLoCoConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "diff",
+    "from_dict",
+    "load_config",
+    "resume_changes",
+    "to_dict",
+    "validate",
+]
 
 
 # Allowed values live here, with the fields they belong to; the modules that act on them import them from here.
@@ -77,20 +90,31 @@ class ModelConfig(Section):
 
     def validate(self, run=None) -> None:
         m = self
-        check_positive(model__vocab_size=m.vocab_size, model__d_model=m.d_model, model__num_layers=m.num_layers,
-                       model__num_heads=m.num_heads, model__num_kv_heads=m.num_kv_heads, model__mlp_dim=m.mlp_dim,
-                       model__max_seq_len=m.max_seq_len, model__scan_unroll=m.scan_unroll,
-                       model__attention_block_q=m.attention_block_q, model__attention_block_kv=m.attention_block_kv,
-                       model__quant_amax_history=m.quant_amax_history)
+        check_positive(
+            model__vocab_size=m.vocab_size,
+            model__d_model=m.d_model,
+            model__num_layers=m.num_layers,
+            model__num_heads=m.num_heads,
+            model__num_kv_heads=m.num_kv_heads,
+            model__mlp_dim=m.mlp_dim,
+            model__max_seq_len=m.max_seq_len,
+            model__scan_unroll=m.scan_unroll,
+            model__attention_block_q=m.attention_block_q,
+            model__attention_block_kv=m.attention_block_kv,
+            model__quant_amax_history=m.quant_amax_history,
+        )
         check_non_negative(model__head_dim=m.head_dim, model__attention_softcap=m.attention_softcap)
         if m.head_dim == 0 and m.d_model % m.num_heads:
-            raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads}) or "
-                              f"set model.head_dim")
+            raise ConfigError(
+                f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads}) or "
+                f"set model.head_dim"
+            )
         if m.resolved_head_dim % 2:
             raise ConfigError(f"head dim must be even for rotary embeddings, got {m.resolved_head_dim}")
         if m.num_heads % m.num_kv_heads:
-            raise ConfigError(f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads "
-                              f"({m.num_kv_heads})")
+            raise ConfigError(
+                f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})"
+            )
         if m.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {m.dtype!r}")
         check_choice("model.remat", m.remat, REMAT_CHOICES, how="sorted")
@@ -102,8 +126,10 @@ class ModelConfig(Section):
         except ValueError as e:
             raise ConfigError(f"model.attention_mask: {e}") from None
         if m.attention_impl == "jax" and m.attention_softcap:
-            raise ConfigError("model.attention_softcap needs attention_impl reference, xla_blocksparse or pallas; "
-                              "jax.nn.dot_product_attention takes no score mod")
+            raise ConfigError(
+                "model.attention_softcap needs attention_impl reference, xla_blocksparse or pallas; "
+                "jax.nn.dot_product_attention takes no score mod"
+            )
         try:
             parse_matmul_precision(m.matmul_precision)
         except ValueError as e:
@@ -126,11 +152,14 @@ def parse_matmul_precision(spec: str) -> dict[str, str]:
     for item in spec.split(","):
         cls, sep, precision = (part.strip() for part in item.partition("="))
         if not sep or cls not in LAYER_CLASSES:
-            raise ValueError(f"matmul precision spec {spec!r}: {item.strip()!r} must be CLASS=PRECISION with CLASS one "
-                             f"of {', '.join(LAYER_CLASSES)}")
+            raise ValueError(
+                f"matmul precision spec {spec!r}: {item.strip()!r} must be CLASS=PRECISION with CLASS one "
+                f"of {', '.join(LAYER_CLASSES)}"
+            )
         if precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"matmul precision spec {spec!r}: {precision!r} is not one of "
-                             f"{', '.join(MATMUL_PRECISIONS)}")
+            raise ValueError(
+                f"matmul precision spec {spec!r}: {precision!r} is not one of {', '.join(MATMUL_PRECISIONS)}"
+            )
         if cls in seen:
             raise ValueError(f"matmul precision spec {spec!r} names {cls!r} twice")
         seen.add(cls)
@@ -153,8 +182,12 @@ class OptimConfig(Section):
 
     def validate(self, run=None) -> None:
         o = self
-        check_non_negative(optim__warmup_steps=o.warmup_steps, optim__decay_steps=o.decay_steps,
-                           optim__grad_clip=o.grad_clip, optim__weight_decay=o.weight_decay)
+        check_non_negative(
+            optim__warmup_steps=o.warmup_steps,
+            optim__decay_steps=o.decay_steps,
+            optim__grad_clip=o.grad_clip,
+            optim__weight_decay=o.weight_decay,
+        )
         if o.learning_rate <= 0:
             raise ConfigError(f"optim.learning_rate must be positive, got {o.learning_rate}")
         if not 0 <= o.min_lr_ratio <= 1:
@@ -186,8 +219,15 @@ class DataConfig(Section):
     throttle_mb_per_s: float = 0.0  # 0 -> unlimited
 
     # fields that change how fast batches arrive, never which batches: a resumed run may change them
-    RESUME_MAY_CHANGE = ("cache_ram_mb", "cache_disk_mb", "cache_dir", "loader_workers", "prefetch_steps",
-                         "throttle_latency_ms", "throttle_mb_per_s")
+    RESUME_MAY_CHANGE = (
+        "cache_ram_mb",
+        "cache_disk_mb",
+        "cache_dir",
+        "loader_workers",
+        "prefetch_steps",
+        "throttle_latency_ms",
+        "throttle_mb_per_s",
+    )
 
     def validate(self, run=None) -> None:
         d = self
@@ -198,14 +238,19 @@ class DataConfig(Section):
         if run is not None and d.seq_len > run.model.max_seq_len:
             raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({run.model.max_seq_len})")
         check_choice("data.loader", d.loader, LOADERS)
-        check_non_negative(data__cache_ram_mb=d.cache_ram_mb, data__cache_disk_mb=d.cache_disk_mb,
-                           data__throttle_latency_ms=d.throttle_latency_ms, data__throttle_mb_per_s=d.throttle_mb_per_s)
+        check_non_negative(
+            data__cache_ram_mb=d.cache_ram_mb,
+            data__cache_disk_mb=d.cache_disk_mb,
+            data__throttle_latency_ms=d.throttle_latency_ms,
+            data__throttle_mb_per_s=d.throttle_mb_per_s,
+        )
         for key in ("loader_workers", "prefetch_steps"):
             if getattr(d, key) < 1:
                 raise ConfigError(f"data.{key} must be >= 1, got {getattr(d, key)}")
         if d.batch_size % d.microbatches:
-            raise ConfigError(f"data.batch_size ({d.batch_size}) must be divisible by data.microbatches "
-                              f"({d.microbatches})")
+            raise ConfigError(
+                f"data.batch_size ({d.batch_size}) must be divisible by data.microbatches ({d.microbatches})"
+            )
 
 
 @dataclass(frozen=True)
@@ -226,14 +271,25 @@ class TrainConfig(Section):
     tensorboard: bool = True
 
     def sections(self) -> dict[str, Section]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), Section)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Section)
+        }
 
     def validate(self, run=None) -> None:
-        check_positive(steps=self.steps, log_every=self.log_every, keep_checkpoints=self.keep_checkpoints,
-                       max_bad_steps=self.max_bad_steps)
-        check_non_negative(eval_every=self.eval_every, checkpoint_every=self.checkpoint_every, seed=self.seed,
-                           checkpoint_minutes=self.checkpoint_minutes)
+        check_positive(
+            steps=self.steps,
+            log_every=self.log_every,
+            keep_checkpoints=self.keep_checkpoints,
+            max_bad_steps=self.max_bad_steps,
+        )
+        check_non_negative(
+            eval_every=self.eval_every,
+            checkpoint_every=self.checkpoint_every,
+            seed=self.seed,
+            checkpoint_minutes=self.checkpoint_minutes,
+        )
         for section in self.sections().values():
             section.validate(self)
 
@@ -278,11 +334,15 @@ def _set_path(obj: Any, parts: list[str], raw: str, full_key: str) -> Any:
     name = parts[0]
     if name not in fields:
         where = type(obj).__name__
-        raise ConfigError(f"unknown config key {full_key!r}: {where} has no field {name!r} (fields: {', '.join(fields)})")
+        raise ConfigError(
+            f"unknown config key {full_key!r}: {where} has no field {name!r} (fields: {', '.join(fields)})"
+        )
     current = getattr(obj, name)
     if dataclasses.is_dataclass(current):
         if len(parts) == 1:
-            raise ConfigError(f"config key {full_key!r} is a section; set one of its fields, e.g. {full_key}.<field>=...")
+            raise ConfigError(
+                f"config key {full_key!r} is a section; set one of its fields, e.g. {full_key}.<field>=..."
+            )
         return dataclasses.replace(obj, **{name: _set_path(current, parts[1:], raw, full_key)})
     if len(parts) > 1:
         raise ConfigError(f"unknown config key {full_key!r}: {name!r} is not a section")

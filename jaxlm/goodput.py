@@ -47,10 +47,19 @@ class Goodput:
         step_s = max(wall - sum(self.seconds.values()), 0.0)
         lost_s = step_s * min(self.lost_steps, self.steps) / max(self.steps, 1)
         productive = step_s - lost_s
-        return {"outcome": outcome, "wall_s": wall, **{f"{k}_s": v for k, v in self.seconds.items()},
-                "step_s": step_s, "steps": self.steps, "saves": self.saves, "lost_steps": self.lost_steps,
-                "lost_s": lost_s, "productive_s": productive, "goodput": productive / wall if wall > 0 else 0.0,
-                "first_step_s": self.first_step_s}
+        return {
+            "outcome": outcome,
+            "wall_s": wall,
+            **{f"{k}_s": v for k, v in self.seconds.items()},
+            "step_s": step_s,
+            "steps": self.steps,
+            "saves": self.saves,
+            "lost_steps": self.lost_steps,
+            "lost_s": lost_s,
+            "productive_s": productive,
+            "goodput": productive / wall if wall > 0 else 0.0,
+            "first_step_s": self.first_step_s,
+        }
 
 
 def read_goodput(workdir: str | Path) -> list[dict]:

@@ -17,8 +17,15 @@ PLOT_FILE = "loss.png"
 
 
 class MetricsLogger:
-    def __init__(self, workdir: str | Path, *, total_steps: int, start_step: int = 0, progress: bool = True,
-                 tensorboard: bool = True):
+    def __init__(
+        self,
+        workdir: str | Path,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        progress: bool = True,
+        tensorboard: bool = True,
+    ):
         self.workdir = Path(workdir)
         self.path = self.workdir / METRICS_FILE
         # steps the previous run had done after the checkpoint this run resumes from: computed again, i.e. lost
@@ -29,8 +36,14 @@ class MetricsLogger:
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(str(self.workdir / "tensorboard"))
-        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                        disable=not progress, file=sys.stderr)
+        self.bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not progress,
+            file=sys.stderr,
+        )
         self.step = start_step
         self.shown: dict[str, float] = {}
 

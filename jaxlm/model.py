@@ -18,7 +18,8 @@ from jaxlm.attention import attention
 from jaxlm.config import REMAT_CHOICES, ModelConfig
 from jaxlm.quantized import AmaxHistory, amax_history, layer_recipe, project
 from pallas_kernels import BlockSizes, soft_cap
-from sharding.rules import LOGICAL_AXES_KEY as LOGICAL_AXES, constrain
+from sharding.rules import LOGICAL_AXES_KEY as LOGICAL_AXES
+from sharding.rules import constrain
 
 ACTIVATION_AXES = ("batch", "seq", "act_embed")  # x_BTD at every layer boundary
 
@@ -64,8 +65,10 @@ def rotary_tables(positions_BT: jax.Array | None, seq_len: int, head_dim: int, t
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if positions_BT is None:
         angles = np.arange(seq_len, dtype=np.float64)[None, :, None] * inv_freq
-        return (jnp.asarray(np.sin(angles), jnp.float32)[:, :, None, :],
-                jnp.asarray(np.cos(angles), jnp.float32)[:, :, None, :])
+        return (
+            jnp.asarray(np.sin(angles), jnp.float32)[:, :, None, :],
+            jnp.asarray(np.cos(angles), jnp.float32)[:, :, None, :],
+        )
     angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     sin, cos = jax.lax.optimization_barrier((jnp.sin(angles), jnp.cos(angles)))
     return sin[:, :, None, :], cos[:, :, None, :]
@@ -104,9 +107,15 @@ class Attention(nnx.Module):
         k_BTKE, v_BTKE = qkv[:, :, :, G], qkv[:, :, :, G + 1]
         q_BTHE, k_BTKE = apply_rotary(q_BTHE, sin, cos), apply_rotary(k_BTKE, sin, cos)
         out_BTHE = attention(
-            q_BTHE, k_BTKE, v_BTKE, mask=cfg.attention_mask, segment_ids_BT=segment_ids_BT, impl=cfg.attention_impl,
+            q_BTHE,
+            k_BTKE,
+            v_BTKE,
+            mask=cfg.attention_mask,
+            segment_ids_BT=segment_ids_BT,
+            impl=cfg.attention_impl,
             score_mod=soft_cap(cfg.attention_softcap) if cfg.attention_softcap else None,
-            block_sizes=BlockSizes(cfg.attention_block_q, cfg.attention_block_kv))
+            block_sizes=BlockSizes(cfg.attention_block_q, cfg.attention_block_kv),
+        )
         return project("bthe,hed->btd", out_BTHE, self.wo[...], self.recipe, _value(self.out_amax))
 
 
@@ -172,8 +181,10 @@ class Transformer(nnx.Module):
     def head_params(self) -> dict[str, jax.Array]:
         """The arrays `head_logits` reads: final norm scale, the [D, V] output projection (tied: embed.T) and, for a
         quantized head with delayed scaling, its amax history."""
-        head = {"norm_scale": self.final_norm.scale[...],
-                "head_DV": self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]}
+        head = {
+            "norm_scale": self.final_norm.scale[...],
+            "head_DV": self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...],
+        }
         if self.head_amax is not None:
             head["amax"] = self.head_amax[...]
         return head
@@ -185,13 +196,20 @@ class Transformer(nnx.Module):
 def head_logits(cfg: ModelConfig, head: dict[str, jax.Array], x_BTD: jax.Array) -> jax.Array:
     """Final RMSNorm and the vocabulary projection: float32 logits [B, T, V]."""
     x_BTD = rms_norm(x_BTD, head["norm_scale"], cfg.norm_eps)
-    logits_BTV = project("btd,dv->btv", x_BTD, head["head_DV"], layer_recipe(cfg, "lm_head"), head.get("amax"),
-                         out_dtype=jnp.float32)
+    logits_BTV = project(
+        "btd,dv->btv", x_BTD, head["head_DV"], layer_recipe(cfg, "lm_head"), head.get("amax"), out_dtype=jnp.float32
+    )
     return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
-def apply_layers(cfg: ModelConfig, graphdef: nnx.GraphDef, stacked: nnx.State, x_BTD: jax.Array,
-                 segment_ids_BT=None, positions_BT=None) -> jax.Array:
+def apply_layers(
+    cfg: ModelConfig,
+    graphdef: nnx.GraphDef,
+    stacked: nnx.State,
+    x_BTD: jax.Array,
+    segment_ids_BT=None,
+    positions_BT=None,
+) -> jax.Array:
     """Runs the layers whose params are stacked along a leading axis (all of them, or one pipeline stage's)."""
     sin, cos = rotary_tables(positions_BT, x_BTD.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
 

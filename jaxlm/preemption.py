@@ -21,8 +21,9 @@ class Preempted(Exception):
 
     def __init__(self, step: int, signal_name: str, save_s: float):
         self.step, self.signal_name, self.save_s = step, signal_name, save_s
-        super().__init__(f"{signal_name} after step {step}: checkpoint written in {save_s:.2f}s; rerun the same "
-                         f"command to continue")
+        super().__init__(
+            f"{signal_name} after step {step}: checkpoint written in {save_s:.2f}s; rerun the same command to continue"
+        )
 
 
 class StopSignals:

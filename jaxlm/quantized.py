@@ -20,6 +20,7 @@ from jaxlm.config import parse_matmul_precision
 from pallas_kernels.quantized_training import QuantRecipe, new_amax_history, quantized_dot
 from sharding.rules import LOGICAL_AXES_KEY
 
+
 class AmaxHistory(nnx.Variable):
     """Delayed-scaling state of one quantized matmul: [3, A] amaxes of x, w and dY over the last A steps.
 
@@ -50,8 +51,9 @@ def amax_history(cfg, recipe: QuantRecipe | None) -> AmaxHistory | None:
     return AmaxHistory(new_amax_history(cfg.quant_amax_history), **{LOGICAL_AXES_KEY: (None, None)})
 
 
-def project(spec: str, x: jax.Array, w: jax.Array, recipe: QuantRecipe | None,
-            history: jax.Array | None = None, out_dtype=None) -> jax.Array:
+def project(
+    spec: str, x: jax.Array, w: jax.Array, recipe: QuantRecipe | None, history: jax.Array | None = None, out_dtype=None
+) -> jax.Array:
     """einsum(spec, x, w) for a projection whose contracted axes are x's last and w's first, e.g. 'btd,dkge->btkge'.
 
     recipe None: the plain einsum in x's dtype (accumulating in `out_dtype` if given). Otherwise both sides are
@@ -61,9 +63,9 @@ def project(spec: str, x: jax.Array, w: jax.Array, recipe: QuantRecipe | None,
         return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=out_dtype)
     x_axes, w_axes = spec.split("->")[0].split(",")
     n = sum(a in w_axes for a in x_axes)
-    if x_axes[len(x_axes) - n:] != w_axes[:n]:
+    if x_axes[len(x_axes) - n :] != w_axes[:n]:
         raise ValueError(f"project: {spec!r} must contract x's last axes with w's first ones")
-    lead, out = x.shape[:x.ndim - n], w.shape[n:]
+    lead, out = x.shape[: x.ndim - n], w.shape[n:]
     contracted = math.prod(w.shape[:n])
     y = quantized_dot(x.reshape(-1, contracted), w.reshape(contracted, -1), history, _placed(recipe))
     return y.reshape(*lead, *out).astype(out_dtype or x.dtype)
@@ -76,8 +78,10 @@ def _placed(recipe: QuantRecipe) -> QuantRecipe:
     if mesh.empty or mesh.size == 1 or recipe.impl == "xla":
         return recipe
     if recipe.impl == "pallas":
-        raise ValueError(f"model.matmul_impl='pallas' runs the kernel on whole operands and cannot be split over a "
-                         f"{mesh.size}-device mesh; use matmul_impl='auto' or 'xla' with this layout")
+        raise ValueError(
+            f"model.matmul_impl='pallas' runs the kernel on whole operands and cannot be split over a "
+            f"{mesh.size}-device mesh; use matmul_impl='auto' or 'xla' with this layout"
+        )
     return dataclasses.replace(recipe, impl="xla")
 
 

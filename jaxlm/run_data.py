@@ -11,6 +11,10 @@ from pallas_kernels.mask_spec import parse_mask, uses_documents
 def open_run_data(cfg: TrainConfig):
     """(train batch iterator, eval batches) for a validated config; ValueError / OSError name a bad data path."""
     mask = cfg.model.attention_mask
-    return open_data(cfg.data, vocab_size=cfg.model.vocab_size, seed=cfg.seed,
-                     document_mask=mask if uses_documents(parse_mask(mask)) else None,
-                     partitions=cfg.diloco.data_partitions)
+    return open_data(
+        cfg.data,
+        vocab_size=cfg.model.vocab_size,
+        seed=cfg.seed,
+        document_mask=mask if uses_documents(parse_mask(mask)) else None,
+        partitions=cfg.diloco.data_partitions,
+    )

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlm import config as config_lib
 from jaxlm.config import OptimConfig, TrainConfig
@@ -79,8 +80,9 @@ def make_optimizer(ocfg: OptimConfig, total_steps: int) -> tuple[optax.GradientT
         decay = optax.add_decayed_weights(ocfg.weight_decay, mask=decay_mask) if ocfg.weight_decay else optax.identity()
         inner = optax.chain(decay, optax.sgd(schedule))
     else:
-        inner = optax.adamw(schedule, b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps, weight_decay=ocfg.weight_decay,
-                            mask=decay_mask)
+        inner = optax.adamw(
+            schedule, b1=ocfg.b1, b2=ocfg.b2, eps=ocfg.eps, weight_decay=ocfg.weight_decay, mask=decay_mask
+        )
     clip = optax.clip_by_global_norm(ocfg.grad_clip) if ocfg.grad_clip > 0 else optax.identity()
     return optax.chain(clip, inner), schedule
 
@@ -88,8 +90,9 @@ def make_optimizer(ocfg: OptimConfig, total_steps: int) -> tuple[optax.GradientT
 # ----------------------------------------------------------------------------- loss and steps
 
 
-def loss_sums(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch,
-              layout: MeshLayout | None = None) -> tuple[jax.Array, jax.Array]:
+def loss_sums(
+    params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, layout: MeshLayout | None = None
+) -> tuple[jax.Array, jax.Array]:
     """(sum of masked next-token cross-entropies, number of unmasked tokens): sums, so microbatches add up exactly.
 
     With a layout of more than one pipeline stage, the layers run pipelined (`sharding.pipeline`)."""
@@ -104,8 +107,9 @@ def cross_entropy_sums(logits_BTV, targets_BT, loss_mask_BT) -> tuple[jax.Array,
     """The target's logit is picked with a one-hot product, not a gather: with the vocabulary split over `tensor`
     that is a local product and a sum (vocab-parallel cross-entropy), and XLA's partitioner cannot split a gather
     inside the pipeline's shard_map."""
-    target_logit_BT = jnp.sum(logits_BTV * jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype),
-                              axis=-1)
+    target_logit_BT = jnp.sum(
+        logits_BTV * jax.nn.one_hot(targets_BT, logits_BTV.shape[-1], dtype=logits_BTV.dtype), axis=-1
+    )
     losses_BT = jax.nn.logsumexp(logits_BTV, axis=-1) - target_logit_BT
     mask_BT = loss_mask_BT.astype(jnp.float32)
     return jnp.sum(losses_BT * mask_BT), jnp.sum(mask_BT)
@@ -123,9 +127,17 @@ def _pipelined_loss_sums(model: Transformer, batch: Batch, layout: MeshLayout) -
     def head_fn(head, y_BTD, side):
         return cross_entropy_sums(head_logits(cfg, head, y_BTD), side["targets"], side["loss_mask"])
 
-    return pipeline_loss(layout.pipeline_schedule, stage_fn, head_fn, split_stages(stacked, stages),
-                         model.head_params(), micro["x"], micro.get("segment_ids"),
-                         {"targets": micro["targets"], "loss_mask": micro["loss_mask"]}, stages=stages)
+    return pipeline_loss(
+        layout.pipeline_schedule,
+        stage_fn,
+        head_fn,
+        split_stages(stacked, stages),
+        model.head_params(),
+        micro["x"],
+        micro.get("segment_ids"),
+        {"targets": micro["targets"], "loss_mask": micro["loss_mask"]},
+        stages=stages,
+    )
 
 
 def split_microbatches(batch: Batch, k: int) -> Batch:
@@ -133,12 +145,14 @@ def split_microbatches(batch: Batch, k: int) -> Batch:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, microbatches: int,
-               layout: MeshLayout | None = None):
+def train_step(
+    state: TrainState, batch: Batch, *, graphdef, tx, schedule, microbatches: int, layout: MeshLayout | None = None
+):
     grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
     if microbatches == 1:
         (loss_sum, count), grads = grad_fn(state.params, graphdef, batch, layout)
     else:
+
         def accumulate(carry, microbatch):
             g_acc, l_acc, n_acc = carry
             (l, n), g = grad_fn(state.params, graphdef, microbatch, layout)
@@ -157,8 +171,12 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, tx, schedule, micro
     # params and optimizer state stay as they were, and the step counter still advances with the data.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
-               "skipped": (~finite).astype(jnp.float32)}
+    metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": schedule(state.step),
+        "skipped": (~finite).astype(jnp.float32),
+    }
     return TrainState(state.step + 1, keep(new_params, state.params), keep(opt_state, state.opt_state)), metrics
 
 
@@ -184,8 +202,10 @@ class Program:
         layout = layout or MeshLayout(**{axis: mesh.shape.get(axis, 1) for axis in MESH_AXES})
         if layout.pipeline > 1 and cfg.model.keeps_amax_history:
             # A pipeline sums each microbatch's gradient; an amax history must be combined by max (see train_step).
-            raise config_lib.ConfigError("delayed-scaling quantization (model.quant_scaling=delayed) does not run in "
-                                         "a pipeline layout; set model.quant_scaling=current")
+            raise config_lib.ConfigError(
+                "delayed-scaling quantization (model.quant_scaling=delayed) does not run in "
+                "a pipeline layout; set model.quant_scaling=current"
+            )
         rules = layout.rules
         self.cfg, self.mesh, self.layout = cfg, mesh, layout
         self.tx, self.schedule = make_optimizer(cfg.optim, cfg.steps)
@@ -197,9 +217,17 @@ class Program:
         replicated = NamedSharding(mesh, P())
         self.init = jax.jit(self._init, out_shardings=self.state_shardings)
         self.train_step = jax.jit(
-            self._in_mesh(lambda state, batch: train_step(state, batch, graphdef=self.graphdef, tx=self.tx,
-                                                          schedule=self.schedule, microbatches=cfg.data.microbatches,
-                                                          layout=layout)),
+            self._in_mesh(
+                lambda state, batch: train_step(
+                    state,
+                    batch,
+                    graphdef=self.graphdef,
+                    tx=self.tx,
+                    schedule=self.schedule,
+                    microbatches=cfg.data.microbatches,
+                    layout=layout,
+                )
+            ),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,
@@ -242,8 +270,10 @@ class Program:
         every process passes the same batch of any row count (eval batches, read whole by every process)."""
         if jax.process_count() == 1:
             return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in batch.items()}
-        return {k: put_process_rows(np.asarray(v), self.batch_sharding, len(v) if whole else self.cfg.data.batch_size)
-                for k, v in batch.items()}
+        return {
+            k: put_process_rows(np.asarray(v), self.batch_sharding, len(v) if whole else self.cfg.data.batch_size)
+            for k, v in batch.items()
+        }
 
     def evaluate(self, params, batches: list[Batch]) -> float:
         """Mean next-token loss over host batches (token-weighted: the sums of every batch, then one division)."""
@@ -254,8 +284,9 @@ class Program:
         return total / max(count, 1.0)
 
     def abstract_with_shardings(self):
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            self.abstract_state, self.state_shardings)
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract_state, self.state_shardings
+        )
 
     # What the Trainer calls besides init / evaluate: a plain program is one compiled step; DiLoCo (jaxlm.diloco)
     # subclasses these to pick among several compiled programs by step number and to sync its replicas.

@@ -87,7 +87,7 @@ class BadStepCounter:
     def resolve(self, keep_last: bool = True) -> list[int]:
         """Reads the pending flags (all but the newest if `keep_last`); returns the steps that were skipped."""
         ready = self.pending[:-1] if keep_last else self.pending
-        self.pending = self.pending[len(ready):]
+        self.pending = self.pending[len(ready) :]
         bad = []
         for step, skipped in ready:
             if float(jax.device_get(skipped)) > 0:
@@ -126,8 +126,18 @@ class Throughput:
 class Trainer:
     """Runs `cfg.steps` optimizer steps, resuming from the workdir's latest usable checkpoint if there is one."""
 
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, workdir, train_iter: Iterator[Batch], eval_batches: list[Batch],
-                 *, layout: MeshLayout | None = None, progress: bool = True, goodput: Goodput | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        mesh: Mesh,
+        workdir,
+        train_iter: Iterator[Batch],
+        eval_batches: list[Batch],
+        *,
+        layout: MeshLayout | None = None,
+        progress: bool = True,
+        goodput: Goodput | None = None,
+    ):
         """`goodput`: started at process launch by the CLI, so startup time is counted; else starts now."""
         self.cfg, self.workdir = cfg, workdir
         self.train_iter, self.eval_batches = train_iter, eval_batches
@@ -135,13 +145,18 @@ class Trainer:
         self.program = make_program(cfg, mesh, layout)
         self.primary = jax.process_index() == 0  # the one process that writes logs, plots and config.json
         self._read_rows()
-        self.checkpointer = Checkpointer(f"{workdir}/checkpoints", keep=cfg.keep_checkpoints,
-                                         async_save=cfg.async_checkpointing, primary=self.primary)
+        self.checkpointer = Checkpointer(
+            f"{workdir}/checkpoints",
+            keep=cfg.keep_checkpoints,
+            async_save=cfg.async_checkpointing,
+            primary=self.primary,
+        )
         self.progress = progress
         self.moved = False  # set by restore_or_init: the program moved the restored state (a replica caught up)
         self.logger = None  # the run's MetricsLogger (NullLogger on other processes), once run() opened it
-        self.notes: list[str] = [f"removed incomplete checkpoint {name} (a save cut short by a crash)"
-                                 for name in self.checkpointer.removed]
+        self.notes: list[str] = [
+            f"removed incomplete checkpoint {name} (a save cut short by a crash)" for name in self.checkpointer.removed
+        ]
 
     def _read_rows(self) -> None:
         """The iterator reads only the rows of each batch this process's program needs (all, on one process)."""
@@ -149,8 +164,10 @@ class Trainer:
         if rows is None:
             return
         if not hasattr(self.train_iter, "set_rows"):
-            raise TypeError(f"this run reads rows [{rows[0]}, {rows[1]}) of each batch and needs a data iterator with "
-                            f"set_rows(start, stop); {type(self.train_iter).__name__} has none")
+            raise TypeError(
+                f"this run reads rows [{rows[0]}, {rows[1]}) of each batch and needs a data iterator with "
+                f"set_rows(start, stop); {type(self.train_iter).__name__} has none"
+            )
         self.train_iter.set_rows(*rows)  # eval batches stay whole: device_batch takes each device's rows
 
     def log(self, line: str) -> None:
@@ -165,8 +182,9 @@ class Trainer:
     def restore_or_init(self):
         """The newest usable checkpoint's state (the data iterator repositioned), else a fresh init, as the program
         starts from it. Messages about skipped checkpoints go to the run log."""
-        restored = self.checkpointer.restore_latest(self.program.abstract_with_shardings(),
-                                                    check=self._check_compatible, log=self.log)
+        restored = self.checkpointer.restore_latest(
+            self.program.abstract_with_shardings(), check=self._check_compatible, log=self.log
+        )
         if restored is None:
             state = self.program.init()
         else:
@@ -189,9 +207,11 @@ class Trainer:
             except Exception:  # only detail for the message: an unreadable metadata file must not hide the diff
                 shapes = []
             params = f"; parameters: {'; '.join(shapes)}" if shapes else ""
-            raise config_lib.ConfigError(f"checkpoint at step {step} in {self.workdir} was written with a different "
-                                         f"config ({'; '.join(changed)}{params}); use a new --workdir or the "
-                                         f"original config")
+            raise config_lib.ConfigError(
+                f"checkpoint at step {step} in {self.workdir} was written with a different "
+                f"config ({'; '.join(changed)}{params}); use a new --workdir or the "
+                f"original config"
+            )
 
     # ------------------------------------------------------------------------- the run
 
@@ -226,8 +246,13 @@ class Trainer:
             tmp = config_path.with_suffix(".json.tmp")  # written whole or not at all
             tmp.write_text(json.dumps(config_lib.to_dict(self.cfg), indent=2) + "\n")
             tmp.replace(config_path)
-            self.logger = MetricsLogger(self.workdir, total_steps=self.cfg.steps, start_step=start,
-                                        progress=self.progress, tensorboard=self.cfg.tensorboard)
+            self.logger = MetricsLogger(
+                self.workdir,
+                total_steps=self.cfg.steps,
+                start_step=start,
+                progress=self.progress,
+                tensorboard=self.cfg.tensorboard,
+            )
             self.goodput.lost_steps = self.logger.recomputed_steps
         notes, self.notes = self.notes, []
         for note in notes:
@@ -248,11 +273,15 @@ class Trainer:
 
     def _describe(self, start: int, flops_per_token: float) -> None:
         program, layout = self.program, self.program.layout
-        self.log(f"params {program.num_params / 1e6:.2f}M, {flops_per_token / 1e6:.1f} MFLOP/token, "
-                 f"{'resuming at step ' + str(start) if start else 'starting from scratch'}")
+        self.log(
+            f"params {program.num_params / 1e6:.2f}M, {flops_per_token / 1e6:.1f} MFLOP/token, "
+            f"{'resuming at step ' + str(start) if start else 'starting from scratch'}"
+        )
         if layout.pipeline > 1:
-            self.log(f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}, {layout.num_microbatches} "
-                     f"microbatches per step: bubble {bubble_fraction(layout.pipeline, layout.num_microbatches):.1%}")
+            self.log(
+                f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}, {layout.num_microbatches} "
+                f"microbatches per step: bubble {bubble_fraction(layout.pipeline, layout.num_microbatches):.1%}"
+            )
 
     def _batches(self):
         """next_batch() -> the next batch on the devices, its wait counted as data time."""
@@ -322,16 +351,29 @@ class Trainer:
             raise TrainingDiverged(
                 f"{bad.streak} consecutive steps up to step {bad.last_bad} had a non-finite loss or gradient "
                 f"(max_bad_steps = {self.cfg.max_bad_steps}); their updates were skipped and the last good weights "
-                f"are checkpointed at step {step}; lower optim.learning_rate or check the data")
+                f"are checkpointed at step {step}; lower optim.learning_rate or check the data"
+            )
 
-    def _log_step(self, step: int, metrics: dict, bad: BadStepCounter, speed: Throughput,
-                  loader_metrics: LoaderMetrics) -> dict:
+    def _log_step(
+        self, step: int, metrics: dict, bad: BadStepCounter, speed: Throughput, loader_metrics: LoaderMetrics
+    ) -> dict:
         """One metrics.jsonl record: the step's metrics (the program's own figures too), speed, the loader's."""
         metrics = jax.device_get(metrics)  # replicated outputs: a local copy, also across processes
-        values = {k: (float(v) if isinstance(v, (np.ndarray, np.generic)) else v)
-                  for k, v in metrics.items() if k != "skipped"}
-        record = {"step": step, "loss": values.pop("loss"), "lr": values.pop("lr"), "grad_norm": values.pop("grad_norm"),
-                  **speed.record(), "skipped_steps": bad.total, **values, **loader_metrics.update(speed.t)}
+        values = {
+            k: (float(v) if isinstance(v, (np.ndarray, np.generic)) else v)
+            for k, v in metrics.items()
+            if k != "skipped"
+        }
+        record = {
+            "step": step,
+            "loss": values.pop("loss"),
+            "lr": values.pop("lr"),
+            "grad_norm": values.pop("grad_norm"),
+            **speed.record(),
+            "skipped_steps": bad.total,
+            **values,
+            **loader_metrics.update(speed.t),
+        }
         self.logger.log(record)
         return record
 

@@ -109,8 +109,10 @@ class BlockMask:
 
     def __repr__(self):
         density = "traced" if self.is_traced else f"{self.density:.3f}"
-        return (f"BlockMask({self.mask!r}, q_len={self.q_len}, kv_len={self.kv_len}, {self.block_sizes}, "
-                f"batch_shape={self.batch_shape}, density={density})")
+        return (
+            f"BlockMask({self.mask!r}, q_len={self.q_len}, kv_len={self.kv_len}, {self.block_sizes}, "
+            f"batch_shape={self.batch_shape}, density={density})"
+        )
 
 
 def _is_traced(mask: Mask) -> bool:
@@ -218,6 +220,7 @@ def _raise_empty_row(mask: Mask, seen: np.ndarray, q_offset: int):
     q = q_offset + int(first[-1])
     b = [int(x) for x in first[:-1]]
     batch = "" if not b else f" (batch {b[0]})" if len(b) == 1 else f" (batch {tuple(b)})"
-    raise ValueError(f"query {q}{batch} attends to no key under mask {mask!r}; every query must see at least one "
-                     f"key (its softmax would be undefined)")
-
+    raise ValueError(
+        f"query {q}{batch} attends to no key under mask {mask!r}; every query must see at least one "
+        f"key (its softmax would be undefined)"
+    )

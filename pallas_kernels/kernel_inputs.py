@@ -18,13 +18,16 @@ def check_attention_inputs(name: str, q, k, v, block_mask: BlockMask) -> None:
     B, H, T, E = q.shape
     _, K, S, _ = k.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != E:
-        raise ValueError(f"{name}: q {list(q.shape)} and k/v {list(k.shape)}/{list(v.shape)} shapes do not fit "
-                         f"[B, H, T, E] / [B, K, S, E]")
+        raise ValueError(
+            f"{name}: q {list(q.shape)} and k/v {list(k.shape)}/{list(v.shape)} shapes do not fit "
+            f"[B, H, T, E] / [B, K, S, E]"
+        )
     if H % K:
         raise ValueError(f"{name}: kv heads {K} must divide query heads {H}")
     if (T, S) != (block_mask.q_len, block_mask.kv_len):
-        raise ValueError(f"{name}: q/kv lengths {(T, S)} do not match the block mask's "
-                         f"{(block_mask.q_len, block_mask.kv_len)}")
+        raise ValueError(
+            f"{name}: q/kv lengths {(T, S)} do not match the block mask's {(block_mask.q_len, block_mask.kv_len)}"
+        )
     if len(block_mask.batch_shape) > 1 or block_mask.batch_shape not in ((), (1,), (B,)):
         raise ValueError(f"{name}: block mask batch shape {block_mask.batch_shape} does not match batch size {B}")
 
@@ -53,8 +56,14 @@ def pad_axis(x, axis: int, size: int, value=0):
 def list_arrays(block_mask: BlockMask) -> tuple:
     """(kv_block_indices, kv_partial_counts, kv_block_counts, q_block_indices, q_partial_counts, q_block_counts),
     each with a leading batch dim: B for per-batch (document) masks, 1 for static ones."""
-    arrays = (block_mask.kv_block_indices, block_mask.kv_partial_counts, block_mask.kv_block_counts,
-              block_mask.q_block_indices, block_mask.q_partial_counts, block_mask.q_block_counts)
+    arrays = (
+        block_mask.kv_block_indices,
+        block_mask.kv_partial_counts,
+        block_mask.kv_block_counts,
+        block_mask.q_block_indices,
+        block_mask.q_partial_counts,
+        block_mask.q_block_counts,
+    )
     return tuple(jnp.asarray(a) if block_mask.batch_shape else jnp.asarray(a)[None] for a in arrays)
 
 
@@ -65,7 +74,9 @@ def segment_arrays(name: str, docs: list[Document], block_mask: BlockMask, batch
     for d in docs:
         q_ids, kv_ids = (jnp.atleast_2d(jnp.asarray(x, jnp.int32)) for x in (d.q_segment_ids, d.kv_segment_ids))
         if q_ids.shape[0] not in (1, batch) or q_ids.shape[-1] != T or kv_ids.shape[-1] != S:
-            raise ValueError(f"{name}: document segment ids {list(q_ids.shape)} / {list(kv_ids.shape)} do not fit "
-                             f"batch {batch}, q length {T}, kv length {S}")
+            raise ValueError(
+                f"{name}: document segment ids {list(q_ids.shape)} / {list(kv_ids.shape)} do not fit "
+                f"batch {batch}, q length {T}, kv length {S}"
+            )
         out.append((pad_axis(q_ids, 1, block_mask.padded_q_len), pad_axis(kv_ids, 1, block_mask.padded_kv_len)))
     return out

@@ -49,8 +49,10 @@ def split_documents(mask: Mask) -> tuple[Mask, list[Document]]:
         if isinstance(m, (And, Or)):
             return type(m)(tuple(walk(c) for c in m.masks))
         if not m.is_static:
-            raise ValueError(f"mask {m!r} holds arrays the kernel does not know how to load; kernels support "
-                             f"static masks and document()")
+            raise ValueError(
+                f"mask {m!r} holds arrays the kernel does not know how to load; kernels support "
+                f"static masks and document()"
+            )
         return m
 
     return walk(mask), docs

@@ -12,8 +12,12 @@ import functools
 from .kernel_mask import DocumentSlot
 from .masks import Mask, causal, chunked_causal, full, global_tokens, prefix_lm, sliding_window
 
-_SPEC_CONSTRUCTORS = {"sliding_window": sliding_window, "chunked_causal": chunked_causal,
-                      "prefix_lm": prefix_lm, "global_tokens": global_tokens}
+_SPEC_CONSTRUCTORS = {
+    "sliding_window": sliding_window,
+    "chunked_causal": chunked_causal,
+    "prefix_lm": prefix_lm,
+    "global_tokens": global_tokens,
+}
 _SPEC_NAMES = {"causal": causal, "full": full}
 
 
@@ -41,12 +45,19 @@ def parse_mask(spec: str) -> Mask:
             name = node.func.id
             if name in _SPEC_NAMES | {"document": None} and not node.args and not node.keywords:
                 return build(node.func)
-            if name in _SPEC_CONSTRUCTORS and len(node.args) == 1 and not node.keywords \
-                    and isinstance(node.args[0], ast.Constant) and type(node.args[0].value) is int:
+            if (
+                name in _SPEC_CONSTRUCTORS
+                and len(node.args) == 1
+                and not node.keywords
+                and isinstance(node.args[0], ast.Constant)
+                and type(node.args[0].value) is int
+            ):
                 return _SPEC_CONSTRUCTORS[name](node.args[0].value)
         known = sorted(_SPEC_NAMES) + ["document"] + [f"{n}(int)" for n in _SPEC_CONSTRUCTORS]
-        raise ValueError(f"attention mask spec {spec!r}: cannot read {ast.unparse(node)!r}; use {', '.join(known)} "
-                         f"combined with & and |")
+        raise ValueError(
+            f"attention mask spec {spec!r}: cannot read {ast.unparse(node)!r}; use {', '.join(known)} "
+            f"combined with & and |"
+        )
 
     return build(tree)
 

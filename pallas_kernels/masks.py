@@ -216,11 +216,13 @@ class Document(Mask):
         kv = q if kv_segment_ids is None else own(kv_segment_ids)
         for name, ids in (("q_segment_ids", q), ("kv_segment_ids", kv)):
             if ids.ndim < 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
-                raise ValueError(f"document(): {name} must be an integer array [T] or [B, T], got "
-                                 f"{ids.dtype}{list(ids.shape)}")
+                raise ValueError(
+                    f"document(): {name} must be an integer array [T] or [B, T], got {ids.dtype}{list(ids.shape)}"
+                )
         if q.shape[:-1] != kv.shape[:-1]:
-            raise ValueError(f"document(): q and kv segment ids have different batch dims: "
-                             f"{list(q.shape)} vs {list(kv.shape)}")
+            raise ValueError(
+                f"document(): q and kv segment ids have different batch dims: {list(q.shape)} vs {list(kv.shape)}"
+            )
         object.__setattr__(self, "q_segment_ids", q)
         object.__setattr__(self, "kv_segment_ids", kv)
 

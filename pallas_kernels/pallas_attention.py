@@ -29,6 +29,7 @@ from .kernel_inputs import check_attention_inputs, list_arrays, pad_axis, resolv
 from .kernel_mask import bind_documents, split_documents
 from .masks import Mask, ScoreMod
 
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """Everything a kernel is specialised on (hashable: the custom_vjp's non-differentiable argument)."""
@@ -46,9 +47,17 @@ class _Static:
     backend: str
 
 
-def block_sparse_attention(q, k, v, block_mask: BlockMask, *, scale: float | None = None,
-                           score_mod: ScoreMod | None = None, interpret: bool | None = None,
-                           backend: str | None = None):
+def block_sparse_attention(
+    q,
+    k,
+    v,
+    block_mask: BlockMask,
+    *,
+    scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    interpret: bool | None = None,
+    backend: str | None = None,
+):
     """Attention over the non-empty tiles of ``block_mask``, as Pallas kernels; differentiable.
 
     q [B, H, T, E], k/v [B, K, S, E] with K dividing H, float32 or bfloat16 (accumulation is float32);
@@ -71,9 +80,19 @@ def block_sparse_attention(q, k, v, block_mask: BlockMask, *, scale: float | Non
     segments = segment_arrays("block_sparse_attention", docs, block_mask, B)
     doc_arrays = [a for q_ids, kv_ids in segments for a in (q_ids[:, :, None], kv_ids[:, None, :])]
     mask_arrays = list_arrays(block_mask)
-    static = _Static(template, score_mod, 1.0 / math.sqrt(E) if scale is None else float(scale), bs.block_q,
-                     bs.block_kv, T, S, H // K, mask_arrays[0].shape[0] == B and B > 1,
-                     tuple(q_ids.shape[0] == B and B > 1 for q_ids, _ in segments), backend)
+    static = _Static(
+        template,
+        score_mod,
+        1.0 / math.sqrt(E) if scale is None else float(scale),
+        bs.block_q,
+        bs.block_kv,
+        T,
+        S,
+        H // K,
+        mask_arrays[0].shape[0] == B and B > 1,
+        tuple(q_ids.shape[0] == B and B > 1 for q_ids, _ in segments),
+        backend,
+    )
     qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
     return out[:, :, :T], lse[:, :, :T, 0]
@@ -117,8 +136,10 @@ def _scores(static, q, k, q_pos, kv_pos, head, masked, doc_tiles, with_grad=Fals
     s = _dot(q, k, 1, 1) * static.scale
     d_mod = None
     if static.score_mod is not None:
+
         def mod(x):
             return static.score_mod(x, q_pos, kv_pos, head)
+
         if with_grad:  # score mods are elementwise in the score: a jvp with ones is the derivative
             s, d_mod = jax.jvp(mod, (s,), (jnp.ones_like(s),))
         else:
@@ -168,8 +189,11 @@ def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_r
         acc_new = alpha * acc_prev + _dot(p.astype(v.dtype), v, 1, 0)
         return m_new, l_new, acc_new
 
-    init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
-            jnp.zeros((bq, q.shape[-1]), jnp.float32))
+    init = (
+        jnp.full((bq, 1), -jnp.inf, jnp.float32),
+        jnp.zeros((bq, 1), jnp.float32),
+        jnp.zeros((bq, q.shape[-1]), jnp.float32),
+    )
     m, l, acc = _two_loops(body, kv_np_ref[bm, i], kv_cnt_ref[bm, i], init)
     seen = l > 0  # False only on padding rows (and, for traced masks, on rows that see nothing)
     o_ref[...] = (acc / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
@@ -298,13 +322,14 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
     row_spec = pl.BlockSpec((None, None, G, Tp, 1), lambda b, h, j: (b, h, 0, 0, 0))
     doc_specs = []
     for batched in static.docs_batched:
-        doc_specs += [pl.BlockSpec((None, Tp, 1), lambda b, h, j, bb=batched: (b if bb else 0, 0, 0)),
-                      pl.BlockSpec((None, 1, bkv), lambda b, h, j, bb=batched: (b if bb else 0, 0, j))]
+        doc_specs += [
+            pl.BlockSpec((None, Tp, 1), lambda b, h, j, bb=batched: (b if bb else 0, 0, 0)),
+            pl.BlockSpec((None, 1, bkv), lambda b, h, j, bb=batched: (b if bb else 0, 0, j)),
+        ]
     return pl.pallas_call(
         functools.partial(_dkv_kernel, static),
         grid=(B, K, Sp // bkv),
-        in_specs=[group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec, *[_index_spec(static)] * 3,
-                  *doc_specs],
+        in_specs=[group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec, *[_index_spec(static)] * 3, *doc_specs],
         out_specs=[kv_spec, kv_spec],
         out_shape=[_like(k.shape, k.dtype, k), _like(v.shape, v.dtype, v)],
         interpret=static.backend == "interpret",
@@ -325,8 +350,10 @@ def _row_doc_specs(static, Sp):
     """Segment-id specs of programs that own a q block: that block's q ids, every kv id of the batch row."""
     specs = []
     for batched in static.docs_batched:
-        specs += [pl.BlockSpec((None, static.block_q, 1), lambda b, h, i, bb=batched: (b if bb else 0, i, 0)),
-                  pl.BlockSpec((None, 1, Sp), lambda b, h, i, bb=batched: (b if bb else 0, 0, 0))]
+        specs += [
+            pl.BlockSpec((None, static.block_q, 1), lambda b, h, i, bb=batched: (b if bb else 0, i, 0)),
+            pl.BlockSpec((None, 1, Sp), lambda b, h, i, bb=batched: (b if bb else 0, 0, 0)),
+        ]
     return specs
 
 
@@ -334,6 +361,7 @@ def _index_spec(static):
     """Block lists and counts: whole arrays, read as scalars (SMEM on TPU)."""
     if static.backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
+
         return pl.BlockSpec(memory_space=pltpu.SMEM)
     return pl.BlockSpec()
 
@@ -341,9 +369,11 @@ def _index_spec(static):
 def _compiler_params(static, grid_rank):
     if static.backend == "gpu":
         from jax.experimental.pallas import triton as pltriton
+
         warps = 4 if static.block_q * static.block_kv <= 64 * 64 else 8
         return pltriton.CompilerParams(num_warps=warps, num_stages=2)
     if static.backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
+
         return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
     return None

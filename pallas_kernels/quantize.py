@@ -61,7 +61,7 @@ def _blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
     """x with `axis` padded (zeros) to whole blocks and split into [.., n_blocks, block, ..]."""
     nb = -(-x.shape[axis] // block)
     x = pad_axis(x, axis, nb * block)
-    return x.reshape(x.shape[:axis] + (nb, block) + x.shape[axis + 1:])
+    return x.reshape(x.shape[:axis] + (nb, block) + x.shape[axis + 1 :])
 
 
 def amax(x: jax.Array, axis: Axis = None, block: int | None = None) -> jax.Array:
@@ -75,7 +75,7 @@ def amax(x: jax.Array, axis: Axis = None, block: int | None = None) -> jax.Array
 
 def scale_from_amax(amax_: jax.Array, dtype, margin: float = 0.0) -> jax.Array:
     """amax / qmax * 2**margin, with 1 where that is 0 (an all-zero slice must not divide by zero)."""
-    s = amax_.astype(jnp.float32) * (2.0 ** margin / qmax(dtype))
+    s = amax_.astype(jnp.float32) * (2.0**margin / qmax(dtype))
     return jnp.where(s == 0, 1.0, s)
 
 
@@ -87,8 +87,16 @@ def expand_scale(scale: jax.Array, shape: tuple[int, ...], axis: Axis = None, bl
     return jax.lax.slice_in_dim(jnp.repeat(scale, block, axis=a), 0, shape[a], axis=a)
 
 
-def quantize(x: jax.Array, dtype, axis: Axis = None, block: int | None = None, *, scale: jax.Array | None = None,
-             key: jax.Array | None = None, margin: float = 0.0) -> tuple[jax.Array, jax.Array]:
+def quantize(
+    x: jax.Array,
+    dtype,
+    axis: Axis = None,
+    block: int | None = None,
+    *,
+    scale: jax.Array | None = None,
+    key: jax.Array | None = None,
+    margin: float = 0.0,
+) -> tuple[jax.Array, jax.Array]:
     """x -> (q, scale) with x ≈ q * scale (scale float32, broadcastable to x after `expand_scale`).
 
     axis: the axes one scale spans (None: the whole tensor; the contraction axis: per channel). block: cut that
@@ -102,8 +110,9 @@ def quantize(x: jax.Array, dtype, axis: Axis = None, block: int | None = None, *
     return round_to(y, dt, key), scale.astype(jnp.float32)
 
 
-def dequantize(q: jax.Array, scale: jax.Array, axis: Axis = None, block: int | None = None,
-               dtype=jnp.float32) -> jax.Array:
+def dequantize(
+    q: jax.Array, scale: jax.Array, axis: Axis = None, block: int | None = None, dtype=jnp.float32
+) -> jax.Array:
     return (q.astype(jnp.float32) * expand_scale(scale, q.shape, axis, block)).astype(dtype)
 
 

@@ -69,8 +69,10 @@ def _operand_kind(xq, wq, x_scale) -> str:
         return "int8"
     if xd in FLOAT8 and wd in FLOAT8:
         return "fp8"
-    raise ValueError(f"scaled_matmul: unsupported operand pair {xd} x {wd}; both int8, both fp8, or float "
-                     f"activations with x_scale=None (weight-only)")
+    raise ValueError(
+        f"scaled_matmul: unsupported operand pair {xd} x {wd}; both int8, both fp8, or float "
+        f"activations with x_scale=None (weight-only)"
+    )
 
 
 def _check_scales(x_scale, w_scale, X, C, Y, k_block):
@@ -78,16 +80,30 @@ def _check_scales(x_scale, w_scale, X, C, Y, k_block):
     if k_block is not None and k_block <= 0:
         raise ValueError(f"scaled_matmul: k_block must be positive, got {k_block}")
     if x_scale is not None and (x_scale.ndim != 2 or x_scale.shape[0] not in (1, X) or x_scale.shape[1] != N):
-        raise ValueError(f"scaled_matmul: x_scale must be [{X} or 1, {N}] for x [{X}, {C}]"
-                         f"{'' if k_block is None else f' with k_block {k_block}'}, got {list(x_scale.shape)}")
+        raise ValueError(
+            f"scaled_matmul: x_scale must be [{X} or 1, {N}] for x [{X}, {C}]"
+            f"{'' if k_block is None else f' with k_block {k_block}'}, got {list(x_scale.shape)}"
+        )
     if w_scale.ndim != 2 or w_scale.shape[1] not in (1, Y) or w_scale.shape[0] != N:
-        raise ValueError(f"scaled_matmul: w_scale must be [{N}, {Y} or 1] for w [{C}, {Y}]"
-                         f"{'' if k_block is None else f' with k_block {k_block}'}, got {list(w_scale.shape)}")
+        raise ValueError(
+            f"scaled_matmul: w_scale must be [{N}, {Y} or 1] for w [{C}, {Y}]"
+            f"{'' if k_block is None else f' with k_block {k_block}'}, got {list(w_scale.shape)}"
+        )
 
 
-def scaled_matmul(xq: jax.Array, x_scale: jax.Array | None, wq: jax.Array, w_scale: jax.Array, *,
-                  out_dtype=jnp.float32, k_block: int | None = None, blocks: MatmulBlocks = MatmulBlocks(),
-                  impl: str = "auto", interpret: bool | None = None, backend: str | None = None) -> jax.Array:
+def scaled_matmul(
+    xq: jax.Array,
+    x_scale: jax.Array | None,
+    wq: jax.Array,
+    w_scale: jax.Array,
+    *,
+    out_dtype=jnp.float32,
+    k_block: int | None = None,
+    blocks: MatmulBlocks = MatmulBlocks(),
+    impl: str = "auto",
+    interpret: bool | None = None,
+    backend: str | None = None,
+) -> jax.Array:
     """(xq * x_scale) @ (wq * w_scale) for xq [X, C], wq [C, Y] -> [X, Y] in out_dtype.
 
     Scales are float32: x_scale [X or 1, N], w_scale [N, Y or 1], with N = 1 (per row / per column / per
@@ -107,8 +123,17 @@ def scaled_matmul(xq: jax.Array, x_scale: jax.Array | None, wq: jax.Array, w_sca
     if resolve_impl(impl) == "xla":
         return _xla(xq, x_scale, wq, w_scale, kind, k_block).astype(out_dtype)
     backend = resolve_backend("scaled_matmul", interpret, backend)
-    return _pallas(xq, x_scale, wq, w_scale, kind=kind, k_block=k_block, blocks=blocks,
-                   out_dtype=jnp.dtype(out_dtype), backend=backend)
+    return _pallas(
+        xq,
+        x_scale,
+        wq,
+        w_scale,
+        kind=kind,
+        k_block=k_block,
+        blocks=blocks,
+        out_dtype=jnp.dtype(out_dtype),
+        backend=backend,
+    )
 
 
 def _accumulator(kind: str):
@@ -156,14 +181,24 @@ def _pallas(xq, x_scale, wq, w_scale, *, kind, k_block, blocks, out_dtype, backe
     # Triton's dot takes one fp8 type per product; e5m2 x e4m3 (the backward's dY x W) is upcast to bfloat16 tiles
     # in the kernel, which is exact (bfloat16 holds every fp8 value) but runs at bfloat16 tensor-core speed.
     mixed_fp8 = kind == "fp8" and xq.dtype != wq.dtype and backend == "gpu"
-    kernel = functools.partial(_kernel, num_k=Cp // bk, bk=bk, acc_dtype=_accumulator(kind),
-                               blockwise=k_block is not None, weight_only=kind == "weight_only",
-                               upcast=jnp.bfloat16 if mixed_fp8 else None)
+    kernel = functools.partial(
+        _kernel,
+        num_k=Cp // bk,
+        bk=bk,
+        acc_dtype=_accumulator(kind),
+        blockwise=k_block is not None,
+        weight_only=kind == "weight_only",
+        upcast=jnp.bfloat16 if mixed_fp8 else None,
+    )
     out = pl.pallas_call(
         kernel,
         grid=(Xp // bm, Yp // bn),
-        in_specs=[pl.BlockSpec((bm, Cp), lambda i, j: (i, 0)), xs_spec,
-                  pl.BlockSpec((Cp, bn), lambda i, j: (0, j)), ws_spec],
+        in_specs=[
+            pl.BlockSpec((bm, Cp), lambda i, j: (i, 0)),
+            xs_spec,
+            pl.BlockSpec((Cp, bn), lambda i, j: (0, j)),
+            ws_spec,
+        ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((Xp, Yp), out_dtype),
         interpret=backend == "interpret",
@@ -186,6 +221,7 @@ def _kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k, bk, acc_dtype, blockw
         return jnp.dot(x, w, preferred_element_type=acc_dtype)
 
     if blockwise:
+
         def body(k, acc):
             return acc + partial(k).astype(jnp.float32) * xs_ref[:, pl.ds(k, 1)] * ws_ref[pl.ds(k, 1), :]
 
@@ -199,15 +235,18 @@ def _kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k, bk, acc_dtype, blockw
 def _compiler_params(backend, bm, bn):
     if backend == "gpu":
         from jax.experimental.pallas import triton as pltriton
+
         return pltriton.CompilerParams(num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=3)
     if backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
+
         return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
     return None
 
 
-def quantized_matmul(x: jax.Array, w: jax.Array, *, x_dtype=None, w_dtype="int8", out_dtype=None,
-                     k_block: int | None = None, **kwargs) -> jax.Array:
+def quantized_matmul(
+    x: jax.Array, w: jax.Array, *, x_dtype=None, w_dtype="int8", out_dtype=None, k_block: int | None = None, **kwargs
+) -> jax.Array:
     """x [X, C] @ w [C, Y] with both operands quantized on the fly (current scaling), or only w (x_dtype=None).
 
     x gets one scale per row and w one per output column (per channel), or with ``k_block`` one per row/column

@@ -83,16 +83,18 @@ def delayed_amax(history_row: jax.Array, current: jax.Array) -> jax.Array:
     return jnp.where(past > 0, past, current)
 
 
-def quantized_dot(x_XC: jax.Array, w_CY: jax.Array, history: jax.Array | None, recipe: QuantRecipe,
-                  key: jax.Array | None = None) -> jax.Array:
+def quantized_dot(
+    x_XC: jax.Array, w_CY: jax.Array, history: jax.Array | None, recipe: QuantRecipe, key: jax.Array | None = None
+) -> jax.Array:
     """x [X, C] @ w [C, Y] -> [X, Y] in x's dtype, forward and backward quantized by `recipe`.
 
     history: a [3, A] amax history for delayed scaling, or None for current scaling. Its cotangent is the updated
     history (see the module docstring). key: for stochastic rounding of dY (``recipe.stochastic_grads``).
     """
     if x_XC.ndim != 2 or w_CY.ndim != 2 or x_XC.shape[1] != w_CY.shape[0]:
-        raise ValueError(f"quantized_dot: expected x [X, C] and w [C, Y], got {list(x_XC.shape)} and "
-                         f"{list(w_CY.shape)}")
+        raise ValueError(
+            f"quantized_dot: expected x [X, C] and w [C, Y], got {list(x_XC.shape)} and {list(w_CY.shape)}"
+        )
     if history is not None and (history.ndim != 2 or history.shape[0] != len(HISTORY_ROWS)):
         raise ValueError(f"quantized_dot: amax history must be [3, A], got {list(history.shape)}")
     if recipe.weight_only and history is not None:

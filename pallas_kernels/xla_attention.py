@@ -45,8 +45,9 @@ class _Static:
     groups: int
 
 
-def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float | None = None,
-                               score_mod: ScoreMod | None = None):
+def block_sparse_attention_xla(
+    q, k, v, block_mask: BlockMask, *, scale: float | None = None, score_mod: ScoreMod | None = None
+):
     """Attention over the non-empty tiles of ``block_mask`` only; differentiable.
 
     q [B, H, T, E], k/v [B, K, S, E] (K divides H); ``block_mask`` from ``make_block_mask(mask, T, S, ...)``.
@@ -59,11 +60,13 @@ def block_sparse_attention_xla(q, k, v, block_mask: BlockMask, *, scale: float |
     template, docs = split_documents(block_mask.mask)
 
     mask_arrays = tuple(jnp.broadcast_to(a, (B, *a.shape[1:])) for a in list_arrays(block_mask))
-    doc_arrays = [jnp.broadcast_to(ids, (B, ids.shape[1]))
-                  for pair in segment_arrays("block_sparse_attention_xla", docs, block_mask, B) for ids in pair]
+    doc_arrays = [
+        jnp.broadcast_to(ids, (B, ids.shape[1]))
+        for pair in segment_arrays("block_sparse_attention_xla", docs, block_mask, B)
+        for ids in pair
+    ]
     bq, bkv = block_mask.block_sizes.block_q, block_mask.block_sizes.block_kv
-    static = _Static(template, score_mod, 1.0 / math.sqrt(E) if scale is None else float(scale), bq, bkv, T, S,
-                     H // K)
+    static = _Static(template, score_mod, 1.0 / math.sqrt(E) if scale is None else float(scale), bq, bkv, T, S, H // K)
     qp = pad_axis(q, 2, block_mask.padded_q_len)
     kp, vp = (pad_axis(x, 2, block_mask.padded_kv_len) for x in (k, v))
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
@@ -165,8 +168,16 @@ def _forward(static, q_HTE, k_KSE, v_KSE, mask_arrays, doc_arrays):
         m_prev, l_prev, acc_prev = carry  # [N, K, G, Q], same, [N, K, G, Q, E]
         blocks_N, live_N, masked_N = xs
         kv_pos_N1W = _positions(blocks_N, bkv)[:, None, :]
-        s, _ = _scores(static, q_NKGQE, k_OKWE[blocks_N], q_pos_NQ1, kv_pos_N1W, live_N, masked_N,
-                       _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W))
+        s, _ = _scores(
+            static,
+            q_NKGQE,
+            k_OKWE[blocks_N],
+            q_pos_NQ1,
+            kv_pos_N1W,
+            live_N,
+            masked_N,
+            _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W),
+        )
         m_new = jnp.maximum(m_prev, s.max(-1))
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a row with nothing seen yet
         alpha = jnp.exp(m_prev - m_safe)
@@ -181,8 +192,7 @@ def _forward(static, q_HTE, k_KSE, v_KSE, mask_arrays, doc_arrays):
     seen = l > 0  # False only on padding rows (and rows a traced mask leaves empty)
     out = acc / jnp.where(seen, l, 1.0)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)  # +inf: p = 0 there in the backward
-    return (out.transpose(1, 2, 0, 3, 4).reshape(H, T, E).astype(q_HTE.dtype),
-            lse.transpose(1, 2, 0, 3).reshape(H, T))
+    return (out.transpose(1, 2, 0, 3, 4).reshape(H, T, E).astype(q_HTE.dtype), lse.transpose(1, 2, 0, 3).reshape(H, T))
 
 
 def _dq(static, q_HTE, k_KSE, v_KSE, do_HTE, lse_HT, delta_HT, mask_arrays, doc_arrays):
@@ -198,8 +208,17 @@ def _dq(static, q_HTE, k_KSE, v_KSE, do_HTE, lse_HT, delta_HT, mask_arrays, doc_
         blocks_N, live_N, masked_N = xs
         kv_pos_N1W = _positions(blocks_N, bkv)[:, None, :]
         k_NKWE, v_NKWE = k_OKWE[blocks_N], v_OKWE[blocks_N]
-        s, d_mod = _scores(static, q_NKGQE, k_NKWE, q_pos_NQ1, kv_pos_N1W, live_N, masked_N,
-                           _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W), with_grad=True)
+        s, d_mod = _scores(
+            static,
+            q_NKGQE,
+            k_NKWE,
+            q_pos_NQ1,
+            kv_pos_N1W,
+            live_N,
+            masked_N,
+            _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W),
+            with_grad=True,
+        )
         p = jnp.exp(s - lse_NKGQ[..., None])
         ds = p * (jnp.einsum("nkgqe,nkwe->nkgqw", do_NKGQE, v_NKWE) - delta_NKGQ[..., None])
         if d_mod is not None:
@@ -224,8 +243,17 @@ def _dkv(static, q_HTE, k_KSE, v_KSE, do_HTE, lse_HT, delta_HT, mask_arrays, doc
         blocks_N, live_N, masked_N = xs
         q_pos_NQ1 = _positions(blocks_N, bq)[:, :, None]
         q_NKGQE, do_NKGQE = q_OKGQE[blocks_N], do_OKGQE[blocks_N]
-        s, d_mod = _scores(static, q_NKGQE, k_NKWE, q_pos_NQ1, kv_pos_N1W, live_N, masked_N,
-                           _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W), with_grad=True)
+        s, d_mod = _scores(
+            static,
+            q_NKGQE,
+            k_NKWE,
+            q_pos_NQ1,
+            kv_pos_N1W,
+            live_N,
+            masked_N,
+            _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W),
+            with_grad=True,
+        )
         p = jnp.exp(s - lse_OKGQ[blocks_N][..., None])
         dv = dv + jnp.einsum("nkgqw,nkgqe->nkwe", p, do_NKGQE)
         ds = p * (jnp.einsum("nkgqe,nkwe->nkgqw", do_NKGQE, v_NKWE) - delta_OKGQ[blocks_N][..., None])

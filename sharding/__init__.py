@@ -3,5 +3,14 @@
 from sharding.mesh import MESH_AXES, LayoutError, MeshLayout, build_mesh, load_layout
 from sharding.rules import DEFAULT_RULES, batch_sharding, logical_spec, tree_shardings
 
-__all__ = ["MESH_AXES", "LayoutError", "MeshLayout", "build_mesh", "load_layout",
-           "DEFAULT_RULES", "batch_sharding", "logical_spec", "tree_shardings"]
+__all__ = [
+    "MESH_AXES",
+    "LayoutError",
+    "MeshLayout",
+    "build_mesh",
+    "load_layout",
+    "DEFAULT_RULES",
+    "batch_sharding",
+    "logical_spec",
+    "tree_shardings",
+]

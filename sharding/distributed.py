@@ -20,8 +20,7 @@ class DistributedError(ValueError):
     """A bad multi-process setting or a failed join; the message names the setting."""
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> bool:
     """Joins the distributed system if this is a multi-process run; returns whether it did.
 
     Values come from the arguments (CLI flags), else from the JAXLM_* variables `sharding.launch` sets. All three
@@ -46,12 +45,19 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return True
     missing = [flag for flag, v in given.items() if v is None]
     if missing:
-        raise DistributedError(f"a multi-process run needs --coordinator, --num-processes and --process-id together "
-                               f"(or ${ENV_COORDINATOR} etc.); missing {', '.join(missing)}")
+        raise DistributedError(
+            f"a multi-process run needs --coordinator, --num-processes and --process-id together "
+            f"(or ${ENV_COORDINATOR} etc.); missing {', '.join(missing)}"
+        )
     _check(coordinator, num_processes, process_id)
     _use_gloo_on_cpu()
-    _join(f"{coordinator} as process {process_id} of {num_processes}", jax.distributed.initialize,
-          coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    _join(
+        f"{coordinator} as process {process_id} of {num_processes}",
+        jax.distributed.initialize,
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
     return True
 
 
@@ -72,9 +78,11 @@ def detect_cluster() -> str | None:
         try:
             count = env.get_process_count()
         except Exception as e:
-            raise DistributedError(f"detected a {env.name or env.__name__} cluster environment but could not read its "
-                                   f"process count ({type(e).__name__}: {e}); pass --coordinator, --num-processes "
-                                   f"and --process-id, or --num-processes 1 for a single process") from None
+            raise DistributedError(
+                f"detected a {env.name or env.__name__} cluster environment but could not read its "
+                f"process count ({type(e).__name__}: {e}); pass --coordinator, --num-processes "
+                f"and --process-id, or --num-processes 1 for a single process"
+            ) from None
         return (env.name or env.__name__) if count > 1 else None
     return None
 
@@ -96,8 +104,9 @@ def _check(coordinator: str, num_processes: int, process_id: int) -> None:
     if num_processes < 1:
         raise DistributedError(f"--num-processes must be >= 1, got {num_processes}")
     if not 0 <= process_id < num_processes:
-        raise DistributedError(f"--process-id must be in [0, {num_processes}) for --num-processes {num_processes}, "
-                               f"got {process_id}")
+        raise DistributedError(
+            f"--process-id must be in [0, {num_processes}) for --num-processes {num_processes}, got {process_id}"
+        )
 
 
 def _use_gloo_on_cpu() -> None:
@@ -137,8 +146,9 @@ def _process_rows(sharding, global_shape) -> tuple[int, int]:
         if lo > stop:
             raise DistributedError(
                 f"process {jax.process_index()}'s devices hold batch rows {_fmt(spans)} of {n}: not one contiguous "
-                f"block, which the data loader needs (batch spec {getattr(sharding, 'spec', sharding)}); shard the batch "
-                f"over mesh axes in mesh order (data, then fsdp)")
+                f"block, which the data loader needs (batch spec {getattr(sharding, 'spec', sharding)}); "
+                f"shard the batch over mesh axes in mesh order (data, then fsdp)"
+            )
         stop = max(stop, hi)
     return start, stop
 
@@ -157,8 +167,10 @@ def put_process_rows(rows_local: np.ndarray, sharding: jax.sharding.Sharding, gl
     if rows_local.shape[0] == global_rows:
         start = 0
     elif rows_local.shape[0] != stop - start:
-        raise DistributedError(f"process {jax.process_index()} holds rows [{start}, {stop}) of the global batch of "
-                               f"{global_rows} but was given {rows_local.shape[0]} rows")
+        raise DistributedError(
+            f"process {jax.process_index()} holds rows [{start}, {stop}) of the global batch of "
+            f"{global_rows} but was given {rows_local.shape[0]} rows"
+        )
 
     def rows_for(index):  # a device's slice of the global array -> the same rows of this process's block
         lo, hi, _ = index[0].indices(global_rows)

@@ -49,28 +49,54 @@ class _Parser(argparse.ArgumentParser):
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     cut = argv.index("--") if "--" in argv else len(argv)
-    p = _Parser(prog="python -m sharding.launch", description=__doc__.split("\n\n")[0],
-                usage="%(prog)s --processes N [--port P] [--cpu-devices K] [--independent [--restart R] "
-                      "[--processes-per-replica K]] -- "
-                      "COMMAND [ARG ...]")
+    p = _Parser(
+        prog="python -m sharding.launch",
+        description=__doc__.split("\n\n")[0],
+        usage="%(prog)s --processes N [--port P] [--cpu-devices K] [--independent [--restart R] "
+        "[--processes-per-replica K]] -- "
+        "COMMAND [ARG ...]",
+    )
     p.add_argument("--processes", type=int, required=True, help="number of processes N (>= 1)")
-    p.add_argument("--port", type=int, default=0,
-                   help="coordinator port on 127.0.0.1 (default: a free one; with --independent every replica run "
-                        "takes a free one)")
-    p.add_argument("--cpu-devices", type=int, default=0,
-                   help="simulated CPU devices per process (sets JAX_NUM_CPU_DEVICES); 0 keeps JAX's default")
-    p.add_argument("--independent", action="store_true",
-                   help="N separate runs with JAXLM_REPLICA_ID=i (DiLoCo replica processes) instead of one JAX "
-                        "distributed run; a failure does not stop the others")
-    p.add_argument("--restart", type=int, default=0, metavar="R",
-                   help="with --independent: start a replica that fails again, up to R times each (default 0)")
-    p.add_argument("--processes-per-replica", type=int, default=1, metavar="K",
-                   help="with --independent: each of the N replicas is a JAX distributed run of K processes")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="coordinator port on 127.0.0.1 (default: a free one; with --independent every replica run "
+        "takes a free one)",
+    )
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=0,
+        help="simulated CPU devices per process (sets JAX_NUM_CPU_DEVICES); 0 keeps JAX's default",
+    )
+    p.add_argument(
+        "--independent",
+        action="store_true",
+        help="N separate runs with JAXLM_REPLICA_ID=i (DiLoCo replica processes) instead of one JAX "
+        "distributed run; a failure does not stop the others",
+    )
+    p.add_argument(
+        "--restart",
+        type=int,
+        default=0,
+        metavar="R",
+        help="with --independent: start a replica that fails again, up to R times each (default 0)",
+    )
+    p.add_argument(
+        "--processes-per-replica",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --independent: each of the N replicas is a JAX distributed run of K processes",
+    )
     args = p.parse_args(argv[:cut])
-    command = argv[cut + 1:]
+    command = argv[cut + 1 :]
     if cut == len(argv):
-        raise UsageError("no command: put it after `--`, e.g. "
-                         "`python -m sharding.launch --processes 2 -- python -m experiments.tiny_lm`")
+        raise UsageError(
+            "no command: put it after `--`, e.g. "
+            "`python -m sharding.launch --processes 2 -- python -m experiments.tiny_lm`"
+        )
     if not command:
         raise UsageError("no command after `--`")
     if args.processes < 1:
@@ -102,8 +128,9 @@ def process_env(rank: int, n: int, port: int, cpu_devices: int, replica: int | N
     if replica is not None:
         env[ENV_REPLICA_ID] = str(replica)
     if n > 1 or replica is None:
-        env.update({"JAXLM_COORDINATOR": f"127.0.0.1:{port}", "JAXLM_NUM_PROCESSES": str(n),
-                    "JAXLM_PROCESS_ID": str(rank)})
+        env.update(
+            {"JAXLM_COORDINATOR": f"127.0.0.1:{port}", "JAXLM_NUM_PROCESSES": str(n), "JAXLM_PROCESS_ID": str(rank)}
+        )
     if cpu_devices:
         env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
     return env
@@ -119,21 +146,29 @@ def _pump(stream, prefix: bytes, out, lock: threading.Lock) -> None:
             if cut < 0:
                 break
             with lock:
-                out.write(prefix + pending[:cut + 1])
+                out.write(prefix + pending[: cut + 1])
                 out.flush()
-            pending = pending[cut + 1:]
+            pending = pending[cut + 1 :]
     if pending:
         with lock:
             out.write(prefix + pending + b"\n")
             out.flush()
 
 
-def run(command: list[str], processes: int, port: int = 0, cpu_devices: int = 0, independent: bool = False,
-        restart: int = 0, processes_per_replica: int = 1) -> int:
+def run(
+    command: list[str],
+    processes: int,
+    port: int = 0,
+    cpu_devices: int = 0,
+    independent: bool = False,
+    restart: int = 0,
+    processes_per_replica: int = 1,
+) -> int:
     """Runs the processes; with `independent`, `processes` replicas of `processes_per_replica` processes each."""
     received = []  # signals to forward: Ctrl-C (SIGINT) or SIGTERM; caught from before the first child starts
-    previous = {sig: signal.signal(sig, lambda signum, _: received.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, lambda signum, _: received.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     out, lock = sys.stdout.buffer, threading.Lock()
     children, pumps = [], []  # children: one list of processes per unit (the whole run, or one replica)
 
@@ -148,14 +183,20 @@ def run(command: list[str], processes: int, port: int = 0, cpu_devices: int = 0,
         for j in range(n):
             # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it exactly once.
             try:
-                child = subprocess.Popen(command, env=process_env(j, n, unit_port, cpu_devices, replica),
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                child = subprocess.Popen(
+                    command,
+                    env=process_env(j, n, unit_port, cpu_devices, replica),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             except OSError as e:
                 _stop([c for u in children for c in u] + unit, signal.SIGTERM)
                 raise UsageError(f"cannot start {command[0]!r}: {e}") from None
             unit.append(child)
-            pumps.append(threading.Thread(target=_pump, args=(child.stdout, prefixes[j].encode(), out, lock),
-                                          daemon=True))
+            pumps.append(
+                threading.Thread(target=_pump, args=(child.stdout, prefixes[j].encode(), out, lock), daemon=True)
+            )
             pumps[-1].start()
         return unit
 
@@ -202,8 +243,7 @@ def _wait(children: list[subprocess.Popen], received: list[int]) -> int:
         time.sleep(0.05)
 
 
-def _wait_independent(units: list[list[subprocess.Popen]], received: list[int], restart: int, start_unit,
-                      note) -> int:
+def _wait_independent(units: list[list[subprocess.Popen]], received: list[int], restart: int, start_unit, note) -> int:
     """Independent replicas: one whose process fails loses the rest of its processes (killed: their collectives
     would hang without it) and is started again while it has restarts left, else left failed while the others go
     on. 0 if every process finally succeeds, else the first failure's code (as `_wait`)."""
@@ -221,8 +261,10 @@ def _wait_independent(units: list[list[subprocess.Popen]], received: list[int], 
                 left[i] -= 1
                 how = f"signal {-code}" if code < 0 else f"exit code {code}"
                 who = f"process {i}" if len(unit) == 1 else f"process {j} of replica {i}"
-                note(f"{who} ended with {how}; starting {'it' if len(unit) == 1 else 'the replica'} again "
-                     f"({restart - left[i]} of {restart})")
+                note(
+                    f"{who} ended with {how}; starting {'it' if len(unit) == 1 else 'the replica'} again "
+                    f"({restart - left[i]} of {restart})"
+                )
                 units[i] = start_unit(i)
         codes = [c.poll() for unit in units for c in unit]
         if all(code is not None for code in codes):
@@ -253,8 +295,15 @@ def _stop(children: list[subprocess.Popen], sig: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         args, command = parse(sys.argv[1:] if argv is None else argv)
-        return run(command, args.processes, args.port, args.cpu_devices, args.independent, args.restart,
-                   args.processes_per_replica)
+        return run(
+            command,
+            args.processes,
+            args.port,
+            args.cpu_devices,
+            args.independent,
+            args.restart,
+            args.processes_per_replica,
+        )
     except UsageError as e:
         print(f"sharding.launch: error: {e}", file=sys.stderr)
         return EXIT_USAGE

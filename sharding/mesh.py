@@ -52,8 +52,10 @@ class MeshLayout:
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise LayoutError(f"mesh axis '{axis}' must be a positive int, got {size!r}")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise LayoutError(f"pipeline_schedule {self.pipeline_schedule!r} is unknown; choose one of "
-                              f"{', '.join(PIPELINE_SCHEDULES)}")
+            raise LayoutError(
+                f"pipeline_schedule {self.pipeline_schedule!r} is unknown; choose one of "
+                f"{', '.join(PIPELINE_SCHEDULES)}"
+            )
         m = self.pipeline_microbatches
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise LayoutError(f"pipeline_microbatches must be an int >= 0 (0: twice the stages), got {m!r}")
@@ -66,23 +68,30 @@ class MeshLayout:
         check_rules(self.rules)
         return self
 
-    def check_divisibility(self, *, batch_size: int, microbatches: int, num_heads: int, num_kv_heads: int,
-                           mlp_dim: int, num_layers: int) -> None:
+    def check_divisibility(
+        self, *, batch_size: int, microbatches: int, num_heads: int, num_kv_heads: int, mlp_dim: int, num_layers: int
+    ) -> None:
         """Model and batch dimensions must split evenly over the mesh axes they are sharded on."""
         batch_shards = self.replica * self.data * self.fsdp
         splits = microbatches * self.num_microbatches
         if batch_size % splits:
-            raise LayoutError(f"batch {batch_size} does not split into {microbatches} accumulation x "
-                              f"{self.num_microbatches} pipeline microbatches")
+            raise LayoutError(
+                f"batch {batch_size} does not split into {microbatches} accumulation x "
+                f"{self.num_microbatches} pipeline microbatches"
+            )
         if (batch_size // splits) % batch_shards:
-            raise LayoutError(f"microbatch size {batch_size // splits} (batch {batch_size} / {microbatches} "
-                              f"accumulation x {self.num_microbatches} pipeline microbatches) is not divisible by "
-                              f"replica x data x fsdp = {batch_shards}")
+            raise LayoutError(
+                f"microbatch size {batch_size // splits} (batch {batch_size} / {microbatches} "
+                f"accumulation x {self.num_microbatches} pipeline microbatches) is not divisible by "
+                f"replica x data x fsdp = {batch_shards}"
+            )
         for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("mlp_dim", mlp_dim)):
             if size % self.tensor:
                 raise LayoutError(f"model.{name} = {size} is not divisible by mesh axis 'tensor' = {self.tensor}")
         if num_layers % self.pipeline:
-            raise LayoutError(f"model.num_layers = {num_layers} is not divisible by mesh axis 'pipeline' = {self.pipeline}")
+            raise LayoutError(
+                f"model.num_layers = {num_layers} is not divisible by mesh axis 'pipeline' = {self.pipeline}"
+            )
 
 
 def check_rules(rules: dict) -> None:
@@ -101,7 +110,9 @@ def load_layout(path: str | Path, num_devices: int) -> MeshLayout:
         raise LayoutError(f"mesh layout file not found: {path}")
     module = exec_python_file(path, "mesh layout", LayoutError)
     if not hasattr(module, "layout"):
-        raise LayoutError(f"mesh layout file {path} must define `layout` (a MeshLayout, a dict, or layout(num_devices))")
+        raise LayoutError(
+            f"mesh layout file {path} must define `layout` (a MeshLayout, a dict, or layout(num_devices))"
+        )
     layout = module.layout
     if callable(layout) and not isinstance(layout, MeshLayout):
         layout = call_user_function(layout, num_devices, path=path, kind="mesh layout", error=LayoutError)

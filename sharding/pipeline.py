@@ -51,8 +51,18 @@ def split_stages(stacked, stages: int):
     return jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]), stacked)
 
 
-def pipeline_loss(schedule: str, stage_fn: StageFn, head_fn: HeadFn, stage_params, head_params, x_MBTD: jax.Array,
-                  stage_side_M, head_side_M, *, stages: int) -> tuple[jax.Array, jax.Array]:
+def pipeline_loss(
+    schedule: str,
+    stage_fn: StageFn,
+    head_fn: HeadFn,
+    stage_params,
+    head_params,
+    x_MBTD: jax.Array,
+    stage_side_M,
+    head_side_M,
+    *,
+    stages: int,
+) -> tuple[jax.Array, jax.Array]:
     """(loss sum, count) of `head_fn(stage_fn_P(...stage_fn_1(x)))` summed over microbatches, pipelined.
 
     stage_params: [P, L/P, ...] leaves (`split_stages`); x_MBTD: the first stage's inputs; *_side_M: pytrees with a
@@ -83,8 +93,7 @@ def _shard_map(body, stage_params, *args, out_specs):
     # check_vma=False: the block-sparse attention inside a stage runs its own shard_map over the other axes (also
     # unchecked: the Pallas interpreter cannot be), whose cotangents would not carry this map's `pipeline` typing.
     # Unchecked, the values a stage receives or writes must be combined explicitly: every psum below is deliberate.
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
-                           check_vma=False)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False)
     return mapped(stage_params, *args)
 
 
@@ -204,16 +213,30 @@ def _one_f_one_b_grads(fns: _Fns, stage_params, head_params, x_MBTD, stage_side_
             _, vjp = jax.vjp(lambda p, xb: fns.stage_fn(p, xb, _at(stage_side_M, b_i)), params, x_b)
             g_p, g_xb = vjp(g_out)
             g_params = jax.tree.map(lambda a, g: a + jnp.where(b_ok, g, 0), g_params, g_p)
-            g_x_MBTD = jnp.where((s == 0) & b_ok, jax.lax.dynamic_update_index_in_dim(g_x_MBTD, g_xb, b_i, 0),
-                                 g_x_MBTD)
-            carry = (_shift(y, stages, +1), _shift(jnp.where(b_ok, g_xb, 0), stages, -1), stash, g_params, g_head,
-                     g_x_MBTD, loss, count)
+            g_x_MBTD = jnp.where((s == 0) & b_ok, jax.lax.dynamic_update_index_in_dim(g_x_MBTD, g_xb, b_i, 0), g_x_MBTD)
+            carry = (
+                _shift(y, stages, +1),
+                _shift(jnp.where(b_ok, g_xb, 0), stages, -1),
+                stash,
+                g_params,
+                g_head,
+                g_x_MBTD,
+                loss,
+                count,
+            )
             return carry, None
 
         x0 = jnp.zeros_like(x_MBTD[0])
-        init = (x0, x0, jnp.zeros((slots,) + x0.shape, x0.dtype), jax.tree.map(jnp.zeros_like, params),
-                jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(x_MBTD), jnp.zeros((), jnp.float32),
-                jnp.zeros((), jnp.float32))
+        init = (
+            x0,
+            x0,
+            jnp.zeros((slots,) + x0.shape, x0.dtype),
+            jax.tree.map(jnp.zeros_like, params),
+            jax.tree.map(jnp.zeros_like, head_params),
+            jnp.zeros_like(x_MBTD),
+            jnp.zeros((), jnp.float32),
+            jnp.zeros((), jnp.float32),
+        )
         carry, _ = jax.lax.scan(tick, init, jnp.arange(M + 2 * (stages - 1)))
         _, _, _, g_params, g_head, g_x_MBTD, loss, count = carry
         # Stage params' gradients stay on their stage; the rest lives on one stage and is summed to all.
@@ -221,10 +244,10 @@ def _one_f_one_b_grads(fns: _Fns, stage_params, head_params, x_MBTD, stage_side_
         total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, AXIS), tree)  # noqa: E731
         return total(loss), total(count), g_params, total(g_head), total(g_x_MBTD)
 
-    out_specs = (P(), P(), jax.tree.map(lambda _: P(AXIS), stage_params), jax.tree.map(lambda _: P(), head_params),
-                 P())
-    loss, count, g_stage, g_head, g_x = _shard_map(body, stage_params, head_params, x_MBTD, stage_side_M,
-                                                   head_side_M, out_specs=out_specs)
+    out_specs = (P(), P(), jax.tree.map(lambda _: P(AXIS), stage_params), jax.tree.map(lambda _: P(), head_params), P())
+    loss, count, g_stage, g_head, g_x = _shard_map(
+        body, stage_params, head_params, x_MBTD, stage_side_M, head_side_M, out_specs=out_specs
+    )
     return loss, count, (g_stage, g_head, g_x)
 
 

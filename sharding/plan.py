@@ -69,22 +69,50 @@ def layout_file(p: Plan, command: str) -> str:
     fields = f"data={lay.data}, fsdp={lay.fsdp}, tensor={lay.tensor}, pipeline={lay.pipeline}"
     if lay.pipeline > 1:
         fields += f", pipeline_schedule={lay.pipeline_schedule!r}, pipeline_microbatches={lay.num_microbatches}"
-    accumulate = (f"\nTrain with {best.accumulation} gradient-accumulation microbatches: "
-                  f"--set data.microbatches={best.accumulation}.\n" if best.accumulation > 1 else "")
-    return (f'"""Planned by `{command}`.\n\nEstimate (sharding.planner): {best.step_s:.3g} s/step, '
-            f'{best.memory.total / 1e9:.1f} GB/device{"" if best.fits else " (does not fit)"}, MFU {best.mfu:.2f}.\n'
-            f'{accumulate}"""\n\nfrom sharding import MeshLayout\n\nlayout = MeshLayout({fields})\n')
+    accumulate = (
+        f"\nTrain with {best.accumulation} gradient-accumulation microbatches: "
+        f"--set data.microbatches={best.accumulation}.\n"
+        if best.accumulation > 1
+        else ""
+    )
+    return (
+        f'"""Planned by `{command}`.\n\nEstimate (sharding.planner): {best.step_s:.3g} s/step, '
+        f"{best.memory.total / 1e9:.1f} GB/device{'' if best.fits else ' (does not fit)'}, MFU {best.mfu:.2f}.\n"
+        f'{accumulate}"""\n\nfrom sharding import MeshLayout\n\nlayout = MeshLayout({fields})\n'
+    )
 
 
 def table(p: Plan, top: int) -> str:
-    cols = ("#", "layout", "mem GB", "fits", "compute s", "fsdp s", "dp s", "tp s", "pp s", "step s", "bubble",
-            "MFU", "notes")
+    cols = (
+        "#",
+        "layout",
+        "mem GB",
+        "fits",
+        "compute s",
+        "fsdp s",
+        "dp s",
+        "tp s",
+        "pp s",
+        "step s",
+        "bubble",
+        "MFU",
+        "notes",
+    )
     rows = []
     for i, e in enumerate(p.estimates[:top], 1):
         times = (e.compute_s, e.fsdp_s, e.dp_s, e.tp_s, e.pp_s, e.step_s)
-        rows.append((str(i), describe(e.layout, e.accumulation), f"{e.memory.total / 1e9:.1f}",
-                     "yes" if e.fits else "NO", *(f"{x:.3f}" for x in times), f"{e.bubble:.2f}", f"{e.mfu:.2f}",
-                     "comms hidden" if e.hidden else "FSDP+DP comms > compute"))
+        rows.append(
+            (
+                str(i),
+                describe(e.layout, e.accumulation),
+                f"{e.memory.total / 1e9:.1f}",
+                "yes" if e.fits else "NO",
+                *(f"{x:.3f}" for x in times),
+                f"{e.bubble:.2f}",
+                f"{e.mfu:.2f}",
+                "comms hidden" if e.hidden else "FSDP+DP comms > compute",
+            )
+        )
     widths = [max(len(r[i]) for r in rows + [cols]) for i in range(len(cols))]
 
     def line(r):
@@ -97,11 +125,13 @@ def table(p: Plan, top: int) -> str:
 def summary(p: Plan, name: str) -> str:
     cfg, hw = p.cfg, p.hardware
     attention = "dense attention" if cfg.attention_impl in ("reference", "jax") else "flash attention"
-    return (f"model {name}: {count_params(cfg) / 1e9:.2f}B params, {cfg.dtype} compute, {attention}, remat {p.remat}\n"
-            f"batch: {p.batch_tokens:,} tokens = {p.batch_tokens // p.seq_len:,} sequences x {p.seq_len:,}\n"
-            f"devices: {p.devices:,} x {hw.name}: {hw.peak_flops / 1e12:.0f} TFLOP/s peak x {hw.mfu:.2f} assumed MFU "
-            f"= {hw.flops / 1e12:.0f} TFLOP/s, {hw.hbm_bytes / 1e9:.0f} GB ({hw.usable_memory:.0%} usable), "
-            f"{hw.devices_per_node}/node, {hw.intra_bw / 1e9:.0f} GB/s in a node, {hw.inter_bw / 1e9:.0f} GB/s across")
+    return (
+        f"model {name}: {count_params(cfg) / 1e9:.2f}B params, {cfg.dtype} compute, {attention}, remat {p.remat}\n"
+        f"batch: {p.batch_tokens:,} tokens = {p.batch_tokens // p.seq_len:,} sequences x {p.seq_len:,}\n"
+        f"devices: {p.devices:,} x {hw.name}: {hw.peak_flops / 1e12:.0f} TFLOP/s peak x {hw.mfu:.2f} assumed MFU "
+        f"= {hw.flops / 1e12:.0f} TFLOP/s, {hw.hbm_bytes / 1e9:.0f} GB ({hw.usable_memory:.0%} usable), "
+        f"{hw.devices_per_node}/node, {hw.intra_bw / 1e9:.0f} GB/s in a node, {hw.inter_bw / 1e9:.0f} GB/s across"
+    )
 
 
 def key_figures(p: Plan, name: str) -> dict:
@@ -109,13 +139,21 @@ def key_figures(p: Plan, name: str) -> dict:
     layout = {"data": lay.data, "fsdp": lay.fsdp, "tensor": lay.tensor, "pipeline": lay.pipeline}
     if lay.pipeline > 1:
         layout |= {"pipeline_schedule": lay.pipeline_schedule, "pipeline_microbatches": lay.num_microbatches}
-    return {"model": name, "devices": p.devices, "hardware": p.hardware.name, "layout": layout,
-            "accumulation": e.accumulation,
-            "step_s": round(e.step_s, 4), "memory_gb": round(e.memory.total / 1e9, 2), "fits": e.fits,
-            "mfu": round(e.mfu, 4), "tokens_per_s": round(p.batch_tokens / e.step_s),
-            "compute_s": round(e.compute_s, 4), "comm_s": {k: round(getattr(e, f"{k}_s"), 4) for k in
-                                                          ("fsdp", "dp", "tp", "pp")},
-            "comms_hidden": e.hidden}
+    return {
+        "model": name,
+        "devices": p.devices,
+        "hardware": p.hardware.name,
+        "layout": layout,
+        "accumulation": e.accumulation,
+        "step_s": round(e.step_s, 4),
+        "memory_gb": round(e.memory.total / 1e9, 2),
+        "fits": e.fits,
+        "mfu": round(e.mfu, 4),
+        "tokens_per_s": round(p.batch_tokens / e.step_s),
+        "compute_s": round(e.compute_s, 4),
+        "comm_s": {k: round(getattr(e, f"{k}_s"), 4) for k in ("fsdp", "dp", "tp", "pp")},
+        "comms_hidden": e.hidden,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

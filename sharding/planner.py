@@ -32,7 +32,6 @@ FSDP_COLLECTIVES = 3  # all-gather for the forward, again for the backward, redu
 REMAT_CHOICES = ("none", "full")
 
 
-
 @dataclass(frozen=True)
 class ModelShape:
     """What the planner needs to know of a model. `jaxlm.config.ModelConfig` has these fields too, so either is
@@ -83,8 +82,15 @@ class ParamSpec:
 def param_specs(cfg: ModelShape) -> list[ParamSpec]:
     """jaxlm.model's parameters: fused wqkv [D, K, G+2, E], wo [H, E, D], SwiGLU w_in [D, 2, F] and w_out [F, D],
     RMSNorm scales, stacked over a leading `layers` axis; embedding [V, D]; lm_head [D, V] unless tied."""
-    D, V, L, H, K, F, E = (cfg.d_model, cfg.vocab_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                           cfg.mlp_dim, cfg.resolved_head_dim)
+    D, V, L, H, K, F, E = (
+        cfg.d_model,
+        cfg.vocab_size,
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.mlp_dim,
+        cfg.resolved_head_dim,
+    )
     specs = [
         ParamSpec("embed", (V, D), ("vocab", "embed")),
         ParamSpec("blocks.attn_norm.scale", (L, D), ("layers", "embed")),
@@ -117,8 +123,10 @@ def _shards(logical: str, layout: MeshLayout) -> int:
 def _local_size(spec: ParamSpec, layout: MeshLayout, skip: str | None = None) -> int:
     """Elements of `spec` on one device (ignoring mesh axis `skip`, e.g. 'fsdp' for the all-gathered size)."""
     sizes = {**layout.axis_sizes, **({skip: 1} if skip else {})}
-    return math.prod(-(-n // math.prod(sizes[a] for a in _mesh_axes(t)))
-                     for n, t in zip(spec.shape, logical_spec(spec.axes, layout.rules)))
+    return math.prod(
+        -(-n // math.prod(sizes[a] for a in _mesh_axes(t)))
+        for n, t in zip(spec.shape, logical_spec(spec.axes, layout.rules))
+    )
 
 
 def _in_group(spec: ParamSpec, cfg: ModelShape, group: str | None) -> bool:
@@ -143,8 +151,11 @@ def fsdp_gathered_params(cfg: ModelShape, layout: MeshLayout, group: str | None 
     """Params one device all-gathers over its FSDP ring: its tensor/pipeline slice of every FSDP-sharded array."""
     if layout.fsdp == 1:
         return 0
-    return sum(_local_size(p, layout, skip="fsdp") for p in param_specs(cfg)
-               if _on_mesh_axis(p, layout, "fsdp") and _in_group(p, cfg, group))
+    return sum(
+        _local_size(p, layout, skip="fsdp")
+        for p in param_specs(cfg)
+        if _on_mesh_axis(p, layout, "fsdp") and _in_group(p, cfg, group)
+    )
 
 
 # ----------------------------------------------------------------------------- memory
@@ -202,12 +213,19 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.activations + self.other
-                + max(self.loss_phase, self.layer_phase))
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.other
+            + max(self.loss_phase, self.layer_phase)
+        )
 
 
-def memory_per_device(cfg: ModelShape, layout: MeshLayout, batch_sequences: int, seq_len: int,
-                      remat: str = "none", accumulation: int = 1) -> Memory:
+def memory_per_device(
+    cfg: ModelShape, layout: MeshLayout, batch_sequences: int, seq_len: int, remat: str = "none", accumulation: int = 1
+) -> Memory:
     """Peak bytes per device of one train step of `accumulation` gradient-accumulation microbatches (each split
     into the layout's pipeline microbatches). Rule for scans (layers, pipeline ticks, accumulation): the forward
     stacks every step's residuals, the backward of a step holds that step's residuals sliced out of the stack, and
@@ -251,15 +269,23 @@ def memory_per_device(cfg: ModelShape, layout: MeshLayout, batch_sequences: int,
         else:
             # 1F1B: a ring of stashed stage inputs; each backward recomputes one microbatch's stage forward.
             activations = stash_slots(S) * layer_input + layers * kept
-    return Memory(params=4 * n_params, grads=4 * n_params, optimizer=8 * n_params, activations=activations,
-                  loss_phase=loss_phase, layer_phase=layer_phase, other=other)
+    return Memory(
+        params=4 * n_params,
+        grads=4 * n_params,
+        optimizer=8 * n_params,
+        activations=activations,
+        loss_phase=loss_phase,
+        layer_phase=layer_phase,
+        other=other,
+    )
 
 
 # ----------------------------------------------------------------------------- time
 
 
-def compute_seconds(num_params: float, tokens: float, devices: int, flops_per_device: float,
-                    attention_flops_per_token: float = 0.0) -> float:
+def compute_seconds(
+    num_params: float, tokens: float, devices: int, flops_per_device: float, attention_flops_per_token: float = 0.0
+) -> float:
     """6 N FLOPs per token (forward 2N, backward 4N), plus attention, spread evenly over the devices."""
     return (6 * num_params + attention_flops_per_token) * tokens / (devices * flops_per_device)
 
@@ -269,8 +295,9 @@ def attention_flops_per_token(cfg: ModelShape, seq_len: int) -> float:
     return 12 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len
 
 
-def fsdp_comm_seconds(num_params: float, bytes_per_param: float, collectives: int, bandwidth: float,
-                      ring_size: int | None = None) -> float:
+def fsdp_comm_seconds(
+    num_params: float, bytes_per_param: float, collectives: int, bandwidth: float, ring_size: int | None = None
+) -> float:
     """Ring all-gathers / reduce-scatters of the params over an FSDP axis. Each device sends (n-1)/n of the whole
     array per collective, so for a large ring (ring_size=None: the limit) the time is the params' bytes over the
     per-device bandwidth, however many devices share the work."""
@@ -283,12 +310,18 @@ def ring_all_reduce_seconds(nbytes: float, ring_size: int, bandwidth: float) -> 
     return 2 * (ring_size - 1) / ring_size * nbytes / bandwidth
 
 
-def fsdp_crossover_devices(bytes_per_param: float, bandwidth: float, tokens: float, flops_per_device: float,
-                           collectives: int = FSDP_COLLECTIVES) -> float:
+def fsdp_crossover_devices(
+    bytes_per_param: float,
+    bandwidth: float,
+    tokens: float,
+    flops_per_device: float,
+    collectives: int = FSDP_COLLECTIVES,
+) -> float:
     """Devices at which compute (falling as 1/devices) equals the FSDP comms (flat): beyond it they cannot hide.
     N cancels: 6 N tokens / (n F) = N b c / bw  <=>  n = 6 tokens bw / (F b c)."""
-    return compute_seconds(1.0, tokens, 1, flops_per_device) / fsdp_comm_seconds(1.0, bytes_per_param, collectives,
-                                                                                    bandwidth)
+    return compute_seconds(1.0, tokens, 1, flops_per_device) / fsdp_comm_seconds(
+        1.0, bytes_per_param, collectives, bandwidth
+    )
 
 
 def axis_spans(layout: MeshLayout) -> dict[str, int]:
@@ -326,8 +359,15 @@ class Estimate:
         return self.overlapped_s <= self.compute_s
 
 
-def evaluate(cfg: ModelShape, layout: MeshLayout, hw: Hardware, batch_tokens: int, seq_len: int,
-             remat: str = "none", accumulation: int = 1) -> Estimate:
+def evaluate(
+    cfg: ModelShape,
+    layout: MeshLayout,
+    hw: Hardware,
+    batch_tokens: int,
+    seq_len: int,
+    remat: str = "none",
+    accumulation: int = 1,
+) -> Estimate:
     """One layout's estimate. With gradient accumulation every microbatch gathers the params again and reduces its
     gradients (the SPMD program keeps the accumulator sharded like the params), so FSDP and DP comms scale with it."""
     devices = math.prod(layout.axis_sizes.values())
@@ -341,8 +381,9 @@ def evaluate(cfg: ModelShape, layout: MeshLayout, hw: Hardware, batch_tokens: in
     bw = {axis: hw.bandwidth(span) for axis, span in spans.items()}
     fsdp = 0.0
     if layout.fsdp > 1:
-        fsdp = accumulation * fsdp_comm_seconds(fsdp_gathered_params(cfg, layout), cb, FSDP_COLLECTIVES, bw["fsdp"],
-                                                layout.fsdp)
+        fsdp = accumulation * fsdp_comm_seconds(
+            fsdp_gathered_params(cfg, layout), cb, FSDP_COLLECTIVES, bw["fsdp"], layout.fsdp
+        )
     dp = accumulation * ring_all_reduce_seconds(params_per_device(cfg, layout) * cb, layout.data, bw["data"])
     shard_activation_bytes = batch_tokens / (layout.data * layout.fsdp) * cfg.d_model * cb  # all microbatches
     layers = cfg.num_layers // S
@@ -351,8 +392,20 @@ def evaluate(cfg: ModelShape, layout: MeshLayout, hw: Hardware, batch_tokens: in
     step = max(compute, fsdp + dp) + tp + pp
     memory = memory_per_device(cfg, layout, batch_tokens // seq_len, seq_len, remat, accumulation)
     mfu = (6 * n_params + attn) * batch_tokens / (step * devices * hw.peak_flops)
-    return Estimate(layout, accumulation, memory, memory.total <= hw.hbm_bytes * hw.usable_memory, compute, bubble,
-                    fsdp, dp, tp, pp, step, mfu)
+    return Estimate(
+        layout,
+        accumulation,
+        memory,
+        memory.total <= hw.hbm_bytes * hw.usable_memory,
+        compute,
+        bubble,
+        fsdp,
+        dp,
+        tp,
+        pp,
+        step,
+        mfu,
+    )
 
 
 # ----------------------------------------------------------------------------- candidates and ranking
@@ -387,8 +440,12 @@ def candidate_layouts(cfg: ModelShape, devices: int, batch_sequences: int, hw: H
                     continue
                 for m in _divisors(batch_sequences // (d * f)):
                     if m <= 8 * p:
-                        out += [MeshLayout(data=d, fsdp=f, tensor=t, pipeline=p, pipeline_schedule=s,
-                                           pipeline_microbatches=m) for s in ("1f1b", "gpipe")]
+                        out += [
+                            MeshLayout(
+                                data=d, fsdp=f, tensor=t, pipeline=p, pipeline_schedule=s, pipeline_microbatches=m
+                            )
+                            for s in ("1f1b", "gpipe")
+                        ]
     return out
 
 
@@ -408,8 +465,9 @@ class Plan:
         return self.estimates[0]
 
 
-def fitting_estimate(cfg: ModelShape, layout: MeshLayout, hw: Hardware, batch_tokens: int, seq_len: int,
-                     remat: str) -> Estimate:
+def fitting_estimate(
+    cfg: ModelShape, layout: MeshLayout, hw: Hardware, batch_tokens: int, seq_len: int, remat: str
+) -> Estimate:
     """The layout with the fewest gradient-accumulation microbatches that fits (more only add comms), or with the
     most if none fits (the least memory)."""
     per_shard = batch_tokens // seq_len // (layout.data * layout.fsdp * layout.num_microbatches)
@@ -457,9 +515,11 @@ def check_inputs(cfg: ModelShape, devices: int, batch_tokens: int, seq_len: int,
         raise LayoutError(f"remat must be one of {', '.join(REMAT_CHOICES)}, got {remat!r}")
     if batch_tokens % seq_len:
         lo = batch_tokens // seq_len
-        raise LayoutError(f"global batch tokens {batch_tokens} is not a multiple of seq {seq_len} "
-                          f"({batch_tokens / seq_len:.2f} sequences); e.g. {lo * seq_len} ({lo} sequences) or "
-                          f"{(lo + 1) * seq_len} ({lo + 1})")
+        raise LayoutError(
+            f"global batch tokens {batch_tokens} is not a multiple of seq {seq_len} "
+            f"({batch_tokens / seq_len:.2f} sequences); e.g. {lo * seq_len} ({lo} sequences) or "
+            f"{(lo + 1) * seq_len} ({lo + 1})"
+        )
     return batch_tokens // seq_len
 
 
@@ -467,50 +527,67 @@ def _no_layout_reason(cfg: ModelShape, devices: int, batch_sequences: int, hw: H
     ts = tensor_sizes(cfg, devices, hw)
     model_parallel = sorted({t * p for t in ts for p in pipeline_sizes(cfg, devices // t)})
     smallest_dp = devices // model_parallel[-1]
-    limits = (f"tensor in {ts} (<= {hw.devices_per_node} devices per node, dividing heads {cfg.num_heads}, kv heads "
-              f"{cfg.num_kv_heads}, mlp {cfg.mlp_dim}, vocab {cfg.vocab_size}), pipeline dividing "
-              f"{cfg.num_layers} layers")
+    limits = (
+        f"tensor in {ts} (<= {hw.devices_per_node} devices per node, dividing heads {cfg.num_heads}, kv heads "
+        f"{cfg.num_kv_heads}, mlp {cfg.mlp_dim}, vocab {cfg.vocab_size}), pipeline dividing "
+        f"{cfg.num_layers} layers"
+    )
     if batch_sequences < smallest_dp:
-        return (f"global batch of {batch_sequences} sequences is smaller than the smallest data x fsdp size "
-                f"{smallest_dp} for {devices} devices ({limits})")
-    return (f"no layout of {devices} devices fits a batch of {batch_sequences} sequences: data x fsdp must divide "
-            f"both ({math.gcd(batch_sequences, devices)} at most) and fsdp must divide d_model {cfg.d_model}, so "
-            f"tensor x pipeline must cover >= {devices // math.gcd(batch_sequences, devices)} devices, but {limits} "
-            f"allow only {model_parallel}")
+        return (
+            f"global batch of {batch_sequences} sequences is smaller than the smallest data x fsdp size "
+            f"{smallest_dp} for {devices} devices ({limits})"
+        )
+    return (
+        f"no layout of {devices} devices fits a batch of {batch_sequences} sequences: data x fsdp must divide "
+        f"both ({math.gcd(batch_sequences, devices)} at most) and fsdp must divide d_model {cfg.d_model}, so "
+        f"tensor x pipeline must cover >= {devices // math.gcd(batch_sequences, devices)} devices, but {limits} "
+        f"allow only {model_parallel}"
+    )
 
 
 def _notes(p: Plan, batch_sequences: int) -> list[str]:
     notes, best, lay, hw = [], p.best, p.best.layout, p.hardware
     most_dp = math.gcd(batch_sequences, p.devices)
     if most_dp < p.devices:
-        notes.append(f"the global batch is {batch_sequences:,} sequences of {p.seq_len:,} tokens: data x fsdp can "
-                     f"use at most {most_dp:,} of the {p.devices:,} devices (it must divide both), so tensor x "
-                     f"pipeline must cover the other {p.devices // most_dp:,}x")
+        notes.append(
+            f"the global batch is {batch_sequences:,} sequences of {p.seq_len:,} tokens: data x fsdp can "
+            f"use at most {most_dp:,} of the {p.devices:,} devices (it must divide both), so tensor x "
+            f"pipeline must cover the other {p.devices // most_dp:,}x"
+        )
     remat_hint = " (or try --remat full)" if p.remat == "none" else ""
     if lay.tensor * lay.pipeline > 1:
         flat = [e for e in p.estimates if e.layout.tensor * e.layout.pipeline == 1]
         if not flat:
             why = "no data x fsdp-only layout exists for this batch"
         elif not any(e.fits for e in flat):
-            why = (f"no data x fsdp-only layout fits in {hw.hbm_bytes / 1e9:.0f} GB (smallest "
-                   f"{min(e.memory.total for e in flat) / 1e9:.1f} GB/device){remat_hint}")
+            why = (
+                f"no data x fsdp-only layout fits in {hw.hbm_bytes / 1e9:.0f} GB (smallest "
+                f"{min(e.memory.total for e in flat) / 1e9:.1f} GB/device){remat_hint}"
+            )
         else:
             e = min((e for e in flat if e.fits), key=_rank_key)
             why = f"the best data x fsdp-only layout ({describe(e.layout, e.accumulation)}) takes {e.step_s:.2f} s/step"
         notes.append(f"the best layout uses tensor={lay.tensor} x pipeline={lay.pipeline} because {why}")
     if not best.fits:
-        notes.append(f"no layout fits in {hw.hbm_bytes / 1e9:.0f} GB x {hw.usable_memory:.0%} usable: more devices "
-                     f"or a shorter sequence{remat_hint}")
+        notes.append(
+            f"no layout fits in {hw.hbm_bytes / 1e9:.0f} GB x {hw.usable_memory:.0%} usable: more devices "
+            f"or a shorter sequence{remat_hint}"
+        )
     if lay.fsdp > 1:
         bw = hw.bandwidth(axis_spans(lay)["fsdp"])
-        cross = fsdp_crossover_devices(dtype_bytes(p.cfg), bw, p.batch_tokens, hw.flops,
-                                       FSDP_COLLECTIVES * best.accumulation)
-        notes.append(f"FSDP gathers of the whole model ({FSDP_COLLECTIVES * best.accumulation} per step) over "
-                     f"{bw / 1e9:.0f} GB/s links take as long as this batch's compute at ~{cross:,.0f} devices; beyond "
-                     f"that they cannot hide (compute falls as 1/devices, each device's FSDP traffic does not)")
+        cross = fsdp_crossover_devices(
+            dtype_bytes(p.cfg), bw, p.batch_tokens, hw.flops, FSDP_COLLECTIVES * best.accumulation
+        )
+        notes.append(
+            f"FSDP gathers of the whole model ({FSDP_COLLECTIVES * best.accumulation} per step) over "
+            f"{bw / 1e9:.0f} GB/s links take as long as this batch's compute at ~{cross:,.0f} devices; beyond "
+            f"that they cannot hide (compute falls as 1/devices, each device's FSDP traffic does not)"
+        )
     if not best.hidden:
-        notes.append(f"FSDP + DP comms ({best.overlapped_s:.2f} s) exceed compute ({best.compute_s:.2f} s): they do "
-                     f"not hide behind it; the step is comm-bound")
+        notes.append(
+            f"FSDP + DP comms ({best.overlapped_s:.2f} s) exceed compute ({best.compute_s:.2f} s): they do "
+            f"not hide behind it; the step is comm-bound"
+        )
     return notes
 
 

@@ -18,7 +18,8 @@ import math
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sharding.mesh import LayoutError
 
@@ -68,8 +69,9 @@ def active_mesh_axes(logical: str) -> tuple[str, ...]:
 def _splitting(mesh, target) -> tuple[str, ...]:
     """The mesh axes of one rule target (an axis, a tuple of axes or None) that `mesh` has, not manual here and of
     size > 1."""
-    free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual
-            and mesh.shape[a] > 1}
+    free = {
+        a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != jax.sharding.AxisType.Manual and mesh.shape[a] > 1
+    }
     return tuple(a for a in (target if isinstance(target, tuple) else (target,)) if a in free)
 
 
@@ -98,12 +100,13 @@ def logical_spec(axes: tuple[str | None, ...], rules: dict | None = None) -> P:
     spec = []
     for name in axes:
         target = table.get(name) if name is not None else None
-        for mesh_axis in (target if isinstance(target, tuple) else (target,)):
+        for mesh_axis in target if isinstance(target, tuple) else (target,):
             if mesh_axis is None:
                 continue
             if mesh_axis in used:
-                raise LayoutError(f"logical axes {used[mesh_axis]!r} and {name!r} of array {axes} both map to mesh "
-                                  f"axis {mesh_axis!r}")
+                raise LayoutError(
+                    f"logical axes {used[mesh_axis]!r} and {name!r} of array {axes} both map to mesh axis {mesh_axis!r}"
+                )
             used[mesh_axis] = name
         spec.append(target)
     return P(*spec)
@@ -130,8 +133,10 @@ def check_divisible(axes: tuple, shape: tuple[int, ...], spec: P, mesh: Mesh) ->
         mesh_axes = target if isinstance(target, tuple) else (target,)
         shards = math.prod(mesh.shape[a] for a in mesh_axes if a is not None)
         if size % shards:
-            raise LayoutError(f"logical axis {name!r} of size {size} (array {axes}, shape {shape}) is not divisible by "
-                              f"mesh axis {' x '.join(repr(a) for a in mesh_axes)} = {shards}")
+            raise LayoutError(
+                f"logical axis {name!r} of size {size} (array {axes}, shape {shape}) is not divisible by "
+                f"mesh axis {' x '.join(repr(a) for a in mesh_axes)} = {shards}"
+            )
 
 
 def batch_sharding(mesh: Mesh, rules: dict | None = None) -> NamedSharding:

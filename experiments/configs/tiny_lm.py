@@ -3,9 +3,16 @@
 from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 
 config = TrainConfig(
-    model=ModelConfig(vocab_size=384, d_model=256, num_layers=6, num_heads=4, num_kv_heads=2, mlp_dim=1024,
-                      max_seq_len=256,
-                      scan_layers=False),  # 6 layers: unrolling is faster on CPU (bench_train --compare)
+    model=ModelConfig(
+        vocab_size=384,
+        d_model=256,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_dim=1024,
+        max_seq_len=256,
+        scan_layers=False,
+    ),  # 6 layers: unrolling is faster on CPU (bench_train --compare)
     optim=OptimConfig(learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0),
     # 4 microbatches of 4: the same optimizer step as one batch of 16, with a cache-sized working set
     data=DataConfig(seq_len=256, batch_size=16, microbatches=4, val_fraction=0.01, eval_batches=4),

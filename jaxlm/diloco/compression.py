@@ -39,7 +39,7 @@ def round_trip(x, kind: str, block: int = 256):
     if kind == "bf16":
         return x.astype(jnp.bfloat16).astype(jnp.float32)
     q_NB, scale_N1 = _quantize(x, kind, block)
-    return (q_NB * scale_N1).reshape(-1)[:x.size].reshape(x.shape)
+    return (q_NB * scale_N1).reshape(-1)[: x.size].reshape(x.shape)
 
 
 def _quantize(x, kind: str, block: int):
@@ -61,7 +61,7 @@ def encode(x, kind: str, block: int = 256) -> dict[str, jax.Array]:
     if kind == "bf16":
         return {"bits": jax.lax.bitcast_convert_type(x.reshape(-1).astype(jnp.bfloat16), jnp.uint16)}
     q_NB, scale_N1 = _quantize(x, kind, block)
-    q = q_NB.reshape(-1)[:x.size].astype(jnp.int8)
+    q = q_NB.reshape(-1)[: x.size].astype(jnp.int8)
     if kind == "int4":  # two's-complement nibbles, two per byte (low nibble first)
         nibbles = jnp.pad(q, (0, q.size % 2)).astype(jnp.uint8) & 0xF
         q = nibbles[0::2] | (nibbles[1::2] << 4)

@@ -70,16 +70,22 @@ class DiLoCoConfig(Section):
         if d.batch_size % c.replicas:
             raise ConfigError(f"data.batch_size ({d.batch_size}) must be divisible by diloco.replicas ({c.replicas})")
         if (d.batch_size // c.replicas) % d.microbatches:
-            raise ConfigError(f"per-replica batch {d.batch_size // c.replicas} (data.batch_size / diloco.replicas) "
-                              f"must be divisible by data.microbatches ({d.microbatches})")
+            raise ConfigError(
+                f"per-replica batch {d.batch_size // c.replicas} (data.batch_size / diloco.replicas) "
+                f"must be divisible by data.microbatches ({d.microbatches})"
+            )
         if not 1 <= c.fragments <= m.num_layers:
             raise ConfigError(f"diloco.fragments must be in [1, model.num_layers = {m.num_layers}], got {c.fragments}")
         if c.inner_steps % c.fragments:
-            raise ConfigError(f"diloco.inner_steps ({c.inner_steps}) must be divisible by diloco.fragments "
-                              f"({c.fragments}): one fragment is synced every inner_steps / fragments steps")
+            raise ConfigError(
+                f"diloco.inner_steps ({c.inner_steps}) must be divisible by diloco.fragments "
+                f"({c.fragments}): one fragment is synced every inner_steps / fragments steps"
+            )
         if not 0 <= c.overlap_steps < c.inner_steps // c.fragments:
-            raise ConfigError(f"diloco.overlap_steps must be in [0, inner_steps / fragments = "
-                              f"{c.inner_steps // c.fragments}), got {c.overlap_steps}")
+            raise ConfigError(
+                f"diloco.overlap_steps must be in [0, inner_steps / fragments = "
+                f"{c.inner_steps // c.fragments}), got {c.overlap_steps}"
+            )
         if not 0 <= c.mixing <= 1:
             raise ConfigError(f"diloco.mixing must be in [0, 1], got {c.mixing}")
         check_choice("diloco.compression", c.compression, COMPRESSION_BITS, how="comma")
@@ -87,8 +93,10 @@ class DiLoCoConfig(Section):
             raise ConfigError(f"diloco.compression_block must be >= 1, got {c.compression_block}")
         check_choice("diloco.data", c.data, DATA_SPLITS, how="comma")
         if m.keeps_amax_history:
-            raise ConfigError("delayed-scaling quantization (model.quant_scaling=delayed) keeps amax histories that "
-                              "DiLoCo cannot average; set model.quant_scaling=current")
+            raise ConfigError(
+                "delayed-scaling quantization (model.quant_scaling=delayed) keeps amax histories that "
+                "DiLoCo cannot average; set model.quant_scaling=current"
+            )
         if c.exchange:
             self._validate_exchange()
         drops = parse_drops(c.drop, c.replicas)
@@ -105,8 +113,10 @@ class DiLoCoConfig(Section):
         if c.heartbeat_s < 0:
             raise ConfigError(f"diloco.heartbeat_s must be >= 0 (0 turns the heartbeat off), got {c.heartbeat_s}")
         if c.drop:
-            raise ConfigError("diloco.drop simulates failures inside one program; with diloco.exchange a replica "
-                              "fails by its process dying, so leave diloco.drop empty")
+            raise ConfigError(
+                "diloco.drop simulates failures inside one program; with diloco.exchange a replica "
+                "fails by its process dying, so leave diloco.drop empty"
+            )
 
 
 def for_this_process(run, workdir: str, replica_id: int | None) -> tuple:
@@ -116,8 +126,9 @@ def for_this_process(run, workdir: str, replica_id: int | None) -> tuple:
     c = run.diloco
     if not c.in_processes:
         if replica_id is not None:
-            raise ConfigError("--replica-id needs DiLoCo replicas in their own processes: set diloco.replicas and "
-                              "diloco.exchange=DIR")
+            raise ConfigError(
+                "--replica-id needs DiLoCo replicas in their own processes: set diloco.replicas and diloco.exchange=DIR"
+            )
         return run, workdir
     replica = replica_id
     if replica is None and os.environ.get(ENV_REPLICA_ID):

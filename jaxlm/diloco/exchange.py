@@ -1,8 +1,8 @@
 """A shared directory through which independent DiLoCo replica processes average their outer gradients and
 survive each other's death.
 
-Replicas inside one JAX program (`jaxlm.diloco.program`) average over the `replica` mesh axis; a collective across processes
-hangs or fails when one of them dies. Here each replica is its own JAX process and a sync is a small agreement
+Replicas inside one JAX program (`jaxlm.diloco.program`) average over the `replica` mesh axis; a collective across
+processes hangs or fails when one of them dies. Here each replica is its own JAX process and a sync is a small agreement
 protocol on a directory all of them can write (a shared filesystem on a cluster, a local one on one machine):
 
   sync_<step>_f<fragment>/r<i>.npz    replica i's encoded outer gradient, renamed into place when complete
@@ -107,8 +107,15 @@ class ReplicaExchange:
     """Replica `index` of `replicas`' view of the exchange directory `root`. `heartbeat_s` > 0: replicas whose
     heartbeat stood still that long are not waited for (see `beat`)."""
 
-    def __init__(self, root: str | Path, replicas: int, index: int, timeout_s: float, poll_s: float = 0.01,
-                 heartbeat_s: float = 0.0):
+    def __init__(
+        self,
+        root: str | Path,
+        replicas: int,
+        index: int,
+        timeout_s: float,
+        poll_s: float = 0.01,
+        heartbeat_s: float = 0.0,
+    ):
         if not 0 <= index < replicas:
             raise ExchangeError(f"replica index {index} is not in [0, {replicas})")
         self.root, self.replicas, self.index = Path(root), replicas, index
@@ -228,16 +235,26 @@ class ReplicaExchange:
         deadline = time.monotonic() + wait_s
         while (members := self.members(step, fragment)) is None:
             if time.monotonic() >= deadline:
-                raise ExchangeError(f"the sync at step {step} (fragment {fragment}) in {self.root} was not decided in "
-                                    f"{wait_s:g}s: did process 0 of replica {self.index}, which posts for it, stop?")
+                raise ExchangeError(
+                    f"the sync at step {step} (fragment {fragment}) in {self.root} was not decided in "
+                    f"{wait_s:g}s: did process 0 of replica {self.index}, which posts for it, stop?"
+                )
             time.sleep(self.poll_s)
         return members
 
     def _decide(self, directory: Path, members: list[int], left_out: dict[int, str]) -> None:
         """Proposes `members`; the first proposal to land is the decision (link() fails if the file exists)."""
         tmp = directory / f".members.{uuid.uuid4().hex}.tmp"
-        tmp.write_text(json.dumps({"members": members, "left_out": {str(r): why for r, why in sorted(left_out.items())},
-                                   "decided_by": self.index, "time": time.time()}))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "members": members,
+                    "left_out": {str(r): why for r, why in sorted(left_out.items())},
+                    "decided_by": self.index,
+                    "time": time.time(),
+                }
+            )
+        )
         try:
             os.link(tmp, directory / "members.json")
         except FileExistsError:

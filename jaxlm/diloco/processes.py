@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlm.config import ConfigError, TrainConfig
-from jaxlm.diloco.program import DiLoCoProgram, DiLoCoState
 from jaxlm.diloco.compression import decode, encode
 from jaxlm.diloco.exchange import ExchangeError, ReplicaExchange
+from jaxlm.diloco.program import DiLoCoProgram, DiLoCoState
 from sharding.distributed import process_rows
 
 
@@ -50,27 +50,33 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         self.run_cfg, self.replicas_total, self.index = cfg, c.replicas, c.replica
         rows = d.batch_size // c.replicas
         self.rows = (self.index * rows, (self.index + 1) * rows)  # this replica's rows of every global batch
-        local = dataclasses.replace(cfg, data=dataclasses.replace(d, batch_size=rows),
-                                    diloco=dataclasses.replace(c, replicas=1))
+        local = dataclasses.replace(
+            cfg, data=dataclasses.replace(d, batch_size=rows), diloco=dataclasses.replace(c, replicas=1)
+        )
         replica_axis = layout.replica if layout else mesh.shape.get("replica", 1)
         if replica_axis != 1:
-            raise ConfigError(f"with diloco.exchange each process holds one replica: the mesh layout's replica axis "
-                              f"must be 1, got {replica_axis}")
+            raise ConfigError(
+                f"with diloco.exchange each process holds one replica: the mesh layout's replica axis "
+                f"must be 1, got {replica_axis}"
+            )
         super().__init__(local, mesh, layout)
         # a replica spanning several processes (its own jax.distributed run): its process 0 speaks for it in the
         # exchange; the others read the same decisions and payloads, so all compute the same outer step
         self.speaks = jax.process_index() == 0
-        self.exchange = ReplicaExchange(c.exchange, c.replicas, c.replica, c.sync_timeout_s,
-                                        heartbeat_s=c.heartbeat_s)
+        self.exchange = ReplicaExchange(c.exchange, c.replicas, c.replica, c.sync_timeout_s, heartbeat_s=c.heartbeat_s)
         # beating from here on, before compiling and restoring: a restarted replica is waited for, a dead one not
         self.heartbeat = self.exchange.beat() if self.speaks and c.heartbeat_s > 0 else None
         self.c = c  # the run's settings (the local program's say 1 replica); self.M stays 1: this process's stack
         shapes = [x.shape for x in jax.tree.leaves(self.replica_abstract.params)]
         self.fragment_shapes = [self.fragments.view_shapes(shapes, p) for p in range(c.fragments)]
         self.local_delta = {p: jax.jit(partial(self._local_delta, p=p)) for p in range(c.fragments)}
-        self.apply_outer = {(p, merge): jax.jit(partial(self._apply_outer, p=p, merge=merge),
-                                                out_shardings=self.state_shardings, donate_argnums=0)
-                            for p in range(c.fragments) for merge in (False, True)}
+        self.apply_outer = {
+            (p, merge): jax.jit(
+                partial(self._apply_outer, p=p, merge=merge), out_shardings=self.state_shardings, donate_argnums=0
+            )
+            for p in range(c.fragments)
+            for merge in (False, True)
+        }
         self.take_global = jax.jit(self._take_global, out_shardings=self.state_shardings, donate_argnums=0)
         keep = cfg.checkpoint_every * cfg.keep_checkpoints
         self.keep_steps = keep + c.inner_steps if keep else None  # what a restore from the oldest checkpoint replays
@@ -145,8 +151,10 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         if self.index not in result.members:
             state = self.take_global(state)
             self.excluded += 1
-            self.log(f"replica {self.index} missed the sync at step {step} (members {list(result.members)});"
-                              f" continuing from the global params")
+            self.log(
+                f"replica {self.index} missed the sync at step {step} (members {list(result.members)});"
+                f" continuing from the global params"
+            )
             self._announce_after(step)
         elif self.index == result.members[0]:
             arrays = self._snapshot_arrays(state)  # every process of the replica takes part in the gather
@@ -178,8 +186,10 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
             x = arrays.get(f"leaf{i:05d}")
             if x is None or x.shape != a.shape or x.dtype != a.dtype:
                 got = "missing" if x is None else f"{x.shape} {x.dtype}"
-                raise ExchangeError(f"the snapshot in {self.exchange.root} does not fit this model (leaf {i}: {got}, "
-                                    f"expected {a.shape} {a.dtype}); was the exchange directory used by another run?")
+                raise ExchangeError(
+                    f"the snapshot in {self.exchange.root} does not fit this model (leaf {i}: {got}, "
+                    f"expected {a.shape} {a.dtype}); was the exchange directory used by another run?"
+                )
             leaves.append(jax.make_array_from_callback(x.shape, s, lambda index, x=x: x[index]))
         return self.take_global(treedef.unflatten(leaves)), json.loads(str(arrays["data_state"]))
 
@@ -188,8 +198,9 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         exchange still holds them all, else rejoin from the newest snapshot. Returns the state and, on a rejoin,
         the data position to continue from."""
         start = int(jax.device_get(state.step))
-        decided = {key: m for key in self.exchange.syncs() if key[0] > start
-                   and (m := self.exchange.members(*key)) is not None}
+        decided = {
+            key: m for key in self.exchange.syncs() if key[0] > start and (m := self.exchange.members(*key)) is not None
+        }
         latest = max(decided, default=(start, 0))[0]
         # every sync the schedule held since `start`: one tidied away cannot be replayed, and deciding it anew
         # would fork this replica's global params from the others'
@@ -201,31 +212,46 @@ class ProcessDiLoCoProgram(DiLoCoProgram):
         if snapshot is not None and snapshot[0] > start:
             step, arrays = snapshot
             state, data_state = self._state_from_snapshot(arrays)
-            why = (f"missed {len(missed)} syncs since step {start} (first at step {missed[0]})" if missed else
-                   f"cannot replay the syncs since step {start} (the exchange no longer holds step {gone[0]})")
-            log(f"replica {self.index} of {self.replicas_total} {why}; rejoining at step {step} from the global "
-                f"params in {self.exchange.root}")
+            why = (
+                f"missed {len(missed)} syncs since step {start} (first at step {missed[0]})"
+                if missed
+                else f"cannot replay the syncs since step {start} (the exchange no longer holds step {gone[0]})"
+            )
+            log(
+                f"replica {self.index} of {self.replicas_total} {why}; rejoining at step {step} from the global "
+                f"params in {self.exchange.root}"
+            )
             self._announce_after(step)
             return state, data_state
         if gone:
-            raise ExchangeError(f"replica {self.index} restored step {start}, but {self.exchange.root} no longer holds "
-                                f"the sync at step {gone[0]} and has no newer snapshot to rejoin from; use the "
-                                f"exchange directory of this run, or a new --workdir and exchange to start over")
+            raise ExchangeError(
+                f"replica {self.index} restored step {start}, but {self.exchange.root} no longer holds "
+                f"the sync at step {gone[0]} and has no newer snapshot to rejoin from; use the "
+                f"exchange directory of this run, or a new --workdir and exchange to start over"
+            )
         if decided:
-            log(f"replica {self.index} of {self.replicas_total}: replaying {len(decided)} decided syncs after step "
-                f"{start} from {self.exchange.root}")
+            log(
+                f"replica {self.index} of {self.replicas_total}: replaying {len(decided)} decided syncs after step "
+                f"{start} from {self.exchange.root}"
+            )
         self._announce_after(start)
         return state, None
 
     def step_metrics(self, step: int) -> dict:
-        return {**super().step_metrics(step), "diloco_alive": len(self.members), "diloco_missed": self.excluded,
-                "diloco_wait_s": self.waited_s}
+        return {
+            **super().step_metrics(step),
+            "diloco_alive": len(self.members),
+            "diloco_missed": self.excluded,
+            "diloco_wait_s": self.waited_s,
+        }
 
     def describe(self) -> str:
         where = "its own process" if jax.process_count() == 1 else f"its own {jax.process_count()} processes"
         beat = f", heartbeat {self.c.heartbeat_s:g}s" if self.c.heartbeat_s > 0 else ", no heartbeat"
-        return (f"{super().describe()}; replica {self.index} of {self.replicas_total} in {where}, synced through "
-                f"{self.exchange.root} (timeout {self.c.sync_timeout_s:g}s{beat})")
+        return (
+            f"{super().describe()}; replica {self.index} of {self.replicas_total} in {where}, synced through "
+            f"{self.exchange.root} (timeout {self.c.sync_timeout_s:g}s{beat})"
+        )
 
     def close(self) -> None:
         if self.heartbeat is not None:

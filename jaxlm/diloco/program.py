@@ -3,12 +3,13 @@
 Papers: DiLoCo (Douillard et al., arXiv 2311.08105); Streaming DiLoCo (Douillard et al., arXiv 2501.18512).
 
 Every train-state leaf of the replicas is stacked on a leading [R] axis sharded over the `replica` mesh axis, and
-the inner step is the ordinary `train_step`, vmapped over the replicas of a slice of the mesh inside a `shard_map` manual over
-`replica` only: each replica trains on its own B/M rows of the global batch with its own inner optimizer state,
+the inner step is the ordinary `train_step`, vmapped over the replicas of a slice of the mesh inside a `shard_map`
+manual over `replica` only: each replica trains on its own rows of the global batch with its own inner optimizer state,
 using data / fsdp / tensor inside its slice of the mesh. Nothing crosses the replica axis between syncs. (A plain
 `vmap(spmd_axis_name="replica")` miscomputed the gradients of the second slice's replicas when a slice held two
-replicas and a data axis; the shard_map form is exact, see tests/test_diloco.py.) When the replica axis spans processes (one replica per
-process group, `sharding.launch`), the sync's mean is the only cross-process traffic of the parameters.
+replicas and a data axis; the shard_map form is exact, see tests/test_diloco.py.) When the replica axis spans
+processes (one replica per process group, `sharding.launch`), the sync's mean is the only cross-process traffic of
+the parameters.
 
 A sync of fragment p (all params when P = 1):
   outer gradient  Δ = Σ_m w_m · C(θ_global − θ_m)   (w: 1/alive over the live replicas, C: `outer_compression`)
@@ -37,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxlm.config import ConfigError, TrainConfig
 from jaxlm.diloco.compression import round_trip, wire_bytes
@@ -68,8 +70,14 @@ class Fragments:
         variables = jax.tree.leaves(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
         self.split = [v.ndim >= 1 and v.shape[0] >= num for v in variables]
         self.num = num
-        load = [sum(len(range(p, v.shape[0], num)) * math.prod(v.shape[1:])
-                    for v, split in zip(variables, self.split) if split) for p in range(num)]
+        load = [
+            sum(
+                len(range(p, v.shape[0], num)) * math.prod(v.shape[1:])
+                for v, split in zip(variables, self.split)
+                if split
+            )
+            for p in range(num)
+        ]
         self.owner = {}  # whole (unsplit) leaf index -> its fragment
         for i in sorted((i for i, s in enumerate(self.split) if not s), key=lambda i: -variables[i].size):
             self.owner[i] = min(range(num), key=lambda p: (load[p], p))
@@ -96,8 +104,10 @@ class Fragments:
 
     def view_shapes(self, shapes: list[tuple[int, ...]], p: int) -> list[tuple[int, ...]]:
         """Shapes of `view(leaves, p)` for leaves of these shapes."""
-        return [(len(range(p, shapes[i][0], self.num)), *shapes[i][1:]) if self.split[i] else tuple(shapes[i])
-                for i in self.members(p)]
+        return [
+            (len(range(p, shapes[i][0], self.num)), *shapes[i][1:]) if self.split[i] else tuple(shapes[i])
+            for i in self.members(p)
+        ]
 
     def update(self, leaves: list, p: int, values: tuple, lead: int = 0) -> list:
         out = list(leaves)
@@ -108,6 +118,7 @@ class Fragments:
 
 def inner_rules(rules: dict) -> dict:
     """The layout's rules inside one replica: `replica` removed from every target (the step runs manual over it)."""
+
     def strip(target):
         if isinstance(target, tuple):
             kept = tuple(a for a in target if a != "replica")
@@ -189,12 +200,15 @@ class DiLoCoProgram(Program):
         if layout.pipeline > 1:
             raise ConfigError("DiLoCo does not run in a pipeline layout yet; use a mesh with pipeline = 1")
         if c.replicas % layout.replica:
-            raise LayoutError(f"diloco.replicas = {c.replicas} is not divisible by mesh axis 'replica' = "
-                              f"{layout.replica}")
+            raise LayoutError(
+                f"diloco.replicas = {c.replicas} is not divisible by mesh axis 'replica' = {layout.replica}"
+            )
         rows = cfg.data.batch_size // c.replicas // cfg.data.microbatches
         if rows % (layout.data * layout.fsdp):
-            raise LayoutError(f"per-replica microbatch of {rows} rows (data.batch_size / diloco.replicas / "
-                              f"data.microbatches) is not divisible by data x fsdp = {layout.data * layout.fsdp}")
+            raise LayoutError(
+                f"per-replica microbatch of {rows} rows (data.batch_size / diloco.replicas / "
+                f"data.microbatches) is not divisible by data x fsdp = {layout.data * layout.fsdp}"
+            )
         self.M, self.c = c.replicas, c
         self.sync_schedule = Schedule(cfg)
         self.rules_inner = inner_rules(layout.rules)
@@ -205,17 +219,25 @@ class DiLoCoProgram(Program):
         self.state_shardings = self._state_shardings()
         replicated = NamedSharding(mesh, P())
         self.init = jax.jit(self._init_state, out_shardings=self.state_shardings)
-        shard = dict(in_shardings=(self.state_shardings, replicated), out_shardings=self.state_shardings,
-                     donate_argnums=0)
-        self.inner_step = jax.jit(self._in_mesh(self._inner_step, self.rules_inner),
-                                  in_shardings=(self.state_shardings, self.batch_sharding, replicated),
-                                  out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-        self.sync = {(p, merge): jax.jit(partial(self._sync, p=p, merge=merge), **shard)
-                     for p in range(c.fragments) for merge in (False, True)}
-        self.merge = {p: jax.jit(partial(self._merge, p=p), out_shardings=self.state_shardings, donate_argnums=0)
-                      for p in range(c.fragments)}
-        self.rejoin = jax.jit(self._rejoin, out_shardings=self.state_shardings, donate_argnums=0,
-                              static_argnums=(1, 2))
+        shard = dict(
+            in_shardings=(self.state_shardings, replicated), out_shardings=self.state_shardings, donate_argnums=0
+        )
+        self.inner_step = jax.jit(
+            self._in_mesh(self._inner_step, self.rules_inner),
+            in_shardings=(self.state_shardings, self.batch_sharding, replicated),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+        self.sync = {
+            (p, merge): jax.jit(partial(self._sync, p=p, merge=merge), **shard)
+            for p in range(c.fragments)
+            for merge in (False, True)
+        }
+        self.merge = {
+            p: jax.jit(partial(self._merge, p=p), out_shardings=self.state_shardings, donate_argnums=0)
+            for p in range(c.fragments)
+        }
+        self.rejoin = jax.jit(self._rejoin, out_shardings=self.state_shardings, donate_argnums=0, static_argnums=(1, 2))
         self.sync_bytes = [self._fragment_bytes(p) for p in range(c.fragments)]
         self._alive_arrays: dict[bytes, jax.Array] = {}
         self.log = print  # lines for the run log; the Trainer hands over its own in `start`
@@ -242,10 +264,15 @@ class DiLoCoProgram(Program):
         stacked = jax.tree.map(lambda s: NamedSharding(mesh, P("replica", *s.spec)), self.replica_shardings)
         param_shardings = jax.tree.leaves(self.replica_shardings.params)
         outer = tuple(
-            optax.tree_utils.tree_map_params(self.outer_tx, lambda _, s: s, self.abstract_state.outer_opt_states[p],
-                                             self.fragments.members_of(param_shardings, p),
-                                             transform_non_params=lambda _: replicated)
-            for p in range(self.c.fragments))
+            optax.tree_utils.tree_map_params(
+                self.outer_tx,
+                lambda _, s: s,
+                self.abstract_state.outer_opt_states[p],
+                self.fragments.members_of(param_shardings, p),
+                transform_non_params=lambda _: replicated,
+            )
+            for p in range(self.c.fragments)
+        )
         return DiLoCoState(replicated, self.replica_shardings.params, outer, stacked)
 
     @property
@@ -265,20 +292,29 @@ class DiLoCoProgram(Program):
         across the replica axis; inside a slice the replicas are vmapped and data / fsdp / tensor stay automatic."""
         M = self.M
         batch_R = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
-        step = partial(train_step, graphdef=self.graphdef, tx=self.tx, schedule=self.schedule,
-                       microbatches=self.cfg.data.microbatches)
+        step = partial(
+            train_step,
+            graphdef=self.graphdef,
+            tx=self.tx,
+            schedule=self.schedule,
+            microbatches=self.cfg.data.microbatches,
+        )
 
         def local(replicas_k, batch_k, alive_k):
             new, metrics_k = jax.vmap(step)(replicas_k, batch_k)
             live = alive_k > 0
-            kept = jax.tree.map(lambda n, o: jnp.where(live.reshape(-1, *(1,) * (n.ndim - 1)), n, o), new,
-                                replicas_k)
+            kept = jax.tree.map(lambda n, o: jnp.where(live.reshape(-1, *(1,) * (n.ndim - 1)), n, o), new, replicas_k)
             return kept, metrics_k
 
         by_replica = P("replica")
-        replicas, metrics_R = jax.shard_map(local, mesh=self.mesh, in_specs=(by_replica, by_replica, by_replica),
-                                            out_specs=(by_replica, by_replica), axis_names={"replica"},
-                                            check_vma=False)(state.replicas, batch_R, alive_R)
+        replicas, metrics_R = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(by_replica, by_replica, by_replica),
+            out_specs=(by_replica, by_replica),
+            axis_names={"replica"},
+            check_vma=False,
+        )(state.replicas, batch_R, alive_R)
         w_R = alive_R / jnp.sum(alive_R)
         metrics = {k: jnp.sum(w_R * v) for k, v in metrics_R.items()}
         return dataclasses.replace(state, step=state.step + 1, replicas=replicas), metrics
@@ -331,8 +367,9 @@ class DiLoCoProgram(Program):
         alive = self.sync_schedule.alive(step)
         key = alive.tobytes()
         if key not in self._alive_arrays:
-            self._alive_arrays[key] = jax.make_array_from_callback(alive.shape, NamedSharding(self.mesh, P()),
-                                                                   lambda idx: alive[idx])
+            self._alive_arrays[key] = jax.make_array_from_callback(
+                alive.shape, NamedSharding(self.mesh, P()), lambda idx: alive[idx]
+            )
         return self._alive_arrays[key]
 
     def compile_step(self, state, batch):
@@ -361,21 +398,26 @@ class DiLoCoProgram(Program):
         """Syncs so far and the bytes one replica has sent in them (payload + scales); for comparison, data
         parallelism moves params x 4 bytes per step."""
         counts = self.sync_schedule.sync_counts(step)
-        return {"diloco_alive": int(self.sync_schedule.alive(step).sum()), "diloco_syncs": sum(counts),
-                "diloco_bytes": sum(n * b for n, b in zip(counts, self.sync_bytes)),
-                "diloco_peak_sync_bytes": max(self.sync_bytes)}
+        return {
+            "diloco_alive": int(self.sync_schedule.alive(step).sum()),
+            "diloco_syncs": sum(counts),
+            "diloco_bytes": sum(n * b for n, b in zip(counts, self.sync_bytes)),
+            "diloco_peak_sync_bytes": max(self.sync_bytes),
+        }
 
     def _fragment_bytes(self, p: int) -> int:
         """Bytes one replica sends when fragment p syncs: each leaf's slice is compressed on its own."""
         shapes = [x.shape for x in jax.tree.leaves(self.replica_abstract.params)]
-        return sum(sum(wire_bytes(n, self.c.compression, self.c.compression_block))
-                   for n in self.fragments.sizes(shapes, p))
+        return sum(
+            sum(wire_bytes(n, self.c.compression, self.c.compression_block)) for n in self.fragments.sizes(shapes, p)
+        )
 
     def describe(self) -> str:
         """One line for the run log."""
         c = self.c
         extra = f", {c.fragments} fragments, overlap {c.overlap_steps}, mixing {c.mixing}" if c.fragments > 1 else ""
-        return (f"DiLoCo: {c.replicas} replicas, H={c.inner_steps}, outer lr {c.outer_lr} momentum "
-                f"{c.outer_momentum}{extra}, outer gradients {c.compression}: "
-                f"{max(self.sync_bytes) / 1e6:.3f} MB per replica per sync")
-
+        return (
+            f"DiLoCo: {c.replicas} replicas, H={c.inner_steps}, outer lr {c.outer_lr} momentum "
+            f"{c.outer_momentum}{extra}, outer gradients {c.compression}: "
+            f"{max(self.sync_bytes) / 1e6:.3f} MB per replica per sync"
+        )
