@@ -54,29 +54,13 @@ def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None
                 f"model.attention_mask {document_mask!r} uses document(), but token file "
                 f"{token_file.path} records no eos_id to find document boundaries"
             )
+    window = dict(batch_size=d.batch_size, seq_len=d.seq_len, seed=seed, start=train_lo, stop=train_hi, eos_id=eos_id)
     if partitions:
         from data.partitioned import PartitionedBatches
 
-        train_iter = PartitionedBatches(
-            token_file.tokens,
-            parts=partitions,
-            batch_size=d.batch_size,
-            seq_len=d.seq_len,
-            seed=seed,
-            start=train_lo,
-            stop=train_hi,
-            eos_id=eos_id,
-        )
+        train_iter = PartitionedBatches(token_file.tokens, parts=partitions, **window)
     elif d.loader == "simple":
-        train_iter = SeededBatchIterator(
-            token_file.tokens,
-            batch_size=d.batch_size,
-            seq_len=d.seq_len,
-            seed=seed,
-            start=train_lo,
-            stop=train_hi,
-            eos_id=eos_id,
-        )
+        train_iter = SeededBatchIterator(token_file.tokens, **window)
     else:
         train_iter = clairvoyant_loader(
             d, TokenWindowSource(token_file.tokens, seq_len=d.seq_len, start=train_lo, stop=train_hi), seed, eos_id
