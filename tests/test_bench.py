@@ -86,6 +86,7 @@ def test_diloco_vs_sync_runs_its_grid_and_continues_where_it_stopped(tmp_path):
     assert again.stdout.strip().splitlines()[-1] == lines[-1]
 
 
+@pytest.mark.slow  # covered by test_diloco's warm-start and one-replica identities (docs/testing.md)
 def test_diloco_vs_sync_warm_start_continues_the_data_parallel_run(tmp_path):
     """--warm-start: every run continues the same data-parallel run. With one replica, outer SGD lr 1 and no
     momentum, DiLoCo is plain training, so from the warm start it must end at data parallelism's eval loss."""

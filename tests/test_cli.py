@@ -37,9 +37,11 @@ def checkpoint_steps(workdir):
 
 def test_tiny_run_end_to_end_then_resume(tmp_path):
     workdir = tmp_path / "run"
-    proc, _ = tiny_lm("--steps", 3, "--workdir", workdir, "--log-every", 1, *TINY, "--no-progress")
+    # optim.decay_steps: the same schedule for --steps 3 and 5, so the resumed run reuses the compiled programs
+    proc, _ = tiny_lm("--steps", 3, "--workdir", workdir, "--log-every", 1, *TINY, "--set", "optim.decay_steps=5")
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
+    assert "3/3" in proc.stderr  # the progress bar ran to the end
 
     records = loss_records(workdir)
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -54,7 +56,8 @@ def test_tiny_run_end_to_end_then_resume(tmp_path):
     saved = json.loads((workdir / "config.json").read_text())
     assert saved["model"]["d_model"] == 64 and saved["steps"] == 3
 
-    proc, _ = tiny_lm("--steps", 5, "--workdir", workdir, "--log-every", 1, *TINY, "--no-progress")
+    proc, _ = tiny_lm("--steps", 5, "--workdir", workdir, "--log-every", 1, *TINY, "--set", "optim.decay_steps=5",
+                      "--no-progress")
     assert proc.returncode == 0, proc.stderr
     assert "resuming at step 3" in proc.stderr
     resumed = loss_records(workdir)
@@ -73,6 +76,7 @@ def test_tiny_run_end_to_end_then_resume(tmp_path):
     assert (workdir / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow  # covered by test_tiny_run_end_to_end_then_resume: the same command, smaller (docs/testing.md)
 def test_no_flags_but_steps_and_workdir(tmp_path):
     """Exactly the command from the issue: the default config, the default corpus, one CPU device."""
     workdir = tmp_path / "tmp"
@@ -245,7 +249,8 @@ def test_bad_input_fails_fast_with_one_line(tmp_path, case):
     assert not (workdir / "checkpoints").exists() and not (workdir / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("impl", ["xla_blocksparse", "pallas"])
+# pallas is slow: test_model and test_sharding show it computes what xla_blocksparse does (docs/testing.md)
+@pytest.mark.parametrize("impl", ["xla_blocksparse", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_training_with_sliding_window_and_document_masks(tmp_path, impl):
     """The block-sparse implementations train tiny_lm through the CLI with a sliding window over packed documents
     (segment ids from the corpus's EOS tokens), on a 4-device data x fsdp mesh; the loss falls."""

@@ -21,6 +21,8 @@ from sharding import LayoutError, MeshLayout, build_mesh
 from test_resume import CrashingIterator
 
 SGD = dict(optimizer="sgd", grad_clip=0.0, weight_decay=0.0, learning_rate=0.1, warmup_steps=0)
+# Tests whose schedule does not matter use lr 1e-2 and steps=10: one inner-step program, compiled once (the
+# persistent compilation cache of tests/conftest.py hands it to the others).
 
 
 def mesh(**axes):
@@ -84,7 +86,7 @@ def test_one_replica_outer_sgd_lr1_equals_plain_training():
 def test_a_warm_start_gives_every_replica_the_plain_run_s_state():
     """`adopt` (diloco_vs_sync --warm-start): the global params and every replica's params, inner optimizer state
     and step are the plain run's; the outer momentum starts at zero."""
-    cfg = tiny_config(steps=6, optim=dict(learning_rate=1e-2))
+    cfg = tiny_config(steps=7, optim=dict(learning_rate=1e-2))  # the plain program of the test above
     plain_state, _ = run(Program(cfg, mesh()), 2)
     program = DiLoCoProgram(with_diloco(cfg, replicas=2, inner_steps=2), mesh())
     state = program.adopt(plain_state)
@@ -113,7 +115,7 @@ def test_outer_gradient_is_global_minus_local():
 
 def test_nesterov_outer_step_matches_a_hand_computed_one():
     """Two syncs of optax SGD with Nesterov momentum: v = Δ + μv, update = −lr (Δ + μ v)."""
-    cfg = with_diloco(tiny_config(optim=dict(learning_rate=1e-2), steps=4), replicas=2, inner_steps=2,
+    cfg = with_diloco(tiny_config(optim=dict(learning_rate=1e-2), steps=10), replicas=2, inner_steps=2,
                       outer_lr=0.7, outer_momentum=0.9)
     program = DiLoCoProgram(cfg, mesh())
     batches = [random_batch(i) for i in range(4)]
@@ -191,7 +193,7 @@ def test_compressed_outer_gradients_are_what_the_receivers_reconstruct_and_bytes
     """One sync with 4-bit outer gradients: the outer step is the Nesterov step on the mean of the replicas' deltas
     after the int4 round trip (block 64), which differs from the float32 step by at most a few quantization steps;
     the bytes logged are the wire sizes (payload = params x 4 bits / 8, plus one float32 scale per block)."""
-    cfg = with_diloco(tiny_config(optim=dict(learning_rate=1e-2), steps=2), replicas=2, inner_steps=2,
+    cfg = with_diloco(tiny_config(optim=dict(learning_rate=1e-2), steps=10), replicas=2, inner_steps=2,
                       compression="int4", compression_block=64)
     program = DiLoCoProgram(cfg, mesh())
     state = program.init()
@@ -220,7 +222,7 @@ def test_compressed_outer_gradients_are_what_the_receivers_reconstruct_and_bytes
 def test_lost_replica_is_left_out_and_rejoins_from_the_global_params():
     """Replica 1 is down for steps 2..3: it takes no inner steps, the sync at step 2 averages replica 0 alone (outer
     SGD lr 1: global = replica 0), and at step 4 it restarts from the global params with replica 0's optimizer."""
-    cfg = with_diloco(tiny_config(optim=dict(learning_rate=1e-2), steps=6), replicas=2, inner_steps=2, outer_lr=1.0,
+    cfg = with_diloco(tiny_config(optim=dict(learning_rate=1e-2), steps=10), replicas=2, inner_steps=2, outer_lr=1.0,
                       outer_momentum=0.0, drop="1@2-3")
     program = DiLoCoProgram(cfg, mesh())
     batches = [program.device_batch(random_batch(i)) for i in range(4)]

@@ -185,6 +185,7 @@ def test_bad_replica_settings_exit_2_with_one_line(tmp_path):
             (extra, proc.stderr)
 
 
+@pytest.mark.slow  # covered by the killed-replica, left-out and heartbeat tests (docs/testing.md)
 def test_process_failure_experiment_end_to_end(tmp_path, capsys):
     """The experiment's three runs on a tiny config: the lost replica's run finishes, its survivor did not wait for
     the dead replica beyond its heartbeat, and the last line is the JSON summary."""

@@ -39,9 +39,10 @@ def run(cmd, timeout=180, env=ENV):
 
 
 @pytest.fixture(scope="session")  # session: kept while a worker runs other modules in between
-def cached_env(tmp_path_factory):
-    """A persistent compilation cache shared by this module's runs: a resumed run reuses the first run's programs."""
-    return {**ENV, "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+def cached_env():
+    """The session's persistent compilation cache (tests/conftest.py), shared by every xdist worker: a resumed run,
+    and the same program in another test, reuse the first run's programs."""
+    return {**ENV, "JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"],
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
@@ -86,6 +87,7 @@ def test_data_parallel_two_processes_match_one(tmp_path, cached_env, reference):
         assert (tmp_path / "two" / name).exists(), name
 
 
+@pytest.mark.slow  # covered by test_diloco_processes' replicas of two processes each (docs/testing.md)
 def test_fsdp_two_processes_resume_matches_one_uninterrupted(tmp_path, cached_env, reference):
     two_processes(cached_env, tmp_path / "two", "--steps", 2, *FSDP)
     proc = two_processes(cached_env, tmp_path / "two", "--steps", 4, *FSDP)  # each process restores its shards
@@ -94,6 +96,7 @@ def test_fsdp_two_processes_resume_matches_one_uninterrupted(tmp_path, cached_en
     assert_same_run(losses(tmp_path / "two"), losses(reference))
 
 
+@pytest.mark.slow  # covered by test_diloco_processes and test_diloco (docs/testing.md)
 def test_diloco_one_replica_per_process_matches_one_process(tmp_path, cached_env):
     """DiLoCo with the replica axis across the two processes (each process trains one replica, FSDP over its own
     devices; only the outer syncs cross processes), replica 1 down for steps 2..3 and back at step 4: the same

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from jaxlm.diloco.compression import BITS, decode, encode, round_trip, wire_bytes
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(st.integers(1, 700), st.sampled_from([1, 16, 64, 256]), st.sampled_from(["int8", "int4"]),
        st.floats(1e-6, 1e3), st.integers(0, 2**31 - 1))
 def test_int_round_trip_error_is_at_most_half_a_step_of_its_block(n, block, kind, magnitude, seed):
@@ -54,7 +54,7 @@ def test_bad_settings_are_named(kind, block, message):
         round_trip(np.ones(3), kind, block)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.sampled_from(list(BITS)),
        st.sampled_from([1, 7, 64]), st.integers(0, 2**31 - 1))
 def test_encoded_wire_format_decodes_to_the_round_trip_and_has_its_size(shape, kind, block, seed):

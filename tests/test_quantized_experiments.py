@@ -89,6 +89,7 @@ def test_quantized_tensor_table_covers_an_untied_head(trained):
     assert q[("blocks", "attn", "wo")][1].shape == (untied.model.num_layers, 1, 1, untied.model.d_model)
 
 
+@pytest.mark.slow  # covered by test_quantized_training's test_fp8_and_int8_training_track_float32 (docs/testing.md)
 def test_compare_precision_trains_each_precision_and_plots(tmp_path, capsys):
     shrink = ["model.d_model=64", "model.mlp_dim=128", "model.num_layers=2", "data.seq_len=64", "data.batch_size=8",
               "data.microbatches=1", "data.eval_batches=1", "checkpoint_every=0"]

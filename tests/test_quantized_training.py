@@ -263,7 +263,7 @@ def test_layout_conflicts_are_named():
     with pytest.raises(ValueError, match="matmul_impl='pallas' .* cannot be split over a 8-device mesh"):
         cfg = tiny_config(model={"matmul_precision": "fp8", "matmul_impl": "pallas"})
         p = Program(cfg, build_mesh(MeshLayout(fsdp=8)))
-        p.loss_and_grads(p.init().params, p.device_batch(random_batch(0)))
+        p.loss_and_grads.lower(p.abstract_with_shardings().params, p.device_batch(random_batch(0)))  # traced: raises
     with pytest.raises(ConfigError, match="does not run in a pipeline layout; set model.quant_scaling=current"):
         layout = MeshLayout(data=4, pipeline=2)
         Program(tiny_config(model={"matmul_precision": "fp8"}), build_mesh(layout), layout)

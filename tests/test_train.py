@@ -198,7 +198,10 @@ def single_device_losses(program):
     return [float(m["loss"]) for m in history]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# data8 and fsdp8 are slow: data2_fsdp2_tensor2_micro2 shards over data and fsdp (and tensor, with microbatches) in
+# one case, and test_sharding checks the fsdp8 layout file (docs/testing.md)
+@pytest.mark.parametrize("name", [pytest.param("data8", marks=pytest.mark.slow),
+                                  pytest.param("fsdp8", marks=pytest.mark.slow), "data2_fsdp2_tensor2_micro2"])
 def test_sharded_training_matches_single_device(name, single_device_losses):
     layout, microbatches, expected_specs = LAYOUTS[name]
     assert len(jax.devices()) == 8

@@ -7,9 +7,12 @@ import pytest
 
 from experiments.fault_harness import Harness, can_mount_tmpfs, run_scenario
 
-# (kind, seed): fixed seeds, so a failure reproduces with `python -m experiments.fault_sweep --kinds K --seeds S`
-CASES = [("sigkill", 0), ("sigkill", 1), ("sigkill_save", 0), ("sigkill_save", 1), ("sigterm", 0), ("corrupt", 0),
-         ("disk_full", 0), ("tmpfs_full", 0)]
+# (kind, seed): fixed seeds, so a failure reproduces with `python -m experiments.fault_sweep --kinds K --seeds S`.
+# Slow (docs/testing.md): a second seed of a kind, and the kinds an in-process test or another kind covers.
+slow = pytest.mark.slow
+CASES = [("sigkill", 0), pytest.param("sigkill", 1, marks=slow), pytest.param("sigkill_save", 0, marks=slow),
+         pytest.param("sigkill_save", 1, marks=slow), pytest.param("sigterm", 0, marks=slow),
+         pytest.param("corrupt", 0, marks=slow), ("disk_full", 0), pytest.param("tmpfs_full", 0, marks=slow)]
 
 
 @pytest.fixture(scope="session")  # session: kept while a worker runs other modules in between
