@@ -287,7 +287,7 @@ class Trainer:
         """next_batch() -> the next batch on the devices, its wait counted as data time."""
         if hasattr(self.train_iter, "set_device_put"):  # the loader's thread puts batches on devices
             self.train_iter.set_device_put(self.program.device_batch)
-            to_device = lambda batch: batch  # noqa: E731
+            to_device = lambda batch: batch
         else:
             to_device = self.program.device_batch
 

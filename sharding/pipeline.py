@@ -166,8 +166,8 @@ def _one_f_one_b_fwd(fns, stage_params, head_params, x_MBTD, stage_side_M, head_
 def _one_f_one_b_bwd(fns, residuals, cotangents):
     (g_stage, g_head, g_x), stage_side_M, head_side_M = residuals
     ct_loss, _ = cotangents  # the count does not depend on the params
-    scale = lambda tree: jax.tree.map(lambda g: (g * ct_loss).astype(g.dtype), tree)  # noqa: E731
-    no_grad = lambda tree: jax.tree.map(_zero_cotangent, tree)  # noqa: E731
+    scale = lambda tree: jax.tree.map(lambda g: (g * ct_loss).astype(g.dtype), tree)
+    no_grad = lambda tree: jax.tree.map(_zero_cotangent, tree)
     return scale(g_stage), scale(g_head), scale(g_x), no_grad(stage_side_M), no_grad(head_side_M)
 
 
@@ -241,7 +241,7 @@ def _one_f_one_b_grads(fns: _Fns, stage_params, head_params, x_MBTD, stage_side_
         _, _, _, g_params, g_head, g_x_MBTD, loss, count = carry
         # Stage params' gradients stay on their stage; the rest lives on one stage and is summed to all.
         g_params = jax.tree.map(lambda g: g[None], g_params)
-        total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, AXIS), tree)  # noqa: E731
+        total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, AXIS), tree)
         return total(loss), total(count), g_params, total(g_head), total(g_x_MBTD)
 
     out_specs = (P(), P(), jax.tree.map(lambda _: P(AXIS), stage_params), jax.tree.map(lambda _: P(), head_params), P())

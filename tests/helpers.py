@@ -18,13 +18,15 @@ VOCAB = 64
 
 
 def tiny_model(**overrides) -> ModelConfig:
-    base = ModelConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64,
-                       max_seq_len=32)
+    base = ModelConfig(
+        vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=64, max_seq_len=32
+    )
     return dataclasses.replace(base, **overrides)
 
 
-def tiny_config(*, model: dict | None = None, optim: dict | None = None, data: dict | None = None,
-                **train) -> TrainConfig:
+def tiny_config(
+    *, model: dict | None = None, optim: dict | None = None, data: dict | None = None, **train
+) -> TrainConfig:
     return TrainConfig(
         model=tiny_model(**(model or {})),
         optim=dataclasses.replace(OptimConfig(warmup_steps=2), **(optim or {})),
@@ -76,8 +78,11 @@ def pid_of_process(workdir, **environment) -> int | None:
     wanted = {f"{k}={v}".encode() for k, v in environment.items()}
     for proc in Path("/proc").iterdir():
         try:
-            if (proc.name.isdigit() and str(workdir).encode() in (proc / "cmdline").read_bytes()
-                    and wanted <= set((proc / "environ").read_bytes().split(b"\0"))):
+            if (
+                proc.name.isdigit()
+                and str(workdir).encode() in (proc / "cmdline").read_bytes()
+                and wanted <= set((proc / "environ").read_bytes().split(b"\0"))
+            ):
                 return int(proc.name)
         except OSError:
             continue

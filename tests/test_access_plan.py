@@ -34,11 +34,11 @@ def test_every_epoch_visits_each_sample_at_most_once_and_steps_match_sample_at(n
     spe = plan.steps_per_epoch
     stream = plan.samples(0, spe * (epochs + 1))
     for e in range(epochs):
-        epoch = stream[e * spe:(e + 1) * spe].ravel()
+        epoch = stream[e * spe : (e + 1) * spe].ravel()
         assert len(np.unique(epoch)) == len(epoch) == spe * batch
     step, row = spe * epochs - 1, batch - 1
     assert plan.sample_at(step, row) == stream[step, row]
-    assert np.array_equal(plan.samples(spe - 1, spe + 1), stream[spe - 1:spe + 1])  # across an epoch boundary
+    assert np.array_equal(plan.samples(spe - 1, spe + 1), stream[spe - 1 : spe + 1])  # across an epoch boundary
 
 
 def test_epochs_reshuffle_and_the_seed_decides():

@@ -12,15 +12,31 @@ import pytest
 from jaxlm.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--set", "model.vocab_size=512", "--set", "model.d_model=64", "--set", "model.num_heads=2",
-        "--set", "model.num_kv_heads=2", "--set", "model.mlp_dim=128", "--set", "model.num_layers=2",
-        "--set", "data.seq_len=32", "--set", "data.batch_size=4"]
+TINY = [
+    "--set",
+    "model.vocab_size=512",
+    "--set",
+    "model.d_model=64",
+    "--set",
+    "model.num_heads=2",
+    "--set",
+    "model.num_kv_heads=2",
+    "--set",
+    "model.mlp_dim=128",
+    "--set",
+    "model.num_layers=2",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.batch_size=4",
+]
 
 
 def run(module, *args, env=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_bench_train_prints_table_then_json():
@@ -37,7 +53,9 @@ def test_bench_train_prints_table_then_json():
 def test_bench_train_rejects_bad_override():
     proc = run("experiments.bench_train", "--set", "model.d_model=abc")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["bench_train: error: bad value for model.d_model: 'abc' is not a valid int"]
+    assert proc.stderr.strip().splitlines() == [
+        "bench_train: error: bad value for model.d_model: 'abc' is not a valid int"
+    ]
 
 
 def test_torch_reference_without_torch_says_so():
@@ -49,8 +67,21 @@ def test_torch_reference_without_torch_says_so():
 
 
 def test_bench_attention_prints_table_then_json():
-    proc = run("experiments.bench_attention", "--seq-lens", "256", "--head-dims", "16", "--block", "32",
-               "--window", "64", "--docs", "4", "--repeats", "1")
+    proc = run(
+        "experiments.bench_attention",
+        "--seq-lens",
+        "256",
+        "--head-dims",
+        "16",
+        "--block",
+        "32",
+        "--window",
+        "64",
+        "--docs",
+        "4",
+        "--repeats",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert any("blocksparse ms" in line for line in lines[:-1])
@@ -64,12 +95,37 @@ def test_diloco_vs_sync_runs_its_grid_and_continues_where_it_stopped(tmp_path):
     """A two-cell grid: data parallel, M=2 x H=2 x two outer lrs, then 4-bit, streaming and a lost replica at the
     best lr; a table, a plot and the JSON line. A rerun skips every finished run and prints the same results.
     (The runs share their inner-step program: a persistent compilation cache compiles it once.)"""
-    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    args = ["--workdir", tmp_path / "runs", "--steps", "4", "--replicas", "2", "--inner-steps", "2", "--outer-lrs", "0.4,1.0",
-            "--set", "model.d_model=32", "--set", "model.num_layers=2", "--set", "model.mlp_dim=64",
-            "--set", "data.seq_len=16", "--set", "data.batch_size=4", "--set", "data.eval_batches=1",
-            "--set", "eval_every=2"]
+    cache = {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+    args = [
+        "--workdir",
+        tmp_path / "runs",
+        "--steps",
+        "4",
+        "--replicas",
+        "2",
+        "--inner-steps",
+        "2",
+        "--outer-lrs",
+        "0.4,1.0",
+        "--set",
+        "model.d_model=32",
+        "--set",
+        "model.num_layers=2",
+        "--set",
+        "model.mlp_dim=64",
+        "--set",
+        "data.seq_len=16",
+        "--set",
+        "data.batch_size=4",
+        "--set",
+        "data.eval_batches=1",
+        "--set",
+        "eval_every=2",
+    ]
     proc = run("experiments.diloco_vs_sync", *map(str, args), env=cache)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
@@ -90,11 +146,40 @@ def test_diloco_vs_sync_runs_its_grid_and_continues_where_it_stopped(tmp_path):
 def test_diloco_vs_sync_warm_start_continues_the_data_parallel_run(tmp_path):
     """--warm-start: every run continues the same data-parallel run. With one replica, outer SGD lr 1 and no
     momentum, DiLoCo is plain training, so from the warm start it must end at data parallelism's eval loss."""
-    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    args = ["--workdir", tmp_path / "runs", "--steps", "4", "--warm-start", "2", "--replicas", "1", "--inner-steps",
-            "2", "--outer-lrs", "1.0", "--outer-momentum", "0", "--set", "model.d_model=32", "--set",
-            "model.num_layers=2", "--set", "model.mlp_dim=64", "--set", "data.seq_len=16", "--set",
-            "data.batch_size=4", "--set", "data.eval_batches=1", "--set", "eval_every=2"]
+    cache = {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    args = [
+        "--workdir",
+        tmp_path / "runs",
+        "--steps",
+        "4",
+        "--warm-start",
+        "2",
+        "--replicas",
+        "1",
+        "--inner-steps",
+        "2",
+        "--outer-lrs",
+        "1.0",
+        "--outer-momentum",
+        "0",
+        "--set",
+        "model.d_model=32",
+        "--set",
+        "model.num_layers=2",
+        "--set",
+        "model.mlp_dim=64",
+        "--set",
+        "data.seq_len=16",
+        "--set",
+        "data.batch_size=4",
+        "--set",
+        "data.eval_batches=1",
+        "--set",
+        "eval_every=2",
+    ]
     proc = run("experiments.diloco_vs_sync", *map(str, args), env=cache)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,9 +6,32 @@ from experiments import bench_loader
 
 
 def test_bench_loader_small(capsys):
-    assert bench_loader.main(["--samples", "3000", "--epochs", "2", "--batch", "32", "--latency-ms", "2",
-                              "--workers", "16", "--procs", "2", "--peer-samples", "1600", "--peer-epochs", "3",
-                              "--model-samples", "1024", "--skip-train"]) == 0
+    assert (
+        bench_loader.main(
+            [
+                "--samples",
+                "3000",
+                "--epochs",
+                "2",
+                "--batch",
+                "32",
+                "--latency-ms",
+                "2",
+                "--workers",
+                "16",
+                "--procs",
+                "2",
+                "--peer-samples",
+                "1600",
+                "--peer-epochs",
+                "3",
+                "--model-samples",
+                "1024",
+                "--skip-train",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "Belady" in out and "grain DataLoader" in out
     summary = json.loads(out.strip().splitlines()[-1])

@@ -15,8 +15,14 @@ KERNEL_VS_REFERENCE = 1e-5  # the implementation against the exactly dequantized
 
 def run_quick(*args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "experiments.bench_matmul", "--quick", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench_matmul", "--quick", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     return lines[:-1], json.loads(lines[-1])

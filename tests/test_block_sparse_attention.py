@@ -62,10 +62,12 @@ def grads(fn, q, k, v, w, out_dtype=None):
 
     ``out_dtype`` rounds the output (and so the incoming cotangent) as a bf16 implementation's would be, so that a
     float32 reference and a bf16 kernel are compared on the same cotangent."""
+
     def f(q, k, v):
         out, lse = fn(q, k, v)
         out = out if out_dtype is None else out.astype(out_dtype)
         return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.sin(lse))
+
     return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
 
 
@@ -81,17 +83,21 @@ def check_gradients(impl, q, k, v, mask, block_sizes, tols=(1e-4, 1e-4, 1e-4), *
 
 
 @impls
-@pytest.mark.parametrize("mask,block_sizes", [
-    (causal(), BlockSizes(16, 16)),
-    (causal(), BlockSizes(32, 16)),
-    (sliding_window(20), BlockSizes(16, 16)),
-    (sliding_window(1), BlockSizes(16, 32)),
-    (chunked_causal(24), BlockSizes(16, 16)),
-    (prefix_lm(40), BlockSizes(16, 32)),
-    (global_tokens(8) | sliding_window(16), BlockSizes(16, 16)),
-    (causal() & (global_tokens(4) | sliding_window(16)), BlockSizes(32, 32)),
-    (full(), BlockSizes(32, 16)),
-], ids=repr)
+@pytest.mark.parametrize(
+    "mask,block_sizes",
+    [
+        (causal(), BlockSizes(16, 16)),
+        (causal(), BlockSizes(32, 16)),
+        (sliding_window(20), BlockSizes(16, 16)),
+        (sliding_window(1), BlockSizes(16, 32)),
+        (chunked_causal(24), BlockSizes(16, 16)),
+        (prefix_lm(40), BlockSizes(16, 32)),
+        (global_tokens(8) | sliding_window(16), BlockSizes(16, 16)),
+        (causal() & (global_tokens(4) | sliding_window(16)), BlockSizes(32, 32)),
+        (full(), BlockSizes(32, 16)),
+    ],
+    ids=repr,
+)
 def test_forward_matches_reference(impl, mask, block_sizes):
     check_forward(impl, *qkv(B=2, T=128), mask, block_sizes)
 
@@ -111,8 +117,9 @@ def test_document_mask_batched(impl):
 @pytest.mark.parametrize("Hkv", [2, 1], ids=["gqa", "mqa"])
 def test_gqa_and_mqa(impl, Hkv):
     check_forward(impl, *qkv(B=2, Hq=4, Hkv=Hkv, T=64), causal(), BlockSizes(16, 16))
-    check_gradients(impl, *qkv(B=2, Hq=4, Hkv=Hkv, T=64), causal() & document(segments(2, 64, seed=1)),
-                    BlockSizes(16, 32))
+    check_gradients(
+        impl, *qkv(B=2, Hq=4, Hkv=Hkv, T=64), causal() & document(segments(2, 64, seed=1)), BlockSizes(16, 32)
+    )
 
 
 @impls
@@ -126,17 +133,21 @@ def test_non_square(impl, mask):
 def test_lengths_not_multiples_of_blocks_are_padded(impl):
     T, S = 50, 37
     check_forward(impl, *qkv(B=2, Hq=2, Hkv=1, T=T, S=S), prefix_lm(5), BlockSizes(16, 16))
-    check_gradients(impl, *qkv(B=2, Hq=2, Hkv=1, T=T), causal() & document(segments(2, T, seed=5)),
-                    BlockSizes(16, 32))
+    check_gradients(impl, *qkv(B=2, Hq=2, Hkv=1, T=T), causal() & document(segments(2, T, seed=5)), BlockSizes(16, 32))
 
 
 @impls
 def test_score_mods(impl):
     check_forward(impl, *qkv(B=2, T=64), causal(), BlockSizes(16, 16), score_mod=soft_cap(2.0))
-    check_forward(impl, *qkv(B=1, Hq=4, Hkv=2, T=64), sliding_window(24), BlockSizes(16, 16),
-                  score_mod=alibi(alibi_slopes(4)), scale=0.3)
-    check_gradients(impl, *qkv(B=1, Hq=4, Hkv=2, T=64), causal(), BlockSizes(16, 16),
-                    score_mod=alibi(alibi_slopes(4)))
+    check_forward(
+        impl,
+        *qkv(B=1, Hq=4, Hkv=2, T=64),
+        sliding_window(24),
+        BlockSizes(16, 16),
+        score_mod=alibi(alibi_slopes(4)),
+        scale=0.3,
+    )
+    check_gradients(impl, *qkv(B=1, Hq=4, Hkv=2, T=64), causal(), BlockSizes(16, 16), score_mod=alibi(alibi_slopes(4)))
     check_gradients(impl, *qkv(B=1, T=64), sliding_window(24), BlockSizes(16, 16), score_mod=soft_cap(1.5))
 
 
@@ -176,8 +187,20 @@ def test_traced_document_mask_under_jit(impl):
     np.testing.assert_allclose(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
-_BASE = st.sampled_from([causal(), full(), sliding_window(1), sliding_window(17), chunked_causal(16),
-                         chunked_causal(9), prefix_lm(0), prefix_lm(20), global_tokens(0), global_tokens(5)])
+_BASE = st.sampled_from(
+    [
+        causal(),
+        full(),
+        sliding_window(1),
+        sliding_window(17),
+        chunked_causal(16),
+        chunked_causal(9),
+        prefix_lm(0),
+        prefix_lm(20),
+        global_tokens(0),
+        global_tokens(5),
+    ]
+)
 
 
 def _draw_mask(a, b, op, doc, B, T, seed):
@@ -194,9 +217,17 @@ def _assume_no_empty_rows(mask, T, S, bs):
 
 
 @settings(max_examples=6, deadline=None)  # each example compiles anew; the parametrized tests cover every mask
-@given(impl=st.sampled_from(list(IMPLS)), a=_BASE, b=_BASE, op=st.sampled_from(["&", "|", "a"]),
-       bq=st.sampled_from([8, 16, 32]), bkv=st.sampled_from([8, 16, 32]), T=st.integers(20, 64),
-       doc=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    impl=st.sampled_from(list(IMPLS)),
+    a=_BASE,
+    b=_BASE,
+    op=st.sampled_from(["&", "|", "a"]),
+    bq=st.sampled_from([8, 16, 32]),
+    bkv=st.sampled_from([8, 16, 32]),
+    T=st.integers(20, 64),
+    doc=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_property_forward(impl, a, b, op, bq, bkv, T, doc, seed):
     mask = _draw_mask(a, b, op, doc, 2, T, seed)
     _assume_no_empty_rows(mask, T, T, BlockSizes(bq, bkv))
@@ -204,9 +235,18 @@ def test_property_forward(impl, a, b, op, bq, bkv, T, doc, seed):
 
 
 @settings(max_examples=4, deadline=None)  # each example compiles a forward and backward anew
-@given(impl=st.sampled_from(list(IMPLS)), a=_BASE, b=_BASE, op=st.sampled_from(["&", "|", "a"]),
-       bq=st.sampled_from([8, 16]), bkv=st.sampled_from([8, 16]), T=st.integers(16, 48), Hkv=st.sampled_from([1, 2]),
-       doc=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    impl=st.sampled_from(list(IMPLS)),
+    a=_BASE,
+    b=_BASE,
+    op=st.sampled_from(["&", "|", "a"]),
+    bq=st.sampled_from([8, 16]),
+    bkv=st.sampled_from([8, 16]),
+    T=st.integers(16, 48),
+    Hkv=st.sampled_from([1, 2]),
+    doc=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_property_gradients(impl, a, b, op, bq, bkv, T, Hkv, doc, seed):
     mask = _draw_mask(a, b, op, doc, 1, T, seed)
     _assume_no_empty_rows(mask, T, T, BlockSizes(bq, bkv))
@@ -222,8 +262,9 @@ def test_no_dense_score_matrix_for_long_sequences():
     bm = make_block_mask(sliding_window(128), T, T, BlockSizes(128, 128))
     x = jax.ShapeDtypeStruct((1, 1, T, D), jnp.float32)
     f = functools.partial(block_sparse_attention_xla, block_mask=bm)
-    assert _has_dense(jax.jit(functools.partial(reference_attention, mask=sliding_window(128))).lower(x, x, x)
-                      .as_text())  # the check itself sees a dense matrix
+    assert _has_dense(
+        jax.jit(functools.partial(reference_attention, mask=sliding_window(128))).lower(x, x, x).as_text()
+    )  # the check itself sees a dense matrix
     assert not _has_dense(jax.jit(f).lower(x, x, x).as_text())
     grad_hlo = jax.jit(jax.grad(lambda q, k, v: f(q, k, v)[0].sum(), argnums=(0, 1, 2))).lower(x, x, x).as_text()
     assert not _has_dense(grad_hlo)

@@ -22,8 +22,14 @@ TINY = ["--set", "model.d_model=64", "--set", "model.num_layers=2", "--set", "mo
 
 def tiny_lm(*args, timeout=300):
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "experiments.tiny_lm", *map(str, args)], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.tiny_lm", *map(str, args)],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc, time.perf_counter() - t0
 
 
@@ -56,8 +62,9 @@ def test_tiny_run_end_to_end_then_resume(tmp_path):
     saved = json.loads((workdir / "config.json").read_text())
     assert saved["model"]["d_model"] == 64 and saved["steps"] == 3
 
-    proc, _ = tiny_lm("--steps", 5, "--workdir", workdir, "--log-every", 1, *TINY, "--set", "optim.decay_steps=5",
-                      "--no-progress")
+    proc, _ = tiny_lm(
+        "--steps", 5, "--workdir", workdir, "--log-every", 1, *TINY, "--set", "optim.decay_steps=5", "--no-progress"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "resuming at step 3" in proc.stderr
     resumed = loss_records(workdir)
@@ -156,77 +163,137 @@ def data_path(path, *more):
 
 BAD_INPUTS = {
     "negative_steps": (lambda tmp: ["--steps", -3], r"steps must be positive, got -3"),
-    "unknown_key": (lambda tmp: ["--set", "model.nonexistent=1"],
-                    r"unknown config key 'model.nonexistent': ModelConfig has no field 'nonexistent'"),
+    "unknown_key": (
+        lambda tmp: ["--set", "model.nonexistent=1"],
+        r"unknown config key 'model.nonexistent': ModelConfig has no field 'nonexistent'",
+    ),
     "missing_config": (lambda tmp: ["--config", "missing.py"], r"config file not found: missing.py"),
     "bad_int": (lambda tmp: ["--set", "model.d_model=abc"], r"bad value for model.d_model: 'abc' is not a valid int"),
-    "mesh_product": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 2, 'fsdp': 2}\n")],
-                     r"data=2 x fsdp=2 covers 4 devices but 1 are available"),
-    "mesh_unknown_axis": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1, 'model': 1}\n")],
-                          r"unknown mesh axis 'model'"),
-    "truncated_tokens": (lambda tmp: ["--set", f"data.path={token_dir(tmp, 'truncate')}"],
-                         r"truncated: meta.json says 2001 tokens \(4002 bytes\) but tokens.bin has 3992 bytes"),
+    "mesh_product": (
+        lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 2, 'fsdp': 2}\n")],
+        r"data=2 x fsdp=2 covers 4 devices but 1 are available",
+    ),
+    "mesh_unknown_axis": (
+        lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1, 'model': 1}\n")],
+        r"unknown mesh axis 'model'",
+    ),
+    "truncated_tokens": (
+        lambda tmp: ["--set", f"data.path={token_dir(tmp, 'truncate')}"],
+        r"truncated: meta.json says 2001 tokens \(4002 bytes\) but tokens.bin has 3992 bytes",
+    ),
     "missing_meta": (lambda tmp: ["--set", f"data.path={token_dir(tmp, 'no_meta')}"], r"missing meta.json"),
-    "vocab_too_big": (lambda tmp: ["--set", f"data.path={token_dir(tmp, vocab=1000)}"],
-                      r"has vocab_size 1000 but model.vocab_size is 384"),
+    "vocab_too_big": (
+        lambda tmp: ["--set", f"data.path={token_dir(tmp, vocab=1000)}"],
+        r"has vocab_size 1000 but model.vocab_size is 384",
+    ),
     "unknown_flag": (lambda tmp: ["--stesp", 3], r"unrecognized arguments: --stesp"),
-    "bad_mask_spec": (lambda tmp: ["--set", "model.attention_mask=causal & sliding(4)"],
-                      r"model.attention_mask: attention mask spec 'causal & sliding\(4\)': cannot read 'sliding\(4\)'"),
-    "bad_attention_impl": (lambda tmp: ["--set", "model.attention_impl=flash"],
-                           r"model.attention_impl must be one of \['jax', 'pallas', 'reference', 'xla_blocksparse'\]"),
+    "bad_mask_spec": (
+        lambda tmp: ["--set", "model.attention_mask=causal & sliding(4)"],
+        r"model.attention_mask: attention mask spec 'causal & sliding\(4\)': cannot read 'sliding\(4\)'",
+    ),
+    "bad_attention_impl": (
+        lambda tmp: ["--set", "model.attention_impl=flash"],
+        r"model.attention_impl must be one of \['jax', 'pallas', 'reference', 'xla_blocksparse'\]",
+    ),
     "heads_vs_kv_heads": (lambda tmp: ["--set", "model.num_kv_heads=3"], r"must be divisible by model.num_kv_heads"),
-    "rules_clash": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1, 'rules': {'mlp': 'fsdp'}}\n")],
-                    r"logical axes 'embed' and 'mlp' .* both map to mesh axis 'fsdp'"),
-    "indivisible_embed": (lambda tmp: ["--cpu-devices", 8, "--mesh", mesh_file(tmp, "layout = {'fsdp': 8}\n"),
-                                       "--set", "model.num_heads=2", "--set", "model.d_model=260",
-                                       "--set", "data.microbatches=1"],
-                          r"logical axis 'embed' of size 260 .* mesh axis 'fsdp' = 8"),
+    "rules_clash": (
+        lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1, 'rules': {'mlp': 'fsdp'}}\n")],
+        r"logical axes 'embed' and 'mlp' .* both map to mesh axis 'fsdp'",
+    ),
+    "indivisible_embed": (
+        lambda tmp: [
+            "--cpu-devices",
+            8,
+            "--mesh",
+            mesh_file(tmp, "layout = {'fsdp': 8}\n"),
+            "--set",
+            "model.num_heads=2",
+            "--set",
+            "model.d_model=260",
+            "--set",
+            "data.microbatches=1",
+        ],
+        r"logical axis 'embed' of size 260 .* mesh axis 'fsdp' = 8",
+    ),
     # config files
-    "config_syntax_error": (lambda tmp: ["--config", config_file(tmp, "config = TrainConfig(\n")],
-                            r"config file .*bad_config.py: syntax error at line 2: '\(' was never closed"),
-    "config_undefined": (lambda tmp: ["--config", config_file(tmp, "cfg = TrainConfig()\n")],
-                         r"config file .*bad_config.py must define `config`"),
-    "config_str_for_int": (lambda tmp: ["--config", config_file(tmp, "config = TrainConfig(steps='ten')\n")],
-                           r"config file .*bad_config.py: steps must be int, got str 'ten'"),  # despite --steps 3
-    "config_float_for_int": (lambda tmp: ["--config", config_file(tmp, "config = TrainConfig(model=ModelConfig("
-                                                                       "d_model=1.5))\n")],
-                             r"config file .*bad_config.py: model.d_model must be int, got float 1.5"),
-    "config_unknown_keyword": (lambda tmp: ["--config", config_file(tmp, "config = TrainConfig(model=ModelConfig("
-                                                                         "d_modle=64))\n")],
-                               r"bad_config.py, line 2: ModelConfig has no field 'd_modle' \(did you mean 'd_model'"),
-    "config_raises": (lambda tmp: ["--config", config_file(tmp, "def config():\n    raise KeyError('LR')\n")],
-                      r"bad_config.py, line 3 raised KeyError: 'LR'"),
+    "config_syntax_error": (
+        lambda tmp: ["--config", config_file(tmp, "config = TrainConfig(\n")],
+        r"config file .*bad_config.py: syntax error at line 2: '\(' was never closed",
+    ),
+    "config_undefined": (
+        lambda tmp: ["--config", config_file(tmp, "cfg = TrainConfig()\n")],
+        r"config file .*bad_config.py must define `config`",
+    ),
+    "config_str_for_int": (
+        lambda tmp: ["--config", config_file(tmp, "config = TrainConfig(steps='ten')\n")],
+        r"config file .*bad_config.py: steps must be int, got str 'ten'",
+    ),  # despite --steps 3
+    "config_float_for_int": (
+        lambda tmp: ["--config", config_file(tmp, "config = TrainConfig(model=ModelConfig(d_model=1.5))\n")],
+        r"config file .*bad_config.py: model.d_model must be int, got float 1.5",
+    ),
+    "config_unknown_keyword": (
+        lambda tmp: ["--config", config_file(tmp, "config = TrainConfig(model=ModelConfig(d_modle=64))\n")],
+        r"bad_config.py, line 2: ModelConfig has no field 'd_modle' \(did you mean 'd_model'",
+    ),
+    "config_raises": (
+        lambda tmp: ["--config", config_file(tmp, "def config():\n    raise KeyError('LR')\n")],
+        r"bad_config.py, line 3 raised KeyError: 'LR'",
+    ),
     # mesh layout files
-    "mesh_syntax_error": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1\n")],
-                          r"mesh layout file .*mesh.py: syntax error at line 1"),
-    "mesh_undefined": (lambda tmp: ["--mesh", mesh_file(tmp, "lay_out = {'data': 1}\n")],
-                       r"mesh layout file .*mesh.py must define `layout`"),
-    "mesh_float_axis": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1.5}\n")],
-                        r"mesh layout file .*mesh.py: mesh axis 'data' must be a positive int, got 1.5"),
-    "mesh_zero_axis": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 0}\n")],
-                       r"mesh axis 'data' must be a positive int, got 0"),
-    "mesh_negative_axis": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'fsdp': -1}\n")],
-                           r"mesh axis 'fsdp' must be a positive int, got -1"),
-    "mesh_wrong_type": (lambda tmp: ["--mesh", mesh_file(tmp, "layout = [1, 1]\n")],
-                        r"mesh layout file .*mesh.py: `layout` is a list, expected MeshLayout or dict"),
+    "mesh_syntax_error": (
+        lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1\n")],
+        r"mesh layout file .*mesh.py: syntax error at line 1",
+    ),
+    "mesh_undefined": (
+        lambda tmp: ["--mesh", mesh_file(tmp, "lay_out = {'data': 1}\n")],
+        r"mesh layout file .*mesh.py must define `layout`",
+    ),
+    "mesh_float_axis": (
+        lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 1.5}\n")],
+        r"mesh layout file .*mesh.py: mesh axis 'data' must be a positive int, got 1.5",
+    ),
+    "mesh_zero_axis": (
+        lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'data': 0}\n")],
+        r"mesh axis 'data' must be a positive int, got 0",
+    ),
+    "mesh_negative_axis": (
+        lambda tmp: ["--mesh", mesh_file(tmp, "layout = {'fsdp': -1}\n")],
+        r"mesh axis 'fsdp' must be a positive int, got -1",
+    ),
+    "mesh_wrong_type": (
+        lambda tmp: ["--mesh", mesh_file(tmp, "layout = [1, 1]\n")],
+        r"mesh layout file .*mesh.py: `layout` is a list, expected MeshLayout or dict",
+    ),
     # data paths
     "data_missing": (lambda tmp: data_path(tmp / "nope"), r"token file .*nope: directory does not exist"),
     "data_empty_dir": (lambda tmp: data_path(empty_dir(tmp)), r"token file .*empty: empty directory"),
     "data_zero_tokens": (lambda tmp: data_path(token_dir(tmp, "zero_tokens")), r"token file .*: empty \(0 tokens\)"),
-    "data_too_few_tokens": (lambda tmp: data_path(token_dir(tmp)),
-                            r"holds 2001 tokens, fewer than one batch of data.batch_size x data.seq_len \+ 1 = 4097"),
-    "data_val_split_too_small": (lambda tmp: data_path(token_dir(tmp), "--set", "data.seq_len=64", "--set",
-                                                       "data.batch_size=4", "--set", "data.microbatches=1"),
-                                 r"val_fraction=0.01 of 2001 tokens gives 20 validation tokens, fewer than one "
-                                 r"window of seq_len\+1=65; adjust data.val_fraction"),
+    "data_too_few_tokens": (
+        lambda tmp: data_path(token_dir(tmp)),
+        r"holds 2001 tokens, fewer than one batch of data.batch_size x data.seq_len \+ 1 = 4097",
+    ),
+    "data_val_split_too_small": (
+        lambda tmp: data_path(
+            token_dir(tmp), "--set", "data.seq_len=64", "--set", "data.batch_size=4", "--set", "data.microbatches=1"
+        ),
+        r"val_fraction=0.01 of 2001 tokens gives 20 validation tokens, fewer than one "
+        r"window of seq_len\+1=65; adjust data.val_fraction",
+    ),
     "meta_not_json": (lambda tmp: data_path(token_dir(tmp, "meta_not_json")), r"meta.json is not valid JSON"),
-    "meta_without_num_tokens": (lambda tmp: data_path(token_dir(tmp, "meta_without_num_tokens")),
-                                r"meta.json field 'num_tokens' must be a non-negative integer, got None"),
-    "ids_beyond_meta": (lambda tmp: data_path(token_dir(tmp, "ids_beyond_meta")),
-                        r"tokens.bin holds token id 1000 but meta.json says max_token_id 63"),
+    "meta_without_num_tokens": (
+        lambda tmp: data_path(token_dir(tmp, "meta_without_num_tokens")),
+        r"meta.json field 'num_tokens' must be a non-negative integer, got None",
+    ),
+    "ids_beyond_meta": (
+        lambda tmp: data_path(token_dir(tmp, "ids_beyond_meta")),
+        r"tokens.bin holds token id 1000 but meta.json says max_token_id 63",
+    ),
     # --workdir
-    "workdir_under_a_file": (lambda tmp: ["--workdir", under_a_file(tmp)],
-                             r"--workdir .*a_file/run: .*a_file exists and is not a directory"),
+    "workdir_under_a_file": (
+        lambda tmp: ["--workdir", under_a_file(tmp)],
+        r"--workdir .*a_file/run: .*a_file exists and is not a directory",
+    ),
     "workdir_read_only": (lambda tmp: ["--workdir", read_only_dir(tmp)], r"--workdir .* is not writable"),
 }
 
@@ -256,13 +323,36 @@ def test_training_with_sliding_window_and_document_masks(tmp_path, impl):
     (segment ids from the corpus's EOS tokens), on a 4-device data x fsdp mesh; the loss falls."""
     workdir = tmp_path / impl
     mesh = mesh_file(tmp_path, "layout = {'data': 2, 'fsdp': 2}\n")
-    proc, _ = tiny_lm("--steps", 12, "--workdir", workdir, "--log-every", 1, "--cpu-devices", 4, "--mesh", mesh,
-                      *TINY, "--set", f"model.attention_impl={impl}",
-                      "--set", "model.attention_mask=causal & sliding_window(48) & document",
-                      "--set", "model.attention_block_q=32", "--set", "model.attention_block_kv=32",
-                      "--set", "data.seq_len=96", "--set", "data.batch_size=8", "--set", "data.microbatches=1",
-                      "--set", "optim.warmup_steps=2",
-                      "--no-progress")
+    proc, _ = tiny_lm(
+        "--steps",
+        12,
+        "--workdir",
+        workdir,
+        "--log-every",
+        1,
+        "--cpu-devices",
+        4,
+        "--mesh",
+        mesh,
+        *TINY,
+        "--set",
+        f"model.attention_impl={impl}",
+        "--set",
+        "model.attention_mask=causal & sliding_window(48) & document",
+        "--set",
+        "model.attention_block_q=32",
+        "--set",
+        "model.attention_block_kv=32",
+        "--set",
+        "data.seq_len=96",
+        "--set",
+        "data.batch_size=8",
+        "--set",
+        "data.microbatches=1",
+        "--set",
+        "optim.warmup_steps=2",
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [r["loss"] for r in loss_records(workdir)]
     assert len(losses) == 12 and all(np.isfinite(losses))
@@ -276,8 +366,22 @@ def test_pipeline_layout_end_to_end_and_resume_under_another_layout(tmp_path):
     step's loss equals the one the pipelined run computed."""
     meshes = REPO / "experiments" / "meshes"
     workdir = tmp_path / "run"
-    common = ["--workdir", workdir, "--cpu-devices", 8, "--log-every", 1, "--checkpoint-every", 2, *TINY,
-              "--set", "data.seq_len=64", "--set", "data.microbatches=1", "--no-progress"]
+    common = [
+        "--workdir",
+        workdir,
+        "--cpu-devices",
+        8,
+        "--log-every",
+        1,
+        "--checkpoint-every",
+        2,
+        *TINY,
+        "--set",
+        "data.seq_len=64",
+        "--set",
+        "data.microbatches=1",
+        "--no-progress",
+    ]
     proc, _ = tiny_lm("--steps", 3, "--mesh", meshes / "fsdp2_tp2_pp2.py", *common)
     assert proc.returncode == 0, proc.stderr
     assert "pipeline: 2 stages, 1f1b, 4 microbatches per step: bubble 20.0%" in proc.stderr

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import jax
 import pytest
+from helpers import tiny_config
 from jax.sharding import PartitionSpec as P
 
-from helpers import tiny_config
 from jaxlm import config as config_lib
 from jaxlm.config import ConfigError, ModelConfig, TrainConfig, apply_overrides, load_config, validate
 from sharding import DEFAULT_RULES, LayoutError, MeshLayout, build_mesh, load_layout, logical_spec
@@ -27,40 +27,61 @@ def write(tmp_path, name, source):
 
 
 def test_load_config_instance_and_function_forms(tmp_path):
-    instance = write(tmp_path, "inst.py", """
+    instance = write(
+        tmp_path,
+        "inst.py",
+        """
         from jaxlm.config import ModelConfig, TrainConfig
         config = TrainConfig(model=ModelConfig(d_model=128), steps=7)
-    """)
-    function = write(tmp_path, "func.py", """
+    """,
+    )
+    function = write(
+        tmp_path,
+        "func.py",
+        """
         from jaxlm.config import DataConfig, TrainConfig
         def config():
             return TrainConfig(data=DataConfig(batch_size=4), seed=3)
-    """)
+    """,
+    )
     a, b = load_config(instance), load_config(function)
     assert isinstance(a, TrainConfig) and a.model.d_model == 128 and a.steps == 7
     assert isinstance(b, TrainConfig) and b.data.batch_size == 4 and b.seed == 3
     assert validate(load_config(REPO / "experiments" / "configs" / "tiny_lm.py")).model.num_layers == 6
 
 
-@pytest.mark.parametrize("source, message", [
-    ("x = 1\n", "must define `config`"),
-    ("config = 3\n", "`config` is a int, expected TrainConfig"),
-    ("def config():\n    return {'steps': 1}\n", "`config` is a dict, expected TrainConfig"),
-    ("import nonexistent_module_xyz\n", "raised ModuleNotFoundError: No module named 'nonexistent_module_xyz'"),
-    ("x = 1\nraise RuntimeError('boom')\n", "c.py, line 2 raised RuntimeError: boom"),
-    ("def config():\n    return 1 / 0\n", "c.py, line 2 raised ZeroDivisionError: division by zero"),
-    ("from jaxlm.config import ModelConfig, TrainConfig\nconfig = TrainConfig(model=ModelConfig(d_modle=64))\n",
-     "c.py, line 2: ModelConfig has no field 'd_modle' (did you mean 'd_model'"),
-    ("from jaxlm.config import TrainConfig\nconfig = TrainConfig(zzz=1)\n",
-     "c.py, line 2: TrainConfig has no field 'zzz' (fields: model, optim, data"),
-    ("from jaxlm.config import TrainConfig\nconfig = TrainConfig(steps='ten')\n",
-     "c.py: steps must be int, got str 'ten'"),
-    ("from jaxlm.config import ModelConfig, TrainConfig\nconfig = TrainConfig(model=ModelConfig(d_model=1.5))\n",
-     "c.py: model.d_model must be int, got float 1.5"),
-    ("from jaxlm.config import OptimConfig, TrainConfig\n"
-     "config = TrainConfig(optim=OptimConfig(learning_rate=float('nan')))\n",
-     "c.py: optim.learning_rate must be a finite float, got nan"),
-])
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("x = 1\n", "must define `config`"),
+        ("config = 3\n", "`config` is a int, expected TrainConfig"),
+        ("def config():\n    return {'steps': 1}\n", "`config` is a dict, expected TrainConfig"),
+        ("import nonexistent_module_xyz\n", "raised ModuleNotFoundError: No module named 'nonexistent_module_xyz'"),
+        ("x = 1\nraise RuntimeError('boom')\n", "c.py, line 2 raised RuntimeError: boom"),
+        ("def config():\n    return 1 / 0\n", "c.py, line 2 raised ZeroDivisionError: division by zero"),
+        (
+            "from jaxlm.config import ModelConfig, TrainConfig\nconfig = TrainConfig(model=ModelConfig(d_modle=64))\n",
+            "c.py, line 2: ModelConfig has no field 'd_modle' (did you mean 'd_model'",
+        ),
+        (
+            "from jaxlm.config import TrainConfig\nconfig = TrainConfig(zzz=1)\n",
+            "c.py, line 2: TrainConfig has no field 'zzz' (fields: model, optim, data",
+        ),
+        (
+            "from jaxlm.config import TrainConfig\nconfig = TrainConfig(steps='ten')\n",
+            "c.py: steps must be int, got str 'ten'",
+        ),
+        (
+            "from jaxlm.config import ModelConfig, TrainConfig\nconfig = TrainConfig(model=ModelConfig(d_model=1.5))\n",
+            "c.py: model.d_model must be int, got float 1.5",
+        ),
+        (
+            "from jaxlm.config import OptimConfig, TrainConfig\n"
+            "config = TrainConfig(optim=OptimConfig(learning_rate=float('nan')))\n",
+            "c.py: optim.learning_rate must be a finite float, got nan",
+        ),
+    ],
+)
 def test_load_config_errors(tmp_path, source, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
         load_config(write(tmp_path, "c.py", source))
@@ -68,11 +89,15 @@ def test_load_config_errors(tmp_path, source, message):
 
 
 def test_config_syntax_error_names_the_line(tmp_path):
-    path = write(tmp_path, "broken.py", """\
+    path = write(
+        tmp_path,
+        "broken.py",
+        """\
         from jaxlm.config import TrainConfig
 
         config = = TrainConfig(steps=3)
-    """)
+    """,
+    )
     with pytest.raises(ConfigError, match=r"syntax error at line 3\b") as info:
         load_config(path)
     assert str(path) in str(info.value) and "\n" not in str(info.value)
@@ -87,10 +112,19 @@ def test_missing_config_file(tmp_path):
 
 
 def test_overrides_parse_each_type():
-    cfg = apply_overrides(TrainConfig(), [
-        "model.d_model=64", "optim.learning_rate=1e-3", "optim.weight_decay=0", "model.tie_embeddings=false",
-        "model.scan_layers=True", "model.dtype=bfloat16", "steps=5", " data.path = /tmp/x ",
-    ])
+    cfg = apply_overrides(
+        TrainConfig(),
+        [
+            "model.d_model=64",
+            "optim.learning_rate=1e-3",
+            "optim.weight_decay=0",
+            "model.tie_embeddings=false",
+            "model.scan_layers=True",
+            "model.dtype=bfloat16",
+            "steps=5",
+            " data.path = /tmp/x ",
+        ],
+    )
     assert cfg.model.d_model == 64 and type(cfg.model.d_model) is int
     assert cfg.optim.learning_rate == 1e-3 and type(cfg.optim.learning_rate) is float
     assert cfg.optim.weight_decay == 0.0 and type(cfg.optim.weight_decay) is float
@@ -101,17 +135,20 @@ def test_overrides_parse_each_type():
         assert apply_overrides(TrainConfig(), [f"tensorboard={raw}"]).tensorboard is expected
 
 
-@pytest.mark.parametrize("assignment, message", [
-    ("model.d_model=abc", r"bad value for model.d_model: 'abc' is not a valid int"),
-    ("model.d_model=1.5", r"bad value for model.d_model: '1.5' is not a valid int"),
-    ("optim.learning_rate=fast", r"bad value for optim.learning_rate: 'fast' is not a valid float"),
-    ("optim.learning_rate=nan", r"not a valid float"),
-    ("tensorboard=maybe", r"bad value for tensorboard: 'maybe' is not a valid bool"),
-    ("model.d_model", r"--set expects dotted.key=value"),
-    ("=3", r"--set expects dotted.key=value"),
-    ("model=3", r"'model' is a section"),
-    ("model.d_model.x=3", r"'d_model' is not a section"),
-])
+@pytest.mark.parametrize(
+    "assignment, message",
+    [
+        ("model.d_model=abc", r"bad value for model.d_model: 'abc' is not a valid int"),
+        ("model.d_model=1.5", r"bad value for model.d_model: '1.5' is not a valid int"),
+        ("optim.learning_rate=fast", r"bad value for optim.learning_rate: 'fast' is not a valid float"),
+        ("optim.learning_rate=nan", r"not a valid float"),
+        ("tensorboard=maybe", r"bad value for tensorboard: 'maybe' is not a valid bool"),
+        ("model.d_model", r"--set expects dotted.key=value"),
+        ("=3", r"--set expects dotted.key=value"),
+        ("model=3", r"'model' is a section"),
+        ("model.d_model.x=3", r"'d_model' is not a section"),
+    ],
+)
 def test_bad_overrides(assignment, message):
     with pytest.raises(ConfigError, match=message):
         apply_overrides(TrainConfig(), [assignment])
@@ -136,21 +173,33 @@ def test_default_and_tiny_configs_are_valid():
     validate(tiny_config())
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["model.num_heads=4", "model.num_kv_heads=3"], r"model.num_heads \(4\) must be divisible by model.num_kv_heads \(3\)"),
-    (["data.batch_size=10", "data.microbatches=4"], r"data.batch_size \(10\) must be divisible by data.microbatches \(4\)"),
-    (["data.seq_len=512", "model.max_seq_len=256"], r"data.seq_len \(512\) exceeds model.max_seq_len \(256\)"),
-    (["model.d_model=250", "model.num_heads=4"], r"model.d_model \(250\) must be divisible by model.num_heads \(4\)"),
-    (["model.d_model=36", "model.num_heads=4"], r"head dim must be even"),
-    (["steps=-3"], r"steps must be positive, got -3"),
-    (["model.num_layers=0"], r"model.num_layers must be positive, got 0"),
-    (["optim.warmup_steps=-1"], r"optim.warmup_steps must be >= 0"),
-    (["optim.learning_rate=0"], r"optim.learning_rate must be positive"),
-    (["optim.min_lr_ratio=1.5"], r"optim.min_lr_ratio must be in \[0, 1\]"),
-    (["data.val_fraction=1"], r"data.val_fraction must be in \[0, 1\)"),
-    (["model.dtype=float16"], r"model.dtype must be 'float32' or 'bfloat16'"),
-    (["model.attention_impl=flash"], r"model.attention_impl must be one of"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["model.num_heads=4", "model.num_kv_heads=3"],
+            r"model.num_heads \(4\) must be divisible by model.num_kv_heads \(3\)",
+        ),
+        (
+            ["data.batch_size=10", "data.microbatches=4"],
+            r"data.batch_size \(10\) must be divisible by data.microbatches \(4\)",
+        ),
+        (["data.seq_len=512", "model.max_seq_len=256"], r"data.seq_len \(512\) exceeds model.max_seq_len \(256\)"),
+        (
+            ["model.d_model=250", "model.num_heads=4"],
+            r"model.d_model \(250\) must be divisible by model.num_heads \(4\)",
+        ),
+        (["model.d_model=36", "model.num_heads=4"], r"head dim must be even"),
+        (["steps=-3"], r"steps must be positive, got -3"),
+        (["model.num_layers=0"], r"model.num_layers must be positive, got 0"),
+        (["optim.warmup_steps=-1"], r"optim.warmup_steps must be >= 0"),
+        (["optim.learning_rate=0"], r"optim.learning_rate must be positive"),
+        (["optim.min_lr_ratio=1.5"], r"optim.min_lr_ratio must be in \[0, 1\]"),
+        (["data.val_fraction=1"], r"data.val_fraction must be in \[0, 1\)"),
+        (["model.dtype=float16"], r"model.dtype must be 'float32' or 'bfloat16'"),
+        (["model.attention_impl=flash"], r"model.attention_impl must be one of"),
+    ],
+)
 def test_validate_rejects_bad_combinations(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(apply_overrides(TrainConfig(), overrides))
@@ -177,12 +226,16 @@ def test_dict_roundtrip_and_diff():
 # ----------------------------------------------------------------------------- mesh layouts
 
 
-@pytest.mark.parametrize("source", [
-    "layout = {'data': 2, 'fsdp': 4}\n",
-    "from sharding import MeshLayout\nlayout = MeshLayout(data=2, fsdp=4)\n",
-    "from sharding import MeshLayout\ndef layout(num_devices):\n    return MeshLayout(data=2, fsdp=num_devices // 2)\n",
-    "def layout(num_devices):\n    return {'data': 2, 'fsdp': num_devices // 2}\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "layout = {'data': 2, 'fsdp': 4}\n",
+        "from sharding import MeshLayout\nlayout = MeshLayout(data=2, fsdp=4)\n",
+        "from sharding import MeshLayout\n"
+        "def layout(num_devices):\n    return MeshLayout(data=2, fsdp=num_devices // 2)\n",
+        "def layout(num_devices):\n    return {'data': 2, 'fsdp': num_devices // 2}\n",
+    ],
+)
 def test_load_layout_forms(tmp_path, source):
     layout = load_layout(write(tmp_path, "mesh.py", source), 8)
     assert layout == MeshLayout(data=2, fsdp=4)
@@ -211,27 +264,40 @@ def test_layout_product_mismatch_names_the_numbers(tmp_path):
         build_mesh(MeshLayout(data=8), devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("source, message", [
-    ("layout = {'data': 8, 'model': 1}\n", r"unknown mesh axis 'model'; known axes: replica, data, fsdp"),
-    ("from sharding import MeshLayout\nlayout = MeshLayout(data=4, replica=3)\n",
-     r"mesh layout replica=3 x data=4 covers 12 devices but 8 are available"),
-    ("from sharding import MeshLayout\nlayout = MeshLayout(data=4, pipeline=2, pipeline_schedule='zb')\n",
-     r"pipeline_schedule 'zb' is unknown; choose one of gpipe, 1f1b"),
-    ("from sharding import MeshLayout\nlayout = MeshLayout(data=4, pipeline=2, pipeline_microbatches=-1)\n",
-     r"pipeline_microbatches must be an int >= 0"),
-    ("layout = {'data': 0}\n", r"mesh axis 'data' must be a positive int, got 0"),
-    ("layout = [8]\n", r"`layout` is a list, expected MeshLayout or dict"),
-    ("x = 1\n", r"must define `layout`"),
-    ("layout = {'data': 8\n", r"syntax error at line 1"),
-    ("from sharding import MeshLayout\nlayout = MeshLayout(data=8, rules={'embed': 'model'})\n",
-     r"rule 'embed' -> 'model': unknown mesh axis"),
-    ("layout = {'data': 8, 'rules': ['embed']}\n", r"rules must be a dict of logical axis -> mesh axis, got list"),
-    ("layout = {'data': 2.5}\n", r"mesh axis 'data' must be a positive int, got 2.5"),
-    ("layout = {8: 1}\n", r"unknown mesh axis 8"),
-    ("from sharding import MeshLayout\nlayout = MeshLayout(datta=8)\n",
-     r"m.py, line 2: MeshLayout has no field 'datta' \(did you mean 'data'\?\)"),
-    ("def layout(num_devices):\n    return {'data': num_devices // 0}\n", r"m.py, line 2 raised ZeroDivisionError"),
-])
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("layout = {'data': 8, 'model': 1}\n", r"unknown mesh axis 'model'; known axes: replica, data, fsdp"),
+        (
+            "from sharding import MeshLayout\nlayout = MeshLayout(data=4, replica=3)\n",
+            r"mesh layout replica=3 x data=4 covers 12 devices but 8 are available",
+        ),
+        (
+            "from sharding import MeshLayout\nlayout = MeshLayout(data=4, pipeline=2, pipeline_schedule='zb')\n",
+            r"pipeline_schedule 'zb' is unknown; choose one of gpipe, 1f1b",
+        ),
+        (
+            "from sharding import MeshLayout\nlayout = MeshLayout(data=4, pipeline=2, pipeline_microbatches=-1)\n",
+            r"pipeline_microbatches must be an int >= 0",
+        ),
+        ("layout = {'data': 0}\n", r"mesh axis 'data' must be a positive int, got 0"),
+        ("layout = [8]\n", r"`layout` is a list, expected MeshLayout or dict"),
+        ("x = 1\n", r"must define `layout`"),
+        ("layout = {'data': 8\n", r"syntax error at line 1"),
+        (
+            "from sharding import MeshLayout\nlayout = MeshLayout(data=8, rules={'embed': 'model'})\n",
+            r"rule 'embed' -> 'model': unknown mesh axis",
+        ),
+        ("layout = {'data': 8, 'rules': ['embed']}\n", r"rules must be a dict of logical axis -> mesh axis, got list"),
+        ("layout = {'data': 2.5}\n", r"mesh axis 'data' must be a positive int, got 2.5"),
+        ("layout = {8: 1}\n", r"unknown mesh axis 8"),
+        (
+            "from sharding import MeshLayout\nlayout = MeshLayout(datta=8)\n",
+            r"m.py, line 2: MeshLayout has no field 'datta' \(did you mean 'data'\?\)",
+        ),
+        ("def layout(num_devices):\n    return {'data': num_devices // 0}\n", r"m.py, line 2 raised ZeroDivisionError"),
+    ],
+)
 def test_bad_layouts(tmp_path, source, message):
     with pytest.raises(LayoutError, match=message) as info:
         load_layout(write(tmp_path, "m.py", source), 8)
@@ -256,8 +322,11 @@ def test_check_divisibility():
         piped.check_divisibility(**{**ok, "num_layers": 3, "microbatches": 1})
     with pytest.raises(LayoutError, match=r"batch 12 does not split into 2 accumulation x 4 pipeline microbatches"):
         piped.check_divisibility(**{**ok, "batch_size": 12})
-    with pytest.raises(LayoutError, match=r"microbatch size 1 .* 4 pipeline microbatches\) is not divisible by "
-                                          r"replica x data x fsdp = 2"):
+    with pytest.raises(
+        LayoutError,
+        match=r"microbatch size 1 .* 4 pipeline microbatches\) is not divisible by "
+        r"replica x data x fsdp = 2",
+    ):
         piped.check_divisibility(**{**ok, "batch_size": 4, "microbatches": 1})
     assert MeshLayout(pipeline=4).num_microbatches == 8 and MeshLayout(data=8).num_microbatches == 1
 
@@ -275,8 +344,9 @@ def test_indivisible_param_dimension_is_a_layout_error():
 
 
 def test_logical_spec_defaults_and_overrides():
-    assert logical_spec(("layers", "embed", "kv_heads", None, "head_dim")) == P("pipeline", "fsdp", "tensor", None,
-                                                                               None)
+    assert logical_spec(("layers", "embed", "kv_heads", None, "head_dim")) == P(
+        "pipeline", "fsdp", "tensor", None, None
+    )
     assert logical_spec(("batch", "seq")) == P(("replica", "data", "fsdp"), None)
     assert logical_spec(("vocab", "embed"), {"vocab": None, "embed": ("fsdp", "tensor")}) == P(None, ("fsdp", "tensor"))
     assert logical_spec(("unknown_name",)) == P(None)

@@ -7,11 +7,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from data import (BYTE_TOKENIZER_VOCAB_SIZE, EOS_ID, BatchIterator, SeededBatchIterator, TokenFile,
-                  TokenFileError, decode, default_corpus, encode, eval_batches, segment_ids, split_train_val,
-                  write_token_file)
+from data import (
+    BYTE_TOKENIZER_VOCAB_SIZE,
+    EOS_ID,
+    BatchIterator,
+    SeededBatchIterator,
+    TokenFile,
+    TokenFileError,
+    decode,
+    default_corpus,
+    encode,
+    eval_batches,
+    segment_ids,
+    split_train_val,
+    write_token_file,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ["hello world", "héllo ünïcode ✓", ""]
@@ -22,6 +35,7 @@ def make_file(tmp_path, docs=DOCS, name="tf"):
 
 
 # --- tokenizer and token file ---------------------------------------------------------------
+
 
 def test_tokenizer_roundtrip():
     ids = encode("abc é")
@@ -56,17 +70,20 @@ def test_truncated_tokens_bin(tmp_path):
         TokenFile.open(path)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda p: (p / "meta.json").unlink(), "missing meta.json"),
-    (lambda p: (p / "meta.json").write_text("{not json"), "not valid JSON"),
-    (lambda p: (p / "tokens.bin").unlink(), "missing tokens.bin"),
-    (lambda p: _edit_meta(p, format="other"), "format is 'other'"),
-    (lambda p: _edit_meta(p, dtype="float32"), "unknown dtype 'float32'"),
-    (lambda p: _edit_meta(p, max_token_id=900), "max_token_id 900 >= vocab_size"),
-    (lambda p: (_edit_meta(p, num_tokens=0), (p / "tokens.bin").write_bytes(b"")), r"empty \(0 tokens\)"),
-    (lambda p: [f.unlink() for f in p.iterdir()], "empty directory: a token file is a directory with tokens.bin"),
-    (lambda p: ((p / "tokens.bin").unlink(), (p / "tokens.bin").mkdir()), "tokens.bin is not a file"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: (p / "meta.json").unlink(), "missing meta.json"),
+        (lambda p: (p / "meta.json").write_text("{not json"), "not valid JSON"),
+        (lambda p: (p / "tokens.bin").unlink(), "missing tokens.bin"),
+        (lambda p: _edit_meta(p, format="other"), "format is 'other'"),
+        (lambda p: _edit_meta(p, dtype="float32"), "unknown dtype 'float32'"),
+        (lambda p: _edit_meta(p, max_token_id=900), "max_token_id 900 >= vocab_size"),
+        (lambda p: (_edit_meta(p, num_tokens=0), (p / "tokens.bin").write_bytes(b"")), r"empty \(0 tokens\)"),
+        (lambda p: [f.unlink() for f in p.iterdir()], "empty directory: a token file is a directory with tokens.bin"),
+        (lambda p: ((p / "tokens.bin").unlink(), (p / "tokens.bin").mkdir()), "tokens.bin is not a file"),
+    ],
+)
 def test_open_reports_problems(tmp_path, damage, message):
     path = make_file(tmp_path)
     damage(path)
@@ -141,9 +158,11 @@ def test_overwrite_rules(tmp_path):
 
 # --- prepare CLI and default corpus ----------------------------------------------------------
 
+
 def run_prepare(*args):
-    return subprocess.run([sys.executable, "-m", "data.prepare", *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "data.prepare", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_prepare_end_to_end(tmp_path):
@@ -188,8 +207,16 @@ def test_default_corpus(tmp_path):
 
 def test_default_corpus_concurrent_builds(tmp_path):
     code = "import sys; from data import default_corpus; print(default_corpus(sys.argv[1]))"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(4)
+    ]
     outputs = [p.communicate(timeout=60) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err for _, err in outputs]
     assert len({out for out, _ in outputs}) == 1
@@ -198,6 +225,7 @@ def test_default_corpus_concurrent_builds(tmp_path):
 
 
 # --- iterator --------------------------------------------------------------------------------
+
 
 def take(it, n):
     return [next(it) for _ in range(n)]
@@ -285,8 +313,10 @@ def test_process_streams_concatenate_to_global(process_count):
     tokens = np.arange(2000)
     kwargs = dict(batch_size=8, seq_len=10, seed=3)
     full = take(SeededBatchIterator(tokens, **kwargs), 30)
-    parts = [take(SeededBatchIterator(tokens, process_index=p, process_count=process_count, **kwargs), 30)
-             for p in range(process_count)]
+    parts = [
+        take(SeededBatchIterator(tokens, process_index=p, process_count=process_count, **kwargs), 30)
+        for p in range(process_count)
+    ]
     for step, batch in enumerate(full):
         np.testing.assert_array_equal(batch["inputs"], np.concatenate([part[step]["inputs"] for part in parts]))
     with pytest.raises(ValueError, match="not divisible by process_count=3"):

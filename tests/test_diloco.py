@@ -6,19 +6,20 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from helpers import random_batch, random_token_file, tiny_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_resume import CrashingIterator
 
 from data import SeededBatchIterator, TokenFile
 from data.partitioned import PartitionedBatches
-from helpers import random_batch, random_token_file, tiny_config
 from jaxlm.config import ConfigError, DiLoCoConfig, validate
+from jaxlm.diloco.compression import round_trip, wire_bytes
 from jaxlm.diloco.program import DiLoCoProgram, Schedule
 from jaxlm.metrics import read_metrics
-from jaxlm.diloco.compression import round_trip, wire_bytes
 from jaxlm.train import Program
 from jaxlm.trainer import Trainer
 from sharding import LayoutError, MeshLayout, build_mesh
-from test_resume import CrashingIterator
 
 SGD = dict(optimizer="sgd", grad_clip=0.0, weight_decay=0.0, learning_rate=0.1, warmup_steps=0)
 # Tests whose schedule does not matter use lr 1e-2 and steps=10: one inner-step program, compiled once (the
@@ -100,8 +101,13 @@ def test_a_warm_start_gives_every_replica_the_plain_run_s_state():
 def test_outer_gradient_is_global_minus_local():
     """With outer SGD lr 0.5 and no momentum, one sync moves the global params half way to the replicas' mean: the
     outer gradient is θ_global − θ_local (the opposite sign would move them away)."""
-    cfg = with_diloco(tiny_config(optim=dict(learning_rate=1e-2), steps=10), replicas=2, inner_steps=10,
-                      outer_lr=0.5, outer_momentum=0.0)
+    cfg = with_diloco(
+        tiny_config(optim=dict(learning_rate=1e-2), steps=10),
+        replicas=2,
+        inner_steps=10,
+        outer_lr=0.5,
+        outer_momentum=0.0,
+    )
     program = DiLoCoProgram(cfg, mesh())
     state, _ = run(program, 3)  # 3 inner steps, no sync yet
     g0 = leaves(state.global_params)
@@ -115,8 +121,13 @@ def test_outer_gradient_is_global_minus_local():
 
 def test_nesterov_outer_step_matches_a_hand_computed_one():
     """Two syncs of optax SGD with Nesterov momentum: v = Δ + μv, update = −lr (Δ + μ v)."""
-    cfg = with_diloco(tiny_config(optim=dict(learning_rate=1e-2), steps=10), replicas=2, inner_steps=2,
-                      outer_lr=0.7, outer_momentum=0.9)
+    cfg = with_diloco(
+        tiny_config(optim=dict(learning_rate=1e-2), steps=10),
+        replicas=2,
+        inner_steps=2,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+    )
     program = DiLoCoProgram(cfg, mesh())
     batches = [random_batch(i) for i in range(4)]
     state = program.init()
@@ -143,8 +154,13 @@ def test_fragment_schedule(fragments, per, overlap, steps):
     """Each fragment syncs every H steps, in turn, every H/P steps; its merge follows τ steps later; the last step
     syncs and merges everything still outstanding; the sync counts the metrics report are the schedule's."""
     overlap = overlap % per
-    cfg = with_diloco(tiny_config(model=dict(num_layers=4), steps=steps), replicas=2, inner_steps=per * fragments,
-                      fragments=fragments, overlap_steps=overlap)
+    cfg = with_diloco(
+        tiny_config(model=dict(num_layers=4), steps=steps),
+        replicas=2,
+        inner_steps=per * fragments,
+        fragments=fragments,
+        overlap_steps=overlap,
+    )
     sched = Schedule(cfg)
     syncs = {t: sched.syncs_at(t) for t in range(1, steps + 1)}
     merges = {t: sched.merges_at(t) for t in range(1, steps + 1)}
@@ -166,18 +182,31 @@ def test_fragment_schedule(fragments, per, overlap, steps):
 def test_fragments_cover_every_value_once_and_sync_only_their_own_rows():
     """Layer l (and row r of the embedding and the final norm) belongs to fragment l mod P: a sync of fragment 1
     changes exactly those rows of the global params and the replicas, and the two fragments are near-equal."""
-    cfg = with_diloco(tiny_config(model=dict(num_layers=4), optim=dict(learning_rate=1e-2), steps=20), replicas=2,
-                      inner_steps=4, fragments=2, outer_lr=0.7, outer_momentum=0.9)
+    cfg = with_diloco(
+        tiny_config(model=dict(num_layers=4), optim=dict(learning_rate=1e-2), steps=20),
+        replicas=2,
+        inner_steps=4,
+        fragments=2,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+    )
     program = DiLoCoProgram(cfg, mesh())
     shapes = [x.shape for x in jax.tree.leaves(program.replica_abstract.params)]
     assert sum(sum(program.fragments.sizes(shapes, p)) for p in range(2)) == program.num_params
     state, _ = run(program, 3)  # 3 inner steps; fragment 0 synced at step 2 (overlap 0: merged)
-    before = dataclasses.replace(state, global_params=jax.tree.map(np.asarray, state.global_params),
-                                 replicas=jax.tree.map(np.asarray, state.replicas))
+    before = dataclasses.replace(
+        state,
+        global_params=jax.tree.map(np.asarray, state.global_params),
+        replicas=jax.tree.map(np.asarray, state.replicas),
+    )
     state = program.sync[1, True](state, program._alive_array(3))
     assert all(program.fragments.split)
-    for g0, g1, r0, r1 in zip(leaves(before.global_params), leaves(state.global_params),
-                              leaves(before.replicas.params), leaves(state.replicas.params)):
+    for g0, g1, r0, r1 in zip(
+        leaves(before.global_params),
+        leaves(state.global_params),
+        leaves(before.replicas.params),
+        leaves(state.replicas.params),
+    ):
         np.testing.assert_array_equal(g1[0::2], g0[0::2])  # fragment 0's rows untouched
         np.testing.assert_array_equal(r1[:, 0::2], r0[:, 0::2])
         assert not np.array_equal(g1[1::2], g0[1::2])
@@ -193,8 +222,13 @@ def test_compressed_outer_gradients_are_what_the_receivers_reconstruct_and_bytes
     """One sync with 4-bit outer gradients: the outer step is the Nesterov step on the mean of the replicas' deltas
     after the int4 round trip (block 64), which differs from the float32 step by at most a few quantization steps;
     the bytes logged are the wire sizes (payload = params x 4 bits / 8, plus one float32 scale per block)."""
-    cfg = with_diloco(tiny_config(optim=dict(learning_rate=1e-2), steps=10), replicas=2, inner_steps=2,
-                      compression="int4", compression_block=64)
+    cfg = with_diloco(
+        tiny_config(optim=dict(learning_rate=1e-2), steps=10),
+        replicas=2,
+        inner_steps=2,
+        compression="int4",
+        compression_block=64,
+    )
     program = DiLoCoProgram(cfg, mesh())
     state = program.init()
     for t in (1, 2):
@@ -222,8 +256,14 @@ def test_compressed_outer_gradients_are_what_the_receivers_reconstruct_and_bytes
 def test_lost_replica_is_left_out_and_rejoins_from_the_global_params():
     """Replica 1 is down for steps 2..3: it takes no inner steps, the sync at step 2 averages replica 0 alone (outer
     SGD lr 1: global = replica 0), and at step 4 it restarts from the global params with replica 0's optimizer."""
-    cfg = with_diloco(tiny_config(optim=dict(learning_rate=1e-2), steps=10), replicas=2, inner_steps=2, outer_lr=1.0,
-                      outer_momentum=0.0, drop="1@2-3")
+    cfg = with_diloco(
+        tiny_config(optim=dict(learning_rate=1e-2), steps=10),
+        replicas=2,
+        inner_steps=2,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        drop="1@2-3",
+    )
     program = DiLoCoProgram(cfg, mesh())
     batches = [program.device_batch(random_batch(i)) for i in range(4)]
     state = program.init()
@@ -247,28 +287,37 @@ def test_lost_replica_is_left_out_and_rejoins_from_the_global_params():
     assert program.step_metrics(3)["diloco_alive"] == 1 and program.step_metrics(4)["diloco_alive"] == 2
 
 
-@pytest.mark.parametrize("drop, message", [
-    ("0@1-5,1@3-4", "leaves no replica alive at step 3"),
-    ("2@1-3", r"replica 2 in '2@1-3' is not in \[0, 2\)"),
-    ("1@5", "is not 'replica@first-last'"),
-    ("1@5-2", "needs 1 <= first <= last"),
-])
+@pytest.mark.parametrize(
+    "drop, message",
+    [
+        ("0@1-5,1@3-4", "leaves no replica alive at step 3"),
+        ("2@1-3", r"replica 2 in '2@1-3' is not in \[0, 2\)"),
+        ("1@5", "is not 'replica@first-last'"),
+        ("1@5-2", "needs 1 <= first <= last"),
+    ],
+)
 def test_bad_drop_schedules_are_refused(drop, message):
     with pytest.raises(ConfigError, match=message):
         with_diloco(tiny_config(), replicas=2, drop=drop)
 
 
-@pytest.mark.parametrize("diloco, message", [
-    (dict(replicas=3), r"data.batch_size \(8\) must be divisible by diloco.replicas \(3\)"),
-    (dict(replicas=2, inner_steps=30, fragments=4), r"diloco.fragments must be in \[1, model.num_layers = 2\]"),
-    (dict(replicas=2, inner_steps=5, fragments=2), r"inner_steps \(5\) must be divisible by diloco.fragments"),
-    (dict(replicas=2, inner_steps=4, fragments=2, overlap_steps=2), r"overlap_steps must be in \[0, .* = 2\)"),
-    (dict(replicas=2, compression="fp4"), "diloco.compression must be one of none, bf16, int8, int4"),
-    (dict(replicas=2, outer_momentum=1.0), r"outer_momentum must be in \[0, 1\)"),
-    (dict(replicas=2, data="shuffled"), "diloco.data must be one of iid, partition"),
-    (dict(replicas=2, exchange="ex", sync_timeout_s=0), "diloco.sync_timeout_s must be positive, got 0"),
-    (dict(replicas=2, exchange="ex", heartbeat_s=-1), r"diloco.heartbeat_s must be >= 0 \(0 turns the heartbeat off\)"),
-])
+@pytest.mark.parametrize(
+    "diloco, message",
+    [
+        (dict(replicas=3), r"data.batch_size \(8\) must be divisible by diloco.replicas \(3\)"),
+        (dict(replicas=2, inner_steps=30, fragments=4), r"diloco.fragments must be in \[1, model.num_layers = 2\]"),
+        (dict(replicas=2, inner_steps=5, fragments=2), r"inner_steps \(5\) must be divisible by diloco.fragments"),
+        (dict(replicas=2, inner_steps=4, fragments=2, overlap_steps=2), r"overlap_steps must be in \[0, .* = 2\)"),
+        (dict(replicas=2, compression="fp4"), "diloco.compression must be one of none, bf16, int8, int4"),
+        (dict(replicas=2, outer_momentum=1.0), r"outer_momentum must be in \[0, 1\)"),
+        (dict(replicas=2, data="shuffled"), "diloco.data must be one of iid, partition"),
+        (dict(replicas=2, exchange="ex", sync_timeout_s=0), "diloco.sync_timeout_s must be positive, got 0"),
+        (
+            dict(replicas=2, exchange="ex", heartbeat_s=-1),
+            r"diloco.heartbeat_s must be >= 0 \(0 turns the heartbeat off\)",
+        ),
+    ],
+)
 def test_bad_diloco_configs_are_refused(diloco, message):
     with pytest.raises(ConfigError, match=message):
         with_diloco(tiny_config(), **diloco)
@@ -292,9 +341,15 @@ def test_resume_in_the_middle_of_an_inner_phase_gives_identical_losses(tmp_path)
     after step 7, with its last checkpoint at step 5 (inside the second inner phase of H=4, with a replica down and
     a fragment merge in flight), and is rerun logs the same losses, bit for bit, as one that never stopped."""
     tokens = TokenFile.open(random_token_file(tmp_path / "tokens")).tokens
-    cfg = with_diloco(tiny_config(model=dict(num_layers=2), steps=10, checkpoint_every=5,
-                                  optim=dict(learning_rate=1e-2)),
-                      replicas=2, inner_steps=4, fragments=2, overlap_steps=1, compression="int8", drop="1@3-6")
+    cfg = with_diloco(
+        tiny_config(model=dict(num_layers=2), steps=10, checkpoint_every=5, optim=dict(learning_rate=1e-2)),
+        replicas=2,
+        inner_steps=4,
+        fragments=2,
+        overlap_steps=1,
+        compression="int8",
+        drop="1@3-6",
+    )
 
     def train(workdir, crash_at=None):
         batches = SeededBatchIterator(tokens, batch_size=8, seq_len=16, seed=0)
@@ -318,9 +373,15 @@ def test_partitioned_data_gives_each_replica_its_own_slice(tmp_path):
     tokens = TokenFile.open(random_token_file(tmp_path / "tokens", num_tokens=4000)).tokens
     make = lambda: PartitionedBatches(tokens, parts=2, batch_size=8, seq_len=16, seed=3, start=0, stop=4000)  # noqa
     it = make()
-    half = {m: {tuple(w) for w in SeededBatchIterator(tokens, batch_size=4, seq_len=16, seed=3 + m,
-                                                      start=2000 * m, stop=2000 * (m + 1)).__next__()["inputs"]}
-            for m in (0, 1)}
+    half = {
+        m: {
+            tuple(w)
+            for w in SeededBatchIterator(
+                tokens, batch_size=4, seq_len=16, seed=3 + m, start=2000 * m, stop=2000 * (m + 1)
+            ).__next__()["inputs"]
+        }
+        for m in (0, 1)
+    }
     first = next(it)
     assert {tuple(w) for w in first["inputs"][:4]} == half[0] and {tuple(w) for w in first["inputs"][4:]} == half[1]
     for _ in range(5):

@@ -9,11 +9,13 @@ import signal
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
-from jax.sharding import NamedSharding, PartitionSpec as P
+from helpers import one_device_mesh, random_batch, random_token_file, tiny_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from data import SeededBatchIterator, TokenFile
-from helpers import one_device_mesh, random_batch, random_token_file, tiny_config
 from jaxlm.checkpoint import TMP_MARKER, Checkpointer, integrity
 from jaxlm.goodput import append_record, read_goodput
 from jaxlm.metrics import read_metrics
@@ -27,8 +29,9 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tokens = TokenFile.open(random_token_file(tmp_path_factory.mktemp("data") / "tokens")).tokens
-    cfg = tiny_config(steps=STEPS, checkpoint_every=2, optim=dict(learning_rate=1e-2, warmup_steps=2,
-                                                                  decay_steps=STEPS))
+    cfg = tiny_config(
+        steps=STEPS, checkpoint_every=2, optim=dict(learning_rate=1e-2, warmup_steps=2, decay_steps=STEPS)
+    )
     return tokens, cfg, one_device_mesh()
 
 
@@ -91,8 +94,10 @@ def test_a_non_finite_step_leaves_params_and_optimizer_state_alone(setup):
     assert float(metrics["skipped"]) == 1.0 and not np.isfinite(float(metrics["loss"]))
     after = jax.device_get(state)
     assert int(after.step) == 1  # the step counter moves on with the data
-    for a, b in zip(jax.tree.leaves(before.params) + jax.tree.leaves(before.opt_state),
-                    jax.tree.leaves(after.params) + jax.tree.leaves(after.opt_state)):
+    for a, b in zip(
+        jax.tree.leaves(before.params) + jax.tree.leaves(before.opt_state),
+        jax.tree.leaves(after.params) + jax.tree.leaves(after.opt_state),
+    ):
         np.testing.assert_array_equal(a, b)
     state, metrics = program.train_step(state, program.device_batch(random_batch(1)))
     assert float(metrics["skipped"]) == 0.0 and np.isfinite(float(metrics["loss"]))
@@ -169,8 +174,9 @@ def _damage(step_dir, how):
 
 
 @pytest.mark.parametrize("how", ["flip_byte", "truncate", "delete_file", "garbage_config"])
-def test_a_corrupt_latest_checkpoint_is_moved_aside_and_the_previous_one_resumes_exactly(setup, straight, tmp_path,
-                                                                                         how):
+def test_a_corrupt_latest_checkpoint_is_moved_aside_and_the_previous_one_resumes_exactly(
+    setup, straight, tmp_path, how
+):
     train(setup, tmp_path, steps=4)  # checkpoints 2 and 4
     _damage(tmp_path / "checkpoints" / "4", how)
     train(setup, tmp_path)
@@ -217,8 +223,9 @@ def test_time_based_policy_saves_between_step_checkpoints(setup, tmp_path):
 def test_goodput_record_splits_the_wall_time(setup, tmp_path):
     train(setup, tmp_path)
     (record,) = read_goodput(tmp_path)
-    parts = sum(record[k] for k in ("startup_s", "restore_s", "compile_s", "data_s", "eval_s", "checkpoint_s",
-                                    "step_s"))
+    parts = sum(
+        record[k] for k in ("startup_s", "restore_s", "compile_s", "data_s", "eval_s", "checkpoint_s", "step_s")
+    )
     assert parts == pytest.approx(record["wall_s"], rel=1e-6)
     assert record["steps"] == STEPS and record["saves"] == STEPS // 2 and record["outcome"] == "finished"
     assert 0 < record["goodput"] < 1 and record["compile_s"] > 0

@@ -27,6 +27,7 @@ def module_files() -> dict[str, Path]:
 
 def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The project modules `name` imports (the longest known prefix of each dotted name)."""
+
     def known(dotted: str) -> str | None:
         while dotted and dotted not in modules:
             dotted = dotted.rpartition(".")[0]
@@ -40,7 +41,7 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package_parts[:len(package_parts) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package_parts[: len(package_parts) - node.level + 1] + ([base] if base else []))
             targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
@@ -107,9 +108,12 @@ def test_the_graph_is_read():
 
 
 def test_no_package_imports_a_higher_one():
-    upward = [f"{module} imports {target}" for module, targets in import_graph().items() for target in targets
-              if target.split(".")[0] != module.split(".")[0]
-              and target.split(".")[0] not in MAY_IMPORT[module.split(".")[0]]]
+    upward = [
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if target.split(".")[0] != module.split(".")[0] and target.split(".")[0] not in MAY_IMPORT[module.split(".")[0]]
+    ]
     assert not upward, upward
 
 

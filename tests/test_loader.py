@@ -9,7 +9,7 @@ import pytest
 from data.access_plan import AccessPlan, process_rows
 from data.iterator import batch_from_windows
 from data.loader import ClairvoyantLoader, LoaderError, file_exchange
-from data.sources import SourceError, ThrottledSource, TokenWindowSource, write_shards, ShardedSource
+from data.sources import ShardedSource, SourceError, ThrottledSource, TokenWindowSource, write_shards
 
 SEQ = 16
 
@@ -144,17 +144,25 @@ def test_prefetch_hides_a_slow_source_behind_a_slow_step():
 def _peer_process(directory, index, count, out):
     source = ThrottledSource(_source(800), latency_s=0.002, bandwidth_bytes_per_s=None)  # a peer is faster
     nbytes = source.sample_nbytes
-    loader = ClairvoyantLoader(source, batch_size=16, seed=5, process_index=index, process_count=count,
-                               ram_bytes=(800 // count) * nbytes // 2, workers=4,
-                               exchange=file_exchange(directory, index, count, "t"))
+    loader = ClairvoyantLoader(
+        source,
+        batch_size=16,
+        seed=5,
+        process_index=index,
+        process_count=count,
+        ram_bytes=(800 // count) * nbytes // 2,
+        workers=4,
+        exchange=file_exchange(directory, index, count, "t"),
+    )
     plan = AccessPlan(800, 16, 5)
     steps = 4 * plan.steps_per_epoch
     ok = True
     barrier_dir = directory
     for step in range(steps):
         batch = next(loader)
-        ok &= np.array_equal(batch["inputs"],
-                             _expected(source.source, plan, step, process_rows(16, index, count))["inputs"])
+        ok &= np.array_equal(
+            batch["inputs"], _expected(source.source, plan, step, process_rows(16, index, count))["inputs"]
+        )
         if step % 10 == 0:  # lockstep, as training steps are
             file_exchange(barrier_dir, index, count, f"b{step}")({})
     m = loader.metrics()

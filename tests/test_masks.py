@@ -72,9 +72,18 @@ def test_repr_equality_and_hash():
     assert (causal() & sliding_window(2)) & chunked_causal(4) == causal() & (sliding_window(2) & chunked_causal(4))
 
 
-@pytest.mark.parametrize("bad", [lambda: sliding_window(0), lambda: chunked_causal(0), lambda: prefix_lm(-1),
-                                 lambda: global_tokens(1.5), lambda: soft_cap(0.0),
-                                 lambda: BlockSizes(0, 8), lambda: BlockSizes(8, True)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: sliding_window(0),
+        lambda: chunked_causal(0),
+        lambda: prefix_lm(-1),
+        lambda: global_tokens(1.5),
+        lambda: soft_cap(0.0),
+        lambda: BlockSizes(0, 8),
+        lambda: BlockSizes(8, True),
+    ],
+)
 def test_bad_arguments_raise(bad):
     with pytest.raises(ValueError):
         bad()
@@ -115,7 +124,7 @@ def test_soft_cap_values():
 
 def test_alibi_values_per_head():
     slopes = alibi_slopes(4)
-    np.testing.assert_allclose(slopes, [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8])
+    np.testing.assert_allclose(slopes, [2**-2, 2**-4, 2**-6, 2**-8])
     assert len(alibi_slopes(6)) == 6 and alibi_slopes(6)[:4] == alibi_slopes(4)
     mod = alibi(slopes)
     H = len(slopes)
@@ -161,21 +170,34 @@ def check_block_mask(bm, dense):
 
     check_lists(bm.kv_block_indices, bm.kv_partial_counts, bm.kv_block_counts, kind)
     check_lists(bm.q_block_indices, bm.q_partial_counts, bm.q_block_counts, np.swapaxes(kind, -1, -2))
-    for a in (bm.kv_block_indices, bm.kv_partial_counts, bm.kv_block_counts, bm.q_block_indices,
-              bm.q_partial_counts, bm.q_block_counts):
+    for a in (
+        bm.kv_block_indices,
+        bm.kv_partial_counts,
+        bm.kv_block_counts,
+        bm.q_block_indices,
+        bm.q_partial_counts,
+        bm.q_block_counts,
+    ):
         assert a.dtype == np.int32
         if not bm.is_traced:
             assert not a.flags.writeable
 
 
 leaves = st.one_of(
-    st.just(causal()), st.just(full()),
-    st.integers(1, 12).map(sliding_window), st.integers(1, 12).map(chunked_causal),
-    st.integers(0, 12).map(prefix_lm), st.integers(0, 4).map(global_tokens),
+    st.just(causal()),
+    st.just(full()),
+    st.integers(1, 12).map(sliding_window),
+    st.integers(1, 12).map(chunked_causal),
+    st.integers(0, 12).map(prefix_lm),
+    st.integers(0, 4).map(global_tokens),
 )
-masks = st.recursive(leaves, lambda kids: st.one_of(st.tuples(kids, kids).map(lambda ab: ab[0] & ab[1]),
-                                                    st.tuples(kids, kids).map(lambda ab: ab[0] | ab[1])),
-                     max_leaves=4)
+masks = st.recursive(
+    leaves,
+    lambda kids: st.one_of(
+        st.tuples(kids, kids).map(lambda ab: ab[0] & ab[1]), st.tuples(kids, kids).map(lambda ab: ab[0] | ab[1])
+    ),
+    max_leaves=4,
+)
 
 
 def dense_of(mask, q_len, kv_len):
@@ -194,21 +216,31 @@ def assert_block_mask_or_empty_row_error(mask, q_len, kv_len, bs):
 
 
 @settings(max_examples=150, deadline=None)
-@given(mask=masks, bq=st.sampled_from([1, 2, 4, 8]), bkv=st.sampled_from([1, 2, 4, 8]),
-       q_len=st.integers(1, 40), kv_len=st.integers(1, 40))
+@given(
+    mask=masks,
+    bq=st.sampled_from([1, 2, 4, 8]),
+    bkv=st.sampled_from([1, 2, 4, 8]),
+    q_len=st.integers(1, 40),
+    kv_len=st.integers(1, 40),
+)
 def test_block_mask_agrees_with_dense_mask(mask, bq, bkv, q_len, kv_len):
     """Any lengths: the grid is padded up to whole blocks and the padding counts as masked."""
     assert_block_mask_or_empty_row_error(mask, q_len, kv_len, BlockSizes(bq, bkv))
 
 
 @settings(max_examples=60, deadline=None)
-@given(mask=masks, data=st.data(), bq=st.sampled_from([1, 2, 4, 8]), bkv=st.sampled_from([1, 2, 4, 8]),
-       n=st.integers(1, 5))
+@given(
+    mask=masks, data=st.data(), bq=st.sampled_from([1, 2, 4, 8]), bkv=st.sampled_from([1, 2, 4, 8]), n=st.integers(1, 5)
+)
 def test_block_mask_document_batch_of_two(mask, data, bq, bkv, n):
     length = n * bq * bkv
     # sorted random segment ids: packed documents of random lengths, different in each batch row
-    seg = np.sort(np.array(data.draw(st.lists(st.integers(0, 3), min_size=2 * length, max_size=2 * length)),
-                           np.int32).reshape(2, length), axis=-1)
+    seg = np.sort(
+        np.array(data.draw(st.lists(st.integers(0, 3), min_size=2 * length, max_size=2 * length)), np.int32).reshape(
+            2, length
+        ),
+        axis=-1,
+    )
     m = mask & document(seg)
     assert_block_mask_or_empty_row_error(m, length, length, BlockSizes(bq, bkv))
     if not dense_of(m, length, length).any(-1).all():
@@ -230,16 +262,28 @@ def test_document_causal_block_mask_example():
 
 
 @settings(max_examples=12, deadline=None)  # each example compiles the traced block mask anew
-@given(mask=masks, data=st.data(), bq=st.sampled_from([1, 2, 4]), bkv=st.sampled_from([1, 2, 4]),
-       length=st.integers(1, 24))
+@given(
+    mask=masks, data=st.data(), bq=st.sampled_from([1, 2, 4]), bkv=st.sampled_from([1, 2, 4]), length=st.integers(1, 24)
+)
 def test_traced_block_mask_equals_host_block_mask(mask, data, bq, bkv, length):
     """Segment ids traced under jit (they come from the batch): the device-built lists hold the same blocks."""
-    seg = np.sort(np.array(data.draw(st.lists(st.integers(0, 3), min_size=2 * length, max_size=2 * length)),
-                           np.int32).reshape(2, length), axis=-1)
+    seg = np.sort(
+        np.array(data.draw(st.lists(st.integers(0, 3), min_size=2 * length, max_size=2 * length)), np.int32).reshape(
+            2, length
+        ),
+        axis=-1,
+    )
     m = (mask | causal()) & document(seg)  # every query sees itself: no empty rows
     host = make_block_mask(m, length, length, BlockSizes(bq, bkv))
-    fields = ("kind", "kv_block_indices", "kv_partial_counts", "kv_block_counts", "q_block_indices",
-              "q_partial_counts", "q_block_counts")
+    fields = (
+        "kind",
+        "kv_block_indices",
+        "kv_partial_counts",
+        "kv_block_counts",
+        "q_block_indices",
+        "q_partial_counts",
+        "q_block_counts",
+    )
 
     @jax.jit
     def traced(ids):

@@ -8,13 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given, settings, strategies as st
-
 from helpers import VOCAB, random_batch, tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from jaxlm.attention import IMPLEMENTATIONS, attention, parse_mask
-from pallas_kernels import BlockSizes, soft_cap
 from jaxlm.model import LOGICAL_AXES, Transformer
 from jaxlm.train import loss_sums
+from pallas_kernels import BlockSizes, soft_cap
 
 T = 16
 
@@ -120,13 +121,20 @@ def allowed_by(spec, segment_ids, B, T):
         "causal & document": (q >= kv) & same_doc,
         "sliding_window(5)": (q - kv >= 0) & (q - kv < 5),
         "prefix_lm(4) & document": ((kv < 4) | (q >= kv)) & same_doc,
-        "causal & (sliding_window(3) | global_tokens(2))": (q >= kv) & (((q - kv >= 0) & (q - kv < 3)) | (kv < 2) | (q < 2)),
+        "causal & (sliding_window(3) | global_tokens(2))": (q >= kv)
+        & (((q - kv >= 0) & (q - kv < 3)) | (kv < 2) | (q < 2)),
     }
     return np.broadcast_to(table[spec], (B, T, T))
 
 
-MASK_SPECS = ["causal", "full", "causal & document", "sliding_window(5)", "prefix_lm(4) & document",
-              "causal & (sliding_window(3) | global_tokens(2))"]
+MASK_SPECS = [
+    "causal",
+    "full",
+    "causal & document",
+    "sliding_window(5)",
+    "prefix_lm(4) & document",
+    "causal & (sliding_window(3) | global_tokens(2))",
+]
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -138,8 +146,15 @@ def test_attention_matches_reference(impl, spec):
     k = rng.normal(size=(B, S, K, D)).astype(np.float32)
     v = rng.normal(size=(B, S, K, D)).astype(np.float32)
     segment_ids = np.sort(rng.integers(0, 3, (B, S)), axis=1).astype(np.int32)
-    out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask=spec, impl=impl,
-                    segment_ids_BT=jnp.asarray(segment_ids), block_sizes=BlockSizes(8, 8))
+    out = attention(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        mask=spec,
+        impl=impl,
+        segment_ids_BT=jnp.asarray(segment_ids),
+        block_sizes=BlockSizes(8, 8),
+    )
     assert out.shape == (B, S, K * G, D)
     ref = reference_attention(q, k, v, allowed=allowed_by(spec, segment_ids, B, S))
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
@@ -151,12 +166,14 @@ def test_attention_explicit_scale_softcap_and_bad_heads(impl):
     q, k, v = (rng.normal(size=s).astype(np.float32) for s in ((1, 6, 4, 8), (1, 6, 2, 8), (1, 6, 2, 8)))
     allowed = allowed_by("causal", np.zeros((1, 6), np.int32), 1, 6)
     out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), scale=0.3, impl=impl)
-    np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, allowed=allowed, scale=0.3),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(out), reference_attention(q, k, v, allowed=allowed, scale=0.3), rtol=1e-5, atol=1e-5
+    )
     if impl != "jax":
         out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), impl=impl, score_mod=soft_cap(0.5))
-        np.testing.assert_allclose(np.asarray(out), reference_attention(q, k, v, allowed=allowed, softcap=0.5),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(out), reference_attention(q, k, v, allowed=allowed, softcap=0.5), rtol=1e-5, atol=1e-5
+        )
     with pytest.raises(ValueError, match="multiple of kv heads"):
         attention(jnp.asarray(q[:, :, :3]), jnp.asarray(k), jnp.asarray(v), impl=impl)
     with pytest.raises(ValueError, match="uses document.. but no segment ids"):
@@ -167,9 +184,13 @@ def test_unknown_attention_impl_and_bad_mask_specs():
     x = jnp.zeros((1, 4, 2, 8))
     with pytest.raises(ValueError, match="unknown attention impl"):
         attention(x, x, x, impl="nope")
-    for spec, problem in [("causal &", "not a valid expression"), ("sliding_window(w)", "cannot read"),
-                          ("causal + full", "cannot read"), ("__import__('os')", "cannot read"),
-                          ("sliding_window(0)", "window must be an integer >= 1")]:
+    for spec, problem in [
+        ("causal &", "not a valid expression"),
+        ("sliding_window(w)", "cannot read"),
+        ("causal + full", "cannot read"),
+        ("__import__('os')", "cannot read"),
+        ("sliding_window(0)", "window must be an integer >= 1"),
+    ]:
         with pytest.raises(ValueError, match=problem):
             parse_mask(spec)
     assert parse_mask("causal & document()") == parse_mask("causal&document")
@@ -178,7 +199,8 @@ def test_unknown_attention_impl_and_bad_mask_specs():
 def test_block_sparse_attention_under_mesh_and_shard_map():
     """In a mesh context the kernels run per shard (batch over data, heads over tensor); inside a user's shard_map
     they run on the local shard as they are. Both equal the unsharded result."""
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
     B, T, H, K, D = 4, 40, 4, 2, 8
@@ -189,19 +211,27 @@ def test_block_sparse_attention_under_mesh_and_shard_map():
     spec = "causal & document"
     want = reference_attention(q, k, v, allowed=allowed_by(spec, np.asarray(seg), B, T))
     for impl in ("xla_blocksparse", "pallas"):
+
         def f(q, k, v, seg):
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                 return attention(q, k, v, mask=spec, segment_ids_BT=seg, impl=impl, block_sizes=BlockSizes(16, 16))
+
         x_sh = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))
-        args = [jax.device_put(a, x_sh) for a in (q, k, v)] + [jax.device_put(seg, NamedSharding(mesh, P(("data", "fsdp"))))]
+        args = [jax.device_put(a, x_sh) for a in (q, k, v)] + [
+            jax.device_put(seg, NamedSharding(mesh, P(("data", "fsdp"))))
+        ]
         hlo = jax.jit(f).lower(*args).as_text()
         assert "shard_map" in hlo or "manual" in hlo.lower()
         np.testing.assert_allclose(np.asarray(jax.jit(f)(*args)), want, rtol=1e-5, atol=1e-5)
 
         # the Pallas interpreter cannot track varying mesh axes through its slices: check_vma=False for it
-        inner = jax.shard_map(lambda q, k, v, s: attention(q, k, v, mask=spec, segment_ids_BT=s, impl=impl),
-                              mesh=mesh, in_specs=(P("data", None, "tensor"),) * 3 + (P("data"),),
-                              out_specs=P("data", None, "tensor"), check_vma=impl != "pallas")
+        inner = jax.shard_map(
+            lambda q, k, v, s: attention(q, k, v, mask=spec, segment_ids_BT=s, impl=impl),
+            mesh=mesh,
+            in_specs=(P("data", None, "tensor"),) * 3 + (P("data"),),
+            out_specs=P("data", None, "tensor"),
+            check_vma=impl != "pallas",
+        )
         np.testing.assert_allclose(np.asarray(jax.jit(inner)(q, k, v, seg)), want, rtol=1e-5, atol=1e-5)
 
 
@@ -263,15 +293,21 @@ def test_scan_unrolled_and_remat_agree():
             return logits, jax.grad(lambda p: loss_sums(p, graphdef, batch)[0])(params)
 
         logits, grads = logits_and_grads(params)
-        results[name] = (np.asarray(logits), jax.tree.map(np.asarray, nnx.to_pure_dict(params)),
-                         jax.tree.map(np.asarray, nnx.to_pure_dict(grads)))
+        results[name] = (
+            np.asarray(logits),
+            jax.tree.map(np.asarray, nnx.to_pure_dict(params)),
+            jax.tree.map(np.asarray, nnx.to_pure_dict(grads)),
+        )
     ref_logits, ref_params, ref_grads = results.pop("scan")
     for name, (logits, params, grads) in results.items():
         jax.tree.map(np.testing.assert_array_equal, params, ref_params)  # same init regardless of execution
         np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-6, err_msg=name)
         # Summation order differs between the variants: compare each gradient at float32 precision of its scale.
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max(),
-                                                             err_msg=name), grads, ref_grads)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max(), err_msg=name),
+            grads,
+            ref_grads,
+        )
     assert any(np.abs(g).max() > 0 for g in jax.tree.leaves(ref_grads))
 
 

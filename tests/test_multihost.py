@@ -18,32 +18,54 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import pid_of_process
+
 from jaxlm.metrics import read_metrics
 from sharding import distributed, launch
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith(("JAXLM_", "SLURM_", "OMPI_"))}
 ENV["JAX_PLATFORMS"] = "cpu"
-TINY = ["--set", "model.d_model=64", "--set", "model.num_layers=2", "--set", "model.mlp_dim=128",
-        "--set", "data.seq_len=32", "--set", "data.batch_size=8", "--set", "data.microbatches=1",
-        "--set", "data.eval_batches=1", "--set", "optim.decay_steps=4",  # the schedule must not depend on --steps
-        "--log-every", "1", "--no-progress"]
+TINY = [
+    "--set",
+    "model.d_model=64",
+    "--set",
+    "model.num_layers=2",
+    "--set",
+    "model.mlp_dim=128",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.batch_size=8",
+    "--set",
+    "data.microbatches=1",
+    "--set",
+    "data.eval_batches=1",
+    "--set",
+    "optim.decay_steps=4",  # the schedule must not depend on --steps
+    "--log-every",
+    "1",
+    "--no-progress",
+]
 FSDP = ["--mesh", str(REPO / "experiments/meshes/fsdp.py")]  # params and batch rows sharded over both processes
 
 
 def run(cmd, timeout=180, env=ENV):
-    return subprocess.run([sys.executable, *map(str, cmd)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *map(str, cmd)], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="session")  # session: kept while a worker runs other modules in between
 def cached_env():
     """The session's persistent compilation cache (tests/conftest.py), shared by every xdist worker: a resumed run,
     and the same program in another test, reuse the first run's programs."""
-    return {**ENV, "JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"],
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return {
+        **ENV,
+        "JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"],
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 def one_process(env, workdir, *args):
@@ -53,8 +75,25 @@ def one_process(env, workdir, *args):
 
 
 def two_processes(env, workdir, *args):
-    proc = run(["-m", "sharding.launch", "--processes", 2, "--cpu-devices", 2, "--",
-                sys.executable, "-m", "experiments.tiny_lm", "--workdir", workdir, *TINY, *args], env=env)
+    proc = run(
+        [
+            "-m",
+            "sharding.launch",
+            "--processes",
+            2,
+            "--cpu-devices",
+            2,
+            "--",
+            sys.executable,
+            "-m",
+            "experiments.tiny_lm",
+            "--workdir",
+            workdir,
+            *TINY,
+            *args,
+        ],
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
@@ -101,8 +140,20 @@ def test_diloco_one_replica_per_process_matches_one_process(tmp_path, cached_env
     """DiLoCo with the replica axis across the two processes (each process trains one replica, FSDP over its own
     devices; only the outer syncs cross processes), replica 1 down for steps 2..3 and back at step 4: the same
     losses and bytes as the same layout in one process."""
-    diloco = ["--mesh", REPO / "experiments/meshes/replicas2_fsdp.py", "--steps", 6, "--set", "diloco.replicas=2",
-              "--set", "diloco.inner_steps=2", "--set", "diloco.drop=1@2-3", "--set", "diloco.compression=int8"]
+    diloco = [
+        "--mesh",
+        REPO / "experiments/meshes/replicas2_fsdp.py",
+        "--steps",
+        6,
+        "--set",
+        "diloco.replicas=2",
+        "--set",
+        "diloco.inner_steps=2",
+        "--set",
+        "diloco.drop=1@2-3",
+        "--set",
+        "diloco.compression=int8",
+    ]
     one_process(cached_env, tmp_path / "one", *diloco)
     proc = two_processes(cached_env, tmp_path / "two", *diloco)
     assert "[p0] DiLoCo: 2 replicas, H=2" in proc.stdout
@@ -117,10 +168,33 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
     write the checkpoint of that step and exit 75; the rerun continues with nothing lost, as one uninterrupted
     process would have trained."""
     workdir, steps = tmp_path / "two", 12
-    launcher = subprocess.Popen([sys.executable, "-m", "sharding.launch", "--processes", "2", "--cpu-devices", "2",
-                                 "--", sys.executable, "-m", "experiments.tiny_lm", "--workdir", str(workdir),
-                                 *map(str, TINY), "--steps", str(steps), "--checkpoint-every", "0"],
-                                cwd=REPO, env=cached_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sharding.launch",
+            "--processes",
+            "2",
+            "--cpu-devices",
+            "2",
+            "--",
+            sys.executable,
+            "-m",
+            "experiments.tiny_lm",
+            "--workdir",
+            str(workdir),
+            *map(str, TINY),
+            "--steps",
+            str(steps),
+            "--checkpoint-every",
+            "0",
+        ],
+        cwd=REPO,
+        env=cached_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (losses(workdir) if (workdir / "metrics.jsonl").exists() else {}):
         time.sleep(0.01)
@@ -140,17 +214,25 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
 # ----------------------------------------------------------------------------- the launcher
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--processes", "2"], "no command"),
-    (["--processes", "2", "--"], "no command after `--`"),
-    (["--processes", "0", "--", "true"], "--processes must be >= 1"),
-    (["--", "true"], "--processes"),
-    (["--processes", "2", "--restart", "1", "--", "true"], "--restart needs --independent"),
-    (["--processes", "2", "--independent", "--restart", "-1", "--", "true"], "--restart must be >= 0"),
-    (["--processes", "2", "--processes-per-replica", "2", "--", "true"], "--processes-per-replica needs --independent"),
-    (["--processes", "2", "--independent", "--processes-per-replica", "0", "--", "true"],
-     "--processes-per-replica must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--processes", "2"], "no command"),
+        (["--processes", "2", "--"], "no command after `--`"),
+        (["--processes", "0", "--", "true"], "--processes must be >= 1"),
+        (["--", "true"], "--processes"),
+        (["--processes", "2", "--restart", "1", "--", "true"], "--restart needs --independent"),
+        (["--processes", "2", "--independent", "--restart", "-1", "--", "true"], "--restart must be >= 0"),
+        (
+            ["--processes", "2", "--processes-per-replica", "2", "--", "true"],
+            "--processes-per-replica needs --independent",
+        ),
+        (
+            ["--processes", "2", "--independent", "--processes-per-replica", "0", "--", "true"],
+            "--processes-per-replica must be >= 1",
+        ),
+    ],
+)
 def test_launcher_bad_usage(args, message, capsys):
     assert launch.main(args) == 2
     err = capsys.readouterr().err
@@ -163,9 +245,11 @@ def test_launcher_bad_usage_exits_2():
 
 
 def test_launcher_stops_the_others_and_returns_the_failure():
-    child = ("import os, sys, time; i = os.environ['JAXLM_PROCESS_ID']; print('hello from', i, "
-             "os.environ['JAXLM_NUM_PROCESSES'], os.environ['JAX_NUM_CPU_DEVICES'], flush=True); "
-             "sys.exit(3) if i == '1' else time.sleep(60)")
+    child = (
+        "import os, sys, time; i = os.environ['JAXLM_PROCESS_ID']; print('hello from', i, "
+        "os.environ['JAXLM_NUM_PROCESSES'], os.environ['JAX_NUM_CPU_DEVICES'], flush=True); "
+        "sys.exit(3) if i == '1' else time.sleep(60)"
+    )
     t0 = time.perf_counter()
     proc = run(["-m", "sharding.launch", "--processes", 2, "--cpu-devices", 3, "--", sys.executable, "-c", child])
     assert proc.returncode == 3 and time.perf_counter() - t0 < 30
@@ -175,11 +259,15 @@ def test_launcher_stops_the_others_and_returns_the_failure():
 def test_independent_processes_outlive_a_failure_and_a_failed_one_is_restarted(tmp_path):
     """--independent: no coordinator, JAXLM_REPLICA_ID per process; process 1 fails on its first start and is
     started again (--restart 1); process 0 fails for good without stopping process 1."""
-    child = (f"import os, sys, time; i = os.environ['JAXLM_REPLICA_ID']; first = not os.path.exists(r'{tmp_path}/' + i); "
-             f"open(r'{tmp_path}/' + i, 'a').close(); print('start', i, 'JAXLM_COORDINATOR' in os.environ, flush=True); "
-             "time.sleep(0.5 if i == '1' else 0); sys.exit(5 if first and i == '1' else 3 if i == '0' else 0)")
-    proc = run(["-m", "sharding.launch", "--processes", 2, "--independent", "--restart", 1, "--",
-                sys.executable, "-c", child], timeout=60)
+    child = (
+        f"import os, sys, time; i = os.environ['JAXLM_REPLICA_ID']; first = not os.path.exists(r'{tmp_path}/' + i); "
+        f"open(r'{tmp_path}/' + i, 'a').close(); print('start', i, 'JAXLM_COORDINATOR' in os.environ, flush=True); "
+        "time.sleep(0.5 if i == '1' else 0); sys.exit(5 if first and i == '1' else 3 if i == '0' else 0)"
+    )
+    proc = run(
+        ["-m", "sharding.launch", "--processes", 2, "--independent", "--restart", 1, "--", sys.executable, "-c", child],
+        timeout=60,
+    )
     assert "[p0] start 0 False" in proc.stdout and proc.stdout.count("[p1] start 1 False") == 2, proc.stdout
     assert "[launch] process 0 ended with exit code 3; starting it again (1 of 1)" in proc.stdout
     assert "[launch] process 1 ended with exit code 5; starting it again (1 of 1)" in proc.stdout
@@ -189,19 +277,43 @@ def test_independent_processes_outlive_a_failure_and_a_failed_one_is_restarted(t
 def test_a_replica_of_several_processes_is_one_distributed_run_and_restarts_as_a_whole(tmp_path):
     """--independent --processes-per-replica 2: each replica's processes share a coordinator of their own and the
     replica id. Process 1 of replica 1 fails on its first start: its partner is killed and both start again."""
-    child = (f"import os, sys, time; r, p = os.environ['JAXLM_REPLICA_ID'], os.environ['JAXLM_PROCESS_ID']; "
-             f"mark = r'{tmp_path}/' + r + p; first = not os.path.exists(mark); open(mark, 'a').close(); "
-             "print('start', r, p, os.environ['JAXLM_NUM_PROCESSES'], os.environ['JAXLM_COORDINATOR'], flush=True); "
-             "time.sleep(60 if first and (r, p) == ('1', '0') else 0.5); "
-             "sys.exit(5 if first and (r, p) == ('1', '1') else 0)")
+    child = (
+        f"import os, sys, time; r, p = os.environ['JAXLM_REPLICA_ID'], os.environ['JAXLM_PROCESS_ID']; "
+        f"mark = r'{tmp_path}/' + r + p; first = not os.path.exists(mark); open(mark, 'a').close(); "
+        "print('start', r, p, os.environ['JAXLM_NUM_PROCESSES'], os.environ['JAXLM_COORDINATOR'], flush=True); "
+        "time.sleep(60 if first and (r, p) == ('1', '0') else 0.5); "
+        "sys.exit(5 if first and (r, p) == ('1', '1') else 0)"
+    )
     t0 = time.perf_counter()
-    proc = run(["-m", "sharding.launch", "--processes", 2, "--independent", "--processes-per-replica", 2,
-                "--restart", 1, "--", sys.executable, "-c", child], timeout=60)
+    proc = run(
+        [
+            "-m",
+            "sharding.launch",
+            "--processes",
+            2,
+            "--independent",
+            "--processes-per-replica",
+            2,
+            "--restart",
+            1,
+            "--",
+            sys.executable,
+            "-c",
+            child,
+        ],
+        timeout=60,
+    )
     assert proc.returncode == 0 and time.perf_counter() - t0 < 30, proc.stdout  # the sleeping partner was killed
     starts = re.findall(r"\[r(\d)p(\d)\] start (\d) (\d) 2 (\S+)", proc.stdout)
     assert all((r, p) == (r2, p2) for r, p, r2, p2, _ in starts), starts
-    assert sorted((r, p) for r, p, *_ in starts) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "0"), ("1", "1"),
-                                                     ("1", "1")]
+    assert sorted((r, p) for r, p, *_ in starts) == [
+        ("0", "0"),
+        ("0", "1"),
+        ("1", "0"),
+        ("1", "0"),
+        ("1", "1"),
+        ("1", "1"),
+    ]
     coordinators = {r: {c for r2, _, _, _, c in starts if r2 == r} for r in "01"}
     assert len(coordinators["0"]) == 1 and not coordinators["0"] & coordinators["1"]  # one per replica run
     assert "[launch] process 1 of replica 1 ended with exit code 5; starting the replica again (1 of 1)" in proc.stdout
@@ -209,8 +321,13 @@ def test_a_replica_of_several_processes_is_one_distributed_run_and_restarts_as_a
 
 def test_launcher_forwards_ctrl_c():
     child = "import time; print('ready', flush=True); time.sleep(60)"
-    launcher = subprocess.Popen([sys.executable, "-m", "sharding.launch", "--processes", "2", "--",
-                                 sys.executable, "-c", child], cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "sharding.launch", "--processes", "2", "--", sys.executable, "-c", child],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     ready = 0
     while ready < 2:
         line = launcher.stdout.readline()
@@ -231,19 +348,25 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
-@pytest.mark.parametrize("kwargs, missing", [
-    ({"process_id": 1}, "--coordinator, --num-processes"),
-    ({"coordinator": "localhost:1234", "num_processes": 2}, "--process-id"),
-])
+@pytest.mark.parametrize(
+    "kwargs, missing",
+    [
+        ({"process_id": 1}, "--coordinator, --num-processes"),
+        ({"coordinator": "localhost:1234", "num_processes": 2}, "--process-id"),
+    ],
+)
 def test_partial_flags_are_refused(clean_env, kwargs, missing):
     with pytest.raises(distributed.DistributedError, match=f"missing {missing}"):
         distributed.initialize(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"coordinator": "localhost", "num_processes": 2, "process_id": 0}, "HOST:PORT"),
-    ({"coordinator": "localhost:1234", "num_processes": 2, "process_id": 2}, r"\[0, 2\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"coordinator": "localhost", "num_processes": 2, "process_id": 0}, "HOST:PORT"),
+        ({"coordinator": "localhost:1234", "num_processes": 2, "process_id": 2}, r"\[0, 2\)"),
+    ],
+)
 def test_bad_flags_are_refused(clean_env, kwargs, message):
     with pytest.raises(distributed.DistributedError, match=message):
         distributed.initialize(**kwargs)
@@ -258,8 +381,13 @@ def test_single_process_does_nothing(clean_env):
 
 
 def test_detects_multi_task_slurm_only(clean_env):
-    for k, v in {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
-                 "SLURM_LOCALID": "0"}.items():
+    for k, v in {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NODELIST": "node[1-2]",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }.items():
         clean_env.setenv(k, v)
     assert distributed.detect_cluster() is None
     clean_env.setenv("SLURM_NTASKS", "2")
@@ -275,7 +403,8 @@ class _FakeSharding:
 
 def test_rows_are_derived_from_the_sharding():
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from sharding import MeshLayout, batch_sharding, build_mesh
 

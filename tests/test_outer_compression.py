@@ -4,14 +4,20 @@ exchange (encode on the devices, decode on the host) reconstructing exactly what
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxlm.diloco.compression import BITS, decode, encode, round_trip, wire_bytes
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.integers(1, 700), st.sampled_from([1, 16, 64, 256]), st.sampled_from(["int8", "int4"]),
-       st.floats(1e-6, 1e3), st.integers(0, 2**31 - 1))
+@given(
+    st.integers(1, 700),
+    st.sampled_from([1, 16, 64, 256]),
+    st.sampled_from(["int8", "int4"]),
+    st.floats(1e-6, 1e3),
+    st.integers(0, 2**31 - 1),
+)
 def test_int_round_trip_error_is_at_most_half_a_step_of_its_block(n, block, kind, magnitude, seed):
     x = np.random.default_rng(seed).standard_normal(n).astype(np.float32) * magnitude
     got = np.asarray(round_trip(x, kind, block))
@@ -27,7 +33,7 @@ def test_int_round_trip_error_is_at_most_half_a_step_of_its_block(n, block, kind
 
 def test_bf16_round_trip_keeps_eight_bits_of_mantissa_and_none_is_exact():
     x = np.random.default_rng(0).standard_normal((33, 7)).astype(np.float32)
-    assert np.max(np.abs(np.asarray(round_trip(x, "bf16")) - x) / np.abs(x)) <= 2.0 ** -8
+    assert np.max(np.abs(np.asarray(round_trip(x, "bf16")) - x) / np.abs(x)) <= 2.0**-8
     assert np.array_equal(np.asarray(round_trip(x, "none")), x)
 
 
@@ -55,8 +61,12 @@ def test_bad_settings_are_named(kind, block, message):
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.lists(st.integers(1, 9), min_size=1, max_size=3), st.sampled_from(list(BITS)),
-       st.sampled_from([1, 7, 64]), st.integers(0, 2**31 - 1))
+@given(
+    st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    st.sampled_from(list(BITS)),
+    st.sampled_from([1, 7, 64]),
+    st.integers(0, 2**31 - 1),
+)
 def test_encoded_wire_format_decodes_to_the_round_trip_and_has_its_size(shape, kind, block, seed):
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
     x.flat[0] = 0.0

@@ -21,7 +21,7 @@ DTYPE = np.int32
 
 def random_rows(ids, seed=0):
     rng = np.random.default_rng(seed)
-    return {i: rng.integers(-2**31, 2**31 - 1, SAMPLE_LEN, dtype=DTYPE) for i in ids}
+    return {i: rng.integers(-(2**31), 2**31 - 1, SAMPLE_LEN, dtype=DTYPE) for i in ids}
 
 
 def dict_lookup(rows):
@@ -49,6 +49,7 @@ def expected(rows, ids):
 
 # --- round trip -----------------------------------------------------------------------------
 
+
 def test_round_trip_and_stats(client):
     rows = random_rows(range(0, 20, 2))
     with serve(dict_lookup(rows)) as server:
@@ -66,8 +67,13 @@ def test_round_trip_and_stats(client):
         total = sum(len(ids) for ids in requests) + 1
         cs, ss = client.stats(), server.stats()
         # The empty request is answered locally, without a round trip.
-        assert cs == {"requests": 4, "samples_received": held, "samples_missing": total - held,
-                      "bytes_received": cs["bytes_received"], "errors": 0}
+        assert cs == {
+            "requests": 4,
+            "samples_received": held,
+            "samples_missing": total - held,
+            "bytes_received": cs["bytes_received"],
+            "errors": 0,
+        }
         assert ss["requests"] == 4 and ss["samples_served"] == held and ss["samples_missing"] == total - held
         assert ss["bytes_sent"] == cs["bytes_received"] == 4 * 20 + total + held * SAMPLE_LEN * 4
         assert ss["connections"] == 1 and ss["lookup_errors"] == 0 and ss["bad_requests"] == 0
@@ -103,6 +109,7 @@ def test_bad_arguments(client):
 
 # --- waiting for a sample a peer is about to insert -----------------------------------------
 
+
 def test_wait_s_sees_a_late_insert_and_times_out_quickly(client):
     rows = random_rows([7])
     inserted = threading.Event()
@@ -129,6 +136,7 @@ def test_wait_s_sees_a_late_insert_and_times_out_quickly(client):
 
 # --- concurrency ----------------------------------------------------------------------------
 
+
 def test_many_threads_one_client_two_servers(client):
     held = [random_rows(range(0, 100), seed=1), random_rows(range(50, 150), seed=2)]
     servers = [serve(dict_lookup(rows)) for rows in held]
@@ -154,6 +162,7 @@ def test_many_threads_one_client_two_servers(client):
 
 
 # --- failures -------------------------------------------------------------------------------
+
 
 def test_closed_and_unreachable_servers_raise_peer_error(client):
     rows = random_rows([1])
@@ -200,14 +209,29 @@ def fake_peer(response: bytes):
     return listener.getsockname()[:2]
 
 
-@pytest.mark.parametrize("response, message", [
-    (b"JLR1" + np.array([2, 64], "<u4").tobytes() + np.array([2 + 64], "<u8").tobytes() + b"\x01\x00" + b"x" * 10,
-     "connection closed"),                                                   # body shorter than announced
-    (b"JLR1" + np.array([2, 64], "<u4").tobytes() + np.array([2 + 64], "<u8").tobytes() + b"\x01\x01" + b"x" * 64,
-     "2 found rows need 130"),                                               # flags disagree with the length
-    (b"JLR1" + np.array([2, 64], "<u4").tobytes() + np.array([10**12], "<u8").tobytes(), "does not fit"),
-    (b"HTTP/1.1 400 Bad Request\r\n\r\n", "malformed response header"),
-])
+@pytest.mark.parametrize(
+    "response, message",
+    [
+        (
+            b"JLR1"
+            + np.array([2, 64], "<u4").tobytes()
+            + np.array([2 + 64], "<u8").tobytes()
+            + b"\x01\x00"
+            + b"x" * 10,
+            "connection closed",
+        ),  # body shorter than announced
+        (
+            b"JLR1"
+            + np.array([2, 64], "<u4").tobytes()
+            + np.array([2 + 64], "<u8").tobytes()
+            + b"\x01\x01"
+            + b"x" * 64,
+            "2 found rows need 130",
+        ),  # flags disagree with the length
+        (b"JLR1" + np.array([2, 64], "<u4").tobytes() + np.array([10**12], "<u8").tobytes(), "does not fit"),
+        (b"HTTP/1.1 400 Bad Request\r\n\r\n", "malformed response header"),
+    ],
+)
 def test_wrong_length_response_is_peer_error(client, response, message):
     address = fake_peer(response)
     with pytest.raises(PeerError, match=message):
@@ -225,8 +249,11 @@ def closed_by_peer(sock):
 def test_server_survives_garbage(client):
     rows = random_rows(range(4))
     with serve(dict_lookup(rows)) as server:
-        for garbage in [b"GET / HTTP/1.1\r\n\r\n", b"JLP1" + np.array([2**31], "<u4").tobytes() + b"\0" * 4,
-                        b"JLP1" + np.array([1], "<u4").tobytes() + np.array([-1.0], "<f4").tobytes()]:
+        for garbage in [
+            b"GET / HTTP/1.1\r\n\r\n",
+            b"JLP1" + np.array([2**31], "<u4").tobytes() + b"\0" * 4,
+            b"JLP1" + np.array([1], "<u4").tobytes() + np.array([-1.0], "<f4").tobytes(),
+        ]:
             with socket.create_connection(server.address, timeout=1.0) as raw:
                 raw.sendall(garbage)
                 assert closed_by_peer(raw)  # the server closed this connection only
@@ -240,12 +267,14 @@ def test_server_survives_garbage(client):
 
 # --- rendezvous over files ------------------------------------------------------------------
 
+
 def gather_in_threads(directory, count, key, timeout_s=5.0):
     results = [None] * count
 
     def run(i):
-        results[i] = all_gather_via_files(directory, i, count, {"rank": i, "address": ("h", 1000 + i)}, key,
-                                          timeout_s=timeout_s)
+        results[i] = all_gather_via_files(
+            directory, i, count, {"rank": i, "address": ("h", 1000 + i)}, key, timeout_s=timeout_s
+        )
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
     for t in threads:
@@ -311,8 +340,17 @@ print("ok", index)
 def test_real_processes_exchange_rows(tmp_path):
     count = 3
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), str(i), str(count)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(count)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(tmp_path), str(i), str(count)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(count)
+    ]
     outputs = []
     for p in procs:
         try:

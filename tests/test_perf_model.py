@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from data.access_plan import AccessPlan
 from data.cache_plan import DISK, PEER, RAM, SOURCE
@@ -22,8 +23,12 @@ def test_first_observation_replaces_the_prior_then_it_averages():
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.sampled_from([SOURCE, RAM, DISK, PEER]), min_size=1, max_size=300),
-       st.integers(1, 10), st.booleans(), st.booleans())
+@given(
+    st.lists(st.sampled_from([SOURCE, RAM, DISK, PEER]), min_size=1, max_size=300),
+    st.integers(1, 10),
+    st.booleans(),
+    st.booleans(),
+)
 def test_route_moves_only_slow_tiers_to_the_source_and_keeps_probing_them(plan, probe_every, disk_slow, peer_slow):
     fetch_from = np.array(plan, np.int8)
     model = TierModel(probe_every=probe_every, slack=4.0)
@@ -63,8 +68,9 @@ def test_keeps_up_compares_the_prediction_with_the_consumers_step():
     assert m["data_model_keeps_up"] == 0.0 and m["data_model_step_s"] == pytest.approx(0.02)
 
 
-@pytest.mark.parametrize("kwargs, message", [({"smoothing": 0}, "smoothing"), ({"probe_every": 0}, "probe_every"),
-                                             ({"slack": 0.5}, "slack")])
+@pytest.mark.parametrize(
+    "kwargs, message", [({"smoothing": 0}, "smoothing"), ({"probe_every": 0}, "probe_every"), ({"slack": 0.5}, "slack")]
+)
 def test_bad_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TierModel(**kwargs)
@@ -76,8 +82,16 @@ def test_a_loader_reads_a_slow_disk_tier_from_the_source_and_stays_exact():
     slow_disk = TierModel(prior_s={**PRIOR_S, DISK: 1.0}, probe_every=10)  # believed 100x slower than the source
     plan = AccessPlan(source.num_samples, 10, 3)
     steps = 3 * plan.steps_per_epoch
-    loader = ClairvoyantLoader(source, batch_size=10, seed=3, ram_bytes=0, disk_bytes=150 * source.sample_nbytes,
-                               workers=3, plan_chunk_steps=steps, model=slow_disk)  # one chunk: routed on the prior
+    loader = ClairvoyantLoader(
+        source,
+        batch_size=10,
+        seed=3,
+        ram_bytes=0,
+        disk_bytes=150 * source.sample_nbytes,
+        workers=3,
+        plan_chunk_steps=steps,
+        model=slow_disk,
+    )  # one chunk: routed on the prior
     for step in range(steps):
         want = batch_from_windows(source.read(plan.samples(step, step + 1)[0]), None)
         got = next(loader)

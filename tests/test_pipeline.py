@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sharding import MeshLayout, build_mesh
 from sharding import pipeline as pp
@@ -14,8 +15,10 @@ L, D, V, B, T = 8, 16, 6, 4, 8
 
 def stage_fn(layers_LDD, x_BTD, keep_BT):
     """A few tanh layers; `keep_BT` is a per-microbatch side input (like segment ids for attention)."""
+
     def layer(x, w):
         return jnp.tanh(x @ w) * keep_BT[..., None], None
+
     return jax.lax.scan(layer, x_BTD, layers_LDD)[0]
 
 
@@ -27,9 +30,13 @@ def head_fn(head, y_BTD, targets_BT):
 
 def inputs(M, seed=0):
     k = jax.random.split(jax.random.PRNGKey(seed), 5)
-    return (0.4 * jax.random.normal(k[0], (L, D, D)), {"w_DV": jax.random.normal(k[1], (D, V))},
-            jax.random.normal(k[2], (M, B, T, D)), (jax.random.uniform(k[3], (M, B, T)) > 0.2).astype(jnp.float32),
-            jax.random.randint(k[4], (M, B, T), 0, V))
+    return (
+        0.4 * jax.random.normal(k[0], (L, D, D)),
+        {"w_DV": jax.random.normal(k[1], (D, V))},
+        jax.random.normal(k[2], (M, B, T, D)),
+        (jax.random.uniform(k[3], (M, B, T)) > 0.2).astype(jnp.float32),
+        jax.random.randint(k[4], (M, B, T), 0, V),
+    )
 
 
 def sequential_loss(layers, head, x_M, keep_M, targets_M):
@@ -42,9 +49,19 @@ def sequential_loss(layers, head, x_M, keep_M, targets_M):
 def pipelined(schedule, stages, mesh, keep_M, targets_M):
     def loss(layers, head, x_M):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            total, count = pp.pipeline_loss(schedule, stage_fn, head_fn, pp.split_stages(layers, stages), head, x_M,
-                                            keep_M, targets_M, stages=stages)
+            total, count = pp.pipeline_loss(
+                schedule,
+                stage_fn,
+                head_fn,
+                pp.split_stages(layers, stages),
+                head,
+                x_M,
+                keep_M,
+                targets_M,
+                stages=stages,
+            )
         return total, count
+
     return loss
 
 
@@ -81,8 +98,17 @@ def temp_bytes(schedule, M, stages=2):
     def sds(shape, spec, dtype=jnp.float32):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
-    compiled = jax.jit(grads).lower(sds((L, D, D), P("pipeline")), {"w_DV": sds((D, V), P())}, sds((M, B, T, D), P()),
-                                    sds((M, B, T), P()), sds((M, B, T), P(), jnp.int32)).compile()
+    compiled = (
+        jax.jit(grads)
+        .lower(
+            sds((L, D, D), P("pipeline")),
+            {"w_DV": sds((D, V), P())},
+            sds((M, B, T, D), P()),
+            sds((M, B, T), P()),
+            sds((M, B, T), P(), jnp.int32),
+        )
+        .compile()
+    )
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -109,5 +135,4 @@ def test_bad_schedule_and_missing_mesh():
     with pytest.raises(ValueError, match=r"pipeline schedule 'interleaved' is unknown; choose one of gpipe, 1f1b"):
         pp.pipeline_loss("interleaved", stage_fn, head_fn, layers, head, x_M, keep_M, targets_M, stages=2)
     with pytest.raises(ValueError, match=r"needs a mesh with a 'pipeline' axis"):
-        pp.pipeline_loss("gpipe", stage_fn, head_fn, pp.split_stages(layers, 2), head, x_M, keep_M, targets_M,
-                         stages=2)
+        pp.pipeline_loss("gpipe", stage_fn, head_fn, pp.split_stages(layers, 2), head, x_M, keep_M, targets_M, stages=2)

@@ -12,12 +12,23 @@ import pytest
 from flax import nnx
 
 from jaxlm.config import DataConfig, ModelConfig, TrainConfig
-from jaxlm.model import LOGICAL_AXES, Transformer, count_params as model_count_params
+from jaxlm.model import LOGICAL_AXES, Transformer
+from jaxlm.model import count_params as model_count_params
 from sharding import LayoutError, MeshLayout, build_mesh, load_layout
 from sharding import plan as plan_cli
 from sharding.hardware import Hardware, get_hardware
-from sharding.planner import (MODEL_PRESETS, axis_spans, compute_seconds, count_params, evaluate,
-                              fsdp_comm_seconds, fsdp_crossover_devices, memory_per_device, param_specs, plan)
+from sharding.planner import (
+    MODEL_PRESETS,
+    axis_spans,
+    compute_seconds,
+    count_params,
+    evaluate,
+    fsdp_comm_seconds,
+    fsdp_crossover_devices,
+    memory_per_device,
+    param_specs,
+    plan,
+)
 
 H100 = get_hardware("h100-sxm")
 
@@ -27,12 +38,16 @@ H100 = get_hardware("h100-sxm")
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_param_formula_equals_a_real_model(tie):
-    cfg = ModelConfig(vocab_size=96, d_model=48, num_layers=3, num_heads=6, num_kv_heads=2, mlp_dim=80,
-                      tie_embeddings=tie)
+    cfg = ModelConfig(
+        vocab_size=96, d_model=48, num_layers=3, num_heads=6, num_kv_heads=2, mlp_dim=80, tie_embeddings=tie
+    )
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     assert count_params(cfg) == model_count_params(model)
-    real = {".".join(map(str, path)): (tuple(v.shape), tuple(v.get_metadata(LOGICAL_AXES)))
-            for path, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+    real = {
+        ".".join(map(str, path)): (tuple(v.shape), tuple(v.get_metadata(LOGICAL_AXES)))
+        for path, v in nnx.iter_graph(model)
+        if isinstance(v, nnx.Param)
+    }
     assert {p.name: (p.shape, p.axes) for p in param_specs(cfg)} == real
 
 
@@ -55,8 +70,9 @@ def test_fsdp_comms_stop_hiding_behind_compute_beyond_4000_gpus():
     assert fsdp_crossover_devices(2, 200e9, 4e6, 200e12, collectives=3) == pytest.approx(4000, rel=1e-12)
 
     # The ranking uses the same functions: 70B on a 200 TFLOP/s, 200 GB/s machine, 4,194,304-token batch.
-    hw = Hardware("worked", peak_flops=200e12, mfu=1.0, hbm_bytes=1e15, devices_per_node=8, intra_bw=200e9,
-                  inter_bw=200e9)
+    hw = Hardware(
+        "worked", peak_flops=200e12, mfu=1.0, hbm_bytes=1e15, devices_per_node=8, intra_bw=200e9, inter_bw=200e9
+    )
     cfg, tokens, seq = MODEL_PRESETS["70b"], 4_194_304, 512
     crossover = fsdp_crossover_devices(2, 200e9, tokens, 200e12)
     assert crossover == pytest.approx(4194.3, rel=1e-4)
@@ -98,8 +114,23 @@ def test_1000_sequences_force_tensor_or_pipeline_parallelism(capsys):
     best = plan(deep, 4_096, tokens, seq, H100).best.layout
     assert best.tensor * best.pipeline == 512 and best.data * best.fsdp == 8
 
-    assert plan_cli.main(["--model", "70b", "--devices", "8000", "--global-batch-tokens", str(tokens), "--seq",
-                          str(seq), "--hardware", "h100-sxm"]) == 0
+    assert (
+        plan_cli.main(
+            [
+                "--model",
+                "70b",
+                "--devices",
+                "8000",
+                "--global-batch-tokens",
+                str(tokens),
+                "--seq",
+                str(seq),
+                "--hardware",
+                "h100-sxm",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "data x fsdp can use at most 1,000 of the 8,000 devices" in out
     layout = json.loads(out.strip().splitlines()[-1])["layout"]
@@ -109,20 +140,30 @@ def test_1000_sequences_force_tensor_or_pipeline_parallelism(capsys):
 # ----------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--devices", "0"], "devices must be a positive integer, got 0"),
-    (["--devices", "-8"], "devices must be a positive integer, got -8"),
-    (["--global-batch-tokens", "4000000"], "global batch tokens 4000000 is not a multiple of seq 4096"),
-    (["--global-batch-tokens", "8192", "--devices", "1024"], "global batch of 2 sequences is smaller than the "
-                                                              "smallest data x fsdp size 4"),
-    (["--hardware", "h900"], "unknown hardware preset 'h900'"),
-    (["--model", "8b"], "unknown model '8b'"),
-    (["--model", "missing.py"], "config file not found: missing.py"),
-    (["--remat", "some"], "argument --remat: invalid choice"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--devices", "0"], "devices must be a positive integer, got 0"),
+        (["--devices", "-8"], "devices must be a positive integer, got -8"),
+        (["--global-batch-tokens", "4000000"], "global batch tokens 4000000 is not a multiple of seq 4096"),
+        (
+            ["--global-batch-tokens", "8192", "--devices", "1024"],
+            "global batch of 2 sequences is smaller than the smallest data x fsdp size 4",
+        ),
+        (["--hardware", "h900"], "unknown hardware preset 'h900'"),
+        (["--model", "8b"], "unknown model '8b'"),
+        (["--model", "missing.py"], "config file not found: missing.py"),
+        (["--remat", "some"], "argument --remat: invalid choice"),
+    ],
+)
 def test_bad_inputs_exit_2_with_one_line(args, message, capsys):
-    base = {"--model": "7b", "--devices": "64", "--global-batch-tokens": "4194304", "--seq": "4096",
-            "--hardware": "h100-sxm"}
+    base = {
+        "--model": "7b",
+        "--devices": "64",
+        "--global-batch-tokens": "4194304",
+        "--seq": "4096",
+        "--hardware": "h100-sxm",
+    }
     base.update(dict(zip(args[::2], args[1::2])))
     assert plan_cli.main([x for kv in base.items() for x in kv]) == 2
     err = capsys.readouterr().err
@@ -132,8 +173,23 @@ def test_bad_inputs_exit_2_with_one_line(args, message, capsys):
 def test_bad_model_file(tmp_path, capsys):
     bad = tmp_path / "bad.py"
     bad.write_text("config = 3\n")
-    assert plan_cli.main(["--model", str(bad), "--devices", "8", "--global-batch-tokens", "4096", "--seq", "256",
-                          "--hardware", "cpu"]) == 2
+    assert (
+        plan_cli.main(
+            [
+                "--model",
+                str(bad),
+                "--devices",
+                "8",
+                "--global-batch-tokens",
+                "4096",
+                "--seq",
+                "256",
+                "--hardware",
+                "cpu",
+            ]
+        )
+        == 2
+    )
     assert "expected TrainConfig" in capsys.readouterr().err
 
 
@@ -143,8 +199,27 @@ def test_bad_model_file(tmp_path, capsys):
 @pytest.mark.parametrize("model, devices", [("7b", 64), ("70b", 1024)])
 def test_layout_file_round_trip(model, devices, tmp_path, capsys):
     out = tmp_path / "planned.py"
-    assert plan_cli.main(["--model", model, "--devices", str(devices), "--global-batch-tokens", "4194304", "--seq",
-                          "4096", "--hardware", "h100-sxm", "--out", str(out), "--top", "3"]) == 0
+    assert (
+        plan_cli.main(
+            [
+                "--model",
+                model,
+                "--devices",
+                str(devices),
+                "--global-batch-tokens",
+                "4194304",
+                "--seq",
+                "4096",
+                "--hardware",
+                "h100-sxm",
+                "--out",
+                str(out),
+                "--top",
+                "3",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     figures = json.loads(lines[-1])
     loaded = load_layout(out, devices)
@@ -154,8 +229,23 @@ def test_layout_file_round_trip(model, devices, tmp_path, capsys):
 
 
 def test_config_file_and_cpu_preset(capsys):
-    assert plan_cli.main(["--model", "experiments/configs/tiny_lm.py", "--devices", "8", "--global-batch-tokens",
-                          "4096", "--seq", "256", "--hardware", "cpu"]) == 0
+    assert (
+        plan_cli.main(
+            [
+                "--model",
+                "experiments/configs/tiny_lm.py",
+                "--devices",
+                "8",
+                "--global-batch-tokens",
+                "4096",
+                "--seq",
+                "256",
+                "--hardware",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "layout = MeshLayout(" in out and json.loads(out.strip().splitlines()[-1])["devices"] == 8
 
@@ -169,10 +259,12 @@ def test_axes_use_the_link_they_span():
 def test_pipeline_bubble_and_recompute_in_compute_time():
     cfg, tokens, seq = MODEL_PRESETS["7b"], 4_194_304, 4096
     flat = evaluate(cfg, MeshLayout(fsdp=8), H100, tokens, seq)
-    gpipe = evaluate(cfg, MeshLayout(fsdp=2, pipeline=4, pipeline_schedule="gpipe", pipeline_microbatches=8), H100,
-                     tokens, seq)
-    one_f = evaluate(cfg, MeshLayout(fsdp=2, pipeline=4, pipeline_schedule="1f1b", pipeline_microbatches=8), H100,
-                     tokens, seq)
+    gpipe = evaluate(
+        cfg, MeshLayout(fsdp=2, pipeline=4, pipeline_schedule="gpipe", pipeline_microbatches=8), H100, tokens, seq
+    )
+    one_f = evaluate(
+        cfg, MeshLayout(fsdp=2, pipeline=4, pipeline_schedule="1f1b", pipeline_microbatches=8), H100, tokens, seq
+    )
     assert gpipe.bubble == pytest.approx(3 / 11)
     assert gpipe.compute_s == pytest.approx(flat.compute_s * 11 / 8)
     assert one_f.compute_s == pytest.approx(gpipe.compute_s * 4 / 3)  # 1F1B recomputes the stage forward
@@ -188,13 +280,33 @@ def test_sharding_does_not_import_jaxlm_train():
 
 
 MEMORY_CFG = TrainConfig(
-    model=ModelConfig(vocab_size=256, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, mlp_dim=256,
-                      max_seq_len=64, tie_embeddings=False, dtype="float32"),
-    data=DataConfig(seq_len=64, batch_size=16), tensorboard=False)
+    model=ModelConfig(
+        vocab_size=256,
+        d_model=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_dim=256,
+        max_seq_len=64,
+        tie_embeddings=False,
+        dtype="float32",
+    ),
+    data=DataConfig(seq_len=64, batch_size=16),
+    tensorboard=False,
+)
 
 
-@pytest.mark.parametrize("name, accumulation", [("single_device", 1), ("fsdp8", 1), ("dp2_fsdp2_tp2", 1),
-                                                ("fsdp2_tp2_pp2", 1), ("dp4_pp2", 1), ("dp2_fsdp2_tp2", 2)])
+@pytest.mark.parametrize(
+    "name, accumulation",
+    [
+        ("single_device", 1),
+        ("fsdp8", 1),
+        ("dp2_fsdp2_tp2", 1),
+        ("fsdp2_tp2_pp2", 1),
+        ("dp4_pp2", 1),
+        ("dp2_fsdp2_tp2", 2),
+    ],
+)
 def test_memory_estimate_within_10_percent_of_xla(name, accumulation):
     """XLA's memory_analysis of the SPMD train step is per device: arguments (params, AdamW state, the batch
     shard) + outputs - outputs aliased to donated arguments + temporaries (activations, grads, logits, scratch)."""
@@ -205,8 +317,10 @@ def test_memory_estimate_within_10_percent_of_xla(name, accumulation):
     layout = load_layout(f"experiments/meshes/{name}.py", len(devices))
     program = Program(cfg, build_mesh(layout, devices=devices), layout)
     B, T = cfg.data.batch_size, cfg.data.seq_len
-    batch = {k: jax.ShapeDtypeStruct((B, T), dtype, sharding=program.batch_sharding)
-             for k, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))}
+    batch = {
+        k: jax.ShapeDtypeStruct((B, T), dtype, sharding=program.batch_sharding)
+        for k, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))
+    }
     xla = program.train_step.lower(program.abstract_with_shardings(), batch).compile().memory_analysis()
     peak = xla.argument_size_in_bytes + xla.output_size_in_bytes - xla.alias_size_in_bytes + xla.temp_size_in_bytes
     est = memory_per_device(cfg.model, layout, B, T, cfg.model.remat, accumulation)

@@ -9,10 +9,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx, traverse_util
+from helpers import one_device_mesh, repetitive_token_file, tiny_config
 
 from experiments import compare_precision, quantize_checkpoint
 from jaxlm.run_data import open_run_data
-from helpers import one_device_mesh, repetitive_token_file, tiny_config
 from jaxlm.train import Program
 from jaxlm.trainer import Trainer
 
@@ -21,8 +21,12 @@ from jaxlm.trainer import Trainer
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("ptq")
     tokens = repetitive_token_file(root / "tokens")
-    cfg = tiny_config(steps=20, checkpoint_every=20, optim=dict(learning_rate=1e-2),
-                      data=dict(path=str(tokens), val_fraction=0.1, eval_batches=2))
+    cfg = tiny_config(
+        steps=20,
+        checkpoint_every=20,
+        optim=dict(learning_rate=1e-2),
+        data=dict(path=str(tokens), val_fraction=0.1, eval_batches=2),
+    )
     train_iter, eval_data = open_run_data(cfg)
     Trainer(cfg, one_device_mesh(), root / "run", train_iter, eval_data, progress=False).run()
     return root / "run", cfg, eval_data
@@ -42,8 +46,13 @@ def test_quantizes_weights_and_reports_eval_loss(trained, capsys):
     assert summary["step"] == 20 and summary["eval_loss_before"] < 3.0
     assert abs(summary["eval_loss_change"]) < 0.02  # int8 per-channel weights barely move the loss
     assert summary["weight_bytes_before"] / summary["weight_bytes_after"] > 3.5
-    assert summary["quantized_tensors"] == ["blocks/attn/wo", "blocks/attn/wqkv", "blocks/mlp/w_in",
-                                            "blocks/mlp/w_out", "embed"]
+    assert summary["quantized_tensors"] == [
+        "blocks/attn/wo",
+        "blocks/attn/wqkv",
+        "blocks/mlp/w_in",
+        "blocks/mlp/w_out",
+        "embed",
+    ]
     manifest = json.loads((workdir / "quantized_int8" / "manifest.json").read_text())
     assert manifest["eval_loss_after"] == summary["eval_loss_after"] and manifest["config"]["steps"] == 20
 
@@ -53,8 +62,10 @@ def test_quantizes_weights_and_reports_eval_loss(trained, capsys):
     assert artifact["int8"]["blocks/mlp/w_in"]["q"].dtype == np.int8
     program = Program(cfg, one_device_mesh())
     params = jax.tree.map(lambda a: a, program.abstract_state.params)
-    weights = {**artifact["float"],
-               **{name: e["q"].astype(np.float32) * e["scale"] for name, e in artifact["int8"].items()}}
+    weights = {
+        **artifact["float"],
+        **{name: e["q"].astype(np.float32) * e["scale"] for name, e in artifact["int8"].items()},
+    }
     nnx.replace_by_pure_dict(params, traverse_util.unflatten_dict(weights, sep="/"))
     assert abs(program.evaluate(params, eval_data) - summary["eval_loss_after"]) < 1e-4
 
@@ -91,8 +102,16 @@ def test_quantized_tensor_table_covers_an_untied_head(trained):
 
 @pytest.mark.slow  # covered by test_quantized_training's test_fp8_and_int8_training_track_float32 (docs/testing.md)
 def test_compare_precision_trains_each_precision_and_plots(tmp_path, capsys):
-    shrink = ["model.d_model=64", "model.mlp_dim=128", "model.num_layers=2", "data.seq_len=64", "data.batch_size=8",
-              "data.microbatches=1", "data.eval_batches=1", "checkpoint_every=0"]
+    shrink = [
+        "model.d_model=64",
+        "model.mlp_dim=128",
+        "model.num_layers=2",
+        "data.seq_len=64",
+        "data.batch_size=8",
+        "data.microbatches=1",
+        "data.eval_batches=1",
+        "checkpoint_every=0",
+    ]
     argv = ["--root", str(tmp_path), "--steps", "3", "--precisions", "fp8,f32", "--no-progress"]
     argv += [a for s in shrink for a in ("--set", s)]
     assert compare_precision.main(argv) == 0
@@ -101,7 +120,9 @@ def test_compare_precision_trains_each_precision_and_plots(tmp_path, capsys):
     assert list(summary) == ["f32", "fp8"] and summary["f32"]["eval_gap_vs_f32"] == 0
     assert abs(summary["fp8"]["eval_gap_vs_f32"]) < 0.05
     assert (tmp_path / "loss_by_precision.png").stat().st_size > 10_000
-    assert json.loads((tmp_path / "fp8" / "config.json").read_text())["model"]["matmul_precision"] == \
-        "attention=fp8,mlp=fp8"
+    assert (
+        json.loads((tmp_path / "fp8" / "config.json").read_text())["model"]["matmul_precision"]
+        == "attention=fp8,mlp=fp8"
+    )
     with pytest.raises(SystemExit):
         compare_precision.main(["--precisions", "fp4"])

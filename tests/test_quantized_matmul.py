@@ -5,9 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from helpers import gaussian, rel
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from pallas_kernels.quantize import amax, dequantize, qmax, quantize, round_to
 from pallas_kernels.quantized_matmul import MatmulBlocks, quantized_matmul, reference_scaled_matmul, scaled_matmul
 
@@ -18,22 +19,27 @@ FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 
 @settings(max_examples=10, deadline=None)
-@given(rows=st.integers(1, 40), cols=st.integers(1, 300), axis=st.sampled_from([None, 0, 1, (0, 1)]),
-       dtype=st.sampled_from(("int8",) + FP8), seed=st.integers(0, 2**16))
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 300),
+    axis=st.sampled_from([None, 0, 1, (0, 1)]),
+    dtype=st.sampled_from(("int8",) + FP8),
+    seed=st.integers(0, 2**16),
+)
 def test_quantize_round_trip_error_is_within_half_a_step(rows, cols, axis, dtype, seed):
     x = gaussian((rows, cols), seed) * 3
     q, s = quantize(x, dtype, axis=axis)
     assert q.dtype == jnp.dtype(dtype) and q.shape == x.shape
-    assert s.shape == tuple(1 if axis is None or a in ((axis,) if isinstance(axis, int) else axis) else n
-                            for a, n in enumerate(x.shape))
+    assert s.shape == tuple(
+        1 if axis is None or a in ((axis,) if isinstance(axis, int) else axis) else n for a, n in enumerate(x.shape)
+    )
     err = np.abs(np.asarray(dequantize(q, s)) - np.asarray(x))
     s = np.broadcast_to(np.asarray(s), x.shape)
     if dtype == "int8":
         assert np.all(err <= s / 2 * (1 + 1e-6))
     else:  # relative half-ulp for normal values, half the subnormal spacing below them
         info = jnp.finfo(jnp.dtype(dtype))
-        bound = np.maximum(np.abs(np.asarray(x)) * 2.0 ** -(info.nmant + 1),
-                           s * 2.0 ** (info.minexp - info.nmant - 1))
+        bound = np.maximum(np.abs(np.asarray(x)) * 2.0 ** -(info.nmant + 1), s * 2.0 ** (info.minexp - info.nmant - 1))
         assert np.all(err <= bound * (1 + 1e-6))
     # the largest magnitude of each slice maps to the type's max
     assert np.isclose(float(jnp.max(jnp.abs(q.astype(jnp.float32)))), qmax(dtype), rtol=0.07)
@@ -60,8 +66,12 @@ def test_all_zero_tensor_and_rows_give_zeros_not_nan(dtype):
         np.testing.assert_array_equal(out[[0, 2, 3]], 0)
     q, s = quantize(jnp.zeros((5, 7)), dtype)
     assert float(s.reshape(())) == 1.0 and not np.any(np.asarray(q.astype(jnp.float32)))
-    out = quantized_matmul(jnp.zeros((5, 7)), jnp.zeros((7, 3)), x_dtype=dtype if dtype != "float8_e5m2" else
-                           "float8_e4m3fn", w_dtype="int8" if dtype == "int8" else "float8_e4m3fn")
+    out = quantized_matmul(
+        jnp.zeros((5, 7)),
+        jnp.zeros((7, 3)),
+        x_dtype=dtype if dtype != "float8_e5m2" else "float8_e4m3fn",
+        w_dtype="int8" if dtype == "int8" else "float8_e4m3fn",
+    )
     np.testing.assert_array_equal(out, 0)
 
 
@@ -106,8 +116,13 @@ def test_unsupported_dtype_and_bad_axes_are_named():
 
 # ----------------------------------------------------------------------------- scaled_matmul
 
-PAIRS = [("int8", "int8"), ("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e4m3fn"),
-         (None, "int8"), (None, "float8_e4m3fn")]
+PAIRS = [
+    ("int8", "int8"),
+    ("float8_e4m3fn", "float8_e4m3fn"),
+    ("float8_e5m2", "float8_e4m3fn"),
+    (None, "int8"),
+    (None, "float8_e4m3fn"),
+]
 
 
 def operands(M, K, N, x_dtype, w_dtype, k_block, per_tensor=False, seed=0, x_float=jnp.float32):
@@ -121,8 +136,14 @@ def operands(M, K, N, x_dtype, w_dtype, k_block, per_tensor=False, seed=0, x_flo
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each example compiles
-@given(M=st.integers(1, 150), K=st.integers(1, 300), N=st.integers(1, 150), pair=st.sampled_from(PAIRS),
-       k_block=st.sampled_from([None, None, 32, 64]), seed=st.integers(0, 1000))
+@given(
+    M=st.integers(1, 150),
+    K=st.integers(1, 300),
+    N=st.integers(1, 150),
+    pair=st.sampled_from(PAIRS),
+    k_block=st.sampled_from([None, None, 32, 64]),
+    seed=st.integers(0, 1000),
+)
 def test_kernel_and_xla_equal_dequantized_reference(M, K, N, pair, k_block, seed):
     xq, xs, wq, ws = operands(M, K, N, *pair, k_block, seed=seed)
     ref = reference_scaled_matmul(xq, xs, wq, ws, k_block=k_block)
@@ -150,9 +171,16 @@ def test_weight_only_with_bfloat16_activations():
         assert rel(scaled_matmul(x, None, wq, ws, impl=impl), ref) < 1e-2  # bf16 weights in the product
 
 
-@pytest.mark.parametrize("x_dtype, w_dtype, k_block, bound", [
-    ("int8", "int8", None, 0.015), ("int8", "int8", 128, 0.015), (None, "int8", None, 0.015),
-    ("float8_e4m3fn", "float8_e4m3fn", None, 0.05), ("float8_e4m3fn", "float8_e4m3fn", 128, 0.05)])
+@pytest.mark.parametrize(
+    "x_dtype, w_dtype, k_block, bound",
+    [
+        ("int8", "int8", None, 0.015),
+        ("int8", "int8", 128, 0.015),
+        (None, "int8", None, 0.015),
+        ("float8_e4m3fn", "float8_e4m3fn", None, 0.05),
+        ("float8_e4m3fn", "float8_e4m3fn", 128, 0.05),
+    ],
+)
 def test_accuracy_against_float32_on_gaussian_inputs(x_dtype, w_dtype, k_block, bound):
     """The issue's targets: int8 per channel <= 1.5%, fp8 e4m3 <= 5% (norm of the error / norm of the result)."""
     x, w = gaussian((256, 384), 3), gaussian((384, 512), 4)

@@ -7,18 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import gaussian, one_device_mesh, pure, random_batch, rel, repetitive_token_file, tiny_config
 
 from data import SeededBatchIterator, TokenFile
-from helpers import gaussian, one_device_mesh, pure, random_batch, rel, repetitive_token_file, tiny_config
-from jaxlm.config import ConfigError, validate
+from jaxlm.config import ConfigError, parse_matmul_precision, validate
 from jaxlm.metrics import read_metrics
-from jaxlm.config import parse_matmul_precision
 from jaxlm.train import Program
 from jaxlm.trainer import Trainer
 from pallas_kernels.quantize import quantize
 from pallas_kernels.quantized_training import QuantRecipe, new_amax_history, quantized_dot, updated_history
 from sharding import MeshLayout, build_mesh
-
 
 X, W, C = gaussian((48, 80), 0), gaussian((80, 40), 1) * 0.1, gaussian((48, 40), 2)
 
@@ -31,8 +29,9 @@ def grads(recipe, history, x=X, w=W, key=None):
 # ----------------------------------------------------------------------------- the custom_vjp
 
 
-@pytest.mark.parametrize("recipe, bound", [(QuantRecipe.fp8(), 0.08), (QuantRecipe.int8(), 0.02),
-                                           (QuantRecipe("float8_e4m3fn", None), 0.05)])
+@pytest.mark.parametrize(
+    "recipe, bound", [(QuantRecipe.fp8(), 0.08), (QuantRecipe.int8(), 0.02), (QuantRecipe("float8_e4m3fn", None), 0.05)]
+)
 @pytest.mark.parametrize("delayed", [False, True])
 def test_gradients_close_to_float_reference(recipe, bound, delayed):
     ref_dx, ref_dw = jax.grad(lambda x, w: jnp.sum((x @ w) * C), argnums=(0, 1))(X, W)
@@ -123,10 +122,16 @@ def test_recipe_errors_are_named():
 def test_precision_spec_parsing_and_config_errors():
     assert parse_matmul_precision("fp8") == {"attention": "fp8", "mlp": "fp8", "lm_head": "fp8"}
     assert parse_matmul_precision("mlp=int8, lm_head=int8_weight_only") == {
-        "attention": "default", "mlp": "int8", "lm_head": "int8_weight_only"}
-    bad = {"fp4": "model.matmul_precision: matmul precision 'fp4' is not one of",
-           "mlp=fp8,mlp=int8": "names 'mlp' twice", "conv=fp8": "CLASS=PRECISION with CLASS one of attention",
-           "mlp=fp16": "'fp16' is not one of"}
+        "attention": "default",
+        "mlp": "int8",
+        "lm_head": "int8_weight_only",
+    }
+    bad = {
+        "fp4": "model.matmul_precision: matmul precision 'fp4' is not one of",
+        "mlp=fp8,mlp=int8": "names 'mlp' twice",
+        "conv=fp8": "CLASS=PRECISION with CLASS one of attention",
+        "mlp=fp16": "'fp16' is not one of",
+    }
     for spec, message in bad.items():
         with pytest.raises(ConfigError, match=message):
             validate(tiny_config(model={"matmul_precision": spec}))
@@ -151,8 +156,9 @@ def test_model_state_holds_one_history_per_quantized_matmul():
     hist = histories(state)
     assert len(hist) == 5 and all(h.shape in ((2, 3, 5), (3, 5)) for h in hist.values())  # 2 stacked layers
     assert program.num_params == Program(tiny_config(), one_device_mesh()).num_params  # histories aren't params
-    assert not histories(Program(tiny_config(model={"matmul_precision": "int8_weight_only"}),
-                                 one_device_mesh()).init())  # weight-only keeps no state
+    assert not histories(
+        Program(tiny_config(model={"matmul_precision": "int8_weight_only"}), one_device_mesh()).init()
+    )  # weight-only keeps no state
     state, _ = program.train_step(state, program.device_batch(random_batch(0)))
     for name, h in histories(state).items():
         assert np.all(h[..., 0] > 0) and np.all(h[..., 1:] == 0), name
@@ -165,10 +171,13 @@ def test_accumulated_microbatches_write_the_max_of_their_histories():
     batch = random_batch(3)
     program = Program(cfg, one_device_mesh())
     combined = histories(program.train_step(program.init(), program.device_batch(batch))[0])
-    alone = Program(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=2, microbatches=1)),
-                    one_device_mesh())
-    per_microbatch = [histories(alone.train_step(alone.init(), alone.device_batch(mb))[0])
-                      for mb in (jax.tree.map(lambda a: a[j::4], batch) for j in range(4))]
+    alone = Program(
+        dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=2, microbatches=1)), one_device_mesh()
+    )
+    per_microbatch = [
+        histories(alone.train_step(alone.init(), alone.device_batch(mb))[0])
+        for mb in (jax.tree.map(lambda a: a[j::4], batch) for j in range(4))
+    ]
     for name, h in combined.items():
         np.testing.assert_array_equal(h, np.max([p[name] for p in per_microbatch], axis=0), err_msg=name)
 
@@ -185,14 +194,19 @@ def run(tokens, workdir, cfg, **kw):
 
 
 def test_resume_restores_scale_state_bit_for_bit(tokens, tmp_path):
-    cfg = tiny_config(steps=6, checkpoint_every=3, model={"matmul_precision": "fp8"},
-                      optim=dict(learning_rate=1e-2, warmup_steps=2, decay_steps=6))
+    cfg = tiny_config(
+        steps=6,
+        checkpoint_every=3,
+        model={"matmul_precision": "fp8"},
+        optim=dict(learning_rate=1e-2, warmup_steps=2, decay_steps=6),
+    )
     straight = run(tokens, tmp_path / "straight", cfg)
     run(tokens, tmp_path / "split", dataclasses.replace(cfg, steps=3))
     resumed = run(tokens, tmp_path / "split", cfg)
     assert resumed == straight
     program = Program(cfg, one_device_mesh())
     from jaxlm.checkpoint import Checkpointer
+
     ckpt = Checkpointer(tmp_path / "split" / "checkpoints")
     state, _, _ = ckpt.restore(6, program.abstract_with_shardings())
     ckpt.close()

@@ -52,7 +52,8 @@ def test_a_replica_whose_heartbeat_stopped_is_not_waited_for_and_one_that_beats_
 
     def sync(i, step):
         results[i, step] = ReplicaExchange(tmp_path, 3, i, 60.0, heartbeat_s=1.0).allreduce(
-            step, 0, {"x": np.full(3, i, np.float32)})
+            step, 0, {"x": np.full(3, i, np.float32)}
+        )
 
     waiting = threading.Thread(target=sync, args=(0, 2))
     t0 = time.monotonic()
@@ -85,8 +86,11 @@ def test_the_next_sync_waits_only_for_the_last_members_and_announced_replicas(tm
     assert alone[0].members == (0,) and time.monotonic() - t0 < 10
     ReplicaExchange(tmp_path, 2, 1, 30.0).announce(6, 0)  # it comes back: the others wait for it at sync 6
     results = {}
-    waiting = threading.Thread(target=lambda: results.update(
-        {0: ReplicaExchange(tmp_path, 2, 0, 30.0).allreduce(6, 0, {"x": np.zeros(3, np.float32)})}))
+    waiting = threading.Thread(
+        target=lambda: results.update(
+            {0: ReplicaExchange(tmp_path, 2, 0, 30.0).allreduce(6, 0, {"x": np.zeros(3, np.float32)})}
+        )
+    )
     waiting.start()
     time.sleep(0.5)
     assert waiting.is_alive()

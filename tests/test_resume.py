@@ -4,9 +4,9 @@ import dataclasses
 import re
 
 import pytest
+from helpers import one_device_mesh, random_token_file, tiny_config
 
 from data import SeededBatchIterator, TokenFile
-from helpers import one_device_mesh, random_token_file, tiny_config
 from jaxlm.config import ConfigError
 from jaxlm.metrics import read_metrics
 from jaxlm.trainer import Trainer

@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import one_device_mesh, random_batch, tiny_config
 from jax.sharding import AxisType, NamedSharding
 
 import pallas_kernels as pk
-from helpers import one_device_mesh, random_batch, tiny_config
 from jaxlm.train import Program
 from sharding import MeshLayout, build_mesh, load_layout
 from sharding.rules import LOGICAL_AXES_KEY, active_mesh_axes, active_rules, logical_spec, use_rules
@@ -54,8 +54,9 @@ def test_shipped_layout_matches_single_device(name, reference):
 
     # Params are placed exactly as the rules say, and every parameter-sharding axis of the layout is in use.
     used = set()
-    for path, variable in jax.tree.leaves_with_path(nnx.state(state.params), is_leaf=lambda x: isinstance(
-            x, nnx.Variable)):
+    for path, variable in jax.tree.leaves_with_path(
+        nnx.state(state.params), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    ):
         array = variable[...]
         want = NamedSharding(program.mesh, logical_spec(variable.get_metadata(LOGICAL_AXES_KEY), layout.rules))
         assert array.sharding.is_equivalent_to(want, array.ndim), (jax.tree_util.keystr(path), array.sharding.spec)
@@ -81,8 +82,9 @@ def test_four_stage_pipeline_with_document_mask(schedule, impl, reference):
     the block-sparse attention implementations run their own shard_map inside the stages'."""
     layout = MeshLayout(data=2, pipeline=4, pipeline_schedule=schedule, pipeline_microbatches=8).validate(8)
     cfg = _documents(CFG)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl, attention_block_q=8,
-                                                             attention_block_kv=8))
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, attention_impl=impl, attention_block_q=8, attention_block_kv=8)
+    )
     program = Program(cfg, build_mesh(layout), layout)
     _, *result = loss_and_grads(program, _doc_batch())
     assert_same(result, reference["document"])
@@ -92,16 +94,31 @@ def test_four_stage_pipeline_with_document_mask(schedule, impl, reference):
 # device's attention kernel then sees of the [16, 4] batch x heads (the old hard-coded data/fsdp x tensor split
 # gave [4, 2] and [8, 4]).
 RULE_OVERRIDES = {
-    "batch_on_data_heads_whole": (MeshLayout(data=2, fsdp=2, tensor=2, rules={"batch": ("data",), "heads": None}),
-                                  (8, 4)),
-    "batch_on_tensor_heads_on_fsdp": (MeshLayout(fsdp=2, tensor=4, rules={
-        "batch": ("tensor",), "heads": "fsdp", "kv_heads": "fsdp", "embed": None, "mlp": None, "vocab": None}),
-        (4, 2)),
+    "batch_on_data_heads_whole": (
+        MeshLayout(data=2, fsdp=2, tensor=2, rules={"batch": ("data",), "heads": None}),
+        (8, 4),
+    ),
+    "batch_on_tensor_heads_on_fsdp": (
+        MeshLayout(
+            fsdp=2,
+            tensor=4,
+            rules={
+                "batch": ("tensor",),
+                "heads": "fsdp",
+                "kv_heads": "fsdp",
+                "embed": None,
+                "mlp": None,
+                "vocab": None,
+            },
+        ),
+        (4, 2),
+    ),
 }
 
 
-@pytest.mark.parametrize("name, impl", [("batch_on_data_heads_whole", "xla_blocksparse"),
-                                        ("batch_on_tensor_heads_on_fsdp", "pallas")])
+@pytest.mark.parametrize(
+    "name, impl", [("batch_on_data_heads_whole", "xla_blocksparse"), ("batch_on_tensor_heads_on_fsdp", "pallas")]
+)
 def test_attention_kernels_split_as_the_rules_say(name, impl, reference, monkeypatch):
     """The block-sparse kernels run under their own shard_map; its batch and head axes come from the layout's rules,
     and the loss and gradients stay the single device's."""
@@ -115,8 +132,9 @@ def test_attention_kernels_split_as_the_rules_say(name, impl, reference, monkeyp
 
     monkeypatch.setattr(pk, kernel_name, recording)
     cfg = _documents(CFG)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl, attention_block_q=8,
-                                                             attention_block_kv=8))
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, attention_impl=impl, attention_block_q=8, attention_block_kv=8)
+    )
     program = Program(cfg, build_mesh(layout.validate(8)), layout)
     _, *result = loss_and_grads(program, _doc_batch())
     assert seen == {local_rows_heads}

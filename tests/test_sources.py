@@ -10,11 +10,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from data.iterator import _gather, num_windows
-from data.sources import (SampleIndexError, SampleSource, ShardedSource, SourceError, ThrottledSource,
-                          TokenWindowSource, open_source, write_shards)
+from data.sources import (
+    SampleIndexError,
+    SampleSource,
+    ShardedSource,
+    SourceError,
+    ThrottledSource,
+    TokenWindowSource,
+    open_source,
+    write_shards,
+)
 from data.token_file import TokenFile, write_token_file
 
 
@@ -50,6 +59,7 @@ def make_shards(tmp_path, num_samples=23, samples_per_shard=5, sample_len=9, dty
 
 # --- TokenWindowSource -----------------------------------------------------------------------
 
+
 def test_windows_match_iterator():
     tokens = random_tokens(1000)
     seq_len, start, stop = 7, 13, 900
@@ -63,7 +73,7 @@ def test_windows_match_iterator():
     np.testing.assert_array_equal(got[:, :-1], batch["inputs"])
     np.testing.assert_array_equal(got[:, 1:], batch["targets"])
     for i, row in zip(ids, got):
-        np.testing.assert_array_equal(row, tokens[start + i * seq_len:start + i * seq_len + seq_len + 1])
+        np.testing.assert_array_equal(row, tokens[start + i * seq_len : start + i * seq_len + seq_len + 1])
     assert got.dtype == np.uint16 and src.read([]).shape == (0, 8)
 
 
@@ -78,13 +88,16 @@ def test_windows_over_token_file_are_fresh_arrays(tmp_path):
     np.testing.assert_array_equal(out[2], out[0])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(seq_len=0), "seq_len must be an integer >= 1"),
-    (dict(seq_len=4, start=5, stop=3), "need 0 <= start <= stop"),
-    (dict(seq_len=4, stop=11), "need 0 <= start <= stop"),
-    (dict(seq_len=10), "hold no window"),
-    (dict(seq_len=2, start=8), "hold no window"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(seq_len=0), "seq_len must be an integer >= 1"),
+        (dict(seq_len=4, start=5, stop=3), "need 0 <= start <= stop"),
+        (dict(seq_len=4, stop=11), "need 0 <= start <= stop"),
+        (dict(seq_len=10), "hold no window"),
+        (dict(seq_len=2, start=8), "hold no window"),
+    ],
+)
 def test_window_source_validation(kwargs, message):
     with pytest.raises(SourceError, match=message):
         TokenWindowSource(np.arange(10, dtype=np.uint16), **kwargs)
@@ -107,14 +120,21 @@ def test_out_of_range_indices(tmp_path):
 
 # --- write_shards / ShardedSource ------------------------------------------------------------
 
+
 def test_shard_round_trip(tmp_path):
     source, path = make_shards(tmp_path)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest == {
-        "format": "jaxlm-shards", "version": 1, "num_samples": 23, "sample_len": 9, "dtype": "uint16",
+        "format": "jaxlm-shards",
+        "version": 1,
+        "num_samples": 23,
+        "sample_len": 9,
+        "dtype": "uint16",
         "samples_per_shard": 5,
-        "shards": [{"name": f"shard-{i:05d}.bin", "num_samples": n, "bytes": n * 18}
-                   for i, n in enumerate([5, 5, 5, 5, 3])]}
+        "shards": [
+            {"name": f"shard-{i:05d}.bin", "num_samples": n, "bytes": n * 18} for i, n in enumerate([5, 5, 5, 5, 3])
+        ],
+    }
     assert sorted(p.name for p in path.iterdir()) == ["manifest.json"] + [f"shard-{i:05d}.bin" for i in range(5)]
     assert [p.name for p in tmp_path.iterdir()] == ["shards"]  # no temp dirs left
     with ShardedSource.open(path) as src:
@@ -140,8 +160,12 @@ def test_uint32_and_unit_samples(tmp_path):
 
 
 @settings(max_examples=25, deadline=None)
-@given(num_samples=st.integers(1, 40), samples_per_shard=st.integers(1, 12), sample_len=st.integers(2, 9),
-       seed=st.integers(0, 2**16))
+@given(
+    num_samples=st.integers(1, 40),
+    samples_per_shard=st.integers(1, 12),
+    sample_len=st.integers(2, 9),
+    seed=st.integers(0, 2**16),
+)
 def test_shard_round_trip_property(num_samples, samples_per_shard, sample_len, seed):
     source = window_source(num_samples, sample_len, seed=seed)
     rng = np.random.default_rng(seed)
@@ -183,23 +207,30 @@ def _rewrite_manifest(path, **changes):
     (path / "manifest.json").write_text(json.dumps({**manifest, **changes}))
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda p: (p / "shard-00002.bin").unlink(), r"shard-00002\.bin: shard is missing"),
-    (lambda p: (p / "shard-00004.bin").write_bytes(b"\0" * 50),
-     r"shard-00004\.bin: shard truncated: expected 54 bytes, found 50 bytes"),
-    (lambda p: (p / "shard-00000.bin").write_bytes(b"\0" * 100), r"shard-00000\.bin: shard size mismatch"),
-    (lambda p: (p / "manifest.json").write_text("{not json"), "manifest.json is not valid JSON"),
-    (lambda p: (p / "manifest.json").unlink(), "missing manifest.json"),
-    (lambda p: _rewrite_manifest(p, format="jaxlm-tokens"), "format is 'jaxlm-tokens'"),
-    (lambda p: _rewrite_manifest(p, version=2), "unsupported version 2"),
-    (lambda p: _rewrite_manifest(p, dtype="float32"), "unknown dtype 'float32'"),
-    (lambda p: _rewrite_manifest(p, sample_len=0), "'sample_len' must be an integer >= 1"),
-    (lambda p: _rewrite_manifest(p, num_samples=24), "shard 4 is .*num_samples=4"),
-    (lambda p: _rewrite_manifest(p, num_samples=30), "lists 5 shards, expected 6"),
-    (lambda p: _rewrite_manifest(p, shards=[{"name": "../x.bin", "num_samples": 5, "bytes": 90}] * 5),
-     "shard 0 is .* plain file name"),
-    (lambda p: _rewrite_manifest(p, num_samples=0, shards=[]), "empty shard dataset"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: (p / "shard-00002.bin").unlink(), r"shard-00002\.bin: shard is missing"),
+        (
+            lambda p: (p / "shard-00004.bin").write_bytes(b"\0" * 50),
+            r"shard-00004\.bin: shard truncated: expected 54 bytes, found 50 bytes",
+        ),
+        (lambda p: (p / "shard-00000.bin").write_bytes(b"\0" * 100), r"shard-00000\.bin: shard size mismatch"),
+        (lambda p: (p / "manifest.json").write_text("{not json"), "manifest.json is not valid JSON"),
+        (lambda p: (p / "manifest.json").unlink(), "missing manifest.json"),
+        (lambda p: _rewrite_manifest(p, format="jaxlm-tokens"), "format is 'jaxlm-tokens'"),
+        (lambda p: _rewrite_manifest(p, version=2), "unsupported version 2"),
+        (lambda p: _rewrite_manifest(p, dtype="float32"), "unknown dtype 'float32'"),
+        (lambda p: _rewrite_manifest(p, sample_len=0), "'sample_len' must be an integer >= 1"),
+        (lambda p: _rewrite_manifest(p, num_samples=24), "shard 4 is .*num_samples=4"),
+        (lambda p: _rewrite_manifest(p, num_samples=30), "lists 5 shards, expected 6"),
+        (
+            lambda p: _rewrite_manifest(p, shards=[{"name": "../x.bin", "num_samples": 5, "bytes": 90}] * 5),
+            "shard 0 is .* plain file name",
+        ),
+        (lambda p: _rewrite_manifest(p, num_samples=0, shards=[]), "empty shard dataset"),
+    ],
+)
 def test_open_reports_problems(tmp_path, damage, message):
     _, path = make_shards(tmp_path)
     damage(path)
@@ -274,6 +305,7 @@ def test_overwrite_rules(tmp_path):
 
 # --- open_source -----------------------------------------------------------------------------
 
+
 def test_open_source(tmp_path):
     source, shards = make_shards(tmp_path)
     for where in (shards, shards / "manifest.json"):
@@ -301,6 +333,7 @@ def test_open_source(tmp_path):
 
 
 # --- ThrottledSource -------------------------------------------------------------------------
+
 
 def timed(fn, *args):
     t0 = time.monotonic()
@@ -368,12 +401,15 @@ def test_throttled_max_concurrency():
     assert concurrently(n, lambda: src.read([1])) >= n * latency - 1e-3
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(latency_s=-1), "latency_s must be"),
-    (dict(latency_s=float("nan")), "latency_s must be"),
-    (dict(bandwidth_bytes_per_s=0), "bandwidth_bytes_per_s must be > 0"),
-    (dict(max_concurrency=0), "max_concurrency must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(latency_s=-1), "latency_s must be"),
+        (dict(latency_s=float("nan")), "latency_s must be"),
+        (dict(bandwidth_bytes_per_s=0), "bandwidth_bytes_per_s must be > 0"),
+        (dict(max_concurrency=0), "max_concurrency must be"),
+    ],
+)
 def test_throttled_validation(kwargs, message):
     with pytest.raises(SourceError, match=message):
         ThrottledSource(window_source(5, 3), **kwargs)

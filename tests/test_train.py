@@ -10,10 +10,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import VOCAB, one_device_mesh, pure, random_batch, repetitive_token_file, tiny_config, tiny_model
 from jax.sharding import PartitionSpec as P
 
 from data import SeededBatchIterator, TokenFile
-from helpers import VOCAB, one_device_mesh, pure, random_batch, repetitive_token_file, tiny_config, tiny_model
 from jaxlm.config import OptimConfig
 from jaxlm.model import Transformer
 from jaxlm.train import Program, TrainState, loss_sums, make_optimizer, train_step
@@ -73,8 +73,9 @@ def one_step(microbatches):
     # A pass-through transformation that keeps the incoming (accumulated, averaged) gradient as its state.
     keep = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, state, p=None: (g, g))
     tx = optax.chain(keep, adamw)
-    step = jax.jit(functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
-                                     microbatches=microbatches))
+    step = jax.jit(
+        functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule, microbatches=microbatches)
+    )
     batch = random_batch(3)
     # An uneven loss mask: microbatches hold different token counts, so averaging per-microbatch means would be wrong.
     batch["loss_mask"][:3, 5:] = 0.0
@@ -160,8 +161,11 @@ def test_loss_mask_excludes_tokens():
 
     # Reference: the mean cross-entropy over the kept positions only, from plain log-softmax.
     logits = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, batch["inputs"]), np.float64)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logits.max(-1, keepdims=True)
+    )
     nll = -np.take_along_axis(logp, np.asarray(batch["targets"])[..., None], -1)[..., 0]
     assert float(count) == mask.sum() == 64
     np.testing.assert_allclose(float(loss_sum / count), nll[mask == 1].mean(), rtol=1e-5)
@@ -187,8 +191,11 @@ def test_loss_mask_excludes_tokens():
 LAYOUTS = {  # layout, microbatches, expected param specs
     "data8": (MeshLayout(data=8), 1, {"embed": P("tensor", "fsdp")}),
     "fsdp8": (MeshLayout(fsdp=8), 1, {"embed": P("tensor", "fsdp")}),
-    "data2_fsdp2_tensor2_micro2": (MeshLayout(data=2, fsdp=2, tensor=2), 2, {
-        "embed": P("tensor", "fsdp"), "final_norm": P("fsdp")}),
+    "data2_fsdp2_tensor2_micro2": (
+        MeshLayout(data=2, fsdp=2, tensor=2),
+        2,
+        {"embed": P("tensor", "fsdp"), "final_norm": P("fsdp")},
+    ),
 }
 
 
@@ -200,8 +207,14 @@ def single_device_losses(program):
 
 # data8 and fsdp8 are slow: data2_fsdp2_tensor2_micro2 shards over data and fsdp (and tensor, with microbatches) in
 # one case, and test_sharding checks the fsdp8 layout file (docs/testing.md)
-@pytest.mark.parametrize("name", [pytest.param("data8", marks=pytest.mark.slow),
-                                  pytest.param("fsdp8", marks=pytest.mark.slow), "data2_fsdp2_tensor2_micro2"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("data8", marks=pytest.mark.slow),
+        pytest.param("fsdp8", marks=pytest.mark.slow),
+        "data2_fsdp2_tensor2_micro2",
+    ],
+)
 def test_sharded_training_matches_single_device(name, single_device_losses):
     layout, microbatches, expected_specs = LAYOUTS[name]
     assert len(jax.devices()) == 8

@@ -1,7 +1,8 @@
 """A fast subset of the fault-injection sweep (`python -m experiments.fault_sweep` runs the full one): tiny_lm
 in a subprocess is SIGKILLed at a random step and in the middle of a save, SIGTERMed, has its newest checkpoint
-damaged, and runs out of file space (a per-file limit, and a real full tmpfs when it may mount one) during a save; every rerun must finish with the uninterrupted run's losses,
-bit for bit, no temporary directory left and no good checkpoint set aside."""
+damaged, and runs out of file space (a per-file limit, and a real full tmpfs when it may mount one) during a save;
+every rerun must finish with the uninterrupted run's losses, bit for bit, no temporary directory left and no good
+checkpoint set aside."""
 
 import pytest
 
@@ -10,9 +11,16 @@ from experiments.fault_harness import Harness, can_mount_tmpfs, run_scenario
 # (kind, seed): fixed seeds, so a failure reproduces with `python -m experiments.fault_sweep --kinds K --seeds S`.
 # Slow (docs/testing.md): a second seed of a kind, and the kinds an in-process test or another kind covers.
 slow = pytest.mark.slow
-CASES = [("sigkill", 0), pytest.param("sigkill", 1, marks=slow), pytest.param("sigkill_save", 0, marks=slow),
-         pytest.param("sigkill_save", 1, marks=slow), pytest.param("sigterm", 0, marks=slow),
-         pytest.param("corrupt", 0, marks=slow), ("disk_full", 0), pytest.param("tmpfs_full", 0, marks=slow)]
+CASES = [
+    ("sigkill", 0),
+    pytest.param("sigkill", 1, marks=slow),
+    pytest.param("sigkill_save", 0, marks=slow),
+    pytest.param("sigkill_save", 1, marks=slow),
+    pytest.param("sigterm", 0, marks=slow),
+    pytest.param("corrupt", 0, marks=slow),
+    ("disk_full", 0),
+    pytest.param("tmpfs_full", 0, marks=slow),
+]
 
 
 @pytest.fixture(scope="session")  # session: kept while a worker runs other modules in between
@@ -52,12 +60,19 @@ def test_sweep_report_prints_a_table_targets_and_a_json_last_line(capsys):
     from experiments.fault_sweep import report, summarize
 
     good = dict(completed=True, loss_match=True)
-    outcomes = [Outcome("sigkill", 0, steps_done=7, resumed_from=4, **good),
-                Outcome("sigkill_save", 0, in_save=True, steps_done=8, resumed_from=4, **good),
-                Outcome("sigterm", 0, steps_done=5, resumed_from=5, **good),
-                Outcome("corrupt", 0, steps_done=8, resumed_from=4, completed=True, loss_match=False)]
-    timing = {"cold_first_step_s": 10.0, "restart_first_step_s": 4.0, "restart_ratio": 0.4, "sync_save_s": 0.2,
-              "preemption_save_s": 0.3}
+    outcomes = [
+        Outcome("sigkill", 0, steps_done=7, resumed_from=4, **good),
+        Outcome("sigkill_save", 0, in_save=True, steps_done=8, resumed_from=4, **good),
+        Outcome("sigterm", 0, steps_done=5, resumed_from=5, **good),
+        Outcome("corrupt", 0, steps_done=8, resumed_from=4, completed=True, loss_match=False),
+    ]
+    timing = {
+        "cold_first_step_s": 10.0,
+        "restart_first_step_s": 4.0,
+        "restart_ratio": 0.4,
+        "sync_save_s": 0.2,
+        "preemption_save_s": 0.3,
+    }
     report(summarize(outcomes), timing, outcomes, 60.0)
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:3] == ["fault", "injected", "mid-save"]
