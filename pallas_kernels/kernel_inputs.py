@@ -6,6 +6,9 @@ Shape suffixes follow the legend in docs/architecture.md."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
@@ -34,13 +37,35 @@ def check_attention_inputs(name: str, q, k, v, block_mask: BlockMask) -> None:
 
 BACKENDS = ("gpu", "tpu", "interpret")
 
+_compile_target: contextvars.ContextVar[str | None] = contextvars.ContextVar("compile_target", default=None)
+
+
+@contextlib.contextmanager
+def compile_target(platform: str):
+    """Trace kernels for ``platform`` ("gpu" or "tpu") whatever this machine's default backend is: what compiling
+    ahead of time for a device this machine lacks needs (``pallas_kernels.gpu_target``). Inside it, kernels that
+    are not told otherwise lower for ``platform`` and ``impl="auto"`` matmuls take the Pallas kernel."""
+    if platform not in BACKENDS[:2]:
+        raise ValueError(f"compile_target: unknown platform {platform!r}; choose one of {BACKENDS[:2]}")
+    token = _compile_target.set(platform)
+    try:
+        yield
+    finally:
+        _compile_target.reset(token)
+
+
+def target_platform() -> str:
+    """The platform kernels are traced for: the compile_target in force, else the default backend's."""
+    return _compile_target.get() or jax.default_backend()
+
 
 def resolve_backend(name: str, interpret: bool | None, backend: str | None) -> str:
     """'interpret' (the default on CPU), or the lowering to target: ``backend`` if given, else the default device's.
     Setting ``backend`` lets a CPU machine lower (export) a kernel for an accelerator."""
+    platform = target_platform()
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    backend = "interpret" if interpret else (backend or ("tpu" if jax.default_backend() == "tpu" else "gpu"))
+        interpret = platform == "cpu"
+    backend = "interpret" if interpret else (backend or ("tpu" if platform == "tpu" else "gpu"))
     if backend not in BACKENDS:
         raise ValueError(f"{name}: unknown backend {backend!r}; choose one of {BACKENDS[:2]}")
     return backend

@@ -31,6 +31,59 @@ from .masks import Mask, ScoreMod
 
 
 @dataclasses.dataclass(frozen=True)
+class PassTiles:
+    """One kernel's tiling: the tile a program owns (q rows for forward and dQ, kv columns for dK/dV), the tile its
+    loop steps by (kv for forward and dQ, q for dK/dV), and Triton's warps and pipeline stages."""
+
+    rows: int
+    loop: int
+    warps: int = 4
+    stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiles:
+    """Tiles of the three kernels. They may be smaller than the block mask's blocks (a block is then walked in
+    tiles) so that the block size stays a property of the mask while the tiles fit the device's shared memory."""
+
+    forward: PassTiles
+    dq: PassTiles
+    dkv: PassTiles
+
+
+# The largest tiles (of 128x128, 128x64, 64x128, 64x64, 64x32, 32x64, with 2 pipeline stages) whose kernels fit an
+# H100's 227 KiB of shared memory per block, by (head dim up to, bytes per element); experiments.gpu_compile
+# compiles every entry for sm_90. Chosen for fit; their speed on a GPU is experiments.gpu_report's to measure.
+_GPU_TILES = {
+    # (max head dim, itemsize): (forward, dq, dkv)
+    (64, 2): (PassTiles(128, 128, 8), PassTiles(128, 128, 8), PassTiles(128, 128, 8)),
+    (64, 4): (PassTiles(128, 128, 8), PassTiles(128, 128, 8), PassTiles(128, 64, 8)),
+    (128, 2): (PassTiles(128, 128, 8), PassTiles(128, 128, 8), PassTiles(128, 64, 8)),
+    (128, 4): (PassTiles(128, 64, 8), PassTiles(128, 64, 8), PassTiles(64, 64, 4)),
+    (256, 2): (PassTiles(128, 64, 8), PassTiles(64, 64, 4), PassTiles(64, 32, 4)),
+    (256, 4): (PassTiles(64, 32, 4), PassTiles(64, 32, 4), PassTiles(32, 64, 4)),
+}
+
+
+def kernel_tiles(backend: str, head_dim: int, dtype, block_sizes) -> KernelTiles:
+    """The tiles the kernels use: the mask's blocks in interpret mode and on TPU, on GPU the smallest entry of the
+    shared-memory table that covers this head dim and dtype, cut to divide the blocks."""
+    bq, bkv = block_sizes.block_q, block_sizes.block_kv
+    if backend != "gpu":
+        return KernelTiles(PassTiles(bq, bkv), PassTiles(bq, bkv), PassTiles(bkv, bq))
+    itemsize = jnp.dtype(dtype).itemsize
+    fits = [key for key in _GPU_TILES if key[0] >= head_dim and key[1] >= itemsize]
+    if not fits:
+        raise ValueError(f"block_sparse_attention: head dim {head_dim} is larger than the GPU kernels support (256)")
+    fwd, dq, dkv = _GPU_TILES[min(fits)]
+    return KernelTiles(
+        dataclasses.replace(fwd, rows=math.gcd(fwd.rows, bq), loop=math.gcd(fwd.loop, bkv)),
+        dataclasses.replace(dq, rows=math.gcd(dq.rows, bq), loop=math.gcd(dq.loop, bkv)),
+        dataclasses.replace(dkv, rows=math.gcd(dkv.rows, bkv), loop=math.gcd(dkv.loop, bq)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class _Static:
     """Everything a kernel is specialised on (hashable: the custom_vjp's non-differentiable argument)."""
 
@@ -45,6 +98,7 @@ class _Static:
     mask_batched: bool  # block-mask arrays have a batch dim of B (else 1)
     docs_batched: tuple[bool, ...]  # per document slot
     backend: str
+    tiles: KernelTiles
 
 
 def block_sparse_attention(
@@ -57,6 +111,7 @@ def block_sparse_attention(
     score_mod: ScoreMod | None = None,
     interpret: bool | None = None,
     backend: str | None = None,
+    tiles: KernelTiles | None = None,
 ):
     """Attention over the non-empty tiles of ``block_mask``, as Pallas kernels; differentiable.
 
@@ -67,7 +122,8 @@ def block_sparse_attention(
     Works under ``jax.shard_map`` on local shards; in interpret mode the shard_map needs ``check_vma=False`` (the
     Pallas interpreter's slices do not track varying mesh axes in jax 0.10). ``interpret`` defaults to True on
     CPU. ``backend`` ("gpu", "tpu") picks the lowering; it defaults to the default JAX backend, and setting it lets
-    a CPU machine lower (export) the kernels for an accelerator.
+    a CPU machine lower (export) the kernels for an accelerator. ``tiles`` overrides ``kernel_tiles`` (each tile
+    must divide its block).
     """
     check_attention_inputs("block_sparse_attention", q, k, v, block_mask)
     B, H, T, E = q.shape
@@ -76,6 +132,8 @@ def block_sparse_attention(
     backend = resolve_backend("block_sparse_attention", interpret, backend)
 
     bs = block_mask.block_sizes
+    tiles = kernel_tiles(backend, E, q.dtype, bs) if tiles is None else tiles
+    _check_tiles(tiles, bs)
     Tp, Sp = block_mask.padded_q_len, block_mask.padded_kv_len
     segments = segment_arrays("block_sparse_attention", docs, block_mask, B)
     doc_arrays = [a for q_ids, kv_ids in segments for a in (q_ids[:, :, None], kv_ids[:, None, :])]
@@ -92,10 +150,24 @@ def block_sparse_attention(
         mask_arrays[0].shape[0] == B and B > 1,
         tuple(q_ids.shape[0] == B and B > 1 for q_ids, _ in segments),
         backend,
+        tiles,
     )
     qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
     return out[:, :, :T], lse[:, :, :T, 0]
+
+
+def _check_tiles(tiles: KernelTiles, bs) -> None:
+    for name, t, rows_block, loop_block in (
+        ("forward", tiles.forward, bs.block_q, bs.block_kv),
+        ("dq", tiles.dq, bs.block_q, bs.block_kv),
+        ("dkv", tiles.dkv, bs.block_kv, bs.block_q),
+    ):
+        if t.rows < 1 or t.loop < 1 or rows_block % t.rows or loop_block % t.loop:
+            raise ValueError(
+                f"block_sparse_attention: {name} tiles {t.rows}x{t.loop} "
+                f"must divide the blocks {rows_block}x{loop_block}"
+            )
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -162,6 +234,15 @@ def _two_loops(body, n_partial, n_total, carry):
     return lax.fori_loop(n_partial, n_total, functools.partial(body, masked=False), carry)
 
 
+def _tiles_of_block(tile_body, block_start, block, tile, carry):
+    """Run tile_body(start, carry) over the tiles of one block (one call when the tile is the block)."""
+    if tile == block:
+        return tile_body(pl.multiple_of(block_start, tile), carry)
+    return lax.fori_loop(
+        0, block // tile, lambda u, c: tile_body(pl.multiple_of(block_start + u * tile, tile), c), carry
+    )
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -169,32 +250,35 @@ def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_r
     *doc_refs, o_ref, lse_ref = refs
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm = b if static.mask_batched else 0
-    bq, bkv = static.block_q, static.block_kv
+    tq, tkv = static.tiles.forward.rows, static.tiles.forward.loop
+    row = i * tq // static.block_q  # the block-mask row this program's tile lies in
     q = q_ref[...]
-    q_pos = i * bq + _iota(bq, 0)
+    q_pos = i * tq + _iota(tq, 0)
     q_segs = [r[...] for r in doc_refs[0::2]]
 
     def body(j, carry, masked):
-        m_prev, l_prev, acc_prev = carry
-        start = pl.multiple_of(kv_idx_ref[bm, i, j] * bkv, bkv)
-        k = k_ref[pl.ds(start, bkv), :]
-        v = v_ref[pl.ds(start, bkv), :]
-        tiles = [(qs, r[:, pl.ds(start, bkv)]) for qs, r in zip(q_segs, doc_refs[1::2])]
-        s, _ = _scores(static, q, k, q_pos, start + _iota(bkv, 1), h, masked, tiles)
-        m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet in this row
-        alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(s - m_safe)
-        l_new = alpha * l_prev + p.sum(axis=-1, keepdims=True)
-        acc_new = alpha * acc_prev + _dot(p.astype(v.dtype), v, 1, 0)
-        return m_new, l_new, acc_new
+        def tile(start, carry):
+            m_prev, l_prev, acc_prev = carry
+            k = k_ref[pl.ds(start, tkv), :]
+            v = v_ref[pl.ds(start, tkv), :]
+            tiles = [(qs, r[:, pl.ds(start, tkv)]) for qs, r in zip(q_segs, doc_refs[1::2])]
+            s, _ = _scores(static, q, k, q_pos, start + _iota(tkv, 1), h, masked, tiles)
+            m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet in this row
+            alpha = jnp.exp(m_prev - m_safe)
+            p = jnp.exp(s - m_safe)
+            l_new = alpha * l_prev + p.sum(axis=-1, keepdims=True)
+            acc_new = alpha * acc_prev + _dot(p.astype(v.dtype), v, 1, 0)
+            return m_new, l_new, acc_new
+
+        return _tiles_of_block(tile, kv_idx_ref[bm, row, j] * static.block_kv, static.block_kv, tkv, carry)
 
     init = (
-        jnp.full((bq, 1), -jnp.inf, jnp.float32),
-        jnp.zeros((bq, 1), jnp.float32),
-        jnp.zeros((bq, q.shape[-1]), jnp.float32),
+        jnp.full((tq, 1), -jnp.inf, jnp.float32),
+        jnp.zeros((tq, 1), jnp.float32),
+        jnp.zeros((tq, q.shape[-1]), jnp.float32),
     )
-    m, l, acc = _two_loops(body, kv_np_ref[bm, i], kv_cnt_ref[bm, i], init)
+    m, l, acc = _two_loops(body, kv_np_ref[bm, row], kv_cnt_ref[bm, row], init)
     seen = l > 0  # False only on padding rows (and, for traced masks, on rows that see nothing)
     o_ref[...] = (acc / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
     # +inf makes the backward's p = exp(s - lse) zero on such rows
@@ -204,19 +288,18 @@ def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_r
 def _forward(static, q, k, v, mask_arrays, doc_arrays):
     B, H, Tp, E = q.shape
     Sp = k.shape[2]
-    G, bq = static.groups, static.block_q
-    grid = (B, H, Tp // bq)
-    q_spec = pl.BlockSpec((None, None, bq, E), lambda b, h, i: (b, h, i, 0))
+    G, tq = static.groups, static.tiles.forward.rows
+    q_spec = pl.BlockSpec((None, None, tq, E), lambda b, h, i: (b, h, i, 0))
     kv_spec = pl.BlockSpec((None, None, Sp, E), lambda b, h, i: (b, h // G, 0, 0))
-    doc_specs = _row_doc_specs(static, Sp)
+    doc_specs = _row_doc_specs(static, tq, Sp)
     return pl.pallas_call(
         functools.partial(_forward_kernel, static),
-        grid=grid,
+        grid=(B, H, Tp // tq),
         in_specs=[q_spec, kv_spec, kv_spec, *[_index_spec(static)] * 3, *doc_specs],
-        out_specs=[q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))],
+        out_specs=[q_spec, pl.BlockSpec((None, None, tq, 1), lambda b, h, i: (b, h, i, 0))],
         out_shape=[_like(q.shape, q.dtype, q), _like((B, H, Tp, 1), jnp.float32, q)],
         interpret=static.backend == "interpret",
-        compiler_params=_compiler_params(static, 3),
+        compiler_params=_compiler_params(static, static.tiles.forward, 3),
         name="block_sparse_attention_fwd",
     )(q, k, v, *mask_arrays[:3], *doc_arrays)
 
@@ -228,43 +311,46 @@ def _dq_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_idx_r
     *doc_refs, dq_ref = refs
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm = b if static.mask_batched else 0
-    bq, bkv = static.block_q, static.block_kv
+    tq, tkv = static.tiles.dq.rows, static.tiles.dq.loop
+    row = i * tq // static.block_q
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    q_pos = i * bq + _iota(bq, 0)
+    q_pos = i * tq + _iota(tq, 0)
     q_segs = [r[...] for r in doc_refs[0::2]]
 
     def body(j, dq, masked):
-        start = pl.multiple_of(kv_idx_ref[bm, i, j] * bkv, bkv)
-        k = k_ref[pl.ds(start, bkv), :]
-        v = v_ref[pl.ds(start, bkv), :]
-        tiles = [(qs, r[:, pl.ds(start, bkv)]) for qs, r in zip(q_segs, doc_refs[1::2])]
-        s, d_mod = _scores(static, q, k, q_pos, start + _iota(bkv, 1), h, masked, tiles, with_grad=True)
-        p = jnp.exp(s - lse)
-        ds = p * (_dot(do, v, 1, 1) - delta)
-        if d_mod is not None:
-            ds = ds * d_mod
-        return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+        def tile(start, dq):
+            k = k_ref[pl.ds(start, tkv), :]
+            v = v_ref[pl.ds(start, tkv), :]
+            tiles = [(qs, r[:, pl.ds(start, tkv)]) for qs, r in zip(q_segs, doc_refs[1::2])]
+            s, d_mod = _scores(static, q, k, q_pos, start + _iota(tkv, 1), h, masked, tiles, with_grad=True)
+            p = jnp.exp(s - lse)
+            ds = p * (_dot(do, v, 1, 1) - delta)
+            if d_mod is not None:
+                ds = ds * d_mod
+            return dq + _dot(ds.astype(k.dtype), k, 1, 0)
 
-    dq = _two_loops(body, kv_np_ref[bm, i], kv_cnt_ref[bm, i], jnp.zeros(q.shape, jnp.float32))
+        return _tiles_of_block(tile, kv_idx_ref[bm, row, j] * static.block_kv, static.block_kv, tkv, dq)
+
+    dq = _two_loops(body, kv_np_ref[bm, row], kv_cnt_ref[bm, row], jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * static.scale).astype(dq_ref.dtype)
 
 
 def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
     B, H, Tp, E = q.shape
     Sp = k.shape[2]
-    G, bq = static.groups, static.block_q
-    q_spec = pl.BlockSpec((None, None, bq, E), lambda b, h, i: (b, h, i, 0))
-    row_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))
+    G, tq = static.groups, static.tiles.dq.rows
+    q_spec = pl.BlockSpec((None, None, tq, E), lambda b, h, i: (b, h, i, 0))
+    row_spec = pl.BlockSpec((None, None, tq, 1), lambda b, h, i: (b, h, i, 0))
     kv_spec = pl.BlockSpec((None, None, Sp, E), lambda b, h, i: (b, h // G, 0, 0))
-    doc_specs = _row_doc_specs(static, Sp)
+    doc_specs = _row_doc_specs(static, tq, Sp)
     return pl.pallas_call(
         functools.partial(_dq_kernel, static),
-        grid=(B, H, Tp // bq),
+        grid=(B, H, Tp // tq),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *[_index_spec(static)] * 3, *doc_specs],
         out_specs=q_spec,
         out_shape=_like(q.shape, q.dtype, q),
         interpret=static.backend == "interpret",
-        compiler_params=_compiler_params(static, 3),
+        compiler_params=_compiler_params(static, static.tiles.dq, 3),
         name="block_sparse_attention_dq",
     )(q, k, v, d_out, lse, delta, *mask_arrays[:3], *doc_arrays)
 
@@ -276,32 +362,35 @@ def _dkv_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_r
     *doc_refs, dk_ref, dv_ref = refs
     b, hk, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm = b if static.mask_batched else 0
-    bq, bkv = static.block_q, static.block_kv
+    tkv, tq = static.tiles.dkv.rows, static.tiles.dkv.loop
+    col = j * tkv // static.block_kv  # the block-mask column this program's tile lies in
     k, v = k_ref[...], v_ref[...]
-    kv_pos = j * bkv + _iota(bkv, 1)
+    kv_pos = j * tkv + _iota(tkv, 1)
     kv_segs = [r[...] for r in doc_refs[1::2]]
 
     def per_head(g, carry):
         head = hk * static.groups + g
 
         def body(t, carry, masked):
-            dk, dv = carry
-            start = pl.multiple_of(q_idx_ref[bm, j, t] * bq, bq)
-            q = q_ref[g, pl.ds(start, bq), :]
-            do = do_ref[g, pl.ds(start, bq), :]
-            lse = lse_ref[g, pl.ds(start, bq), :]
-            delta = delta_ref[g, pl.ds(start, bq), :]
-            tiles = [(r[pl.ds(start, bq), :], ks) for r, ks in zip(doc_refs[0::2], kv_segs)]
-            s, d_mod = _scores(static, q, k, start + _iota(bq, 0), kv_pos, head, masked, tiles, with_grad=True)
-            p = jnp.exp(s - lse)
-            # p stays float32 here: dV sums p over every query of the column and has the tightest error budget
-            dv = dv + _dot(p, do.astype(jnp.float32), 0, 0)
-            ds = p * (_dot(do, v, 1, 1) - delta)
-            if d_mod is not None:
-                ds = ds * d_mod
-            return dk + _dot(ds.astype(q.dtype), q, 0, 0), dv
+            def tile(start, carry):
+                dk, dv = carry
+                q = q_ref[g, pl.ds(start, tq), :]
+                do = do_ref[g, pl.ds(start, tq), :]
+                lse = lse_ref[g, pl.ds(start, tq), :]
+                delta = delta_ref[g, pl.ds(start, tq), :]
+                tiles = [(r[pl.ds(start, tq), :], ks) for r, ks in zip(doc_refs[0::2], kv_segs)]
+                s, d_mod = _scores(static, q, k, start + _iota(tq, 0), kv_pos, head, masked, tiles, with_grad=True)
+                p = jnp.exp(s - lse)
+                # p stays float32 here: dV sums p over every query of the column and has the tightest error budget
+                dv = dv + _dot(p, do.astype(jnp.float32), 0, 0)
+                ds = p * (_dot(do, v, 1, 1) - delta)
+                if d_mod is not None:
+                    ds = ds * d_mod
+                return dk + _dot(ds.astype(q.dtype), q, 0, 0), dv
 
-        return _two_loops(body, q_np_ref[bm, j], q_cnt_ref[bm, j], carry)
+            return _tiles_of_block(tile, q_idx_ref[bm, col, t] * static.block_q, static.block_q, tq, carry)
+
+        return _two_loops(body, q_np_ref[bm, col], q_cnt_ref[bm, col], carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, static.groups, per_head, (zeros, zeros))
@@ -312,28 +401,28 @@ def _dkv_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_r
 def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
     B, H, Tp, E = q.shape
     K, Sp = k.shape[1], k.shape[2]
-    G, bkv = static.groups, static.block_kv
+    G, tkv = static.groups, static.tiles.dkv.rows
 
     def grouped(x):  # [B, H, Tp, E or 1] -> [B, K, G, Tp, E or 1]: a kv head's query heads side by side, no copy
         return x.reshape(B, K, G, Tp, x.shape[-1])
 
-    kv_spec = pl.BlockSpec((None, None, bkv, E), lambda b, h, j: (b, h, j, 0))
+    kv_spec = pl.BlockSpec((None, None, tkv, E), lambda b, h, j: (b, h, j, 0))
     group_spec = pl.BlockSpec((None, None, G, Tp, E), lambda b, h, j: (b, h, 0, 0, 0))
     row_spec = pl.BlockSpec((None, None, G, Tp, 1), lambda b, h, j: (b, h, 0, 0, 0))
     doc_specs = []
     for batched in static.docs_batched:
         doc_specs += [
             pl.BlockSpec((None, Tp, 1), lambda b, h, j, bb=batched: (b if bb else 0, 0, 0)),
-            pl.BlockSpec((None, 1, bkv), lambda b, h, j, bb=batched: (b if bb else 0, 0, j)),
+            pl.BlockSpec((None, 1, tkv), lambda b, h, j, bb=batched: (b if bb else 0, 0, j)),
         ]
     return pl.pallas_call(
         functools.partial(_dkv_kernel, static),
-        grid=(B, K, Sp // bkv),
+        grid=(B, K, Sp // tkv),
         in_specs=[group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec, *[_index_spec(static)] * 3, *doc_specs],
         out_specs=[kv_spec, kv_spec],
         out_shape=[_like(k.shape, k.dtype, k), _like(v.shape, v.dtype, v)],
         interpret=static.backend == "interpret",
-        compiler_params=_compiler_params(static, 3),
+        compiler_params=_compiler_params(static, static.tiles.dkv, 3),
         name="block_sparse_attention_dkv",
     )(grouped(q), k, v, grouped(d_out), grouped(lse), grouped(delta), *mask_arrays[3:], *doc_arrays)
 
@@ -346,12 +435,12 @@ def _like(shape, dtype, like):
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
 
 
-def _row_doc_specs(static, Sp):
-    """Segment-id specs of programs that own a q block: that block's q ids, every kv id of the batch row."""
+def _row_doc_specs(static, tq, Sp):
+    """Segment-id specs of programs that own a q tile: that tile's q ids, every kv id of the batch row."""
     specs = []
     for batched in static.docs_batched:
         specs += [
-            pl.BlockSpec((None, static.block_q, 1), lambda b, h, i, bb=batched: (b if bb else 0, i, 0)),
+            pl.BlockSpec((None, tq, 1), lambda b, h, i, bb=batched: (b if bb else 0, i, 0)),
             pl.BlockSpec((None, 1, Sp), lambda b, h, i, bb=batched: (b if bb else 0, 0, 0)),
         ]
     return specs
@@ -366,12 +455,11 @@ def _index_spec(static):
     return pl.BlockSpec()
 
 
-def _compiler_params(static, grid_rank):
+def _compiler_params(static, tiles: PassTiles, grid_rank):
     if static.backend == "gpu":
         from jax.experimental.pallas import triton as pltriton
 
-        warps = 4 if static.block_q * static.block_kv <= 64 * 64 else 8
-        return pltriton.CompilerParams(num_warps=warps, num_stages=2)
+        return pltriton.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages)
     if static.backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .kernel_inputs import pad_axis, resolve_backend
+from .kernel_inputs import pad_axis, resolve_backend, target_platform
 from .quantize import FLOAT8, dequantize, quantize
 
 IMPLS = ("auto", "pallas", "xla")
@@ -52,7 +52,7 @@ def resolve_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"unknown quantized matmul impl {impl!r}; choose one of {IMPLS}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+        return "pallas" if target_platform() in ("gpu", "tpu") else "xla"
     return impl
 
 

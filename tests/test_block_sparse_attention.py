@@ -46,9 +46,9 @@ def segments(B, T, seed=0):
     return np.sort(r.integers(0, 4, size=(B, T)), axis=1).astype(np.int32)
 
 
-def check_forward(impl, q, k, v, mask, block_sizes, atol=1e-5, **kw):
+def check_forward(impl, q, k, v, mask, block_sizes, atol=1e-5, impl_kw=None, **kw):
     bm = make_block_mask(mask, q.shape[2], k.shape[2], block_sizes)
-    out, lse = jax.jit(functools.partial(IMPLS[impl], block_mask=bm, **kw))(q, k, v)
+    out, lse = jax.jit(functools.partial(IMPLS[impl], block_mask=bm, **kw, **(impl_kw or {})))(q, k, v)
     # the reference in float32 on the same (possibly bf16) inputs: the target is the exact result, not its rounding
     ref_out, ref_lse = reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -71,10 +71,10 @@ def grads(fn, q, k, v, w, out_dtype=None):
     return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
 
 
-def check_gradients(impl, q, k, v, mask, block_sizes, tols=(1e-4, 1e-4, 1e-4), **kw):
+def check_gradients(impl, q, k, v, mask, block_sizes, tols=(1e-4, 1e-4, 1e-4), impl_kw=None, **kw):
     bm = make_block_mask(mask, q.shape[2], k.shape[2], block_sizes)
     w = jnp.asarray(np.random.default_rng(4).normal(size=q.shape), jnp.float32)
-    got = grads(functools.partial(IMPLS[impl], block_mask=bm, **kw), q, k, v, w)
+    got = grads(functools.partial(IMPLS[impl], block_mask=bm, **kw, **(impl_kw or {})), q, k, v, w)
     up = [x.astype(jnp.float32) for x in (q, k, v)]
     want = grads(functools.partial(reference_attention, mask=mask, **kw), *up, w, out_dtype=q.dtype)
     for name, g, r, tol, x in zip("qkv", got, want, tols, (q, k, v)):
@@ -157,6 +157,42 @@ def test_gradients_match_reference(impl, doc):
     B, T = 2, 64
     mask = causal() & document(segments(B, T, seed=2)) if doc else causal()
     check_gradients(impl, *qkv(B=B, Hq=4, Hkv=2, T=T, seed=3), mask, BlockSizes(16, 16))
+
+
+@pytest.mark.parametrize(
+    "mask", [causal(), causal() & document(segments(2, 90, seed=9)), sliding_window(20) | global_tokens(3)], ids=repr
+)
+def test_kernel_tiles_smaller_than_blocks(mask):
+    """The GPU walks a block in tiles that fit its shared memory: the block mask stays 32x32, every kernel runs on
+    16x8 / 8x16 tiles (partial and full blocks, padded tails, GQA) and the result is the same."""
+    from pallas_kernels.pallas_attention import KernelTiles, PassTiles
+
+    tiles = KernelTiles(PassTiles(16, 8), PassTiles(8, 16), PassTiles(16, 8))
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, T=90, seed=10)
+    check_forward("pallas", q, k, v, mask, BlockSizes(32, 32), impl_kw={"tiles": tiles})
+    check_gradients("pallas", q, k, v, mask, BlockSizes(32, 32), impl_kw={"tiles": tiles})
+
+
+def test_kernel_tiles_must_divide_the_blocks():
+    from pallas_kernels.pallas_attention import KernelTiles, PassTiles
+
+    q, k, v = qkv(T=64)
+    bm = make_block_mask(causal(), 64, 64, BlockSizes(32, 32))
+    tiles = KernelTiles(PassTiles(32, 32), PassTiles(32, 32), PassTiles(32, 24))
+    with pytest.raises(ValueError, match="dkv tiles 32x24 must divide the blocks 32x32"):
+        block_sparse_attention(q, k, v, bm, tiles=tiles)
+
+
+def test_gpu_tiles_follow_head_dim_and_dtype():
+    from pallas_kernels.pallas_attention import kernel_tiles
+
+    small = kernel_tiles("gpu", 64, jnp.bfloat16, BlockSizes(128, 128))
+    big = kernel_tiles("gpu", 256, jnp.float32, BlockSizes(128, 128))
+    assert small.forward.rows * small.forward.loop > big.forward.rows * big.forward.loop
+    assert kernel_tiles("gpu", 128, jnp.bfloat16, BlockSizes(32, 96)).dkv.rows in (32, 16, 8)  # divides 96
+    assert kernel_tiles("interpret", 256, jnp.float32, BlockSizes(64, 32)).dkv.rows == 32  # interpret: the blocks
+    with pytest.raises(ValueError, match="head dim 512"):
+        kernel_tiles("gpu", 512, jnp.bfloat16, BlockSizes())
 
 
 @impls

@@ -1,6 +1,6 @@
-"""The Pallas kernels lower for real accelerators, checked on CPU: jax.export lowers forward + backward for CUDA
-(Triton) and TPU (Mosaic). This catches what interpret mode cannot (unsupported ops, non-power-of-two Triton tiles,
-Mosaic layout and memory-space rules); compiling the lowered kernels still needs the device."""
+"""The Pallas kernels lower for TPU (Mosaic) on CPU with jax.export, forward + backward: this catches what interpret
+mode cannot (Mosaic layout and memory-space rules). For the GPU the kernels are compiled, not only lowered, for an
+H100 in tests/test_gpu_compile.py; here only the GPU lowering inside a user's shard_map is checked."""
 
 import jax
 import jax.numpy as jnp
@@ -66,13 +66,6 @@ MASKS = {
 
 
 @pytest.mark.parametrize("name", list(MASKS))
-def test_lowers_for_gpu_triton(name):
-    mask, kw = MASKS[name]
-    text = lower("cuda", "gpu", mask, **kw)
-    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dQ, dK/dV
-
-
-@pytest.mark.parametrize("name", list(MASKS))
 def test_lowers_for_tpu_mosaic(tpu_target, name):
     mask, kw = MASKS[name]
     text = lower("tpu", "tpu", mask, **kw)
@@ -108,15 +101,11 @@ QUANT_CASES = {  # x dtype, x scale shape, w dtype, w scale shape, k_block
 }
 
 
-@pytest.mark.parametrize(
-    "platform, backend, marker", [("cuda", "gpu", "__gpu$xla.gpu.triton"), ("tpu", "tpu", "@tpu_custom_call")]
-)
+@pytest.mark.parametrize("platform, backend, marker", [("tpu", "tpu", "@tpu_custom_call")])
 @pytest.mark.parametrize("case", list(QUANT_CASES))
-def test_quantized_matmul_lowers(request, platform, backend, marker, case):
+def test_quantized_matmul_lowers(tpu_target, platform, backend, marker, case):
     from pallas_kernels.quantized_matmul import scaled_matmul
 
-    if backend == "tpu":
-        request.getfixturevalue("tpu_target")
     x_dtype, xs_shape, w_dtype, ws_shape, k_block = QUANT_CASES[case]
     M, K, N = 512, 1024, 768
 

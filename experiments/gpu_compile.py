@@ -1,0 +1,297 @@
+"""Compile every Pallas kernel and a training step for an H100, on a machine without a GPU.
+
+    python -m experiments.gpu_compile                  # every case; installs the CUDA plugin on first use
+    python -m experiments.gpu_compile --quick          # head dim 128, bfloat16, three masks, two matmuls
+    python -m experiments.gpu_compile --json out.json  # also the rows as JSON
+
+Triton compiles each kernel for sm_90 and XLA checks its shared memory against the H100's 227 KiB per block, so a
+kernel change is done only when this passes (pallas_kernels.gpu_target says how it works). Attention: every mask
+kind, forward + dQ + dK/dV, head dims 64 / 128 / 256, float32 and bfloat16, GQA; a case that fails is compiled
+again kernel by kernel to name the one that does not fit. Matmuls: int8, fp8, mixed fp8 and weight-only, per
+tensor / channel / block, and the training custom_vjp. Then a whole train step of a small Llama with Pallas
+attention and fp8 Pallas matmuls. Exit 0 when everything compiles, 1 when something does not, 2 when the plugin
+cannot be set up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("bfloat16", "float32")
+SEQ, BLOCK, HEADS, KV_HEADS = 512, 128, 4, 2
+
+
+@dataclasses.dataclass
+class Case:
+    group: str  # attention | matmul | train step
+    name: str
+    compile: Callable[[], str]  # compiles; returns a detail for the report, raises when it does not compile
+
+
+def attention_masks(B: int, T: int) -> dict:
+    import numpy as np
+
+    import pallas_kernels as pk
+
+    segments = np.repeat(np.arange(4, dtype=np.int32), T // 4)[None].repeat(B, 0)
+    return {
+        "causal": pk.causal(),
+        "sliding_window(256)": pk.sliding_window(256),
+        "document": pk.causal() & pk.document(segments),
+        f"prefix_lm({T // 4})": pk.prefix_lm(T // 4),
+        "global_tokens(4) | sliding_window(256)": pk.global_tokens(4) | pk.sliding_window(256),
+        "full": pk.full(),
+    }
+
+
+def _attention_fns(mask, E: int, dtype: str):
+    """(forward, dQ, dK/dV, all three) as functions of q, k, v, and their argument specs."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+
+    B = 1
+    bm = pk.make_block_mask(mask, SEQ, SEQ, pk.BlockSizes(BLOCK, BLOCK))
+
+    def loss(q, k, v):
+        out, lse = pk.block_sparse_attention(q, k, v, bm)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+    fns = {
+        "forward": lambda q, k, v: pk.block_sparse_attention(q, k, v, bm),
+        "dQ": jax.grad(loss, argnums=0),
+        "dK/dV": jax.grad(loss, argnums=(1, 2)),
+        "all": jax.value_and_grad(loss, argnums=(0, 1, 2)),
+    }
+    q = jax.ShapeDtypeStruct((B, HEADS, SEQ, E), jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct((B, KV_HEADS, SEQ, E), jnp.dtype(dtype))
+    return fns, (q, kv, kv)
+
+
+def _compile_attention(mask, E: int, dtype: str) -> str:
+    from pallas_kernels.gpu_target import compile_for_gpu, first_line
+
+    fns, args = _attention_fns(mask, E, dtype)
+    try:
+        compiled = compile_for_gpu(fns["all"], *args)
+    except Exception:  # name the kernel that does not compile
+        failing = []
+        for kernel in ("forward", "dQ", "dK/dV"):
+            try:
+                compile_for_gpu(fns[kernel], *args)
+            except Exception as e:
+                failing.append(f"{kernel}: {first_line(e)}")
+        raise RuntimeError("; ".join(failing) or "fails only when the three kernels compile together") from None
+    return _kernels_in(compiled, expected=3)
+
+
+def _kernels_in(compiled, expected: int) -> str:
+    """Check the compiled program calls at least `expected` Triton kernels (so nothing fell back to interpret
+    mode, which would compile as plain XLA and prove nothing)."""
+    found = compiled.as_text().count(f'custom_call_target="{TRITON_CALL}"')
+    if found < expected:
+        raise RuntimeError(f"expected {expected} Triton kernels in the compiled program, found {found}")
+    return f"{found} Triton kernels"
+
+
+def attention_cases(quick: bool) -> list[Case]:
+    masks = attention_masks(1, SEQ)
+    if quick:
+        masks = {k: masks[k] for k in ("causal", "document", "full")}
+    cases = []
+    for E in (128,) if quick else HEAD_DIMS:
+        for dtype in DTYPES[:1] if quick else DTYPES:
+            for name, mask in masks.items():
+                cases.append(
+                    Case(
+                        "attention",
+                        f"{name}, head dim {E}, {dtype}",
+                        lambda mask=mask, E=E, dtype=dtype: _compile_attention(mask, E, dtype),
+                    )
+                )
+    return cases
+
+
+MATMULS = {  # name: x dtype, x scale shape (None: weight-only), w dtype, w scale shape, k_block
+    "int8 x int8, per channel": ("int8", "rows", "int8", "cols", None),
+    "fp8 x fp8, per tensor": ("float8_e4m3fn", "tensor", "float8_e4m3fn", "tensor", None),
+    "fp8 e5m2 x e4m3 (mixed), per block of 128": ("float8_e5m2", "blocks", "float8_e4m3fn", "blocks", 128),
+    "int8 x int8, per block of 128": ("int8", "blocks", "int8", "blocks", 128),
+    "bf16 x int8 weight-only, per channel": ("bfloat16", None, "int8", "cols", None),
+    "bf16 x fp8 weight-only, per channel": ("bfloat16", None, "float8_e4m3fn", "cols", None),
+}
+MATMUL_SHAPE = (512, 1024, 768)  # X, C, Y
+
+
+def _scale_shape(kind, X, C, Y, k_block, side):
+    n = 1 if k_block is None else -(-C // k_block)
+    return {
+        "rows": (X, 1),
+        "cols": (1, Y),
+        "tensor": (1, 1),
+        "blocks": (X, n) if side == "x" else (n, Y),
+    }[kind]
+
+
+def _compile_matmul(spec) -> str:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gpu_target import compile_for_gpu
+    from pallas_kernels.quantized_matmul import scaled_matmul
+
+    x_dtype, xs, w_dtype, ws, k_block = spec
+    X, C, Y = MATMUL_SHAPE
+    args = (
+        jax.ShapeDtypeStruct((X, C), jnp.dtype(x_dtype)),
+        None if xs is None else jax.ShapeDtypeStruct(_scale_shape(xs, X, C, Y, k_block, "x"), jnp.float32),
+        jax.ShapeDtypeStruct((C, Y), jnp.dtype(w_dtype)),
+        jax.ShapeDtypeStruct(_scale_shape(ws, X, C, Y, k_block, "w"), jnp.float32),
+    )
+
+    def matmul(x, x_scale, w, w_scale):
+        return scaled_matmul(x, x_scale, w, w_scale, k_block=k_block, impl="pallas", out_dtype=jnp.bfloat16)
+
+    return _kernels_in(compile_for_gpu(matmul, *args), expected=1)
+
+
+def _compile_quantized_dot(recipe_name: str, delayed: bool) -> str:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gpu_target import compile_for_gpu
+    from pallas_kernels.quantized_training import QuantRecipe, new_amax_history, quantized_dot
+
+    recipe = getattr(QuantRecipe, recipe_name)(impl="pallas")
+    X, C, Y = MATMUL_SHAPE
+
+    def loss(x, w, history):
+        return jnp.sum(quantized_dot(x, w, history, recipe).astype(jnp.float32))
+
+    history = jax.ShapeDtypeStruct(new_amax_history(16).shape, jnp.float32) if delayed else None
+    step = jax.value_and_grad(loss, argnums=(0, 1) + ((2,) if delayed else ()))
+    x, w = jax.ShapeDtypeStruct((X, C), jnp.bfloat16), jax.ShapeDtypeStruct((C, Y), jnp.bfloat16)
+    # forward, dX and dW are three quantized products; weight-only quantizes the forward alone (its dX and dW are
+    # float products of the dequantized weight and of x)
+    return _kernels_in(compile_for_gpu(step, x, w, history), expected=1 if recipe.weight_only else 3)
+
+
+def matmul_cases(quick: bool) -> list[Case]:
+    names = list(MATMULS)[:2] if quick else list(MATMULS)
+    cases = [Case("matmul", name, lambda spec=MATMULS[name]: _compile_matmul(spec)) for name in names]
+    trains = [("fp8", True), ("fp8", False), ("int8", False), ("int8_weight_only", False)]
+    for recipe, delayed in trains[:1] if quick else trains:
+        label = f"quantized_dot {recipe} forward + backward, {'delayed' if delayed else 'current'} scaling"
+        cases.append(Case("matmul", label, lambda r=recipe, d=delayed: _compile_quantized_dot(r, d)))
+    return cases
+
+
+def small_llama():
+    """A 2-layer Llama with head dim 128, Pallas attention and fp8 Pallas matmuls, in bfloat16."""
+    from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
+
+    return TrainConfig(
+        model=ModelConfig(
+            vocab_size=1024,
+            d_model=512,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            mlp_dim=1024,
+            max_seq_len=SEQ,
+            dtype="bfloat16",
+            attention_impl="pallas",
+            matmul_precision="fp8",
+            matmul_impl="pallas",
+        ),
+        optim=OptimConfig(warmup_steps=1),
+        data=DataConfig(seq_len=SEQ, batch_size=2),
+        steps=10,
+    )
+
+
+def _compile_train_step() -> str:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxlm.config import validate
+    from jaxlm.train import Program
+    from pallas_kernels.gpu_target import h100_mesh
+    from pallas_kernels.kernel_inputs import compile_target
+    from sharding import MeshLayout, build_mesh
+
+    cfg = small_llama()
+    validate(cfg)
+    program = Program(cfg, build_mesh(MeshLayout(data=1), devices=list(h100_mesh().devices.flat)))
+    B, T = cfg.data.batch_size, cfg.data.seq_len
+    batch = {
+        name: jax.ShapeDtypeStruct((B, T), dtype, sharding=program.batch_sharding)
+        for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))
+    }
+    with compile_target("gpu"):
+        compiled = program.train_step.lower(program.abstract_with_shardings(), batch).compile()
+    # the scanned layer body once: 3 attention kernels and 4 fp8 matmuls x (forward, dX, dW); the lm_head's 3
+    return _kernels_in(compiled, expected=3 + 4 * 3 + 3)
+
+
+def train_cases() -> list[Case]:
+    return [
+        Case("train step", "2-layer Llama, head dim 128, bf16, Pallas attention + fp8 matmuls", _compile_train_step)
+    ]
+
+
+def run(cases: list[Case], log=print) -> list[dict]:
+    from pallas_kernels.gpu_target import first_line
+
+    rows = []
+    for case in cases:
+        t0 = time.perf_counter()
+        try:
+            detail, ok = case.compile(), True
+        except Exception as e:
+            detail, ok = first_line(e), False
+        row = {"group": case.group, "case": case.name, "ok": ok, "detail": detail, "seconds": time.perf_counter() - t0}
+        rows.append(row)
+        log(f"{'ok  ' if ok else 'FAIL'} {row['seconds']:5.1f}s  {case.group}: {case.name}: {detail}")
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.gpu_compile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few cases: head dim 128, bfloat16, three masks")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--no-install", action="store_true", help="fail instead of installing the plugin with pip")
+    args = p.parse_args(argv)
+
+    from pallas_kernels import gpu_target
+
+    try:
+        directory = gpu_target.plugin_dir()
+        if not args.no_install:
+            directory = gpu_target.install_plugin(directory)
+        gpu_target.enable_plugin(directory)
+    except gpu_target.PluginError as e:
+        print(f"gpu_compile: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"gpu_compile: compiling for {gpu_target.h100_mesh().devices.flat[0].device_kind} (sm_90), plugin {directory}"
+    )
+    rows = run(attention_cases(args.quick) + matmul_cases(args.quick) + train_cases())
+    failed = [r for r in rows if not r["ok"]]
+    print(f"gpu_compile: {len(rows) - len(failed)} of {len(rows)} compile for the H100")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "failed": len(failed)}, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Every Pallas kernel and a whole training step compile for an H100 on this CPU-only machine (Triton for sm_90, shared
+memory checked against the device's 227 KiB per block), through jax's CUDA plugin installed beside the project.
+
+The compiles run in subprocesses: the plugin must be found before JAX starts its backends, and the test process
+has started them. The first run installs the plugin (~130 MB from the package index) into ~/.cache/jaxlm."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pallas_kernels import gpu_target
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # GPU executables stay out of the CPU tests' shared cache
+    env.pop("JAX_PLATFORMS", None)  # enable_plugin keeps CPU the default itself
+    return env
+
+
+def _python(args, timeout):
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=_env(), cwd=os.getcwd()
+    )
+
+
+def test_every_kernel_and_the_train_step_compile_for_h100(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = _python(["-m", "experiments.gpu_compile", "--json", str(out)], timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["ok"] for r in rows)
+    attention = [r["case"] for r in rows if r["group"] == "attention"]
+    for E in (64, 128, 256):
+        for dtype in ("float32", "bfloat16"):
+            cases = [c for c in attention if f"head dim {E}, {dtype}" in c]
+            assert len(cases) == 6, (E, dtype, cases)  # every mask kind
+    assert sum(r["group"] == "matmul" for r in rows) == 10
+    (train,) = [r for r in rows if r["group"] == "train step"]
+    # the scanned layer body once: 3 attention kernels + 4 fp8 matmuls x (forward, dX, dW), and the lm_head's 3
+    assert train["detail"] == "18 Triton kernels"
+
+
+def test_a_kernel_too_big_for_shared_memory_fails_the_compile():
+    """The check bites: 128x128 dK/dV tiles at head dim 128 ask for more than an H100's shared memory (what the
+    kernels did before their tiles followed head dim and dtype)."""
+    script = """
+from pallas_kernels import gpu_target
+gpu_target.enable_plugin(gpu_target.install_plugin())
+import jax, jax.numpy as jnp
+import pallas_kernels as pk
+from pallas_kernels.pallas_attention import KernelTiles, PassTiles
+bm = pk.make_block_mask(pk.causal(), 384, 384, pk.BlockSizes(128, 128))
+big = PassTiles(128, 128, 8, 2)
+tiles = KernelTiles(big, big, big)
+loss = lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, tiles=tiles)[0].astype(jnp.float32).sum()
+q = jax.ShapeDtypeStruct((1, 4, 384, 128), jnp.bfloat16)
+kv = jax.ShapeDtypeStruct((1, 2, 384, 128), jnp.bfloat16)
+try:
+    gpu_target.compile_for_gpu(jax.grad(loss, argnums=(1, 2)), q, kv, kv)
+except Exception as e:
+    print(gpu_target.first_line(e))
+else:
+    print("compiled")
+"""
+    proc = _python(["-c", script], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert "RESOURCE_EXHAUSTED: Shared memory size limit exceeded" in last and "available: 232448" in last, last
+
+
+def test_enable_plugin_says_what_is_missing(tmp_path):
+    with pytest.raises(gpu_target.PluginError, match=f"no CUDA plugin in {tmp_path}"):
+        gpu_target.enable_plugin(tmp_path)
+
+
+def test_plugin_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXLM_CUDA_PLUGIN_DIR", str(tmp_path / "p"))
+    assert gpu_target.plugin_dir() == tmp_path / "p"
+    monkeypatch.delenv("JAXLM_CUDA_PLUGIN_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert gpu_target.plugin_dir().parent == tmp_path / "jaxlm"
