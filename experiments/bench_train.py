@@ -77,7 +77,7 @@ def measure_train_step(cfg: TrainConfig, steps: int, windows: int, profile_dir: 
     step_fn = program.train_step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     state, metrics = step_fn(state, batch)
-    jax.block_until_ready(metrics)
+    first_loss = float(metrics["loss"])
     best = float("inf")
     for _ in range(windows):
         t0 = time.perf_counter()
@@ -96,6 +96,7 @@ def measure_train_step(cfg: TrainConfig, steps: int, windows: int, profile_dir: 
         "step_s": best,
         "tokens_per_s": tokens_per_s,
         "model_gflops_per_s": tokens_per_s * flops_per_token / 1e9,
+        "first_loss": first_loss,  # the warm-up step's; the batch is the same every step, so the loss must fall
         "loss": float(metrics["loss"]),
     }
 

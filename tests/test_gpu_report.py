@@ -1,0 +1,106 @@
+"""experiments.gpu_report: --quick runs every section's code path on CPU (kernels in interpret mode) and writes the
+report; a failing item is recorded with its first line and the report goes on; bad usage is one line and exit 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from experiments import gpu_report
+from experiments.report_speed import kept_pairs
+
+
+def test_quick_report_on_cpu_covers_every_section(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.gpu_report", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (md,) = tmp_path.glob("gpu-cpu-*.md")
+    data = json.loads(md.with_suffix(".json").read_text())
+    assert data["failures"] == []
+    kernels = [r["check"] for r in data["kernels"]]
+    for what in ("causal", "sliding_window", "document", "prefix_lm", "global_tokens", "bfloat16", "T=25, S=50"):
+        assert any(what in c for c in kernels), what
+    assert any("matmul fp8 e5m2 x e4m3 per block" in c for c in kernels)
+    assert any("quantized_dot fp8 (delayed scaling)" in c for c in kernels)
+    assert {(r["mask"], r["impl"]) for r in data["attention"]} == {
+        (m, i) for m in ("full", "causal", "sliding_window(16)") for i in ("pallas", "xla")
+    }
+    assert {r["impl"] for r in data["matmul"]} >= {
+        "bf16 jnp.dot",
+        "int8 pallas (per channel)",
+        "fp8 pallas (per tensor)",
+    }
+    train = {r["variant"]: r for r in data["train"]}
+    assert set(train) == set(gpu_report.TRAIN_VARIANTS)
+    assert all(r["loss"] < r["first_loss"] and 0 < r["mfu"] for r in train.values())
+    assert all(data["ratios"][name] is not None for name in gpu_report.TARGETS)
+    text = md.read_text()
+    for heading in ("## Targets", "## Kernel checks", "## Attention speed", "## Matmul speed", "## Training step"):
+        assert heading in text
+
+
+def test_a_failing_item_is_recorded_and_the_report_goes_on():
+    lines = []
+    report = gpu_report.Report(log=lines.append)
+
+    def broken():
+        raise RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded\n  long traceback text")
+
+    assert report.item("attention", "T=32768", broken) is None
+    report.rows("kernels", "checks", lambda: [{"check": "a", "ok": True, "detail": "1e-6"}])
+    report.rows("kernels", "checks", lambda: [{"check": "b", "ok": False, "detail": "3e-1 (tol 1e-2)"}])
+    assert report.failures == [
+        {
+            "section": "attention",
+            "item": "T=32768",
+            "error": "RuntimeError: RESOURCE_EXHAUSTED: Shared memory size limit exceeded",
+        },
+        {"section": "kernels", "item": "b", "error": "3e-1 (tol 1e-2)"},
+    ]
+    assert len(report.sections["kernels"]) == 2
+    md = gpu_report.render_markdown(
+        report,
+        {
+            "device": "x",
+            "date": "d",
+            "command": "c",
+            "platform": "cpu",
+            "jax": "0",
+            "host": "h",
+            "quick": True,
+            "peak_tflops": None,
+        },
+        {},
+    )
+    assert "- attention: T=32768: `RuntimeError: RESOURCE_EXHAUSTED" in md
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "no GPU here (the default device is cpu)"),
+        (
+            ["--quick", "--only", "kernels,speed"],
+            "--only 'kernels,speed': sections are kernels, attention, matmul, train",
+        ),
+    ],
+)
+def test_bad_usage_is_one_line_and_exit_2(capsys, argv, message):
+    assert gpu_report.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_kept_pairs_count_the_mask():
+    import numpy as np
+
+    T, W = 37, 5
+    q, k = np.arange(T)[:, None], np.arange(T)[None, :]
+    assert kept_pairs("full", T, W) == T * T
+    assert kept_pairs("causal", T, W) == int((k <= q).sum())
+    assert kept_pairs("sliding_window(5)", T, W) == int(((q - k >= 0) & (q - k < W)).sum())
