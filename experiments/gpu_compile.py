@@ -8,8 +8,8 @@ Triton compiles each kernel for sm_90 and XLA checks its shared memory against t
 kernel change is done only when this passes (pallas_kernels.gpu_target says how it works). Attention: every mask
 kind, forward + dQ + dK/dV, head dims 64 / 128 / 256, float32 and bfloat16, GQA; a case that fails is compiled
 again kernel by kernel to name the one that does not fit. Matmuls: int8, fp8, mixed fp8 and weight-only, per
-tensor / channel / block, and the training custom_vjp. Then a whole train step of a small Llama with Pallas
-attention and fp8 Pallas matmuls. Exit 0 when everything compiles, 1 when something does not, 2 when the plugin
+tensor / channel / block, and the training custom_vjp. Then whole train steps: a small Llama with Pallas attention
+and fp8 Pallas matmuls, and the GPU report's 1B Llama, whose state and temporaries must fit the H100's memory. Exit 0 when everything compiles, 1 when something does not, 2 when the plugin
 cannot be set up.
 """
 
@@ -218,7 +218,7 @@ def small_llama():
     )
 
 
-def _compile_train_step() -> str:
+def _compile_step(cfg):
     import jax
     import jax.numpy as jnp
 
@@ -228,7 +228,6 @@ def _compile_train_step() -> str:
     from pallas_kernels.kernel_inputs import compile_target
     from sharding import MeshLayout, build_mesh
 
-    cfg = small_llama()
     validate(cfg)
     program = Program(cfg, build_mesh(MeshLayout(data=1), devices=list(h100_mesh().devices.flat)))
     B, T = cfg.data.batch_size, cfg.data.seq_len
@@ -237,14 +236,40 @@ def _compile_train_step() -> str:
         for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))
     }
     with compile_target("gpu"):
-        compiled = program.train_step.lower(program.abstract_with_shardings(), batch).compile()
+        return program.train_step.lower(program.abstract_with_shardings(), batch).compile()
+
+
+def _compile_small_step() -> str:
     # the scanned layer body once: 3 attention kernels and 4 fp8 matmuls x (forward, dX, dW); the lm_head's 3
-    return _kernels_in(compiled, expected=3 + 4 * 3 + 3)
+    return _kernels_in(_compile_step(small_llama()), expected=3 + 4 * 3 + 3)
+
+
+def _compile_report_step(overrides: dict) -> str:
+    """The GPU report's 1B model: it must compile and its state plus temporaries fit the H100's memory."""
+    import dataclasses
+
+    from experiments.gpu_report import llama_1b
+    from pallas_kernels.gpu_target import H100_MEMORY
+
+    base = llama_1b()
+    compiled = _compile_step(dataclasses.replace(base, model=dataclasses.replace(base.model, **overrides)))
+    memory = compiled.memory_analysis()
+    used = memory.argument_size_in_bytes + memory.temp_size_in_bytes
+    if used > H100_MEMORY:
+        raise RuntimeError(f"needs {used / 1e9:.1f} GB, more than the H100's {H100_MEMORY / 1e9:.1f} GB")
+    return f"{_kernels_in(compiled, expected=3)}, {used / 1e9:.1f} of {H100_MEMORY / 1e9:.1f} GB"
 
 
 def train_cases() -> list[Case]:
+    pallas = {"attention_impl": "pallas"}
     return [
-        Case("train step", "2-layer Llama, head dim 128, bf16, Pallas attention + fp8 matmuls", _compile_train_step)
+        Case("train step", "2-layer Llama, head dim 128, bf16, Pallas attention + fp8 matmuls", _compile_small_step),
+        Case("train step", "the report's 1.01B Llama, Pallas attention", lambda: _compile_report_step(pallas)),
+        Case(
+            "train step",
+            "the report's 1.01B Llama, Pallas attention + fp8 matmuls",
+            lambda: _compile_report_step({**pallas, "matmul_precision": "fp8"}),
+        ),
     ]
 
 

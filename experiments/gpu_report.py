@@ -1,6 +1,6 @@
 """One command that proves the kernels and the training step on a GPU, and writes what it measured.
 
-    python -m experiments.gpu_report                       # on a GPU: the whole report (about 10 minutes on an H100)
+    python -m experiments.gpu_report                       # on a GPU: the whole report (docs/gpu.md)
     python -m experiments.gpu_report --only kernels,train  # some sections
     python -m experiments.gpu_report --quick               # tiny sizes; on CPU the kernels run in interpret mode
 
@@ -9,7 +9,7 @@ Sections, each item of which is recorded with its error's first line when it fai
   attention  Pallas attention vs jax.nn.dot_product_attention (cuDNN on GPU, XLA on CPU) in TFLOP/s of the
              score pairs each mask keeps, forward and forward+backward, T = 2k / 8k / 32k, head dim 64 / 128
   matmul     int8 / fp8 matmuls vs a bfloat16 jnp.dot at 4096^3 and 8192^3
-  train      a ~1B-parameter Llama in bfloat16 for a few dozen steps on one batch: attention jax vs pallas,
+  train      a 1.01B-parameter Llama in bfloat16 for a few dozen steps on one batch: attention jax vs pallas,
              matmuls default vs fp8; tokens/s, MFU against the bf16 peak measured in this run, the loss falling
 Writes OUT/gpu-<device>-<date>.md and .json (OUT: docs/results). Exit 0 when every item passed, 1 otherwise,
 2 on bad usage (the full report on a machine without a GPU).
@@ -98,14 +98,15 @@ def quick_sizes() -> Sizes:
 
 
 def llama_1b():
-    """~1B parameters, Llama-shaped: 16 layers of width 2048, 16 heads of 128 (8 kv heads), SwiGLU 5632, 32k vocab."""
+    """1.01B parameters, Llama-shaped: 20 layers of width 2048, 16 heads of 128 (8 kv heads), SwiGLU 5632, a tied
+    32k vocab; T = 2048, 8 sequences a step."""
     from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 
     return TrainConfig(
         model=ModelConfig(
             vocab_size=32000,
             d_model=2048,
-            num_layers=16,
+            num_layers=20,
             num_heads=16,
             num_kv_heads=8,
             mlp_dim=5632,
@@ -284,6 +285,24 @@ def headline_ratios(report: Report, sizes: Sizes, peer: str) -> dict[str, float 
 # ----------------------------------------------------------------------------- writing
 
 
+def merge_earlier_sections(report: Report, json_path: Path, only: list[str], quick: bool) -> list[str]:
+    """Sections this run skipped (--only) are taken from the same day's earlier report of this device and size, so
+    a report run in parts (one command limit each) ends as one file. Returns the sections taken."""
+    if set(only) == set(SECTIONS) or not json_path.exists():
+        return []
+    try:
+        earlier = json.loads(json_path.read_text())
+    except (OSError, ValueError):
+        return []  # unreadable: this run's sections alone, written over it
+    if earlier.get("meta", {}).get("quick") != quick:
+        return []
+    taken = [s for s in SECTIONS if s not in only and earlier.get(s)]
+    for section in taken:
+        report.sections[section] = earlier[section]
+        report.failures += [f for f in earlier.get("failures", []) if f.get("section") == section]
+    return taken
+
+
 def device_slug(kind: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", kind.lower()).strip("-") or "device"
 
@@ -408,12 +427,14 @@ def main(argv=None) -> int:
         "command": "python -m experiments.gpu_report " + " ".join(argv if argv is not None else sys.argv[1:]),
         "peak_tflops": None if peak is None else peak / 1e12,
     }
-    ratios = headline_ratios(report, sizes, peer)
     stem = out_dir / f"gpu-{device_slug(device.device_kind)}-{date}"
+    merged = merge_earlier_sections(report, stem.with_suffix(".json"), only, args.quick)
+    ratios = headline_ratios(report, sizes, peer)
     stem.with_suffix(".md").write_text(render_markdown(report, meta, ratios))
     payload = {"meta": meta, "targets": TARGETS, "ratios": ratios, "failures": report.failures, **report.sections}
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=float))
-    print(f"gpu_report: {len(report.failures)} failed; wrote {stem}.md and .json")
+    kept = f" (sections {', '.join(merged)} kept from the earlier run of the day)" if merged else ""
+    print(f"gpu_report: {len(report.failures)} failed; wrote {stem}.md and .json{kept}")
     for name, got in ratios.items():
         print(f"  {name}: {_fmt(got)} (target {TARGETS[name]})")
     return 1 if report.failures else 0

@@ -2,7 +2,8 @@
 
 Implementations:
   reference        dense masked softmax in XLA (grouped, no K/V repeat); the plain baseline
-  jax              jax.nn.dot_product_attention (XLA; cuDNN-capable on GPU)
+  jax              jax.nn.dot_product_attention: cuDNN's fused kernel on a GPU for bf16/fp16, causal or no mask and
+                   head dim <= 128 (jaxlm.attention.cudnn_fits), XLA's otherwise
   xla_blocksparse  pallas_kernels.block_sparse_attention_xla: blocked online softmax over non-empty blocks only
   pallas           pallas_kernels.block_sparse_attention: the Pallas kernels (interpret mode on CPU)
 
@@ -24,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 from jaxlm.config import ATTENTION_IMPLS as IMPLEMENTATIONS
+from pallas_kernels.kernel_inputs import target_platform
 from pallas_kernels.kernel_mask import DocumentSlot
 from pallas_kernels.mask_spec import parse_mask, uses_documents
 from sharding.rules import active_mesh_axes
@@ -96,9 +98,16 @@ def attention(
             mask=None if dense is None else dense[:, None],
             is_causal=is_causal,
             scale=scale,
-            implementation="xla",
+            implementation="cudnn" if dense is None and cudnn_fits(q_BTHE) else "xla",
         )
     return _reference(q_BTHE, k_BSKE, v_BSKE, _dense_mask(mask_obj, T, S), scale, score_mod)
+
+
+def cudnn_fits(q_BTHE) -> bool:
+    """cuDNN's fused attention serves this query: traced for a GPU, bf16 or fp16, head dim a multiple of 8 up to 128
+    (its forward and backward both support those on Ampere and Hopper)."""
+    E = q_BTHE.shape[-1]
+    return target_platform() == "gpu" and q_BTHE.dtype in (jnp.bfloat16, jnp.float16) and E % 8 == 0 and E <= 128
 
 
 def _dense_mask(mask: pk.Mask, T: int, S: int):

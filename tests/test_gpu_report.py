@@ -104,3 +104,21 @@ def test_kept_pairs_count_the_mask():
     assert kept_pairs("full", T, W) == T * T
     assert kept_pairs("causal", T, W) == int((k <= q).sum())
     assert kept_pairs("sliding_window(5)", T, W) == int(((q - k >= 0) & (q - k < W)).sum())
+
+
+def test_a_report_run_in_parts_ends_as_one_file(tmp_path):
+    """--only kernels then --only matmul on the same day: the second keeps the first's kernel rows and failure."""
+    earlier = {
+        "meta": {"quick": True},
+        "kernels": [{"check": "attention causal", "ok": False, "detail": "3e-1"}],
+        "matmul": [{"n": 1, "impl": "old"}],
+        "failures": [{"section": "kernels", "item": "attention causal", "error": "3e-1"}],
+    }
+    path = tmp_path / "gpu-x-d.json"
+    path.write_text(json.dumps(earlier))
+    report = gpu_report.Report(log=lambda line: None)
+    report.sections["matmul"] = [{"n": 2, "impl": "new"}]
+    assert gpu_report.merge_earlier_sections(report, path, ["matmul"], quick=True) == ["kernels"]
+    assert report.sections["kernels"] == earlier["kernels"] and report.sections["matmul"] == [{"n": 2, "impl": "new"}]
+    assert report.failures == earlier["failures"]
+    assert gpu_report.merge_earlier_sections(gpu_report.Report(), path, ["matmul"], quick=False) == []
