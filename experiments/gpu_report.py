@@ -83,7 +83,7 @@ def quick_sizes() -> Sizes:
 
     return Sizes(
         checks=CheckSizes(1, 4, 2, 32, 50, 16, 12, ((64, 128, 96), (50, 100, 70)), 32, every_combination=False),
-        attention_seqs=(64, 128),
+        attention_seqs=(64,),
         attention_head_dims=(32,),
         attention_tokens=128,
         attention_width=64,

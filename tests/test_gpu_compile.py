@@ -27,17 +27,35 @@ def _python(args, timeout):
     )
 
 
-def test_every_kernel_and_the_train_step_compile_for_h100(tmp_path):
+def _compile_rows(tmp_path, *flags):
     out = tmp_path / "rows.json"
-    proc = _python(["-m", "experiments.gpu_compile", "--json", str(out)], timeout=1200)
+    proc = _python(["-m", "experiments.gpu_compile", "--json", str(out), *flags], timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert all(r["ok"] for r in rows)
-    attention = [r["case"] for r in rows if r["group"] == "attention"]
+    return rows
+
+
+def _attention_cases(rows, E, dtype):
+    return [r["case"] for r in rows if r["group"] == "attention" and f"head dim {E}, {dtype}" in r["case"]]
+
+
+@pytest.mark.slow
+def test_every_mask_at_every_head_dim_compiles_for_h100(tmp_path):
+    rows = _compile_rows(tmp_path)
     for E in (64, 128, 256):
         for dtype in ("float32", "bfloat16"):
-            cases = [c for c in attention if f"head dim {E}, {dtype}" in c]
-            assert len(cases) == 6, (E, dtype, cases)  # every mask kind
+            assert len(_attention_cases(rows, E, dtype)) == 6, (E, dtype)  # every mask kind
+
+
+def test_every_kernel_and_the_train_step_compile_for_h100(tmp_path):
+    """Every mask kind at head dim 128; at 64 and 256 causal and document, the masks that differ in what the kernels
+    load (the slow test above compiles every mask there too)."""
+    rows = _compile_rows(tmp_path, "--core")
+    for dtype in ("float32", "bfloat16"):
+        assert len(_attention_cases(rows, 128, dtype)) == 6
+        for E in (64, 256):
+            assert [c.split(",")[0] for c in _attention_cases(rows, E, dtype)] == ["causal", "document"]
     assert sum(r["group"] == "matmul" for r in rows) == 10
     small, *report_model = [r for r in rows if r["group"] == "train step"]
     # the scanned layer body once: 3 attention kernels + 4 fp8 matmuls x (forward, dX, dW), and the lm_head's 3
