@@ -83,11 +83,27 @@ def build_parser(prog: str, default_workdir: str) -> argparse.ArgumentParser:
 
 
 def run_training(prog: str, default_config: Path, default_workdir: str, argv: list[str] | None = None) -> int:
-    """Parses the CLI, validates everything, then trains. Returns the process exit code."""
+    """Parses the CLI, validates everything, then trains. Returns the process exit code. Ctrl-C before training
+    starts exits with one line (once training runs, jaxlm.preemption takes the signals)."""
+    from jaxlm.preemption import EXIT_INTERRUPTED
+
+    try:
+        return _run_training(prog, default_config, default_workdir, argv)
+    except KeyboardInterrupt:
+        return _fail(
+            prog, "interrupted (Ctrl-C) before training started; nothing was written", EXIT_INTERRUPTED, "stopped"
+        )
+
+
+def _run_training(prog: str, default_config: Path, default_workdir: str, argv: list[str] | None) -> int:
     try:
         args = build_parser(prog, default_workdir).parse_args(argv)
         if args.cpu_devices < 0:
             raise UsageError(f"--cpu-devices must be >= 0, got {args.cpu_devices}")
+        for flag in ("workdir", "config", "mesh", "compilation_cache"):
+            value = getattr(args, flag)
+            if value is not None and not value.strip():
+                raise UsageError(f"--{flag.replace('_', '-')} is empty; give a path (or leave the flag out)")
         setup = _prepare(args, default_config)
     except UsageError as e:
         return _fail(prog, str(e))

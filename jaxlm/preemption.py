@@ -2,16 +2,26 @@
 
 Schedulers (SLURM, Kubernetes, Cloud TPU maintenance) send SIGTERM and wait a grace period before SIGKILL. The
 handler only records the signal; the Trainer finishes the step it is on, writes a checkpoint synchronously and
-exits with EXIT_PREEMPTED, and rerunning the same command continues with no step lost. A second SIGINT (Ctrl-C
-pressed twice) interrupts at once, for a user who does not want to wait for the checkpoint.
+exits with EXIT_PREEMPTED, and rerunning the same command continues with no step lost.
+
+A signal is acknowledged at once, with one line, even while the main thread is inside XLA (a compile, a restore,
+a step): Python runs its handlers only between bytecodes of the main thread, so a watcher thread reads the signal
+numbers the C-level handler writes to a wakeup socket. A second Ctrl-C exits from there at once with
+EXIT_INTERRUPTED and one line, never a traceback through XLA; the last complete checkpoint stays the one to resume
+from (a save cut short leaves only temporaries, which the next run removes).
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
+import sys
 import threading
+from pathlib import Path
 
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: a temporary failure; rerun the command to continue
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -27,27 +37,66 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    """Context manager: while active, SIGTERM / SIGINT set `received` instead of killing the process.
+    """Context manager: while active, SIGTERM / SIGINT set `received` instead of killing the process, the first
+    one is acknowledged on stderr at once, and a second SIGINT exits the process with EXIT_INTERRUPTED.
 
     Handlers can only be installed from the main thread; elsewhere (a Trainer run in a worker thread) the
     guard is inert and signals keep their default behaviour."""
 
-    def __init__(self):
+    def __init__(self, prog: str | None = None):
+        self.prog = prog or Path(sys.argv[0]).stem or "jaxlm"  # `python -m experiments.tiny_lm` -> tiny_lm
         self.received: str | None = None
         self._previous: dict = {}
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._previous_fd = -1
+        self._seen: list[int] = []
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            self._wakeup = (reader, writer)
+            threading.Thread(target=self._watch, args=(reader,), name="stop-signals", daemon=True).start()
         return self
 
     def _handle(self, signum, frame) -> None:
-        if signum == signal.SIGINT and self.received == "SIGINT":
-            raise KeyboardInterrupt  # the second Ctrl-C
-        self.received = signal.Signals(signum).name
+        self.received = self.received or signal.Signals(signum).name
+
+    def _watch(self, reader: socket.socket) -> None:
+        """Runs beside the main thread: acknowledges the first signal, ends the process on a second Ctrl-C."""
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:  # closed by __exit__
+                return
+            for signum in data:
+                self._seen.append(signum)
+                if signum == signal.SIGINT and self._seen.count(signal.SIGINT) >= 2:
+                    self._say("second Ctrl-C: exiting now, without a checkpoint of this step; the last one is kept")
+                    os._exit(EXIT_INTERRUPTED)
+                if len(self._seen) == 1:
+                    name = signal.Signals(signum).name
+                    again = "; Ctrl-C again to exit at once without it" if signum == signal.SIGINT else ""
+                    self._say(f"{name}: stopping after the current step with a checkpoint{again}")
+
+    def _say(self, line: str) -> None:
+        try:
+            sys.stderr.write(f"\n{self.prog}: {line}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            for sock in reversed(self._wakeup):  # the writer first: the watcher's recv then returns b""
+                sock.close()
+            self._wakeup = None
