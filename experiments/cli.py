@@ -83,33 +83,32 @@ def build_parser(prog: str, default_workdir: str) -> argparse.ArgumentParser:
 
 
 def run_training(prog: str, default_config: Path, default_workdir: str, argv: list[str] | None = None) -> int:
-    """Parses the CLI, validates everything, then trains. Returns the process exit code. Ctrl-C before training
-    starts exits with one line (once training runs, jaxlm.preemption takes the signals)."""
-    from jaxlm.preemption import EXIT_INTERRUPTED
+    """Parses the CLI, validates everything, then trains. Returns the process exit code. SIGINT / SIGTERM before
+    training starts end the process at once with one line (jaxlm.preemption; once training runs, they stop it
+    after a step with a checkpoint)."""
+    from jaxlm.preemption import StopSignals
+    from jaxlm.workdir_lock import WorkdirBusy
 
     try:
-        return _run_training(prog, default_config, default_workdir, argv)
-    except KeyboardInterrupt:
-        return _fail(
-            prog, "interrupted (Ctrl-C) before training started; nothing was written", EXIT_INTERRUPTED, "stopped"
-        )
-
-
-def _run_training(prog: str, default_config: Path, default_workdir: str, argv: list[str] | None) -> int:
-    try:
-        args = build_parser(prog, default_workdir).parse_args(argv)
-        if args.cpu_devices < 0:
-            raise UsageError(f"--cpu-devices must be >= 0, got {args.cpu_devices}")
-        for flag in ("workdir", "config", "mesh", "compilation_cache"):
-            value = getattr(args, flag)
-            if value is not None and not value.strip():
-                raise UsageError(f"--{flag.replace('_', '-')} is empty; give a path (or leave the flag out)")
-        setup = _prepare(args, default_config)
+        with StopSignals(prog, nothing_to_save=True):
+            args = build_parser(prog, default_workdir).parse_args(argv)
+            if args.cpu_devices < 0:
+                raise UsageError(f"--cpu-devices must be >= 0, got {args.cpu_devices}")
+            for flag in ("workdir", "config", "mesh", "compilation_cache"):
+                value = getattr(args, flag)
+                if value is not None and not value.strip():
+                    raise UsageError(f"--{flag.replace('_', '-')} is empty; give a path (or leave the flag out)")
+            *setup, lock = _prepare(prog, args, default_config)
     except UsageError as e:
         return _fail(prog, str(e))
     except (ValueError, OSError) as e:  # ConfigError, LayoutError, TokenFileError, an unreadable file
         return _fail(prog, str(e))
-    return _train(prog, args, *setup)
+    except WorkdirBusy as e:  # another run holds the workdir
+        return _fail(prog, str(e))
+    try:
+        return _train(prog, args, *setup)
+    finally:
+        lock.release()
 
 
 def _fail(prog: str, message: str, code: int = EXIT_BAD_INPUT, label: str = "error") -> int:
@@ -118,7 +117,7 @@ def _fail(prog: str, message: str, code: int = EXIT_BAD_INPUT, label: str = "err
     return code
 
 
-def _prepare(args, default_config: Path):
+def _prepare(prog: str, args, default_config: Path):
     import tempfile
 
     import jax
@@ -132,6 +131,7 @@ def _prepare(args, default_config: Path):
     from jaxlm import config as config_lib
     from jaxlm.diloco.config import for_this_process
     from jaxlm.run_data import open_run_data
+    from jaxlm.workdir_lock import WorkdirLock
     from sharding import MeshLayout, load_layout
 
     cfg = config_lib.load_config(args.config or default_config)
@@ -167,7 +167,14 @@ def _prepare(args, default_config: Path):
         tempfile.TemporaryFile(dir=workdir).close()
     except OSError as e:
         raise UsageError(f"--workdir {workdir} is not writable: {e.strerror}") from None
-    return cfg, layout, train_iter, eval_data
+    # One run per workdir, taken before the run writes there. Process 0 holds it for all processes of its run (a
+    # DiLoCo replica's processes, with their own sub-workdir, hold their own).
+    lock = WorkdirLock(workdir)
+    if jax.process_index() == 0:
+        note = lock.acquire()
+        if note:
+            print(f"{prog}: note: {note}", file=sys.stderr)
+    return cfg, layout, train_iter, eval_data, lock
 
 
 def use_compilation_cache(choice: str | None) -> None:

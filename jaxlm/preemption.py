@@ -43,8 +43,10 @@ class StopSignals:
     Handlers can only be installed from the main thread; elsewhere (a Trainer run in a worker thread) the
     guard is inert and signals keep their default behaviour."""
 
-    def __init__(self, prog: str | None = None):
+    def __init__(self, prog: str | None = None, nothing_to_save: bool = False):
+        """``nothing_to_save``: before training starts the first signal ends the process at once, with one line."""
         self.prog = prog or Path(sys.argv[0]).stem or "jaxlm"  # `python -m experiments.tiny_lm` -> tiny_lm
+        self.nothing_to_save = nothing_to_save
         self.received: str | None = None
         self._previous: dict = {}
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
@@ -76,6 +78,10 @@ class StopSignals:
                 return
             for signum in data:
                 self._seen.append(signum)
+                if self.nothing_to_save and signum in SIGNALS:
+                    name = signal.Signals(signum).name
+                    self._say(f"stopped: {name} before training started; nothing to save")
+                    os._exit(128 + signum)
                 if signum == signal.SIGINT and self._seen.count(signal.SIGINT) >= 2:
                     self._say("second Ctrl-C: exiting now, without a checkpoint of this step; the last one is kept")
                     os._exit(EXIT_INTERRUPTED)
