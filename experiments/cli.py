@@ -39,7 +39,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: str, default_workdir: str) -> argparse.ArgumentParser:
     p = _Parser(prog=f"python -m experiments.{prog}", description=sys.modules["__main__"].__doc__)
     p.add_argument("--workdir", default=default_workdir, help=f"outputs + checkpoints (default: {default_workdir})")
-    p.add_argument("--config", help="Python config file defining `config` (default: the experiment's own)")
+    p.add_argument(
+        "--config", help="Python config file defining `config`, or a run's config.json (default: the experiment's own)"
+    )
     p.add_argument("--mesh", help="Python mesh layout file defining `layout` (default: data parallel over all devices)")
     p.add_argument("--steps", type=int, help="total optimizer steps (a resumed run continues up to this)")
     p.add_argument("--seed", type=int, help="seed for init and data order")

@@ -7,7 +7,9 @@ Everything is validated here, before JAX compiles anything, so a typo costs a se
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
+import json
 import math
 import typing
 from dataclasses import dataclass, field
@@ -298,12 +300,19 @@ class TrainConfig(Section):
 
 
 def load_config(path: str | Path) -> TrainConfig:
-    """Executes a Python config file and returns its `config` (an instance or a zero-arg function).
+    """Executes a Python config file and returns its `config` (an instance or a zero-arg function), or reads a
+    run's resolved config.json (fields it lacks keep their defaults).
 
     Field types are checked here, so a wrong one names the file even when a flag overrides that field."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    if path.suffix not in (".py", ".json"):
+        raise ConfigError(f"config file {path} must be a Python file (.py) or a run's config.json (.json)")
+    if path.suffix == ".json":
+        cfg = _from_json(path)
+        _check_types(cfg, "", where=f"config file {path}:")
+        return cfg
     module = exec_python_file(path, "config", ConfigError)
     if not hasattr(module, "config"):
         raise ConfigError(f"config file {path} must define `config` (a TrainConfig or a function returning one)")
@@ -403,6 +412,35 @@ def _check_types(obj: Any, prefix: str, where: str = "config") -> None:
 
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def _from_json(path: Path) -> TrainConfig:
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror}") from None
+    return _dataclass_from(TrainConfig, data, "", path)
+
+
+def _dataclass_from(cls, data: Any, prefix: str, path: Path):
+    """``cls`` built from a JSON object, field by field; an unknown key or a non-object is one ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: {prefix.rstrip('.') or 'the file'} must be a JSON object")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ConfigError(f"config file {path}: unknown field {prefix}{key}{hint}")
+        hint_type = hints[key]
+        kwargs[key] = (
+            _dataclass_from(hint_type, value, f"{prefix}{key}.", path) if dataclasses.is_dataclass(hint_type) else value
+        )
+    return cls(**kwargs)
 
 
 def from_dict(data: dict) -> TrainConfig:

@@ -20,10 +20,7 @@ def exec_python_file(path: Path, kind: str, error: type[Exception] = ValueError)
     line of `error` naming the file (and the line of it that raised)."""
     path = Path(path)
     if path.suffix != ".py":
-        hint = (
-            "; a run's config.json records a config, pass the .py file it came from" if path.suffix == ".json" else ""
-        )
-        raise error(f"{kind} file {path} must be a Python file (.py){hint}")
+        raise error(f"{kind} file {path} must be a Python file (.py)")
     spec = importlib.util.spec_from_file_location(f"_jaxlm_{kind.replace(' ', '_')}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:

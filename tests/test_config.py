@@ -103,6 +103,42 @@ def test_config_syntax_error_names_the_line(tmp_path):
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_runs_config_json_is_a_config_file(tmp_path):
+    """What a run writes as config.json loads back as the same config (DiLoCo section and all)."""
+    import json
+
+    cfg = apply_overrides(tiny_config(), ["diloco.replicas=2", "model.attention_impl=xla_blocksparse", "steps=7"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config_lib.to_dict(cfg), indent=2))
+    assert load_config(path) == cfg
+    data = config_lib.to_dict(cfg)
+    del data["optim"]["learning_rate"]  # an older run's file: missing fields keep their defaults
+    path.write_text(json.dumps(data))
+    assert load_config(path).optim.learning_rate == config_lib.OptimConfig().learning_rate
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        (
+            "c.json",
+            '{"model": {"d_modle": 64}}',
+            r"c.json: unknown field model.d_modle \(did you mean model.d_model\?\)",
+        ),
+        ("c.json", '{"model": 3}', r"c.json: model must be a JSON object"),
+        ("c.json", '{"steps": "ten"}', r"c.json: steps must be int, got str 'ten'"),
+        ("c.json", "{not json", r"c.json is not valid JSON"),
+        ("c.yaml", "steps: 3", r"c.yaml must be a Python file \(.py\) or a run's config.json \(.json\)"),
+    ],
+)
+def test_bad_config_files_are_one_line(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(path)
+    assert "\n" not in str(info.value)
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="config file not found: .*missing.py"):
         load_config(tmp_path / "missing.py")
