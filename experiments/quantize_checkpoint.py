@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,40 +35,76 @@ def parse_args(argv):
 
 
 def load_run(workdir: Path):
-    """The run's config and its latest checkpoint step; ValueError naming what is missing."""
+    """The latest checkpoint's step and the config saved with it (not the workdir's config.json, which a later run
+    with other settings may have rewritten); ValueError naming what is missing."""
     from jaxlm import config as config_lib
-    from jaxlm.checkpoint import Checkpointer
+    from jaxlm.checkpoint import Checkpointer, CheckpointError
 
-    if not (workdir / "config.json").is_file():
-        raise ValueError(f"{workdir} has no config.json: not a training workdir (train with --workdir {workdir})")
+    if not workdir.is_dir():
+        raise ValueError(f"--workdir {workdir} is not a directory")
+    if not (workdir / "checkpoints").is_dir():
+        raise ValueError(f"{workdir} has no checkpoints/: not a training workdir (train with --workdir {workdir})")
+    checkpointer = Checkpointer(workdir / "checkpoints", async_save=False, primary=False)
     try:
-        cfg = config_lib.validate(config_lib.from_dict(json.loads((workdir / "config.json").read_text())))
-    except (TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{workdir}/config.json is not a jaxlm config: {e}") from None
+        step = checkpointer.latest_step()
+        if step is None:
+            raise ValueError(f"{workdir}/checkpoints holds no complete checkpoint to quantize")
+        saved = checkpointer.restore_config(step)
+        cfg = config_lib.validate(config_lib.from_dict(saved))
+    except CheckpointError as e:
+        checkpointer.close()
+        raise ValueError(f"{workdir}/checkpoints/{step}: {e}") from None
+    except (TypeError, ValueError) as e:
+        checkpointer.close()
+        raise ValueError(f"{workdir}/checkpoints/{step}: its config is not a jaxlm config: {e}") from None
     if cfg.model.matmul_precision != "default":
+        checkpointer.close()
         raise ValueError(
             f"the run in {workdir} already trained with model.matmul_precision="
             f"{cfg.model.matmul_precision!r}; post-training quantization starts from a float model"
         )
-    checkpointer = Checkpointer(workdir / "checkpoints", async_save=False)
-    step = checkpointer.latest_step()
-    if step is None:
-        checkpointer.close()
-        raise ValueError(f"{workdir}/checkpoints holds no complete checkpoint to quantize")
-    return cfg, checkpointer, step
+    return cfg, checkpointer, step, saved
+
+
+def check_out(out: Path) -> None:
+    """--out must be a new or empty directory, or an earlier output of this tool (which it replaces), and
+    writable: nothing else is ever overwritten."""
+    import tempfile
+
+    not_dir = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if not_dir:
+        raise ValueError(f"--out {out}: {not_dir} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
+        raise ValueError(f"--out {out} holds other files; give a new or empty directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise ValueError(f"--out {out} is not writable: {e.strerror}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         workdir = Path(args.workdir)
+        if not args.workdir.strip() or (args.out is not None and not args.out.strip()):
+            raise ValueError("--workdir and --out must not be empty")
         if args.eval_batches < 0:
             raise ValueError(f"--eval-batches must be >= 0, got {args.eval_batches}")
-        cfg, checkpointer, step = load_run(workdir)
+        out = Path(args.out) if args.out else workdir / "quantized_int8"
+        check_out(out)
+        cfg, checkpointer, step, saved_config = load_run(workdir)
     except (ValueError, OSError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
+    try:
+        return quantize(args, workdir, out, cfg, checkpointer, step, saved_config)
+    except Exception as e:  # one line and the exit code, never a hang on a background thread
+        print(f"{PROG}: error: {type(e).__name__}: {' '.join(str(e).splitlines())[:500]}", file=sys.stderr)
+        return 1
 
+
+def quantize(args, workdir: Path, out: Path, cfg, checkpointer, step: int, saved_config: dict) -> int:
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
@@ -81,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.eval_batches:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_batches=args.eval_batches))
+    if cfg.data.eval_batches == 0:
+        checkpointer.close()
+        print(
+            f"{PROG}: error: the run evaluated on no batches (data.eval_batches = 0); pass --eval-batches N",
+            file=sys.stderr,
+        )
+        return 2
     _, eval_data = open_run_data(cfg)
     if not eval_data:
         print(
@@ -108,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     nnx.replace_by_pure_dict(int8_params, dequantized)
     after = int8_program.evaluate(jax.device_put(int8_params, int8_program.state_shardings.params), eval_data)
 
-    out = Path(args.out) if args.out else workdir / "quantized_int8"
     float_bytes = sum(a.nbytes for a in flat.values())
     keys = {"/".join(path) for path in quantized}
     artifact = {
@@ -132,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "quantized_tensors": sorted(keys),
         "eval_tokens": int(sum(np.sum(b["loss_mask"]) for b in eval_data)),
     }
-    (out / "manifest.json").write_text(
-        json.dumps({**summary, "config": json.loads((workdir / "config.json").read_text())}, indent=2) + "\n"
-    )
+    (out / "manifest.json").write_text(json.dumps({**summary, "config": saved_config}, indent=2) + "\n")
     print(f"checkpoint step {step} of {workdir}: {len(keys)} weight tensors -> int8 per output channel")
     print(f"{'':<22}{'eval loss':>10}{'weight MB':>11}")
     print(f"{'float32':<22}{before:>10.4f}{float_bytes / 1e6:>11.2f}")
@@ -148,4 +189,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:  # an error: leave at once, whatever threads a failed Orbax call left behind
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -73,18 +73,75 @@ def test_quantizes_weights_and_reports_eval_loss(trained, capsys):
 def test_bad_input_is_one_line(trained, tmp_path, capsys):
     workdir, _, _ = trained
     code, _, err = run(capsys, "--workdir", tmp_path)
-    assert code == 2 and "has no config.json: not a training workdir" in err and len(err.strip().splitlines()) == 1
-    (tmp_path / "config.json").write_text((workdir / "config.json").read_text())
+    assert code == 2 and "has no checkpoints/: not a training workdir" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "checkpoints").mkdir()
     code, _, err = run(capsys, "--workdir", tmp_path)
     assert code == 2 and "holds no complete checkpoint to quantize" in err
     code, _, err = run(capsys, "--workdir", workdir, "--eval-batches", "-1")
     assert code == 2 and "--eval-batches must be >= 0" in err
     code, _, err = run(capsys, "--workdir", workdir, "--nope")
     assert code == 2 and "unrecognized arguments: --nope" in err
-    cfg = json.loads((workdir / "config.json").read_text())
-    cfg["model"]["matmul_precision"] = "fp8"
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    code, _, err = run(capsys, "--workdir", tmp_path)
+    code, _, err = run(capsys, "--workdir", "")
+    assert code == 2 and "must not be empty" in err
+    (tmp_path / "a_file").write_text("keep me")
+    code, _, err = run(capsys, "--workdir", workdir, "--out", tmp_path / "a_file")
+    assert code == 2 and "a_file exists and is not a directory" in err
+    code, _, err = run(capsys, "--workdir", workdir, "--out", tmp_path)
+    assert code == 2 and "holds other files; give a new or empty directory" in err
+    assert (tmp_path / "a_file").read_text() == "keep me"
+
+
+def test_an_existing_out_file_exits_at_once_without_a_hang(trained, tmp_path):
+    """Run as a user would, as a process: one line, exit 2, within the timeout (it used to hang)."""
+    import subprocess
+    import sys
+
+    workdir, _, _ = trained
+    (tmp_path / "out").write_text("x")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.quantize_checkpoint",
+            "--workdir",
+            str(workdir),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+
+
+def _edit_saved_config(workdir, step, edit):
+    path = workdir / "checkpoints" / str(step) / "config" / "metadata"
+    saved = json.loads(path.read_text())
+    edit(saved)
+    path.write_text(json.dumps(saved))
+
+
+def test_the_checkpoint_s_own_config_is_used_not_the_workdir_s(trained, tmp_path, capsys):
+    import shutil
+
+    workdir, cfg, _ = trained
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("quantized_int8"))
+    rewritten = json.loads((copy / "config.json").read_text())  # as a later run with other settings leaves it
+    rewritten["model"]["d_model"] *= 2
+    rewritten["model"]["matmul_precision"] = "fp8"
+    (copy / "config.json").write_text(json.dumps(rewritten))
+    code, out, err = run(capsys, "--workdir", copy)
+    assert code == 0, err
+    manifest = json.loads((copy / "quantized_int8" / "manifest.json").read_text())
+    assert manifest["config"]["model"]["d_model"] == cfg.model.d_model
+
+    _edit_saved_config(copy, 20, lambda c: c["data"].update(eval_batches=0))
+    code, _, err = run(capsys, "--workdir", copy)
+    assert code == 2 and "evaluated on no batches (data.eval_batches = 0); pass --eval-batches N" in err
+    _edit_saved_config(copy, 20, lambda c: c["model"].update(matmul_precision="fp8"))
+    code, _, err = run(capsys, "--workdir", copy)
     assert code == 2 and "already trained with model.matmul_precision='fp8'" in err
 
 
