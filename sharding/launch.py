@@ -103,6 +103,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         raise UsageError(f"--processes must be >= 1, got {args.processes}")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [1, 65535] (0: a free one), got {args.port}")
+    if args.port and not port_is_free(args.port):
+        raise UsageError(f"--port {args.port} is in use on 127.0.0.1; pick another, or leave --port out for a free one")
     if args.cpu_devices < 0:
         raise UsageError(f"--cpu-devices must be >= 0, got {args.cpu_devices}")
     if args.restart < 0:
@@ -114,6 +116,15 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.processes_per_replica > 1 and not args.independent:
         raise UsageError("--processes-per-replica needs --independent (replicas that are separate runs)")
     return args, command
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def free_port() -> int:

@@ -156,10 +156,29 @@ def key_figures(p: Plan, name: str) -> dict:
     }
 
 
+def check_out(out: Path) -> None:
+    """--out is a new .py file, or one this planner wrote before (which it replaces): never a user's other file."""
+    if not str(out).strip():
+        raise ValueError("--out is empty; give a .py path")
+    if out.suffix != ".py":
+        raise ValueError(f"--out {out} must be a .py file (a mesh layout file)")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; give a .py file path")
+    if out.exists():
+        try:
+            head = out.read_text()[:40]
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--out {out} exists and cannot be read ({e}); give a new path") from None
+        if not head.startswith('"""Planned by `'):
+            raise ValueError(f"--out {out} exists and was not written by sharding.plan; give a new path")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = build_parser().parse_args(argv)
+        if args.out is not None:
+            check_out(Path(args.out))
         cfg = load_model(args.model)
         remat = args.remat or ("full" if cfg.remat == "full" else "none")
         result = plan(cfg, args.devices, args.global_batch_tokens, args.seq, get_hardware(args.hardware), remat)

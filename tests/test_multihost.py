@@ -239,6 +239,18 @@ def test_launcher_bad_usage(args, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_launcher_on_a_busy_port_is_one_line(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert launch.main(["--processes", "2", "--port", str(port), "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {port} is in use on 127.0.0.1" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_launcher_bad_usage_exits_2():
     proc = run(["-m", "sharding.launch", "--processes", "2"], timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("sharding.launch: error: no command"), proc.stderr

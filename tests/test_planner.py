@@ -3,6 +3,7 @@ layouts, input errors, the layout file round trip, and memory estimates against 
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -226,6 +227,42 @@ def test_layout_file_round_trip(model, devices, tmp_path, capsys):
     assert {k: getattr(loaded, k) for k in figures["layout"]} == figures["layout"]
     assert figures["fits"] and figures["memory_gb"] < 80 and figures["step_s"] > 0
     assert any(line.lstrip().startswith("1 ") for line in lines)  # the ranked table
+
+
+@pytest.mark.parametrize(
+    "make_out, message",
+    [
+        (lambda tmp: tmp, "is a directory; give a .py file path"),
+        (lambda tmp: tmp / "layout.yaml", "must be a .py file"),
+        (lambda tmp: (tmp / "mine.py").write_text("x = 1\n") and tmp / "mine.py", "was not written by sharding.plan"),
+        (lambda tmp: tmp / "ro" / "plan.py", "cannot write --out"),
+    ],
+)
+def test_out_that_would_lose_data_or_cannot_be_written_is_one_line(tmp_path, capsys, make_out, message):
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o500)
+    out = make_out(tmp_path)
+    args = [
+        "--model",
+        "7b",
+        "--devices",
+        "8",
+        "--global-batch-tokens",
+        "65536",
+        "--seq",
+        "2048",
+        "--hardware",
+        "h100-sxm",
+    ]
+    args += ["--out", str(out)]
+    code = plan_cli.main(args)
+    (tmp_path / "ro").chmod(0o700)
+    err = capsys.readouterr().err
+    if message == "cannot write --out" and os.geteuid() == 0:
+        return  # root writes through permission bits; the directory case above still checks the one line
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    if (tmp_path / "mine.py").exists():
+        assert (tmp_path / "mine.py").read_text() == "x = 1\n"
 
 
 def test_config_file_and_cpu_preset(capsys):
