@@ -160,10 +160,10 @@ def check_out(out: Path) -> None:
     """--out is a new .py file, or one this planner wrote before (which it replaces): never a user's other file."""
     if not str(out).strip():
         raise ValueError("--out is empty; give a .py path")
-    if out.suffix != ".py":
-        raise ValueError(f"--out {out} must be a .py file (a mesh layout file)")
     if out.is_dir():
         raise ValueError(f"--out {out} is a directory; give a .py file path")
+    if out.suffix != ".py":
+        raise ValueError(f"--out {out} must be a .py file (a mesh layout file)")
     if out.exists():
         try:
             head = out.read_text()[:40]
