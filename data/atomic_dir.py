@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +24,7 @@ class DirKind:
     format: str
     error: type[Exception]
     overwrite_hint: str = "pass overwrite=True to replace it"
+    files: str = ".*"  # a regex of the file names a dataset of this kind consists of: all that overwrite may delete
 
     def is_one(self, path: Path) -> bool:
         try:
@@ -64,6 +66,13 @@ class DirKind:
             )
         if not overwrite:
             raise self.error(f"{out_dir}: {self.name} already exists ({self.overwrite_hint})")
+        others = sorted(p.name for p in out_dir.iterdir() if not re.fullmatch(self.files, p.name) or p.is_dir())
+        if others:
+            shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+            raise self.error(
+                f"{out_dir}: holds files that are not part of the {self.name} ({shown}); overwriting would delete "
+                f"them: move them out or write the {self.name} elsewhere"
+            )
 
     @contextlib.contextmanager
     def build(self, out_dir: Path, overwrite: bool):

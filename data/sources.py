@@ -34,7 +34,7 @@ class SourceError(ValueError):
     """A dataset source is missing, truncated, malformed, or was asked for something it lacks."""
 
 
-_KIND = DirKind("shard dataset", MANIFEST_NAME, FORMAT, SourceError)
+_KIND = DirKind("shard dataset", MANIFEST_NAME, FORMAT, SourceError, files=rf"{MANIFEST_NAME}|shard-\d{{5}}\.bin")
 
 
 class SampleIndexError(SourceError, IndexError):

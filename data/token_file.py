@@ -30,7 +30,14 @@ class TokenFileError(ValueError):
     """A token file is missing, malformed, or does not fit the model."""
 
 
-_KIND = DirKind("token file", META_NAME, FORMAT, TokenFileError, "pass overwrite=True / --overwrite to replace it")
+_KIND = DirKind(
+    "token file",
+    META_NAME,
+    FORMAT,
+    TokenFileError,
+    "pass overwrite=True / --overwrite to replace it",
+    files=f"{TOKENS_NAME}|{META_NAME}",
+)
 
 
 def dtype_for_vocab(vocab_size: int) -> str:

@@ -181,6 +181,10 @@ def test_prepare_end_to_end(tmp_path):
     again = run_prepare("--input", src, "--output", out)
     assert again.returncode == 2 and "already exists" in again.stderr
     assert run_prepare("--input", src, "--output", out, "--overwrite").returncode == 0
+    (out / "notes.txt").write_text("mine")  # a user's file beside the token file: --overwrite must not delete it
+    kept = run_prepare("--input", src, "--output", out, "--overwrite")
+    assert kept.returncode == 2 and "holds files that are not part of the token file (notes.txt)" in kept.stderr
+    assert (out / "notes.txt").read_text() == "mine" and TokenFile.open(out).num_tokens == tf.num_tokens
 
 
 @pytest.mark.parametrize("problem", ["missing", "empty_dir"])
