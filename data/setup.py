@@ -13,6 +13,11 @@ from data.sources import ThrottledSource, TokenWindowSource
 from data.token_file import TokenFile
 
 
+def data_fingerprint(d) -> dict:
+    """The fingerprint (TokenFile.fingerprint) of the token file data section `d` reads."""
+    return TokenFile.open(d.path or default_corpus()).fingerprint()
+
+
 def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None, partitions: int = 0):
     """(train batch iterator, eval batches) for data section `d`, checked against the model's `vocab_size`.
 

@@ -9,6 +9,7 @@ mismatched files with a one-line error instead of a garbage batch hours later.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -127,6 +128,24 @@ class TokenFile:
 
     def __len__(self) -> int:
         return self.num_tokens
+
+    def fingerprint(self, samples: int = 64, window: int = 1 << 14) -> dict:
+        """What identifies this data, cheaply for any size: token count, tokenizer, vocabulary and a SHA-256 of
+        `samples` evenly spaced windows of `window` tokens (the first and last included; all of a small file).
+        A checkpoint stores it, so resuming on other data is caught (jaxlm.trainer)."""
+        n = self.num_tokens
+        digest = hashlib.sha256()
+        if n <= samples * window:
+            digest.update(np.ascontiguousarray(self.tokens).tobytes())
+        else:
+            for start in np.linspace(0, n - window, samples).astype(np.int64):
+                digest.update(np.ascontiguousarray(self.tokens[start : start + window]).tobytes())
+        return {
+            "tokens": n,
+            "tokenizer": self.meta.get("tokenizer", "?"),
+            "vocab_size": self.vocab_size,
+            "sample_sha256": digest.hexdigest()[:16],
+        }
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "TokenFile":

@@ -198,6 +198,7 @@ def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
     from jaxlm.diloco.exchange import ExchangeError
     from jaxlm.goodput import Goodput
     from jaxlm.preemption import EXIT_PREEMPTED, Preempted
+    from jaxlm.run_data import run_data_fingerprint
     from jaxlm.trainer import Trainer, TrainingDiverged
     from sharding import LayoutError, build_mesh
     from sharding.distributed import DistributedError
@@ -213,6 +214,7 @@ def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
             layout=layout,
             progress=not args.no_progress,
             goodput=Goodput(start=LAUNCHED),
+            data_fingerprint=run_data_fingerprint(cfg),
         )
     except (LayoutError, DistributedError, ConfigError, ExchangeError) as e:  # e.g. a process whose devices hold
         # non-contiguous batch rows, or DiLoCo in a pipeline layout

@@ -219,9 +219,12 @@ class DataConfig(Section):
     # simulate a remote filesystem under the dataset (benchmarks, tests): per-request latency and shared bandwidth
     throttle_latency_ms: float = 0.0
     throttle_mb_per_s: float = 0.0  # 0 -> unlimited
+    # resume a checkpoint trained on other token data (its fingerprint differs): off, the run refuses to
+    allow_other_data: bool = False
 
     # fields that change how fast batches arrive, never which batches: a resumed run may change them
     RESUME_MAY_CHANGE = (
+        "allow_other_data",
         "cache_ram_mb",
         "cache_disk_mb",
         "cache_dir",
@@ -414,6 +417,9 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+DATA_FINGERPRINT_KEY = "data_fingerprint"  # saved beside the config in each checkpoint (jaxlm.trainer)
+
+
 def _from_json(path: Path) -> TrainConfig:
     try:
         data = json.loads(path.read_text())
@@ -444,6 +450,7 @@ def _dataclass_from(cls, data: Any, prefix: str, path: Path):
 
 
 def from_dict(data: dict) -> TrainConfig:
+    data = {k: v for k, v in data.items() if k != DATA_FINGERPRINT_KEY}  # a checkpoint's record, not config
     sections = {name: type(section) for name, section in TrainConfig().sections().items()}
     kwargs = {k: (sections[k](**v) if k in sections else v) for k, v in data.items()}
     return TrainConfig(**kwargs)

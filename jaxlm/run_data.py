@@ -3,7 +3,7 @@ vocabulary, whether the attention mask needs document boundaries, DiLoCo's data 
 
 from __future__ import annotations
 
-from data.setup import open_data
+from data.setup import data_fingerprint, open_data
 from jaxlm.config import TrainConfig
 from pallas_kernels.mask_spec import parse_mask, uses_documents
 
@@ -18,3 +18,8 @@ def open_run_data(cfg: TrainConfig):
         document_mask=mask if uses_documents(parse_mask(mask)) else None,
         partitions=cfg.diloco.data_partitions,
     )
+
+
+def run_data_fingerprint(cfg: TrainConfig) -> dict:
+    """What identifies the run's token data (data.token_file.TokenFile.fingerprint): stored with each checkpoint."""
+    return data_fingerprint(cfg.data)

@@ -123,6 +123,13 @@ class Throughput:
         return {"tokens_per_s": tokens_per_s, "model_gflops_per_s": tokens_per_s * self.flops_per_token / 1e9}
 
 
+def _describe(fingerprint: dict) -> str:
+    return (
+        f"{fingerprint.get('tokens')} tokens, tokenizer {fingerprint.get('tokenizer')}, "
+        f"sample sha256 {fingerprint.get('sample_sha256')}"
+    )
+
+
 class Trainer:
     """Runs `cfg.steps` optimizer steps, resuming from the workdir's latest usable checkpoint if there is one."""
 
@@ -137,9 +144,13 @@ class Trainer:
         layout: MeshLayout | None = None,
         progress: bool = True,
         goodput: Goodput | None = None,
+        data_fingerprint: dict | None = None,
     ):
-        """`goodput`: started at process launch by the CLI, so startup time is counted; else starts now."""
+        """`goodput`: started at process launch by the CLI, so startup time is counted; else starts now.
+        `data_fingerprint` (jaxlm.run_data.run_data_fingerprint): saved with each checkpoint, and a checkpoint saved
+        with another one is not resumed unless data.allow_other_data."""
         self.cfg, self.workdir = cfg, workdir
+        self.data_fingerprint = data_fingerprint
         self.train_iter, self.eval_batches = train_iter, eval_batches
         self.goodput = goodput or Goodput()
         self.program = make_program(cfg, mesh, layout)
@@ -212,6 +223,24 @@ class Trainer:
                 f"config ({'; '.join(changed)}{params}); use a new --workdir or the "
                 f"original config"
             )
+        self._check_same_data(step, saved_cfg.get(config_lib.DATA_FINGERPRINT_KEY))
+
+    def _check_same_data(self, step: int, saved: dict | None) -> None:
+        """Refuses to continue a checkpoint on token data other than its own (same size or not: a rewritten data
+        directory would otherwise continue on different data without a word)."""
+        now = self.data_fingerprint
+        if saved is None or now is None or saved == now:
+            return
+        if self.cfg.data.allow_other_data:
+            self.log(
+                f"checkpoint {step} was trained on other data ({_describe(saved)}); continuing on {_describe(now)}"
+            )
+            return
+        raise config_lib.ConfigError(
+            f"checkpoint at step {step} in {self.workdir} was trained on other data: it saw {_describe(saved)}, "
+            f"data.path now holds {_describe(now)}; use the original data, a new --workdir, or "
+            f"--set data.allow_other_data=true to continue on this data"
+        )
 
     # ------------------------------------------------------------------------- the run
 
@@ -414,7 +443,10 @@ class Trainer:
         self.goodput.saves += 1
         with self.goodput.timing("checkpoint"):
             t0 = time.perf_counter()
-            self.checkpointer.save(step, state, data_state, config_lib.to_dict(self.cfg))
+            saved = config_lib.to_dict(self.cfg)
+            if self.data_fingerprint is not None:
+                saved[config_lib.DATA_FINGERPRINT_KEY] = self.data_fingerprint
+            self.checkpointer.save(step, state, data_state, saved)
             if wait:
                 self.checkpointer.wait()
             return time.perf_counter() - t0

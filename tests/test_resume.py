@@ -131,3 +131,50 @@ def test_clairvoyant_loader_resumes_exactly_with_other_workers_and_cache(setup, 
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
     records = [r for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if "loss" in r]
     assert all("data_stall_frac" in r and "data_hit_rate" in r for r in records)
+
+
+def test_resuming_on_other_data_names_both_fingerprints_unless_allowed(setup, tmp_path, capsys):
+    tokens, cfg, mesh = setup
+
+    def run(fingerprint, steps, **data):
+        run_cfg = dataclasses.replace(cfg, steps=steps, data=dataclasses.replace(cfg.data, **data))
+        d = run_cfg.data
+        batches = SeededBatchIterator(tokens, batch_size=d.batch_size, seq_len=d.seq_len, seed=cfg.seed)
+        trainer = Trainer(run_cfg, mesh, tmp_path, batches, [], progress=False, data_fingerprint=fingerprint)
+        return trainer.run()
+
+    ours = {"tokens": 1000, "tokenizer": "bytes", "vocab_size": 257, "sample_sha256": "aaaa"}
+    theirs = {**ours, "sample_sha256": "bbbb"}  # same size, other content: a rewritten data directory
+    run(ours, K)
+    with pytest.raises(
+        ConfigError,
+        match=r"trained on other data: it saw 1000 tokens, tokenizer bytes, sample sha256 "
+        r"aaaa, data.path now holds 1000 tokens, tokenizer bytes, sample sha256 bbbb; .*allow_other_data",
+    ):
+        run(theirs, 2 * K)
+    run(ours, K + 1)  # the same data continues
+    capsys.readouterr()
+    run(theirs, 2 * K, allow_other_data=True)  # said explicitly: continues, and the run log says so
+    assert "was trained on other data (1000 tokens, tokenizer bytes, sample sha256 aaaa)" in capsys.readouterr().err
+
+
+def test_fingerprint_tells_token_files_apart(tmp_path):
+    import numpy as np
+
+    from data.token_file import write_token_file
+
+    def token_file(name, tokens):
+        write_token_file(tmp_path / name, [np.asarray(tokens, np.int32)], vocab_size=300, tokenizer="bytes")
+        return TokenFile.open(tmp_path / name).fingerprint()
+
+    r = np.random.default_rng(0)
+    small = r.integers(0, 256, 5000)
+    assert token_file("a", small) == token_file("a2", small)
+    changed = small.copy()
+    changed[2500] ^= 1
+    assert token_file("b", changed)["sample_sha256"] != token_file("a3", small)["sample_sha256"]  # any token, if small
+    assert token_file("c", small[:-1])["tokens"] == token_file("a4", small)["tokens"] - 1
+    big = r.integers(0, 256, 64 * (1 << 14) * 2)  # sampled: 64 windows
+    edited = big.copy()
+    edited[0] ^= 1  # the first window is always sampled
+    assert token_file("d", big) != token_file("e", edited)
