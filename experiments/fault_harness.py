@@ -205,6 +205,7 @@ class Outcome:
     good_lost: bool = False  # a checkpoint was quarantined that the scenario did not damage
     message: str = ""  # the faulted run's last stderr line
     tracebacks: int = 0  # printed by the faulted run: a fault it reports should read as one line, not a dump
+    absl_errors: int = 0  # ERROR lines of absl (Orbax's logger) printed by the faulted run: folded into the one line
 
     @property
     def steps_lost(self) -> int:
@@ -264,6 +265,7 @@ def run_scenario(harness: Harness, kind: str, seed: int) -> Outcome:
         out.detail, out.exit_code = f"tmpfs of {size / 2**20:.1f} MiB", code
     out.message = (err.strip().splitlines() or [""])[-1]
     out.tracebacks = err.count("Traceback (most recent call last)")
+    out.absl_errors = sum(line.startswith("ERROR:absl") for line in err.splitlines())
     out.steps_done = last_step(workdir)
     # where the rerun continues: the newest checkpoint the fault left intact
     out.resumed_from = max((s for s in checkpoint_steps(workdir) if str(s) not in damaged), default=0)

@@ -13,6 +13,7 @@ Crash safety, in three layers:
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import re
@@ -103,17 +104,34 @@ def _raised_in_orbax(exc_info) -> bool:
 
 class _OneLineOrbaxFailures(logging.Filter):
     """Orbax reports one failed write many times, each with a traceback: from each of its threads, then from every
-    abandoned asyncio task when it is collected (some only at exit, after the run's own one-line error). Its log
-    lines keep their first line; the abandoned-task reports are dropped, since CheckpointSaveError already says
-    what failed, and which checkpoint is kept."""
+    abandoned asyncio task when it is collected (some only at exit, after the run's own one-line error). The
+    abandoned-task reports are dropped. Its error records are held back, not printed: a failed save or restore
+    reports them in its own one line (`held_back()`), and any still held at exit are printed then, one line each,
+    so no error of Orbax's is ever lost."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[str] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not _raised_in_orbax(record.exc_info):
             return True
         if record.getMessage().startswith("Task exception was never retrieved"):
             return False
+        if record.levelno >= logging.ERROR:
+            self.held.append(" ".join(record.getMessage().split())[:300])
+            return False
         record.exc_info, record.exc_text = None, None
         return True
+
+    def held_back(self) -> list[str]:
+        """The held error lines, distinct, in order; they count as reported."""
+        held, self.held = self.held, []
+        return list(dict.fromkeys(held))
+
+    def print_unreported(self) -> None:
+        for line in self.held_back():
+            print(f"orbax: {line}", file=sys.stderr)
 
 
 _ONE_LINE = _OneLineOrbaxFailures()  # one instance: addFilter ignores it when it is already there
@@ -132,6 +150,7 @@ def _quiet_orbax_failures() -> None:
         logging.getLogger(name).addFilter(_ONE_LINE)
     if getattr(sys.unraisablehook, "jaxlm_quiet", False):
         return
+    atexit.register(_ONE_LINE.print_unreported)
     previous = sys.unraisablehook
 
     def hook(unraisable):
@@ -216,10 +235,12 @@ class Checkpointer:
             self._remove_incomplete()  # a half-written step is useless and may fill the disk further
         self.manager.reload()
         kept = self.manager.latest_step()
+        held = _ONE_LINE.held_back()
+        orbax = f"; Orbax logged {len(held)} error line{'s' * (len(held) != 1)} about it" if held else ""
         return CheckpointSaveError(
             f"checkpoint save of step {step} failed ({_storage_cause(error)}); the last "
             f"complete checkpoint is {'step ' + str(kept) if kept is not None else 'none'} "
-            f"in {self.directory}"
+            f"in {self.directory}{orbax}"
         )
 
     # ------------------------------------------------------------------------- restoring
@@ -239,6 +260,7 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:
+            _ONE_LINE.held_back()  # Orbax's own lines about it: this error says what failed
             raise CheckpointCorrupt(_one_line(e)) from e
         if verified:
             saved = dict(restored.integrity)
@@ -255,6 +277,7 @@ class Checkpointer:
             restored = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
             return dict(restored.config)
         except Exception as e:
+            _ONE_LINE.held_back()
             raise CheckpointCorrupt(f"its config cannot be read ({_one_line(e)})") from e
 
     def saved_shapes(self, step: int):

@@ -44,11 +44,12 @@ def test_fault_then_rerun_continues_exactly(harness, kind, seed):
     elif kind.startswith("sigkill"):
         assert out.exit_code == -9, out
     elif kind == "disk_full":
-        assert out.exit_code == 4 and out.tracebacks == 0, out
+        assert out.exit_code == 4 and out.tracebacks == 0 and out.absl_errors == 0, out
         assert out.message.startswith("tiny_lm: error: checkpoint save of step "), out.message
         assert "File too large" in out.message and "the last complete checkpoint is step" in out.message
     elif kind == "tmpfs_full":
-        assert out.exit_code == 4 and out.tracebacks == 0 and "No space left on device" in out.message, out
+        assert out.exit_code == 4 and out.tracebacks == 0 and out.absl_errors == 0, out
+        assert "No space left on device" in out.message, out
     if kind == "sigkill_save":
         assert out.in_save, f"the kill did not land inside a save: {out}"
 
