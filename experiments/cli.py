@@ -132,6 +132,7 @@ def _prepare(prog: str, args, default_config: Path):
 
     from jaxlm import config as config_lib
     from jaxlm.diloco.config import for_this_process
+    from jaxlm.memory_check import check_step_fits
     from jaxlm.run_data import open_run_data
     from jaxlm.workdir_lock import WorkdirLock
     from sharding import MeshLayout, load_layout
@@ -158,6 +159,7 @@ def _prepare(prog: str, args, default_config: Path):
         mlp_dim=m.mlp_dim,
         num_layers=m.num_layers,
     )
+    check_step_fits(cfg, layout)  # minutes of compiling saved when it cannot fit
 
     train_iter, eval_data = open_run_data(cfg)
     workdir = Path(args.workdir)
@@ -231,6 +233,15 @@ def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
         return _fail(prog, str(e), EXIT_CHECKPOINT_FAILED)
     except OSError as e:  # e.g. the disk filled up while metrics.jsonl or the events were written
         return _fail(prog, f"cannot write the run's files: {e}", EXIT_CHECKPOINT_FAILED)
+    except Exception as e:  # an out-of-memory past the estimate: one line with its cause, not XLA's traceback
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        first = next((line for line in str(e).splitlines() if line.strip()), "")
+        return _fail(
+            prog,
+            f"out of memory: {first}; make the step smaller (data.batch_size, data.seq_len, data.microbatches, "
+            f"model.remat=full) or shard it over more devices (--mesh)",
+        )
     if final and trainer.primary:
         shown = {
             k: v

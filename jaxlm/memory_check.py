@@ -1,0 +1,61 @@
+"""Memory before compiling: a step that cannot fit is refused in one line, not after minutes of compiling.
+
+The estimate is the planner's (`sharding.planner.memory_per_device`): params, grads and optimizer state, the
+activations kept for the backward, the logits, per device under the run's layout. It leaves out XLA's scratch, so
+it errs low: a refusal is never a false alarm. What a device has: its allocator's limit on an accelerator; on CPU,
+where every simulated device shares the host, the host's available RAM divided among the local devices.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxlm.config import ConfigError, TrainConfig
+from sharding.mesh import MeshLayout
+from sharding.planner import ModelShape, memory_per_device
+
+
+def device_memory_bytes() -> tuple[float, str] | None:
+    """(bytes one device may use, what that is), or None when this backend does not say."""
+    device = jax.local_devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        return (float(limit), f"a {device.device_kind} has") if limit else None
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = float(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    n = jax.local_device_count()
+    return available / n, f"this host has available (shared by {n} CPU devices)" if n > 1 else "this host has available"
+
+
+def estimated_step_bytes(cfg: TrainConfig, layout: MeshLayout) -> float:
+    d = cfg.data
+    memory = memory_per_device(
+        ModelShape.from_config(cfg.model), layout, d.batch_size, d.seq_len, cfg.model.remat, d.microbatches
+    )
+    return memory.total
+
+
+def check_step_fits(cfg: TrainConfig, layout: MeshLayout, available: tuple[float, str] | None = None) -> None:
+    """Raises ConfigError naming the estimate, the memory there is and the knobs that shrink the step."""
+    available = device_memory_bytes() if available is None else available
+    if available is None:
+        return
+    limit, where = available
+    try:
+        need = estimated_step_bytes(cfg, layout)
+    except (ArithmeticError, ValueError):  # a layout the planner does not model: compiling will tell
+        return
+    if need <= limit:
+        return
+    d, m = cfg.data, cfg.model
+    raise ConfigError(
+        f"the train step needs about {need / 2**30:.1f} GiB per device (estimated before compiling) but {where} "
+        f"{limit / 2**30:.1f} GiB; make it smaller: data.batch_size ({d.batch_size}), data.seq_len ({d.seq_len}), "
+        f"more data.microbatches ({d.microbatches}), model.remat=full (now {m.remat}), or a --mesh layout that "
+        f"shards it (fsdp / tensor / pipeline) over more devices"
+    )
