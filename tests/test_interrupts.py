@@ -13,14 +13,19 @@ from jaxlm.checkpoint import Checkpointer
 TINY = ["--set", "model.d_model=64", "--set", "model.num_layers=2", "--set", "model.mlp_dim=128"]
 
 
+# As from a terminal: xdist workers (and shells' background jobs) ignore SIGINT, which a child inherits; Python then
+# leaves it ignored. This starts tiny_lm with Python's own Ctrl-C handler, as an interactive shell would have.
+AS_FROM_A_TERMINAL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'tiny_lm'; runpy.run_module('experiments.tiny_lm', run_name='__main__', alter_sys=True)"
+)
+
+
 def _start(workdir, *extra):
-    cmd = [sys.executable, "-m", "experiments.tiny_lm", "--workdir", str(workdir), "--no-progress", *TINY, *extra]
+    args = ["--workdir", str(workdir), "--no-progress", *TINY, *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # as from a terminal: xdist workers (and shells' background jobs) ignore SIGINT, which children would inherit
-    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
-    return subprocess.Popen(
-        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, preexec_fn=default_sigint
-    )
+    cmd = [sys.executable, "-c", AS_FROM_A_TERMINAL, *args]
+    return subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
 
 
 def _read_until(proc, needle, timeout=120):
