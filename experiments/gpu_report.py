@@ -82,7 +82,7 @@ def quick_sizes() -> Sizes:
     from experiments.report_kernels import CheckSizes
 
     return Sizes(
-        checks=CheckSizes(1, 4, 2, 32, 50, 16, 12, ((64, 128, 96), (50, 100, 70)), 32, every_combination=False),
+        checks=CheckSizes(1, 2, 1, 16, 40, 16, 12, ((32, 64, 48), (40, 100, 70)), 32, every_combination=False),
         attention_seqs=(64,),
         attention_head_dims=(32,),
         attention_tokens=128,
@@ -316,7 +316,8 @@ def render_markdown(report: Report, meta: dict, ratios: dict) -> str:
     out = [f"# GPU report: {meta['device']}, {meta['date']}", ""]
     out += [
         f"- command: `{meta['command']}`",
-        f"- device: {meta['device']} ({meta['platform']}), jax {meta['jax']}, host {meta['host']}",
+        f"- device: {meta['device']} ({meta['platform']}), jax {meta['jax']}, host {meta['host']}; attention peer: "
+        f"jax.nn.dot_product_attention implementation={meta['peer']!r}",
         f"- sizes: {'quick (tiny, code paths only)' if meta['quick'] else 'full'}; "
         f"bf16 matmul peak measured in this run: {_fmt(meta['peak_tflops'])} TFLOP/s",
         f"- items failed: {len(report.failures)}",
@@ -333,7 +334,10 @@ def render_markdown(report: Report, meta: dict, ratios: dict) -> str:
     if meta["quick"]:
         out += ["", "Quick sizes measure the code paths, not the device: the targets hold for an H100 at full size."]
     out += ["", "## Kernel checks", "", "| check | ok | error |", "| --- | --- | --- |"]
-    out += [f"| {r['check']} | {'yes' if r['ok'] else '**no**'} | {r['detail']} |" for r in report.sections["kernels"]]
+    out += [
+        f"| {_cell(r['check'])} | {'yes' if r['ok'] else '**no**'} | {_cell(r['detail'])} |"
+        for r in report.sections["kernels"]
+    ]
     out += [
         "",
         "## Attention speed (TFLOP/s of the score pairs each mask keeps)",
@@ -342,7 +346,7 @@ def render_markdown(report: Report, meta: dict, ratios: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     out += [
-        f"| {r['T']} | {r['E']} | {r['B']}x{r['H']} | {r['mask']} | {r['impl']} | {_fmt(r['forward_tflops'])} | "
+        f"| {r['T']} | {r['E']} | {r['B']}x{r['H']} | {_cell(r['mask'])} | {r['impl']} | {_fmt(r['forward_tflops'])} | "
         f"{_fmt(r['train_tflops'])} | {r['forward_ms']:.2f} | {r['train_ms']:.2f} |"
         for r in report.sections["attention"]
     ]
@@ -363,6 +367,11 @@ def render_markdown(report: Report, meta: dict, ratios: dict) -> str:
     out += ["", "## Failures", ""]
     out += [f"- {f['section']}: {f['item']}: `{f['error']}`" for f in report.failures] or ["none"]
     return "\n".join(out) + "\n"
+
+
+def _cell(text: str) -> str:
+    """Table-safe: a mask union's `|` would split the cell."""
+    return str(text).replace("|", "\\|")
 
 
 def _fmt(x) -> str:
@@ -429,6 +438,7 @@ def main(argv=None) -> int:
         "host": platform.node(),
         "date": date,
         "quick": args.quick,
+        "peer": peer,
         "command": "python -m experiments.gpu_report " + " ".join(argv if argv is not None else sys.argv[1:]),
         "peak_tflops": None if peak is None else peak / 1e12,
     }
