@@ -312,10 +312,12 @@ def load_config(path: str | Path) -> TrainConfig:
         raise ConfigError(f"config file not found: {path}")
     if path.suffix not in (".py", ".json"):
         raise ConfigError(f"config file {path} must be a Python file (.py) or a run's config.json (.json)")
-    if path.suffix == ".json":
-        cfg = _from_json(path)
-        _check_types(cfg, "", where=f"config file {path}:")
-        return cfg
+    cfg = _from_json(path) if path.suffix == ".json" else _from_python(path)
+    _check_types(cfg, "", where=f"config file {path}:")
+    return cfg
+
+
+def _from_python(path: Path) -> TrainConfig:
     module = exec_python_file(path, "config", ConfigError)
     if not hasattr(module, "config"):
         raise ConfigError(f"config file {path} must define `config` (a TrainConfig or a function returning one)")
@@ -324,7 +326,6 @@ def load_config(path: str | Path) -> TrainConfig:
         cfg = call_user_function(cfg, path=path, kind="config", error=ConfigError)
     if not isinstance(cfg, TrainConfig):
         raise ConfigError(f"config file {path}: `config` is a {type(cfg).__name__}, expected TrainConfig")
-    _check_types(cfg, "", where=f"config file {path}:")
     return cfg
 
 
@@ -427,13 +428,14 @@ def _from_json(path: Path) -> TrainConfig:
         raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror}") from None
-    return _dataclass_from(TrainConfig, data, "", path)
+    return _dataclass_from(TrainConfig, data, "", f"config file {path}")
 
 
-def _dataclass_from(cls, data: Any, prefix: str, path: Path):
-    """``cls`` built from a JSON object, field by field; an unknown key or a non-object is one ConfigError."""
+def _dataclass_from(cls, data: Any, prefix: str, where: str):
+    """``cls`` built from a dict (a JSON object), field by field, nested sections too; an unknown key or a
+    non-object is one ConfigError naming `where` the data came from. Fields it lacks keep their defaults."""
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: {prefix.rstrip('.') or 'the file'} must be a JSON object")
+        raise ConfigError(f"{where}: {prefix.rstrip('.') or 'the file'} must be a JSON object")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -441,19 +443,20 @@ def _dataclass_from(cls, data: Any, prefix: str, path: Path):
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-            raise ConfigError(f"config file {path}: unknown field {prefix}{key}{hint}")
+            raise ConfigError(f"{where}: unknown field {prefix}{key}{hint}")
         hint_type = hints[key]
         kwargs[key] = (
-            _dataclass_from(hint_type, value, f"{prefix}{key}.", path) if dataclasses.is_dataclass(hint_type) else value
+            _dataclass_from(hint_type, value, f"{prefix}{key}.", where)
+            if dataclasses.is_dataclass(hint_type)
+            else value
         )
     return cls(**kwargs)
 
 
-def from_dict(data: dict) -> TrainConfig:
-    data = {k: v for k, v in data.items() if k != DATA_FINGERPRINT_KEY}  # a checkpoint's record, not config
-    sections = {name: type(section) for name, section in TrainConfig().sections().items()}
-    kwargs = {k: (sections[k](**v) if k in sections else v) for k, v in data.items()}
-    return TrainConfig(**kwargs)
+def from_dict(data: dict, where: str = "config") -> TrainConfig:
+    """A config from `to_dict`'s output (a checkpoint's saved config, whose data fingerprint is not config)."""
+    data = {k: v for k, v in data.items() if k != DATA_FINGERPRINT_KEY}
+    return _dataclass_from(TrainConfig, data, "", where)
 
 
 def diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
