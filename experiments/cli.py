@@ -27,8 +27,23 @@ EXIT_CHECKPOINT_FAILED = 4
 DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxlm" / "compilation"
 
 
-class UsageError(Exception):
+class UsageError(ValueError):
     pass
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """Creates `path` if needed and proves it writable with a real write (permission bits do not stop root, and a
+    read-only mount ignores them); UsageError naming `flag` when a parent is a file or it cannot be written."""
+    import tempfile
+
+    not_dir = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if not_dir:
+        raise UsageError(f"{flag} {path}: {not_dir} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise UsageError(f"{flag} {path} is not writable: {e.strerror}") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,11 +116,8 @@ def run_training(prog: str, default_config: Path, default_workdir: str, argv: li
                 if value is not None and not value.strip():
                     raise UsageError(f"--{flag.replace('_', '-')} is empty; give a path (or leave the flag out)")
             *setup, lock = _prepare(prog, args, default_config)
-    except UsageError as e:
-        return _fail(prog, str(e))
-    except (ValueError, OSError) as e:  # ConfigError, LayoutError, TokenFileError, an unreadable file
-        return _fail(prog, str(e))
-    except WorkdirBusy as e:  # another run holds the workdir
+    # UsageError, ConfigError, LayoutError, TokenFileError, an unreadable file, another run holding the workdir
+    except (ValueError, OSError, WorkdirBusy) as e:
         return _fail(prog, str(e))
     try:
         return _train(prog, args, *setup)
@@ -120,7 +132,6 @@ def _fail(prog: str, message: str, code: int = EXIT_BAD_INPUT, label: str = "err
 
 
 def _prepare(prog: str, args, default_config: Path):
-    import tempfile
 
     import jax
 
@@ -163,14 +174,7 @@ def _prepare(prog: str, args, default_config: Path):
 
     train_iter, eval_data = open_run_data(cfg)
     workdir = Path(args.workdir)
-    not_dir = next((p for p in (workdir, *workdir.parents) if p.exists() and not p.is_dir()), None)
-    if not_dir:
-        raise UsageError(f"--workdir {workdir}: {not_dir} exists and is not a directory")
-    try:  # a real write: permission bits do not stop root, and a read-only mount ignores them
-        workdir.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=workdir).close()
-    except OSError as e:
-        raise UsageError(f"--workdir {workdir} is not writable: {e.strerror}") from None
+    check_writable_dir(workdir, "--workdir")
     # One run per workdir, taken before the run writes there. Process 0 holds it for all processes of its run (a
     # DiLoCo replica's processes, with their own sub-workdir, hold their own).
     lock = WorkdirLock(workdir)

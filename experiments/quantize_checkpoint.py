@@ -69,18 +69,11 @@ def load_run(workdir: Path):
 def check_out(out: Path) -> None:
     """--out must be a new or empty directory, or an earlier output of this tool (which it replaces), and
     writable: nothing else is ever overwritten."""
-    import tempfile
+    from experiments.cli import check_writable_dir
 
-    not_dir = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-    if not_dir:
-        raise ValueError(f"--out {out}: {not_dir} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
         raise ValueError(f"--out {out} holds other files; give a new or empty directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as e:
-        raise ValueError(f"--out {out} is not writable: {e.strerror}") from None
+    check_writable_dir(out, "--out")
 
 
 def main(argv: list[str] | None = None) -> int:
