@@ -31,6 +31,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gpu_target import first_line
+
 SECTIONS = ("kernels", "attention", "matmul", "train")
 
 # What an H100 should reach (issue 25); the report says which are met and by how much the others are missed.
@@ -157,8 +159,7 @@ class Report:
         try:
             result = fn()
         except Exception as e:  # recorded with its first line; the report goes on
-            lines = [line for line in str(e).splitlines() if line.strip()]
-            first = f"{type(e).__name__}: {lines[0] if lines else ''}"
+            first = first_line(e)
             self.failures.append({"section": section, "item": name, "error": first})
             self.log(f"FAIL {section}: {name}: {first}")
             if self.tracebacks:
