@@ -75,11 +75,21 @@ def kernel_tiles(backend: str, head_dim: int, dtype, block_sizes) -> KernelTiles
     fits = [key for key in _GPU_TILES if key[0] >= head_dim and key[1] >= itemsize]
     if not fits:
         raise ValueError(f"block_sparse_attention: head dim {head_dim} is larger than the GPU kernels support (256)")
-    fwd, dq, dkv = _GPU_TILES[min(fits)]
+    table = KernelTiles(*_GPU_TILES[min(fits)])
     return KernelTiles(
-        dataclasses.replace(fwd, rows=math.gcd(fwd.rows, bq), loop=math.gcd(fwd.loop, bkv)),
-        dataclasses.replace(dq, rows=math.gcd(dq.rows, bq), loop=math.gcd(dq.loop, bkv)),
-        dataclasses.replace(dkv, rows=math.gcd(dkv.rows, bkv), loop=math.gcd(dkv.loop, bq)),
+        *(
+            dataclasses.replace(t, rows=math.gcd(t.rows, rows_block), loop=math.gcd(t.loop, loop_block))
+            for _, t, rows_block, loop_block in _passes(table, block_sizes)
+        )
+    )
+
+
+def _passes(tiles: KernelTiles, bs):
+    """(name, tiles, the block its rows tile, the block its loop tiles) of forward, dq and dkv, in that order."""
+    return (
+        ("forward", tiles.forward, bs.block_q, bs.block_kv),
+        ("dq", tiles.dq, bs.block_q, bs.block_kv),
+        ("dkv", tiles.dkv, bs.block_kv, bs.block_q),
     )
 
 
@@ -158,11 +168,7 @@ def block_sparse_attention(
 
 
 def _check_tiles(tiles: KernelTiles, bs) -> None:
-    for name, t, rows_block, loop_block in (
-        ("forward", tiles.forward, bs.block_q, bs.block_kv),
-        ("dq", tiles.dq, bs.block_q, bs.block_kv),
-        ("dkv", tiles.dkv, bs.block_kv, bs.block_q),
-    ):
+    for name, t, rows_block, loop_block in _passes(tiles, bs):
         if t.rows < 1 or t.loop < 1 or rows_block % t.rows or loop_block % t.loop:
             raise ValueError(
                 f"block_sparse_attention: {name} tiles {t.rows}x{t.loop} "
