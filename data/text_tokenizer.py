@@ -229,3 +229,17 @@ def _bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+def tokenizer_of_data(path: str | os.PathLike) -> TextTokenizer:
+    """The tokenizer that wrote the token data at `path` (what its metadata records; `byte` for older files)."""
+    from data.token_file import META_NAME
+
+    path = Path(path)
+    directory = path if path.is_dir() else path.parent
+    meta_path = directory / META_NAME
+    try:
+        record = json.loads(meta_path.read_text()).get("tokenizer", BYTE)
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"token data {directory}: cannot read {META_NAME}: {e}") from None
+    return tokenizer_from_record(record, directory)

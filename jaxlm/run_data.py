@@ -23,3 +23,11 @@ def open_run_data(cfg: TrainConfig):
 def run_data_fingerprint(cfg: TrainConfig) -> dict:
     """What identifies the run's token data (data.token_file.TokenFile.fingerprint): stored with each checkpoint."""
     return data_fingerprint(cfg.data)
+
+
+def run_tokenizer(cfg: TrainConfig):
+    """The run's tokenizer (data.text_tokenizer.TextTokenizer): the one its token data was written with."""
+    from data.corpus import default_corpus
+    from data.text_tokenizer import tokenizer_of_data
+
+    return tokenizer_of_data(cfg.data.path or default_corpus())
