@@ -15,6 +15,10 @@ checkpoint was set aside as corrupt unless the scenario corrupted it. Faults:
     tmpfs_full    the workdir on a tmpfs with room for two checkpoints (needs root: `mount`): the third save
                   fails with ENOSPC, exit 4; the workdir is copied to a real disk and the rerun continues there
 
+With `Harness(processes=2)` every run is one JAX distributed run of two processes under `sharding.launch`, as on
+two hosts: a SIGKILL hits one process chosen by the seed (a host dying; the launcher then stops the other), a
+SIGTERM either the launcher (a scheduler signalling the job) or one process (one host preempted).
+
 Used by tests/fault_injection (a few seeds) and `python -m experiments.fault_sweep` (the full sweep).
 """
 
@@ -72,10 +76,15 @@ class Harness:
     checkpoint_every: int = 4
     cache_dir: Path | None = None  # None: JAX's default ($JAX_COMPILATION_CACHE_DIR, as the tests set it)
     flags: tuple[str, ...] = tuple(TINY_FLAGS)  # () runs tiny_lm's own config
+    processes: int = 1  # > 1: one distributed run of that many local processes (`sharding.launch`), one CPU each
 
     def command(self, workdir: Path, *extra: str) -> list[str]:
         cache = ["--compilation-cache", str(self.cache_dir)] if self.cache_dir else []
+        launcher = []
+        if self.processes > 1:
+            launcher = [sys.executable, "-m", "sharding.launch", "--processes", str(self.processes), "--"]
         return [
+            *launcher,
             sys.executable,
             "-m",
             "experiments.tiny_lm",
@@ -103,15 +112,20 @@ class Harness:
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.PIPE if self.processes == 1 else subprocess.STDOUT,  # the launcher merges them anyway
             text=True,
             preexec_fn=limit if file_size_limit else None,
         )
 
     def run(self, workdir: Path, *extra: str, **kw) -> tuple[int, str]:
         proc = self.launch(workdir, *extra, **kw)
-        _, err = proc.communicate(timeout=600)
-        return proc.returncode, err
+        output = self.finish(proc)
+        return proc.returncode, output
+
+    def finish(self, proc: subprocess.Popen) -> str:
+        """Waits for a launched run; returns what it printed on stderr (everything, from the launcher)."""
+        out, err = proc.communicate(timeout=600)
+        return err if self.processes == 1 else out
 
     def reference(self) -> list[tuple[int, float]]:
         """The uninterrupted run's loss sequence (computed once per harness)."""
@@ -150,6 +164,23 @@ def leftovers(workdir: Path) -> list[str]:
 def quarantined(workdir: Path) -> list[str]:
     directory = workdir / "checkpoints.corrupt"
     return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+
+
+def process_pid(workdir: Path, **environment) -> int | None:
+    """The pid of the process working in `workdir` whose environment has every VARIABLE=value given (read from
+    /proc): one process of a launched run (JAXLM_PROCESS_ID, JAXLM_REPLICA_ID), to signal it alone."""
+    wanted = {f"{k}={v}".encode() for k, v in environment.items()}
+    for proc in Path("/proc").iterdir():
+        try:
+            if (
+                proc.name.isdigit()
+                and str(workdir).encode() in (proc / "cmdline").read_bytes()
+                and wanted <= set((proc / "environ").read_bytes().split(b"\0"))
+            ):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
 
 
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 300, poll: float = 0.002) -> bool:
@@ -229,9 +260,9 @@ def run_scenario(harness: Harness, kind: str, seed: int) -> Outcome:
         proc = harness.launch(workdir)
         _wait_for(lambda: last_step(workdir) >= target, proc)
         time.sleep(rng.uniform(0, 0.03))  # somewhere inside the following step
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=600)
-        out.detail, out.exit_code = f"after step {target}", proc.returncode
+        who = _signal(harness, proc, workdir, sig, rng)
+        err = harness.finish(proc)
+        out.detail, out.exit_code = f"{who}after step {target}", proc.returncode
         out.in_save = bool(leftovers(workdir))  # a random kill may land mid-save too
     elif kind == "sigkill_save":
         first = rng.randint(1, harness.steps // harness.checkpoint_every - 1) * harness.checkpoint_every
@@ -239,9 +270,11 @@ def run_scenario(harness: Harness, kind: str, seed: int) -> Outcome:
         proc = harness.launch(workdir)
         _wait_for(tmp.exists, proc, poll=0.0005)
         time.sleep(rng.uniform(0, 0.01))
-        proc.kill()
-        _, err = proc.communicate(timeout=600)
-        out.in_save, out.detail, out.exit_code = bool(leftovers(workdir)), f"saving step {first}", proc.returncode
+        who = _signal(harness, proc, workdir, signal.SIGKILL, rng)
+        err = harness.finish(proc)
+        # Mid-save: the step's checkpoint never completed (with two processes the survivor may tidy the temporary away)
+        out.in_save = bool(leftovers(workdir)) or first not in checkpoint_steps(workdir)
+        out.detail, out.exit_code = f"{who}saving step {first}", proc.returncode
     elif kind == "corrupt":
         stop = rng.randint(2, harness.steps // harness.checkpoint_every - 1) * harness.checkpoint_every
         code, err = harness.run(workdir, "--steps", str(stop))
@@ -277,6 +310,21 @@ def run_scenario(harness: Harness, kind: str, seed: int) -> Outcome:
     out.leftover_tmp = bool(leftovers(workdir))
     out.good_lost = bool({name.split(".")[0] for name in quarantined(workdir)} - damaged)
     return out
+
+
+def _signal(harness: Harness, proc: subprocess.Popen, workdir: Path, sig: int, rng: random.Random) -> str:
+    """Sends `sig` to the run; with several processes to one of them (a SIGTERM may instead go to the launcher,
+    which forwards it to all). Returns who got it, for the report ("" for a single-process run)."""
+    if harness.processes == 1:
+        proc.send_signal(sig)
+        return ""
+    rank = rng.randrange(harness.processes + (sig == signal.SIGTERM))
+    pid = process_pid(workdir, JAXLM_PROCESS_ID=rank) if rank < harness.processes else None
+    if pid is None:  # the launcher (chosen, or the process already gone)
+        proc.send_signal(sig)
+        return "launcher: "
+    os.kill(pid, sig)
+    return f"p{rank}: "
 
 
 def checkpoint_bytes(workdir: Path) -> int:

@@ -3,6 +3,8 @@
     python -m experiments.fault_sweep                       # 50 SIGKILLs (15 mid-save), 10 SIGTERMs, 10 corrupt
                                                             # checkpoints, 3 + 3 full disks, and restart timing
     python -m experiments.fault_sweep --kinds sigkill_save --seeds 3    # reproduce one case
+    python -m experiments.fault_sweep --processes 2         # two-process runs (sharding.launch): 6 + 4 mid-save
+                                                            # SIGKILLs of one process, 5 SIGTERMs
 
 Every scenario (experiments.fault_harness) runs a small tiny_lm in a subprocess, injects one fault, reruns the
 same command, and compares its metrics.jsonl with an uninterrupted run, bit for bit. Then it times what a user
@@ -33,13 +35,20 @@ from experiments.fault_harness import (
 from jaxlm.goodput import read_goodput
 
 DEFAULT_COUNTS = {"sigkill": 35, "sigkill_save": 15, "sigterm": 10, "corrupt": 10, "disk_full": 3, "tmpfs_full": 3}
+# Two processes: the faults that differ from one process (a host dies, mid-step or mid-save; a host or the job is
+# preempted). Checkpoint damage and full disks are the same files either way.
+MULTI_PROCESS_COUNTS = {"sigkill": 6, "sigkill_save": 4, "sigterm": 5}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.fault_sweep", description=__doc__.split("\n")[0])
     p.add_argument("--workdir", default="runs/fault_sweep", help="scenario workdirs (wiped first)")
     for kind, n in DEFAULT_COUNTS.items():
-        p.add_argument(f"--{kind.replace('_', '-')}", type=int, default=n, metavar="N", help=f"{kind} cases ({n})")
+        multi = f", {MULTI_PROCESS_COUNTS[kind]} with --processes" if kind in MULTI_PROCESS_COUNTS else ""
+        p.add_argument(f"--{kind.replace('_', '-')}", type=int, metavar="N", help=f"{kind} cases ({n}{multi})")
+    p.add_argument(
+        "--processes", type=int, default=1, help="processes per run (> 1: one distributed run via sharding.launch)"
+    )
     p.add_argument("--kinds", help=f"only these kinds, comma-separated ({', '.join(KINDS)})")
     p.add_argument("--seeds", help="only these seeds, comma-separated (with --kinds: reproduce single cases)")
     p.add_argument("--steps", type=int, default=24, help="steps per scenario run")
@@ -50,16 +59,25 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.workdir)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    kinds = args.kinds.split(",") if args.kinds else list(KINDS)
+    if args.processes < 1:
+        p.error(f"--processes must be >= 1, got {args.processes}")
+    defaults = DEFAULT_COUNTS if args.processes == 1 else MULTI_PROCESS_COUNTS
+    kinds = args.kinds.split(",") if args.kinds else list(defaults)
     unknown = set(kinds) - set(KINDS)
     if unknown:
         p.error(f"unknown kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
-    counts = {k: getattr(args, k) for k in kinds}
+    counts = {k: n if (n := getattr(args, k)) is not None else defaults.get(k, DEFAULT_COUNTS[k]) for k in kinds}
     if counts.get("tmpfs_full") and not can_mount_tmpfs():
         print("tmpfs_full skipped: mounting a tmpfs needs root with CAP_SYS_ADMIN", file=sys.stderr)
         counts["tmpfs_full"] = 0
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
-    harness = Harness(root, steps=args.steps, checkpoint_every=args.checkpoint_every, cache_dir=root / "cache")
+    harness = Harness(
+        root,
+        steps=args.steps,
+        checkpoint_every=args.checkpoint_every,
+        cache_dir=root / "cache",
+        processes=args.processes,
+    )
 
     t0 = time.perf_counter()
     harness.reference()
@@ -76,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     table = summarize(outcomes)
-    timing = {} if args.no_timing else measure_timing(harness, root, outcomes)
-    report(table, timing, outcomes, time.perf_counter() - t0)
+    timing = {} if args.no_timing or args.processes > 1 else measure_timing(harness, root, outcomes)
+    report(table, timing, outcomes, time.perf_counter() - t0, args.processes)
     return 0 if all(o.ok for o in outcomes) else 1
 
 
@@ -119,7 +137,7 @@ def measure_timing(harness: Harness, root: Path, outcomes) -> dict:
     }
 
 
-def report(table: dict, timing: dict, outcomes, seconds: float) -> None:
+def report(table: dict, timing: dict, outcomes, seconds: float, processes: int = 1) -> None:
     header = (
         f"{'fault':14s} {'injected':>8s} {'mid-save':>8s} {'resumed':>8s} {'steps lost':>10s} "
         f"{'loss mismatches':>15s} {'tmp dirs left':>13s} {'good ckpts lost':>15s}"
@@ -140,10 +158,13 @@ def report(table: dict, timing: dict, outcomes, seconds: float) -> None:
         f"  every run completes, bit-exact, no good checkpoint lost, no temporaries left: "
         f"{_met(all(o.ok for o in outcomes))}"
     )
+    want_kills = 50 if processes == 1 else 10  # two processes: >= 10 kills of one of them, some mid-save
+    want_mid_save = 10 if processes == 1 else 3
     print(
-        f"  >= 50 SIGKILLs, >= 10 of them mid-save: {kills} kills, {mid_save} mid-save: "
-        f"{_met(kills >= 50 and mid_save >= 10)}"
+        f"  >= {want_kills} SIGKILLs, >= {want_mid_save} of them mid-save: {kills} kills, {mid_save} mid-save: "
+        f"{_met(kills >= want_kills and mid_save >= want_mid_save)}"
     )
+    print(f"  one-line reports (no traceback, no ERROR:absl) from the faulted runs: {_met(_clean(outcomes))}")
     if "sigterm" in table:
         print(
             f"  steps lost on SIGTERM: {table['sigterm']['steps_lost']} (target 0): "
@@ -165,6 +186,7 @@ def report(table: dict, timing: dict, outcomes, seconds: float) -> None:
     print(
         json.dumps(
             {
+                "processes": processes,
                 "faults": len(outcomes),
                 "ok": sum(o.ok for o in outcomes),
                 **total,
@@ -172,6 +194,11 @@ def report(table: dict, timing: dict, outcomes, seconds: float) -> None:
             }
         )
     )
+
+
+def _clean(outcomes) -> bool:
+    """No fault the run reports itself (SIGTERM, a failed save) printed a traceback or absl ERROR lines."""
+    return all(o.tracebacks == 0 and o.absl_errors == 0 for o in outcomes if o.kind not in ("sigkill", "sigkill_save"))
 
 
 def _met(ok: bool) -> str:

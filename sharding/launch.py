@@ -34,6 +34,7 @@ import threading
 import time
 
 EXIT_USAGE = 2
+EXIT_PREEMPTED = 75  # jaxlm.preemption.EXIT_PREEMPTED (sharding imports nothing of jaxlm)
 ENV_REPLICA_ID = "JAXLM_REPLICA_ID"
 GRACE_S = 10.0  # after a failure or Ctrl-C: how long processes get to exit before they are killed
 
@@ -181,6 +182,7 @@ def run(
         sig: signal.signal(sig, lambda signum, _: received.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)
     }
     out, lock = sys.stdout.buffer, threading.Lock()
+    last_words: list[str] = []
     children, pumps = [], []  # children: one list of processes per unit (the whole run, or one replica)
 
     def start_unit(i: int) -> list[subprocess.Popen]:
@@ -222,12 +224,14 @@ def run(
         if independent:
             code = _wait_independent(children, received, restart, start_unit, note)
         else:
-            code = _wait(children[0], received)
+            code = _wait(children[0], received, last_words)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     for t in pumps:
         t.join(timeout=5)
+    for line in last_words:  # after the processes' own output: the cause, as the last line a user reads
+        note(line)
     return code
 
 
@@ -239,19 +243,36 @@ def _forwarded(processes: list[subprocess.Popen], received: list[int]) -> int | 
     return _verdict([c.returncode for c in processes]) or 128 + received[0]
 
 
-def _wait(children: list[subprocess.Popen], received: list[int]) -> int:
-    """0 if every process succeeds; else, after stopping the rest, the code a process exited with by itself (e.g.
-    75: preempted, after its checkpoint) rather than a death by signal (the shell's 128 + s)."""
+def _wait(children: list[subprocess.Popen], received: list[int], last_words: list[str]) -> int:
+    """0 if every process succeeds. When one fails, the others are stopped (their collectives cannot go on without
+    it) and the run's code is the one that process ended with: its own exit code (e.g. 75: preempted, after its
+    checkpoint), or 128 + the signal that killed it, named in one line (a host dying prints nothing itself, and
+    the survivors' errors about a lost peer are consequences, not the cause)."""
     while True:
         if (code := _forwarded(children, received)) is not None:
             return code
         codes = [c.poll() for c in children]
-        if any(code not in (None, 0) for code in codes):
+        failed = [(j, code) for j, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            j, code = failed[0]
+            if code < 0 or code not in (EXIT_USAGE, EXIT_PREEMPTED):
+                how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+                last_words.append(
+                    f"process {j} {how}; stopped the other {len(children) - 1}. Rerun the same command to resume "
+                    "from the last complete checkpoint"
+                )
             _stop(children, signal.SIGTERM)
-            return _verdict([c.returncode for c in children])
+            return code if code > 0 else 128 - code
         if all(code == 0 for code in codes):
             return 0
         time.sleep(0.05)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _wait_independent(units: list[list[subprocess.Popen]], received: list[int], restart: int, start_unit, note) -> int:

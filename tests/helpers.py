@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from data import write_token_file
+from experiments.fault_harness import process_pid as pid_of_process  # noqa: F401 (one process of a launched run)
 from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from sharding import MeshLayout, build_mesh
 
@@ -70,20 +70,3 @@ def rel(a, b) -> float:
     """||a - b|| / ||b||, computed in float64."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def pid_of_process(workdir, **environment) -> int | None:
-    """The pid of the process working in `workdir` whose environment has every VARIABLE=value given (read from
-    /proc): one process of a launched run (JAXLM_PROCESS_ID, JAXLM_REPLICA_ID), to signal it alone."""
-    wanted = {f"{k}={v}".encode() for k, v in environment.items()}
-    for proc in Path("/proc").iterdir():
-        try:
-            if (
-                proc.name.isdigit()
-                and str(workdir).encode() in (proc / "cmdline").read_bytes()
-                and wanted <= set((proc / "environ").read_bytes().split(b"\0"))
-            ):
-                return int(proc.name)
-        except OSError:
-            continue
-    return None

@@ -266,6 +266,19 @@ def test_launcher_stops_the_others_and_returns_the_failure():
     proc = run(["-m", "sharding.launch", "--processes", 2, "--cpu-devices", 3, "--", sys.executable, "-c", child])
     assert proc.returncode == 3 and time.perf_counter() - t0 < 30
     assert "[p0] hello from 0 2 3" in proc.stdout and "[p1] hello from 1 2 3" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("[launch] process 1 exited with code 3; stopped the other 1")
+
+
+def test_a_process_killed_by_a_signal_is_named_in_the_last_line():
+    """A host dying prints nothing itself; the survivors print errors about a lost peer. The launcher's last line
+    names the cause and the run's code is the shell's 128 + signal of the process that died."""
+    child = "import os, time; os.kill(os.getpid(), 9) if os.environ['JAXLM_PROCESS_ID'] == '1' else time.sleep(60)"
+    proc = run(["-m", "sharding.launch", "--processes", 2, "--", sys.executable, "-c", child], timeout=60)
+    assert proc.returncode == 137, proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == (
+        "[launch] process 1 was killed by SIGKILL; stopped the other 1. Rerun the same command to resume from the "
+        "last complete checkpoint"
+    )
 
 
 def test_independent_processes_outlive_a_failure_and_a_failed_one_is_restarted(tmp_path):
