@@ -47,6 +47,7 @@ QUANT_SCALINGS = ("delayed", "current")
 QUANT_BACKWARDS = ("quantized", "high")
 MATMUL_IMPLS = ("auto", "pallas", "xla")  # pallas_kernels.quantized_matmul
 OPTIMIZERS = ("adamw", "sgd")
+ROPE_SCALINGS = ("none", "llama3")  # jaxlm.model.rope_frequencies
 LOADERS = ("clairvoyant", "simple")
 
 
@@ -61,6 +62,13 @@ class ModelConfig(Section):
     mlp_dim: int = 1024  # SwiGLU hidden size
     max_seq_len: int = 256
     rope_theta: float = 10_000.0
+    # "llama3": Llama 3.1's long-context RoPE (low frequencies slowed by rope_scaling_factor, high ones kept, a smooth
+    # ramp between), the rope type Hugging Face calls llama3; the four numbers below apply only to it.
+    rope_scaling: str = "none"  # none | llama3
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192  # the context length the model was pretrained at, before scaling
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     dtype: str = "float32"  # activation/compute dtype; params are always float32
@@ -117,6 +125,18 @@ class ModelConfig(Section):
             raise ConfigError(
                 f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads ({m.num_kv_heads})"
             )
+        check_choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS, how="comma")
+        if m.rope_scaling == "llama3":
+            check_positive(
+                model__rope_scaling_factor=m.rope_scaling_factor,
+                model__rope_low_freq_factor=m.rope_low_freq_factor,
+                model__rope_original_max_seq_len=m.rope_original_max_seq_len,
+            )
+            if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+                raise ConfigError(
+                    f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must exceed "
+                    f"model.rope_low_freq_factor ({m.rope_low_freq_factor})"
+                )
         if m.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {m.dtype!r}")
         check_choice("model.remat", m.remat, REMAT_CHOICES, how="sorted")

@@ -55,14 +55,28 @@ def rms_norm(x_BTD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     return (x * scale_D).astype(x_BTD.dtype)
 
 
-def rotary_tables(positions_BT: jax.Array | None, seq_len: int, head_dim: int, theta: float):
-    """sin/cos tables [B or 1, T, 1, E/2] for rotary embeddings, in float32.
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """The rotary angular frequencies [E/2] (float64): theta^(-2i/E), with model.rope_scaling="llama3" rescaled as
+    Llama 3.1 (and Hugging Face's `llama3` rope type) does: wavelengths longer than original_max / low_freq_factor
+    are slowed by the factor, those shorter than original_max / high_freq_factor kept, and a linear ramp in
+    original_max / wavelength blends the two in between."""
+    E = cfg.resolved_head_dim
+    inv_freq = cfg.rope_theta ** (-np.arange(0, E, 2, dtype=np.float64) / E)
+    if cfg.rope_scaling == "none":
+        return inv_freq
+    low, high, original = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_seq_len
+    ramp = np.clip((original * inv_freq / (2 * np.pi) - low) / (high - low), 0.0, 1.0)  # 0: slow, 1: kept
+    return inv_freq * ((1 - ramp) / cfg.rope_scaling_factor + ramp)
+
+
+def rotary_tables(positions_BT: jax.Array | None, seq_len: int, cfg: ModelConfig):
+    """sin/cos tables [B or 1, T, 1, E/2] for rotary embeddings, in float32 (frequencies: `rope_frequencies`).
 
     Default positions (0..T-1) give numpy constants, computed once at trace time. Otherwise the tables are kept
     out of their consumers' fusions: XLA would otherwise recompute sin/cos for every element of q and k, in every
     layer, forward and backward (measured: ~4% of a CPU train step).
     """
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    inv_freq = rope_frequencies(cfg)
     if positions_BT is None:
         angles = np.arange(seq_len, dtype=np.float64)[None, :, None] * inv_freq
         return (
@@ -211,7 +225,7 @@ def apply_layers(
     positions_BT=None,
 ) -> jax.Array:
     """Runs the layers whose params are stacked along a leading axis (all of them, or one pipeline stage's)."""
-    sin, cos = rotary_tables(positions_BT, x_BTD.shape[1], cfg.resolved_head_dim, cfg.rope_theta)
+    sin, cos = rotary_tables(positions_BT, x_BTD.shape[1], cfg)
 
     def layer(x, layer_state):
         x = nnx.merge(graphdef, layer_state)(x, sin, cos, segment_ids_BT)

@@ -1,0 +1,266 @@
+"""Hugging Face Llama <-> jaxlm: the config fields and the parameter mapping, by renaming, reshaping, transposing.
+
+jaxlm's model computes what `transformers`' LlamaForCausalLM computes (half-split RoPE, GQA, pre-norm RMSNorm,
+SwiGLU), so a conversion moves numbers and never changes one. Two layouts differ:
+- HF keeps each projection as a torch Linear weight [out, in]; jaxlm keeps [in, ...out] and fuses q/k/v (wqkv
+  [D, K, G+2, E]: per kv head its G query heads, then k, then v) and gate/up (w_in [D, 2, F]). HF orders query
+  heads h = k*G + g, which is wqkv's [K, G] flattened.
+- jaxlm stacks layers on a leading axis; HF names each layer's tensors `model.layers.{i}.`.
+
+The vocabulary: jaxlm's may be padded past the tokenizer's (ids that are never predicted); HF files carry the
+tokenizer's. Export slices the padding off, import pads with zero rows up to a multiple of VOCAB_MULTIPLE.
+
+This module reads and writes no files (`jaxlm.hf_files` does); tensors are numpy float32 arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+
+from jaxlm.config import ModelConfig
+
+VOCAB_MULTIPLE = 128
+ARCHITECTURE = "LlamaForCausalLM"
+# Tensors some Llama checkpoints carry that are not weights (older transformers saved the RoPE table).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class HFError(ValueError):
+    """An HF directory or a checkpoint that cannot be converted; the message names the field or tensor."""
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """ModelConfig of a Llama-family config.json (Llama 2 / 3 / 3.1: GQA, tied or not, any head_dim, `llama3`
+    RoPE scaling); HFError naming the first field it cannot express."""
+    archs = hf.get("architectures") or [ARCHITECTURE]
+    if ARCHITECTURE not in archs:
+        raise HFError(f"architectures is {archs}; only {ARCHITECTURE} (the Llama family) is supported")
+    if hf.get("model_type", "llama") != "llama":
+        raise HFError(f"model_type is {hf['model_type']!r}; only 'llama' is supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise HFError(f"{flag} is true; jaxlm's Llama has no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFError(f"hidden_act is {hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
+    D, H = _int(hf, "hidden_size"), _int(hf, "num_attention_heads")
+    rope = _rope(hf)
+    cfg = ModelConfig(
+        vocab_size=-(-_int(hf, "vocab_size") // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        d_model=D,
+        num_layers=_int(hf, "num_hidden_layers"),
+        num_heads=H,
+        num_kv_heads=_int(hf, "num_key_value_heads", H),
+        head_dim=_int(hf, "head_dim", None) or D // H,
+        mlp_dim=_int(hf, "intermediate_size"),
+        max_seq_len=_int(hf, "max_position_embeddings", 2048),
+        norm_eps=_float(hf, "rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **rope,
+    )
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise HFError(f"config.json describes a model jaxlm cannot build: {e}") from None
+    return cfg
+
+
+def _rope(hf: dict) -> dict:
+    """The RoPE fields: transformers 5 writes `rope_parameters` (theta inside), earlier ones `rope_theta` +
+    `rope_scaling` (whose type key was once `type`)."""
+    key = "rope_parameters" if isinstance(hf.get("rope_parameters"), dict) else "rope_scaling"
+    params = hf.get(key) or {}
+    if not isinstance(params, dict):
+        raise HFError(f"{key} must be an object, got {params!r}")
+    theta = _float({**hf, **params}, "rope_theta", 10_000.0)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("default", None):
+        return {"rope_theta": theta}
+    if kind != "llama3":
+        raise HFError(f"{key}.rope_type is {kind!r}; supported: 'default', 'llama3'")
+    return {
+        "rope_theta": theta,
+        "rope_scaling": "llama3",
+        "rope_scaling_factor": _float(params, "factor", prefix=key),
+        "rope_low_freq_factor": _float(params, "low_freq_factor", prefix=key),
+        "rope_high_freq_factor": _float(params, "high_freq_factor", prefix=key),
+        "rope_original_max_seq_len": _int(params, "original_max_position_embeddings", prefix=key),
+    }
+
+
+def _int(d: dict, key: str, default=..., prefix: str = ""):
+    return _number(d, key, default, int, prefix)
+
+
+def _float(d: dict, key: str, default=..., prefix: str = ""):
+    return float(_number(d, key, default, (int, float), prefix))
+
+
+def _number(d: dict, key: str, default, kind, prefix: str):
+    """d[key] checked to be a number of `kind`; missing: `default`, or HFError naming `prefix.key`."""
+    name = f"{prefix}.{key}" if prefix else key
+    value = d.get(key)
+    if value is None:
+        if default is ...:
+            raise HFError(f"config.json has no {name}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise HFError(f"config.json {name} must be a number, got {value!r}")
+    return value
+
+
+def hf_config(cfg: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: int | None, dtype: str) -> dict:
+    """config.json of a LlamaForCausalLM computing `cfg`'s function over the first `vocab_size` ids. RoPE as
+    `rope_theta` + `rope_scaling`, the form every transformers version (and vLLM, llama.cpp) reads."""
+    check_exportable(cfg)
+    rope_scaling = None
+    if cfg.rope_scaling == "llama3":
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_seq_len,
+        }
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.mlp_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """HFError naming a model setting HF's Llama does not compute (a mask is fine if it only separates packed
+    training documents)."""
+    if cfg.attention_softcap:
+        raise HFError(f"model.attention_softcap is {cfg.attention_softcap}; HF's Llama has no attention soft cap")
+    if cfg.attention_mask.replace(" ", "") not in ("causal", "causal&document", "document&causal"):
+        raise HFError(f"model.attention_mask is {cfg.attention_mask!r}; HF's Llama attends causally only")
+
+
+# ----------------------------------------------------------------------------- tensors
+
+Fetch = Callable[[tuple[str, ...], "int | None"], np.ndarray]  # (param path, layer or None) -> float32 array
+
+
+def hf_tensors(cfg: ModelConfig, vocab_size: int, fetch: Fetch) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) of every tensor, one at a time: `fetch` is asked for one param (one layer of a stacked
+    one) just before the tensors made from it are yielded, so a caller that writes each tensor away holds one
+    layer's param at a time."""
+    yield "model.embed_tokens.weight", fetch(("embed",), None)[:vocab_size]
+    for i in range(cfg.num_layers):
+        yield from _layer_tensors(cfg, i, lambda *path: fetch(("blocks", *path), i))
+    yield "model.norm.weight", fetch(("final_norm", "scale"), None)
+    if not cfg.tie_embeddings:
+        yield "lm_head.weight", fetch(("lm_head",), None)[:, :vocab_size].T
+
+
+def _layer_tensors(cfg: ModelConfig, i: int, get) -> Iterator[tuple[str, np.ndarray]]:
+    D, K, E = cfg.d_model, cfg.num_kv_heads, cfg.resolved_head_dim
+    G = cfg.num_heads // K
+    p = f"model.layers.{i}."
+    yield p + "input_layernorm.weight", get("attn_norm", "scale")
+    wqkv = get("attn", "wqkv")  # [D, K, G+2, E]
+    yield p + "self_attn.q_proj.weight", wqkv[:, :, :G].reshape(D, K * G * E).T
+    yield p + "self_attn.k_proj.weight", wqkv[:, :, G].reshape(D, K * E).T
+    yield p + "self_attn.v_proj.weight", wqkv[:, :, G + 1].reshape(D, K * E).T
+    yield p + "self_attn.o_proj.weight", get("attn", "wo").reshape(K * G * E, D).T
+    yield p + "post_attention_layernorm.weight", get("mlp_norm", "scale")
+    w_in = get("mlp", "w_in")  # [D, 2, F]: gate, up
+    yield p + "mlp.gate_proj.weight", w_in[:, 0].T
+    yield p + "mlp.up_proj.weight", w_in[:, 1].T
+    yield p + "mlp.down_proj.weight", get("mlp", "w_out").T
+
+
+def hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} of every tensor a model of `cfg` has (what an import must find)."""
+    D, F, H, K, E = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    shapes = {"model.embed_tokens.weight": (vocab_size, D), "model.norm.weight": (D,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (D,),
+            p + "self_attn.q_proj.weight": (H * E, D),
+            p + "self_attn.k_proj.weight": (K * E, D),
+            p + "self_attn.v_proj.weight": (K * E, D),
+            p + "self_attn.o_proj.weight": (D, H * E),
+            p + "post_attention_layernorm.weight": (D,),
+            p + "mlp.gate_proj.weight": (F, D),
+            p + "mlp.up_proj.weight": (F, D),
+            p + "mlp.down_proj.weight": (D, F),
+        }
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (vocab_size, D)
+    return shapes
+
+
+def unexpected_tensors(cfg: ModelConfig, vocab_size: int, names) -> list[str]:
+    """Names in an HF file that are not part of a model of `cfg` (a tied model's lm_head.weight copy and old RoPE
+    tables excepted: transformers itself ignores them)."""
+    expected = hf_shapes(cfg, vocab_size)
+    ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    return sorted(n for n in names if n not in expected and n not in ignored and not n.endswith(IGNORED_SUFFIXES))
+
+
+def params_from_hf(cfg: ModelConfig, vocab_size: int, read: Callable[[str], np.ndarray]) -> dict:
+    """jaxlm params (the nested dict `nnx.to_pure_dict` gives, float32 numpy) from HF tensors; `read(name)` returns
+    one tensor, already checked against `hf_shapes`. The vocabulary is zero-padded to cfg.vocab_size."""
+    L, D, F, H, K, E = (
+        cfg.num_layers,
+        cfg.d_model,
+        cfg.mlp_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.resolved_head_dim,
+    )
+    G = H // K
+    f32 = lambda shape: np.zeros(shape, np.float32)
+    blocks = {
+        "attn": {"wqkv": f32((L, D, K, G + 2, E)), "wo": f32((L, H, E, D))},
+        "attn_norm": {"scale": f32((L, D))},
+        "mlp": {"w_in": f32((L, D, 2, F)), "w_out": f32((L, F, D))},
+        "mlp_norm": {"scale": f32((L, D))},
+    }
+    for i in range(L):
+        p = f"model.layers.{i}."
+        blocks["attn_norm"]["scale"][i] = read(p + "input_layernorm.weight")
+        wqkv = blocks["attn"]["wqkv"][i]
+        wqkv[:, :, :G] = read(p + "self_attn.q_proj.weight").T.reshape(D, K, G, E)
+        wqkv[:, :, G] = read(p + "self_attn.k_proj.weight").T.reshape(D, K, E)
+        wqkv[:, :, G + 1] = read(p + "self_attn.v_proj.weight").T.reshape(D, K, E)
+        blocks["attn"]["wo"][i] = read(p + "self_attn.o_proj.weight").T.reshape(H, E, D)
+        blocks["mlp_norm"]["scale"][i] = read(p + "post_attention_layernorm.weight")
+        blocks["mlp"]["w_in"][i, :, 0] = read(p + "mlp.gate_proj.weight").T
+        blocks["mlp"]["w_in"][i, :, 1] = read(p + "mlp.up_proj.weight").T
+        blocks["mlp"]["w_out"][i] = read(p + "mlp.down_proj.weight").T
+    params = {"embed": f32((cfg.vocab_size, D)), "blocks": blocks, "final_norm": {"scale": f32((D,))}}
+    params["embed"][:vocab_size] = read("model.embed_tokens.weight")
+    params["final_norm"]["scale"][:] = read("model.norm.weight")
+    if not cfg.tie_embeddings:
+        params["lm_head"] = f32((D, cfg.vocab_size))
+        params["lm_head"][:, :vocab_size] = read("lm_head.weight").T
+    return params
