@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from experiments.cli import exit_with
+
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "fault_tolerance.md"
 BEGIN, END = "<!-- catalogue:begin -->", "<!-- catalogue:end -->"
@@ -254,7 +256,9 @@ def _stable(text: str, scratch: Path, trained: Path | None) -> str:
         text = text.replace(str(trained), "RUN")
     text = text.replace(str(scratch), "DIR").replace(str(Path.home()), "~")
     text = re.sub(
-        r"pid \d+ on \S+, started \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d([+\-]\d\d:\d\d|Z)?", "pid PID on HOST, started TIME", text
+        r"pid \d+ on \S+, started \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d([+\-]\d\d:\d\d|Z)?",
+        "pid PID on HOST, started TIME",
+        text,
     )
     text = text.replace(" ".join(TINY), "TINY")
     text = re.sub(r"--port \d+", "--port PORT", text)
@@ -307,4 +311,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.cli import exit_with
 from experiments.timing import best_time
 from pallas_kernels import (
     BlockSizes,
@@ -173,4 +173,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -44,6 +44,7 @@ from data.access_plan import AccessPlan
 from data.cache_policies import belady_hits, lru_hits
 from data.loader import ClairvoyantLoader, file_exchange
 from data.sources import ShardedSource, ThrottledSource, TokenWindowSource, write_shards
+from experiments.cli import exit_with
 from jaxlm.metrics import read_metrics
 
 CAPACITIES = (0.1, 0.25, 0.5, 1.0)
@@ -428,4 +429,4 @@ def _planned(num_samples: int, batch: int, epochs: int, capacity: int) -> tuple[
 
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.exit(main())
+    exit_with(main())

@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from experiments.bench_train import GPT_BENCH
+from experiments.cli import exit_with
 from experiments.timing import best_time
 from pallas_kernels.quantize import quantize
 from pallas_kernels.quantized_matmul import MatmulBlocks, reference_scaled_matmul, resolve_impl, scaled_matmul
@@ -206,4 +206,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

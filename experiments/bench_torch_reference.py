@@ -15,6 +15,8 @@ import json
 import sys
 import time
 
+from experiments.cli import exit_with
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
@@ -118,4 +120,4 @@ def _timed(fn) -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.cli import exit_with
 from experiments.timing import best_time
 from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, apply_overrides, validate
 from jaxlm.model import model_flops_per_token
@@ -195,4 +196,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

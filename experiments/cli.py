@@ -27,8 +27,43 @@ EXIT_CHECKPOINT_FAILED = 4
 DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxlm" / "compilation"
 
 
+# After main returns, how long background threads and exit handlers get before the process ends anyway: a finished
+# or preempted run's (its saves are already complete: the trainer waits for them), and after an error.
+EXIT_GRACE_S = 30.0
+ERROR_EXIT_GRACE_S = 5.0
+
+
 class UsageError(ValueError):
     pass
+
+
+def exit_with(code: int, grace_s: float | None = None) -> None:
+    """Ends the process with `code`, even if a background thread or an exit handler never finishes.
+
+    Every experiment module's `__main__` ends here. A normal exit joins every non-daemon thread and runs the exit
+    handlers (jax.distributed's shutdown barrier, which other processes of a run wait for), but a thread a failed
+    Orbax save or loader left behind can wait forever, and the command would hang after printing its error. A
+    daemon watchdog ends the process after `grace_s` with the same code and a line naming what was still running.
+    """
+    import threading
+
+    if grace_s is None:
+        grace_s = EXIT_GRACE_S if code in (0, 75) else ERROR_EXIT_GRACE_S
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+    def give_up() -> None:
+        main = threading.main_thread()
+        left = [t.name for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
+        waiting = f"background threads {', '.join(left[:5])}" if left else "exit handlers"
+        print(f"note: {waiting} still running {grace_s:.0f}s after the end; exiting with {code}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(code)
+
+    watchdog = threading.Timer(grace_s, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    sys.exit(code)
 
 
 def check_writable_dir(path: Path, flag: str) -> None:

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from experiments.cli import exit_with
 from experiments.tiny_lm import main as tiny_lm
 
 PRECISIONS = {
@@ -119,4 +120,4 @@ def plot(curves: dict[str, list[dict]], out: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

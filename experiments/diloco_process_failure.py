@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.cli import exit_with
 from experiments.diloco_vs_sync import SMALL
 from jaxlm.config import DiLoCoConfig, apply_overrides, to_dict, validate
 from jaxlm.metrics import read_metrics
@@ -215,4 +216,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

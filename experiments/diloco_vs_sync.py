@@ -26,6 +26,7 @@ import json
 import sys
 from pathlib import Path
 
+from experiments.cli import exit_with
 from jaxlm.config import DataConfig, DiLoCoConfig, ModelConfig, OptimConfig, TrainConfig, apply_overrides, validate
 from jaxlm.metrics import read_metrics
 
@@ -366,4 +367,4 @@ def _plot(results: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from experiments.cli import exit_with
 from experiments.fault_harness import (
     KINDS,
     Harness,
@@ -206,4 +207,4 @@ def _met(ok: bool) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

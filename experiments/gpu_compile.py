@@ -23,6 +23,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from experiments.cli import exit_with
+
 TRITON_CALL = "__gpu$xla.gpu.triton"
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("bfloat16", "float32")
@@ -339,4 +341,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -31,6 +31,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from experiments.cli import exit_with
 from pallas_kernels.gpu_target import first_line
 
 SECTIONS = ("kernels", "attention", "matmul", "train")
@@ -457,4 +458,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

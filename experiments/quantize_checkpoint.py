@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
+
+from experiments.cli import exit_with
 
 PROG = "quantize_checkpoint"
 
@@ -182,9 +183,4 @@ def quantize(args, workdir: Path, out: Path, cfg, checkpointer, step: int, saved
 
 
 if __name__ == "__main__":
-    code = main()
-    if code:  # an error: leave at once, whatever threads a failed Orbax call left behind
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    exit_with(main())

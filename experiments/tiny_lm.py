@@ -6,10 +6,9 @@
 Rerunning the same command resumes from the workdir's latest checkpoint.
 """
 
-import sys
 from pathlib import Path
 
-from experiments.cli import run_training
+from experiments.cli import exit_with, run_training
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny_lm.py"
 
@@ -19,4 +18,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

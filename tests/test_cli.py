@@ -395,3 +395,32 @@ def test_pipeline_layout_end_to_end_and_resume_under_another_layout(tmp_path):
     resumed = loss_records(workdir)
     assert [r["step"] for r in resumed] == [1, 2, 3]
     np.testing.assert_allclose(resumed[2]["loss"], pipelined[2]["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("code", [0, 4])
+def test_a_thread_left_behind_does_not_hang_the_command(code):
+    """exit_with: a non-daemon thread that never ends (as a failed Orbax save can leave) would keep a plain
+    sys.exit waiting forever; the process ends after the grace period with its own code and a line naming it."""
+    script = (
+        "import threading, time; from experiments.cli import exit_with; "
+        "threading.Thread(target=time.sleep, args=(600,), name='stuck-save').start(); "
+        f"print('done', flush=True); exit_with({code}, grace_s=1)"
+    )
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code and time.perf_counter() - t0 < 30
+    assert proc.stdout == "done\n"
+    assert (
+        proc.stderr.strip()
+        == f"note: background threads stuck-save still running 1s after the end; exiting with {code}"
+    )
+
+
+def test_every_experiment_module_ends_through_exit_with():
+    """No command hangs after an error: every runnable experiment ends with exit_with(main())."""
+    modules = [p for p in (REPO / "experiments").glob("*.py") if 'if __name__ == "__main__":' in p.read_text()]
+    assert len(modules) > 10
+    missing = [
+        p.name for p in modules if "exit_with(main())" not in p.read_text().split('if __name__ == "__main__":')[1]
+    ]
+    assert not missing, missing
