@@ -17,7 +17,10 @@ from flax import nnx
 from jaxlm.attention import attention
 from jaxlm.config import REMAT_CHOICES, ModelConfig
 from jaxlm.quantized import AmaxHistory, amax_history, layer_recipe, project
-from pallas_kernels import BlockSizes, soft_cap
+from pallas_kernels import BlockSizes, Mask, full, soft_cap
+from pallas_kernels.kernel_mask import DocumentSlot
+from pallas_kernels.mask_spec import parse_mask
+from pallas_kernels.masks import And, Or
 from sharding.rules import LOGICAL_AXES_KEY as LOGICAL_AXES
 from sharding.rules import constrain
 
@@ -112,14 +115,13 @@ class Attention(nnx.Module):
         self.qkv_amax, self.out_amax = amax_history(cfg, self.recipe), amax_history(cfg, self.recipe)
 
     def __call__(self, x_BTD, sin, cos, segment_ids_BT=None):
+        return self.prefill(x_BTD, sin, cos, segment_ids_BT)[0]
+
+    def prefill(self, x_BTD, sin, cos, segment_ids_BT=None):
+        """Attention within the block, as in training; also returns the block's rotated keys and its values
+        ([B, T, K, E] each), which generation keeps as its KV cache."""
         cfg = self.cfg
-        B, T, _ = x_BTD.shape
-        K, E = cfg.num_kv_heads, cfg.resolved_head_dim
-        G = cfg.num_heads // K
-        qkv = project("btd,dkge->btkge", x_BTD, self.wqkv[...], self.recipe, _value(self.qkv_amax))
-        q_BTHE = qkv[:, :, :, :G].reshape(B, T, K * G, E)
-        k_BTKE, v_BTKE = qkv[:, :, :, G], qkv[:, :, :, G + 1]
-        q_BTHE, k_BTKE = apply_rotary(q_BTHE, sin, cos), apply_rotary(k_BTKE, sin, cos)
+        q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, sin, cos)
         out_BTHE = attention(
             q_BTHE,
             k_BTKE,
@@ -127,10 +129,59 @@ class Attention(nnx.Module):
             mask=cfg.attention_mask,
             segment_ids_BT=segment_ids_BT,
             impl=cfg.attention_impl,
-            score_mod=soft_cap(cfg.attention_softcap) if cfg.attention_softcap else None,
+            score_mod=self._score_mod(),
             block_sizes=BlockSizes(cfg.attention_block_q, cfg.attention_block_kv),
         )
+        return self._out(out_BTHE), k_BTKE, v_BTKE
+
+    def decode(self, x_BTD, sin, cos, positions_BT, k_BSKE, v_BSKE):
+        """Attention of new tokens over a KV cache whose slot s holds position s: the block's keys and values are
+        written at their rows' `positions_BT` first, then each query sees the slots the config's mask allows at its
+        position (dense, "reference": one query row per token needs no kernel). Returns (out, k_BSKE, v_BSKE)."""
+        cfg = self.cfg
+        q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, sin, cos)
+        rows_B1 = jnp.arange(x_BTD.shape[0])[:, None]
+        k_BSKE = k_BSKE.at[rows_B1, positions_BT].set(k_BTKE.astype(k_BSKE.dtype))
+        v_BSKE = v_BSKE.at[rows_B1, positions_BT].set(v_BTKE.astype(v_BSKE.dtype))
+        mask = _AtPositions(parse_mask(cfg.attention_mask), positions_BT)
+        out_BTHE = attention(q_BTHE, k_BSKE, v_BSKE, mask=mask, impl="reference", score_mod=self._score_mod())
+        return self._out(out_BTHE), k_BSKE, v_BSKE
+
+    def _qkv(self, x_BTD, sin, cos):
+        B, T, _ = x_BTD.shape
+        K, E = self.cfg.num_kv_heads, self.cfg.resolved_head_dim
+        G = self.cfg.num_heads // K
+        qkv = project("btd,dkge->btkge", x_BTD, self.wqkv[...], self.recipe, _value(self.qkv_amax))
+        q_BTHE = qkv[:, :, :, :G].reshape(B, T, K * G, E)
+        k_BTKE, v_BTKE = qkv[:, :, :, G], qkv[:, :, :, G + 1]
+        return apply_rotary(q_BTHE, sin, cos), apply_rotary(k_BTKE, sin, cos), v_BTKE
+
+    def _score_mod(self):
+        return soft_cap(self.cfg.attention_softcap) if self.cfg.attention_softcap else None
+
+    def _out(self, out_BTHE):
         return project("bthe,hed->btd", out_BTHE, self.wo[...], self.recipe, _value(self.out_amax))
+
+
+class _AtPositions(Mask):
+    """A mask evaluated at each query's position instead of its index in the block: a decoded token at position p
+    sees cache slot s (which holds position s) where mask(p, s). `document` terms are one document per row."""
+
+    is_static = False
+
+    def __init__(self, mask: Mask, positions_BT: jax.Array):
+        self.mask, self.positions_BT = _one_document(mask), positions_BT
+
+    def __call__(self, q_idx, kv_idx):
+        return self.mask(jnp.take(self.positions_BT, jnp.asarray(q_idx), axis=1), kv_idx)  # [B, T, S]
+
+
+def _one_document(mask: Mask) -> Mask:
+    if isinstance(mask, DocumentSlot):
+        return full()
+    if isinstance(mask, (And, Or)):
+        return type(mask)(tuple(_one_document(m) for m in mask.masks))
+    return mask
 
 
 class SwiGLU(nnx.Module):
@@ -163,6 +214,18 @@ class Block(nnx.Module):
     def __call__(self, x_BTD, sin, cos, segment_ids_BT=None):
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), sin, cos, segment_ids_BT)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+    def prefill(self, x_BTD, sin, cos, segment_ids_BT=None):
+        """The layer as in training, plus its keys and values (Attention.prefill)."""
+        h_BTD, k_BTKE, v_BTKE = self.attn.prefill(self.attn_norm(x_BTD), sin, cos, segment_ids_BT)
+        x_BTD = x_BTD + h_BTD
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_BTKE, v_BTKE
+
+    def decode(self, x_BTD, sin, cos, positions_BT, k_BSKE, v_BSKE):
+        """The layer for new tokens over this layer's KV cache (Attention.decode)."""
+        h_BTD, k_BSKE, v_BSKE = self.attn.decode(self.attn_norm(x_BTD), sin, cos, positions_BT, k_BSKE, v_BSKE)
+        x_BTD = x_BTD + h_BTD
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_BSKE, v_BSKE
 
 
 class Transformer(nnx.Module):
@@ -206,6 +269,23 @@ class Transformer(nnx.Module):
     def logits(self, x_BTD: jax.Array) -> jax.Array:
         return head_logits(self.cfg, self.head_params(), x_BTD)
 
+    # Generation (jaxlm.generate): a prompt block through the layers as in training, keeping every layer's keys and
+    # values; then new tokens one block at a time over that KV cache.
+
+    def prefill(self, tokens_BT: jax.Array, *, segment_ids_BT=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(final hidden states x_BTD before the head, keys k_LBTKE, values v_LBTKE) of a block at positions 0..T-1."""
+        graphdef, stacked = nnx.split(self.blocks)
+        return prefill_layers(self.cfg, graphdef, stacked, self.embed_tokens(tokens_BT), segment_ids_BT)
+
+    def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.Array):
+        """(float32 logits [B, T, V], k_LBSKE, v_LBSKE) for tokens at `positions_BT` over a KV cache whose slot s
+        holds position s; their keys and values are written into it."""
+        graphdef, stacked = nnx.split(self.blocks)
+        x_BTD, k_LBSKE, v_LBSKE = decode_layers(
+            self.cfg, graphdef, stacked, self.embed_tokens(tokens_BT), positions_BT, k_LBSKE, v_LBSKE
+        )
+        return self.logits(x_BTD), k_LBSKE, v_LBSKE
+
 
 def head_logits(cfg: ModelConfig, head: dict[str, jax.Array], x_BTD: jax.Array) -> jax.Array:
     """Final RMSNorm and the vocabulary projection: float32 logits [B, T, V]."""
@@ -244,6 +324,50 @@ def apply_layers(
     for i in range(num_layers):
         x_BTD, _ = layer(x_BTD, treedef.unflatten([parts[i].squeeze(0) for parts in split_leaves]))
     return x_BTD
+
+
+def prefill_layers(cfg: ModelConfig, graphdef, stacked, x_BTD, segment_ids_BT=None):
+    """`apply_layers` without remat or pipeline, also returning every layer's keys and values [L, B, T, K, E]."""
+    sin, cos = rotary_tables(None, x_BTD.shape[1], cfg)
+
+    def layer(x, layer_state):
+        x, k_BTKE, v_BTKE = nnx.merge(graphdef, layer_state).prefill(x, sin, cos, segment_ids_BT)
+        return constrain(x, ACTIVATION_AXES), (k_BTKE, v_BTKE)
+
+    if cfg.scan_layers:
+        x_BTD, (k_LBTKE, v_LBTKE) = jax.lax.scan(layer, x_BTD, stacked, unroll=cfg.scan_unroll)
+        return x_BTD, k_LBTKE, v_LBTKE
+    keys, values = [], []
+    for layer_state in _unstacked(stacked):
+        x_BTD, (k_BTKE, v_BTKE) = layer(x_BTD, layer_state)
+        keys.append(k_BTKE)
+        values.append(v_BTKE)
+    return x_BTD, jnp.stack(keys), jnp.stack(values)
+
+
+def decode_layers(cfg: ModelConfig, graphdef, stacked, x_BTD, positions_BT, k_LBSKE, v_LBSKE):
+    """The layers for new tokens over the stacked KV cache. The cache is carried whole and updated at the layer's
+    index (not scanned over as xs/ys, which would copy all of it every token)."""
+    sin, cos = rotary_tables(positions_BT, x_BTD.shape[1], cfg)
+
+    def layer(carry, layer_state_and_index):
+        x, k_cache, v_cache = carry
+        layer_state, i = layer_state_and_index
+        x, k_BSKE, v_BSKE = nnx.merge(graphdef, layer_state).decode(x, sin, cos, positions_BT, k_cache[i], v_cache[i])
+        return (constrain(x, ACTIVATION_AXES), k_cache.at[i].set(k_BSKE), v_cache.at[i].set(v_BSKE)), None
+
+    carry = (x_BTD, k_LBSKE, v_LBSKE)
+    if cfg.scan_layers:
+        carry, _ = jax.lax.scan(layer, carry, (stacked, jnp.arange(cfg.num_layers)), unroll=cfg.scan_unroll)
+        return carry
+    for i, layer_state in enumerate(_unstacked(stacked)):
+        carry, _ = layer(carry, (layer_state, i))
+    return carry
+
+
+def _unstacked(stacked: nnx.State) -> list[nnx.State]:
+    leaves, treedef = jax.tree.flatten(stacked)
+    return [treedef.unflatten([leaf[i] for leaf in leaves]) for i in range(leaves[0].shape[0])]
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:

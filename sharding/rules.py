@@ -35,6 +35,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "layers": "pipeline",
     "seq": None,
+    "cache_seq": None,  # the slots of a generation's KV cache (jaxlm.generate)
     "act_embed": None,  # the model dimension of activations: replicated (no sequence parallelism)
 }
 

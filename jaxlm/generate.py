@@ -1,0 +1,374 @@
+"""Text generation: a KV cache, one compiled prefill and one compiled decode step per shape bucket, sampling.
+
+Prompts of different lengths share a batch right-padded: a row's token at position p sits in slot p of every
+layer's cache, so positions, RoPE and masks are exactly those of the prompt alone (a pad slot is either never
+visible to the row's queries or overwritten by a generated token before it is). Shapes are bucketed (batch,
+prompt block and cache length rounded up), the number of new tokens is a traced value, and the sampler's settings
+are compile-time constants: a program is compiled once per (bucket, sampler), never per token.
+
+`generate` runs the decode steps in one `lax.while_loop` (no host round trip per token); `stream` calls the same
+compiled decode step once per token and yields each token as it comes (what a terminal shows).
+
+Under a mesh (found from the params' shardings) the cache shards by the logical axes `CACHE_AXES` with the same
+rules as the params: batch over data x fsdp, kv heads over tensor.
+
+Shape suffixes follow the legend in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxlm.model import Transformer
+from sharding.rules import constrain, logical_spec, use_rules
+
+CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")  # k_LBSKE, v_LBSKE
+TOKEN_AXES = ("batch", "cache_seq")  # tokens_BS
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k_LBSKE", "v_LBSKE"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Every layer's rotated keys and values, [L, B, S, K, E] in the model's dtype; slot s holds position s."""
+
+    k_LBSKE: jax.Array
+    v_LBSKE: jax.Array
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens_BS", "positions_B", "done_B", "step", "cache"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """What the decode steps carry: every row's tokens so far (prompt then new, slot = position), the position of
+    its last token (the next step's input), whether it stopped, how many new tokens were made, the cache."""
+
+    tokens_BS: jax.Array
+    positions_B: jax.Array
+    done_B: jax.Array
+    step: jax.Array
+    cache: KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """Next-token choice from float32 logits [B, V]: greedy at temperature 0, else softmax(logits / temperature)
+    restricted to the top_k largest (0: all) and to the smallest set holding top_p of the mass. Ids >= vocab_limit
+    (a vocabulary padded past the tokenizer's) are never chosen. Hashable: its values are constants of the
+    compiled programs."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    vocab_limit: int = 0  # 0: every id of the logits
+
+    def __post_init__(self):
+        check_sampling(self.temperature, self.top_k, self.top_p, self.vocab_limit or None)
+
+    def __call__(self, logits_BV: jax.Array, key: jax.Array) -> jax.Array:
+        V = logits_BV.shape[-1]
+        if self.vocab_limit and self.vocab_limit < V:
+            logits_BV = jnp.where(jnp.arange(V) < self.vocab_limit, logits_BV, -jnp.inf)
+        if self.temperature == 0:
+            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        logits_BV = logits_BV.astype(jnp.float32) / self.temperature
+        if not self.top_k and self.top_p >= 1:
+            return jax.random.categorical(key, logits_BV).astype(jnp.int32)
+        # Candidates in descending order: the top k (a partial sort), or every id when only top_p is set.
+        k = min(self.top_k or V, V)
+        values_BN, ids_BN = jax.lax.top_k(logits_BV, k)
+        if self.top_p < 1:
+            probs_BN = jax.nn.softmax(values_BN, axis=-1)
+            before_BN = jnp.cumsum(probs_BN, axis=-1) - probs_BN  # mass of the better candidates
+            values_BN = jnp.where(before_BN < self.top_p, values_BN, -jnp.inf)  # the best one is always kept
+        choice_B = jax.random.categorical(key, values_BN)
+        return jnp.take_along_axis(ids_BN, choice_B[:, None], axis=1)[:, 0].astype(jnp.int32)
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, vocab_limit: int | None = None) -> None:
+    """ValueError naming the first bad sampling value (caught before anything compiles)."""
+    if not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0: no limit), got {top_k}")
+    if vocab_limit is not None and top_k > vocab_limit:
+        raise ValueError(f"top_k {top_k} exceeds the vocabulary of {vocab_limit} tokens")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1: no limit), got {top_p}")
+
+
+# ----------------------------------------------------------------------------- shape buckets and placement
+
+
+def bucket(n: int, minimum: int = 8) -> int:
+    """`n` rounded up to a power of two (at least `minimum`), or past 256 to a multiple of 256: few programs, and
+    at most a quarter of a long cache wasted."""
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length() if n <= 256 else -(-n // 256) * 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The mesh the params live on and the logical-axis rules (hashable, a static argument of the programs)."""
+
+    mesh: Mesh
+    rules: tuple = ()
+
+    @property
+    def rules_dict(self) -> dict:
+        return dict(self.rules)
+
+    def sharding(self, axes: tuple[str, ...]) -> NamedSharding:
+        return NamedSharding(self.mesh, logical_spec(axes, self.rules_dict))
+
+    def batch_shards(self) -> int:
+        target = logical_spec(("batch",), self.rules_dict)[0]
+        axes = target if isinstance(target, tuple) else (target,)
+        return int(np.prod([self.mesh.shape[a] for a in axes if a is not None]))
+
+
+def placement_of(params, rules: dict | None = None) -> Placement | None:
+    """The mesh of sharded params (None on one device)."""
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+            return Placement(sharding.mesh, tuple(sorted((rules or {}).items())))
+    return None
+
+
+@contextlib.contextmanager
+def _traced_in(where: Placement | None):
+    """Traces with the mesh and rules in context, so `constrain` pins activations and the cache as in training."""
+    if where is None:
+        yield
+        return
+    with jax.sharding.use_abstract_mesh(where.mesh.abstract_mesh), use_rules(where.rules_dict):
+        yield
+
+
+# ----------------------------------------------------------------------------- the compiled programs
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampler", "cache_len", "where"))
+def _prefill(params, tokens_BT, lengths_B, live_B, key, stop_V, *, graphdef, sampler, cache_len, where):
+    """The prompt block through the model as in training -> the first new token of every row and a DecodeState
+    whose cache (allocated here, `cache_len` slots) holds the prompt's keys and values."""
+    with _traced_in(where):
+        model = nnx.merge(graphdef, params)
+        B, T = tokens_BT.shape
+        rows_B = jnp.arange(B)
+        valid_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
+        x_BTD, k_LBTKE, v_LBTKE = model.prefill(tokens_BT, segment_ids_BT=valid_BT.astype(jnp.int32))
+        logits_BV = model.logits(x_BTD[rows_B, lengths_B - 1][:, None])[:, 0]
+        new_B = sampler(logits_BV, jax.random.fold_in(key, 0))
+        pad = ((0, 0), (0, 0), (0, cache_len - T), (0, 0), (0, 0))
+        cache = KVCache(*(constrain(jnp.pad(a, pad), CACHE_AXES) for a in (k_LBTKE, v_LBTKE)))
+        tokens_BS = jnp.pad(tokens_BT, ((0, 0), (0, cache_len - T))).at[rows_B, lengths_B].set(new_B)
+        state = DecodeState(
+            tokens_BS=constrain(tokens_BS, TOKEN_AXES),
+            positions_B=lengths_B,
+            done_B=~live_B | stop_V[new_B],
+            step=jnp.ones((), jnp.int32),
+            cache=cache,
+        )
+        return state, new_B
+
+
+def _decode(params, state: DecodeState, key, stop_V, graphdef, sampler) -> tuple[DecodeState, jax.Array]:
+    """One new token per row: the last token through the model over the cache, then sampled. Stopped rows are
+    computed (the batch is one program) but neither advance nor change anything."""
+    model = nnx.merge(graphdef, params)
+    rows_B = jnp.arange(state.positions_B.shape[0])
+    last_B1 = state.tokens_BS[rows_B, state.positions_B][:, None]
+    logits_B1V, k_LBSKE, v_LBSKE = model.decode(
+        last_B1, state.positions_B[:, None], state.cache.k_LBSKE, state.cache.v_LBSKE
+    )
+    new_B = sampler(logits_B1V[:, 0], jax.random.fold_in(key, state.step))
+    live_B = ~state.done_B
+    positions_B = state.positions_B + live_B
+    tokens_BS = state.tokens_BS.at[rows_B, positions_B].set(
+        jnp.where(live_B, new_B, state.tokens_BS[rows_B, positions_B])
+    )
+    state = DecodeState(
+        tokens_BS=tokens_BS,
+        positions_B=positions_B,
+        done_B=state.done_B | stop_V[new_B],
+        step=state.step + 1,
+        cache=KVCache(constrain(k_LBSKE, CACHE_AXES), constrain(v_LBSKE, CACHE_AXES)),
+    )
+    return state, jnp.where(live_B, new_B, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampler", "where"), donate_argnames=("state",))
+def _decode_step(params, state, key, stop_V, *, graphdef, sampler, where):
+    """One decode step (what `stream` calls per token); returns the state and the new tokens (-1: stopped row)."""
+    with _traced_in(where):
+        return _decode(params, state, key, stop_V, graphdef, sampler)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampler", "where"), donate_argnames=("state",))
+def _decode_loop(params, state, key, stop_V, max_new_tokens, *, graphdef, sampler, where):
+    """Decode steps until every row stopped or made `max_new_tokens` (a traced value: one program for any count)."""
+    with _traced_in(where):
+
+        def more(state):
+            return (state.step < max_new_tokens) & ~jnp.all(state.done_B)
+
+        return jax.lax.while_loop(more, lambda s: _decode(params, s, key, stop_V, graphdef, sampler)[0], state)
+
+
+# ----------------------------------------------------------------------------- the entry points
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """Prompts padded into one bucket: the host-side half of a generation."""
+
+    tokens_BT: np.ndarray
+    lengths_B: np.ndarray
+    live_B: np.ndarray
+    cache_len: int
+    count: int
+
+    @classmethod
+    def of(cls, prompts: Sequence[Sequence[int]], max_new_tokens: int, vocab_size: int, shards: int) -> _Batch:
+        if not prompts:
+            raise ValueError("no prompts to generate from")
+        arrays = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+        for i, ids in enumerate(arrays):
+            if ids.size == 0:
+                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
+            if ids.min() < 0 or ids.max() >= vocab_size:
+                raise ValueError(f"prompt {i} holds ids outside the model's vocabulary [0, {vocab_size})")
+        B = -(-bucket(len(arrays), 1) // shards) * shards
+        longest = max(a.size for a in arrays)
+        T = bucket(longest)
+        tokens_BT = np.zeros((B, T), np.int32)
+        lengths_B = np.ones(B, np.int32)  # pad rows: one token, stopped from the start
+        for i, ids in enumerate(arrays):
+            tokens_BT[i, : ids.size], lengths_B[i] = ids, ids.size
+        live_B = np.arange(B) < len(arrays)
+        return cls(tokens_BT, lengths_B, live_B, max(T, bucket(longest + max_new_tokens)), len(arrays))
+
+
+class _Run:
+    """One generation's compiled pieces bound to a model, its placement and a sampler."""
+
+    def __init__(self, model: Transformer, prompts, max_new_tokens, sampler, seed, stop_ids, rules):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        cfg = model.cfg
+        self.graphdef, self.params = nnx.split(model)
+        self.where = placement_of(self.params, rules)
+        shards = self.where.batch_shards() if self.where else 1
+        self.batch = _Batch.of(prompts, max_new_tokens, cfg.vocab_size, shards)
+        self.sampler, self.max_new_tokens = sampler, max_new_tokens
+        self.key = jax.random.key(seed)
+        stop_V = np.zeros(cfg.vocab_size, bool)
+        stop_V[[i for i in stop_ids if 0 <= i < cfg.vocab_size]] = True
+        self.stop_V = stop_V
+
+    def _put(self, array: np.ndarray, axes: tuple[str, ...]):
+        return jnp.asarray(array) if self.where is None else jax.device_put(array, self.where.sharding(axes))
+
+    def prefill(self) -> tuple[DecodeState, jax.Array]:
+        b = self.batch
+        return _prefill(
+            self.params,
+            self._put(b.tokens_BT, ("batch", "seq")),
+            self._put(b.lengths_B, ("batch",)),
+            self._put(b.live_B, ("batch",)),
+            self.key,
+            self.stop_V,
+            graphdef=self.graphdef,
+            sampler=self.sampler,
+            cache_len=b.cache_len,
+            where=self.where,
+        )
+
+    def loop(self, state: DecodeState) -> DecodeState:
+        return _decode_loop(
+            self.params,
+            state,
+            self.key,
+            self.stop_V,
+            np.int32(self.max_new_tokens),
+            graphdef=self.graphdef,
+            sampler=self.sampler,
+            where=self.where,
+        )
+
+    def step(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
+        return _decode_step(
+            self.params, state, self.key, self.stop_V, graphdef=self.graphdef, sampler=self.sampler, where=self.where
+        )
+
+    def new_tokens(self, state: DecodeState) -> list[np.ndarray]:
+        tokens_BS, positions_B = jax.device_get((state.tokens_BS, state.positions_B))
+        b = self.batch
+        return [tokens_BS[i, b.lengths_B[i] : positions_B[i] + 1].astype(np.int64) for i in range(b.count)]
+
+
+def generate(
+    model: Transformer,
+    prompts: list[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: Sequence[int] = (),
+    vocab_limit: int = 0,
+    rules: dict | None = None,
+) -> list[np.ndarray]:
+    """The new ids of every prompt: up to `max_new_tokens`, ending early at the first of `stop_ids`, which is
+    included (so a caller can tell a stop from running out; decode with skip_special_tokens to drop an EOS).
+
+    `vocab_limit` (the tokenizer's vocabulary size; 0: the model's) bounds the ids that can be chosen. `rules` are
+    the layout's logical-axis overrides when the model is sharded over a mesh. Repeated calls with prompts in the
+    same bucket reuse the compiled programs.
+    """
+    sampler = Sampler(temperature, top_k, top_p, vocab_limit)
+    run = _Run(model, prompts, max_new_tokens, sampler, seed, stop_ids, rules)
+    state, _ = run.prefill()
+    return run.new_tokens(run.loop(state))
+
+
+def stream(
+    model: Transformer,
+    prompts: list[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: Sequence[int] = (),
+    vocab_limit: int = 0,
+    rules: dict | None = None,
+) -> Iterator[np.ndarray]:
+    """`generate` one token at a time: yields every prompt's next id per step ([len(prompts)], -1 once a row has
+    stopped) until all stopped or `max_new_tokens` steps; the same tokens `generate` returns. A caller may stop
+    iterating at any time (e.g. on a stop string)."""
+    sampler = Sampler(temperature, top_k, top_p, vocab_limit)
+    run = _Run(model, prompts, max_new_tokens, sampler, seed, stop_ids, rules)
+    count = run.batch.count
+    state, new_B = run.prefill()
+    yield np.asarray(new_B)[:count]
+    for _ in range(max_new_tokens - 1):
+        if bool(np.all(np.asarray(state.done_B)[:count])):
+            return
+        state, new_B = run.step(state)
+        yield np.asarray(new_B)[:count]
