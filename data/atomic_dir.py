@@ -88,6 +88,10 @@ class DirKind:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
+    def publish(self, built: Path, out_dir: Path, overwrite: bool) -> None:
+        """Moves a directory built elsewhere (a resumable build, not `build`'s temp dir) into place at `out_dir`."""
+        self._move_into_place(built, out_dir, overwrite)
+
     def _move_into_place(self, tmp: Path, out_dir: Path, overwrite: bool) -> None:
         old = None
         if out_dir.exists() and any(out_dir.iterdir()):

@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from data.access_plan import checked_rows, process_rows
+from data.token_shards import ShardedTokens
 
 Batch = dict[str, np.ndarray]  # inputs/targets [B, T] int32, loss_mask [B, T] float32, segment_ids [B, T] int32
 
@@ -25,6 +26,12 @@ class BatchIterator(Protocol):
     def __iter__(self): ...
     def get_state(self) -> dict[str, int]: ...
     def set_state(self, state: dict[str, int]) -> None: ...
+
+
+def as_token_array(tokens):
+    """`tokens` as an array that indexes like a 1-D ndarray: memmaps and sharded token data stay lazy (read only
+    what a batch indexes), anything else (a list) becomes an ndarray."""
+    return tokens if isinstance(tokens, (np.ndarray, ShardedTokens)) else np.asarray(tokens)
 
 
 def num_windows(start: int, stop: int, seq_len: int) -> int:
@@ -124,7 +131,7 @@ class SeededBatchIterator:
     ):
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
-        self.tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+        self.tokens = as_token_array(tokens)
         self.start, self.stop, self.num_windows = _check_region(self.tokens, start, stop, seq_len, batch_size)
         self.batch_size, self.seq_len, self.seed, self.eos_id = batch_size, seq_len, seed, eos_id
         self.set_rows(*process_rows(batch_size, process_index, process_count))
@@ -191,7 +198,7 @@ def eval_batches(
     eos_id: int | None = None,
 ) -> list[Batch]:
     """Sequential, unshuffled batches from tokens[start:stop]: the same every eval."""
-    tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+    tokens = as_token_array(tokens)
     start, stop, n = _check_region(tokens, start, stop, seq_len, batch_size)
     lo, hi = process_rows(batch_size, process_index, process_count)
     if max_batches < 1:

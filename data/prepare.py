@@ -1,77 +1,251 @@
-"""Turns text files into a token file: `python -m data.prepare --input PATH... --output DIR`.
+"""Text + a tokenizer -> token shards: `python -m data.prepare --input PATH... --output DIR [--tokenizer PATH]`.
 
-Each input file is one document, tokenized byte-level (so any bytes work, UTF-8
-or not). Directories are walked recursively for files matching --pattern.
+Inputs are `.txt` (a file is a document, or `--separator` splits it), `.jsonl`, `.jsonl.gz`, `.json` arrays and
+`.parquet` (the `--text-field` column), mixed freely; directories are walked for files matching any `--pattern`.
+Documents are tokenized in parallel worker processes, one shard per work unit, and joined by the tokenizer's EOS
+(BOS first with `--add-bos`); empty documents are skipped and counted. The shards are built in `.DIR.partial`
+beside the output and moved into place whole with the manifest and a copy of the tokenizer, so readers never see
+half a dataset; a killed run, rerun with the same command, keeps the shards it completed.
 """
 
 from __future__ import annotations
 
 import argparse
-import fnmatch
+import dataclasses
+import hashlib
+import json
+import multiprocessing
 import os
+import queue
+import re
+import shutil
 import sys
+import time
 from pathlib import Path
 
-from data.token_file import TokenFile, TokenFileError, write_token_file
-from data.tokenizer import BYTE_TOKENIZER_VOCAB_SIZE, encode
+from data.shard_worker import Unit, completed_stats, init_worker, tokenize_unit
+from data.text_sources import ReadOptions, TextSourceError, find_inputs, plan_pieces
+from data.text_tokenizer import TextTokenizer, TokenizerError, load_tokenizer
+from data.token_file import TokenFileError, dtype_for_vocab
+from data.token_shards import FORMAT, KIND, MANIFEST_NAME, SHARD_PATTERN, VERSION, TokenShards
 
 PROG = "data.prepare"
+JOB_NAME = "job.json"
+_PARTIAL_FILES = rf"{JOB_NAME}|{SHARD_PATTERN}|tokens-\d{{5}}\.(bin|json)\.tmp|tokens-\d{{5}}\.json"
+_LISTED_SOURCES = 20  # the manifest names this many input files, then counts the rest
 
 
 class PrepareError(Exception):
     """A user error: reported as one line, exit code 2."""
 
 
-def find_inputs(paths: list[str], pattern: str) -> list[Path]:
-    """Expands files and directories into a deduplicated, deterministic file list."""
-    found: dict[Path, None] = {}
-    for raw in paths:
-        path = Path(raw)
-        if path.is_file():
-            found[path] = None
-        elif path.is_dir():
-            matches = sorted(Path(d) / name for d, _, names in os.walk(path) for name in fnmatch.filter(names, pattern))
-            if not matches:
-                raise PrepareError(f"no files matching {pattern!r} under {path}")
-            found.update(dict.fromkeys(matches))
-        else:
-            raise PrepareError(f"input not found: {path}")
-    return list(found)
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Everything the shards depend on; its hash tells a resumable partial build from another run's."""
+
+    files: list[Path]
+    tokenizer: TextTokenizer
+    options: ReadOptions
+    shard_bytes: int
+
+    def identity(self) -> dict:
+        inputs = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files]
+        return {
+            "format": [FORMAT, VERSION],
+            "tokenizer": self.tokenizer.describe(),
+            "options": dataclasses.asdict(self.options),
+            "shard_bytes": self.shard_bytes,
+            "inputs": inputs,
+        }
+
+    def units(self) -> list[Unit]:
+        """Consecutive pieces grouped into units of about `shard_bytes` of input: one shard each."""
+        units, group, size = [], [], 0
+        for f in self.files:
+            for piece in plan_pieces(f, self.options, self.shard_bytes):
+                group.append(piece)
+                size += piece.size
+                if size >= self.shard_bytes:
+                    units.append(Unit(len(units), tuple(group)))
+                    group, size = [], 0
+        if group:
+            units.append(Unit(len(units), tuple(group)))
+        return units
 
 
-def prepare(inputs: list[Path], output: Path, *, overwrite: bool = False) -> TokenFile:
-    def documents():
-        for path in inputs:
+def partial_dir(output: Path) -> Path:
+    return output.parent / f".{output.name}.partial"
+
+
+def prepare(job: Job, output: Path, *, workers: int = 1, overwrite: bool = False, progress: bool = False):
+    """Writes the token shards of `job` at `output`, resuming a killed run of the same job; returns TokenShards."""
+    KIND.check_writable(output, overwrite)
+    units = job.units()
+    dtype = dtype_for_vocab(job.tokenizer.vocab_size)
+    build = _resumable_build_dir(output, job)
+    done = {u.index: s for u in units if (s := completed_stats(build, u.index, dtype)) is not None}
+    pending = [u for u in units if u.index not in done]
+    if done:
+        print(f"{PROG}: resuming: {len(done)} of {len(units)} shards already done in {build}", file=sys.stderr)
+    try:
+        sizes = (sum(u.size for u in units), sum(u.size for u in units if u.index in done))
+        done |= _run_units(job, pending, build, dtype, workers, progress, sizes)
+    except (TextSourceError, TokenizerError):
+        shutil.rmtree(build, ignore_errors=True)  # bad input: the fixed input is another job anyway
+        raise
+    stats = [done[u.index] for u in units]
+    if not sum(s["num_tokens"] for s in stats):
+        shutil.rmtree(build, ignore_errors=True)
+        empty = sum(s["skipped_empty"] for s in stats)
+        raise PrepareError(f"no text: the {len(job.files)} input files hold no non-empty document ({empty} empty)")
+    _finish(job, build, stats, dtype)
+    KIND.publish(build, output, overwrite)
+    return TokenShards.open(output)
+
+
+def _resumable_build_dir(output: Path, job: Job) -> Path:
+    """`.NAME.partial` beside the output, holding this job's shards so far; another job's are discarded."""
+    build, identity = partial_dir(output), job.identity()
+    job_hash = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    if build.exists():
+        try:
+            same = json.loads((build / JOB_NAME).read_text()).get("job_hash") == job_hash
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            foreign = [p.name for p in build.iterdir() if not re.fullmatch(_PARTIAL_FILES, p.name)]
+            if foreign:
+                raise PrepareError(f"{build}: holds files prepare did not write ({', '.join(foreign[:5])}); move them")
+            print(f"{PROG}: discarding unfinished shards of another input or options in {build}", file=sys.stderr)
+            shutil.rmtree(build)
+    build.mkdir(parents=True, exist_ok=True)
+    for leftover in build.glob("*.tmp"):  # a shard being written when the last run was killed
+        leftover.unlink()
+    (build / JOB_NAME).write_text(json.dumps({"job_hash": job_hash, **identity}) + "\n")
+    return build
+
+
+def _run_units(job: Job, units: list[Unit], build: Path, dtype: str, workers: int, show: bool, sizes) -> dict:
+    """Tokenizes `units` (in worker processes when workers > 1); returns {index: stats}. The bar counts input bytes
+    (`sizes`: all, already done) and shows tokens/s."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=sizes[0], initial=sizes[1], unit="B", unit_scale=True, desc="tokenizing", disable=not show)
+    tokens = [0, time.monotonic()]
+
+    def advance(item):
+        chars, n = item
+        bar.update(chars)
+        tokens[0] += n
+        bar.set_postfix_str(f"{tokens[0] / max(time.monotonic() - tokens[1], 1e-9) / 1e6:.2f}M tok/s", refresh=False)
+
+    try:
+        if workers <= 1 or len(units) <= 1:
+            init_worker(job.tokenizer, job.options, dtype, advance)
+            return {u.index: tokenize_unit(u, str(build)) for u in units}
+        return _run_pool(job, units, build, dtype, min(workers, len(units)), advance)
+    finally:
+        bar.close()
+
+
+def _run_pool(job: Job, units: list[Unit], build: Path, dtype: str, workers: int, advance) -> dict:
+    """W processes, each tokenizing whole units single-threaded (reading, parsing and writing run in parallel too)."""
+    ctx = multiprocessing.get_context("spawn")  # a fork after the tokenizer's threads started could deadlock
+    sink = ctx.Queue()
+    results = {}
+    with ctx.Pool(workers, initializer=init_worker, initargs=(job.tokenizer, job.options, dtype, sink)) as pool:
+        pending = {u.index: pool.apply_async(tokenize_unit, (u, str(build))) for u in units}
+        while pending:
             try:
-                yield encode(path.read_bytes())
-            except OSError as e:
-                raise PrepareError(f"cannot read {path}: {e.strerror or e}") from e
+                while True:
+                    advance(sink.get(timeout=0.1))
+            except queue.Empty:
+                pass
+            for index, result in list(pending.items()):
+                if result.ready():
+                    results[index] = result.get()  # re-raises a worker's error here
+                    del pending[index]
+    return results
 
-    sources = [str(p) for p in inputs[:20]] + ([f"... {len(inputs) - 20} more"] if len(inputs) > 20 else [])
-    write_token_file(
-        output,
-        documents(),
-        vocab_size=BYTE_TOKENIZER_VOCAB_SIZE,
-        tokenizer="bytes",
-        sources=sources,
-        overwrite=overwrite,
+
+def _finish(job: Job, build: Path, stats: list[dict], dtype: str) -> None:
+    """Writes the tokenizer copy and the manifest (last), and drops the build's bookkeeping files."""
+    tok = job.tokenizer
+    shards = [{k: s[k] for k in ("name", "num_tokens", "sha256", "num_documents")} for s in stats if s["num_tokens"]]
+    for s in stats:
+        (build / s["name"]).with_suffix(".json").unlink()
+        if not s["num_tokens"]:
+            (build / s["name"]).unlink()
+    (build / JOB_NAME).unlink()
+    tok.save(build)
+    files = [str(f) for f in job.files]
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "bos_id": tok.bos_id,
+        "add_bos": tok.add_bos,
+        "tokenizer": tok.describe(),
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "num_documents": sum(s["num_documents"] for s in stats),
+        "skipped_empty": sum(s["skipped_empty"] for s in stats),
+        "skipped_bad": sum(s["bad_records"] for s in stats),
+        "replaced_utf8_documents": sum(s["replaced_documents"] for s in stats),
+        "max_token_id": max(max(s["max_token_id"] for s in stats), tok.eos_id),
+        "options": dataclasses.asdict(job.options),
+        "num_sources": len(files),
+        "sources": files[:_LISTED_SOURCES] + ([f"... {len(files) - _LISTED_SOURCES} more"] if len(files) > 20 else []),
+        "shards": shards,
+    }
+    (build / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories")
+    parser.add_argument("--output", required=True, metavar="DIR", help="token data directory to write")
+    parser.add_argument(
+        "--pattern", action="append", metavar="GLOB", help="file glob for directory inputs, repeatable (default *.txt)"
     )
-    return TokenFile.open(output)
+    parser.add_argument("--tokenizer", default="byte", help="'byte' (default), a tokenizer.json or its directory")
+    parser.add_argument("--eos-token", help="the token ending a document (default: found among the special tokens)")
+    parser.add_argument("--bos-token", help="the token beginning a document (with --add-bos)")
+    parser.add_argument("--add-bos", action="store_true", help="write BOS before each document")
+    parser.add_argument("--text-field", default="text", help="jsonl / json / parquet field of the text (text)")
+    parser.add_argument("--separator", help="split .txt files into documents at this string (bash: $'\\n\\n')")
+    parser.add_argument("--utf8-errors", choices=("strict", "replace"), default="strict", help="undecodable bytes")
+    parser.add_argument("--skip-bad", action="store_true", help="count and skip jsonl/json records that are bad")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
+    parser.add_argument("--shard-mb", type=float, default=64, help="input MB per shard (default 64)")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing token data at --output")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", required=True, metavar="PATH", help="text files or directories")
-    parser.add_argument("--output", required=True, metavar="DIR", help="token file directory to write")
-    parser.add_argument("--pattern", default="*.txt", help="file glob for directory inputs (default: *.txt)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing token file at --output")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     try:
-        token_file = prepare(find_inputs(args.input, args.pattern), Path(args.output), overwrite=args.overwrite)
-    except (PrepareError, TokenFileError) as e:
+        if args.workers < 1 or args.shard_mb <= 0:
+            raise PrepareError(f"--workers must be >= 1 and --shard-mb > 0, got {args.workers} and {args.shard_mb}")
+        tok = load_tokenizer(args.tokenizer, eos_token=args.eos_token, bos_token=args.bos_token, add_bos=args.add_bos)
+        options = ReadOptions(args.text_field, args.separator, args.utf8_errors, args.skip_bad)
+        files = find_inputs(args.input, args.pattern or ["*.txt"])
+        job = Job(files, tok, options, int(args.shard_mb * 2**20))
+        show = not args.no_progress and sys.stderr.isatty()
+        data = prepare(job, Path(args.output), workers=args.workers, overwrite=args.overwrite, progress=show)
+    except (PrepareError, TextSourceError, TokenizerError, TokenFileError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {token_file.meta['num_documents']} documents, {token_file.num_tokens} tokens to {token_file.path}")
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; rerun the same command to continue from the completed shards", file=sys.stderr)
+        return 130
+    m = data.meta
+    print(
+        f"wrote {m['num_documents']} documents, {m['num_tokens']} tokens in {len(m['shards'])} shards to {data.path}"
+        f" (skipped {m['skipped_empty']} empty, {m['skipped_bad']} bad)"
+    )
     return 0
 
 

@@ -1,5 +1,6 @@
-"""Data setup for a run: open its token file, check it against the model, and build the training iterator and
-the eval batches (the simple seeded iterator, the clairvoyant loader, or a disjoint partition per DiLoCo replica).
+"""Data setup for a run: open its token data (a token file or token shards), check it against the model, and build
+the training iterator and the eval batches (the simple seeded iterator, the clairvoyant loader, or a disjoint
+partition per DiLoCo replica).
 
 Takes the run's `data` section as any object with DataConfig's fields, and the few facts of the rest of the run it
 needs as arguments, so this package imports nothing of jaxlm.
@@ -10,12 +11,12 @@ from __future__ import annotations
 from data.corpus import default_corpus
 from data.iterator import SeededBatchIterator, eval_batches, num_windows, split_train_val
 from data.sources import ThrottledSource, TokenWindowSource
-from data.token_file import TokenFile
+from data.token_shards import open_tokens
 
 
 def data_fingerprint(d) -> dict:
-    """The fingerprint (TokenFile.fingerprint) of the token file data section `d` reads."""
-    return TokenFile.open(d.path or default_corpus()).fingerprint()
+    """The fingerprint (TokenFile / TokenShards.fingerprint) of the token data data section `d` reads."""
+    return open_tokens(d.path or default_corpus()).fingerprint()
 
 
 def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None, partitions: int = 0):
@@ -23,7 +24,7 @@ def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None
 
     `document_mask`: the attention mask spec, when it needs document boundaries (batches then carry segment ids,
     found at the token file's eos_id); `partitions` > 0: each of that many replicas reads its own slice."""
-    token_file = TokenFile.open(d.path or default_corpus())
+    token_file = open_tokens(d.path or default_corpus())  # a token file or token shards: one interface
     if token_file.vocab_size > vocab_size:
         raise ValueError(
             f"token file {token_file.path} has vocab_size {token_file.vocab_size} but "

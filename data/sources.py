@@ -21,8 +21,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from data.atomic_dir import DirKind
-from data.iterator import num_windows
+from data.iterator import as_token_array, num_windows
 from data.token_file import _DTYPES, META_NAME, TokenFile, TokenFileError
+from data.token_shards import TokenShards, is_token_shards
 
 FORMAT = "jaxlm-shards"
 VERSION = 1
@@ -88,7 +89,7 @@ class TokenWindowSource:
     """
 
     def __init__(self, tokens, *, seq_len: int, start: int = 0, stop: int | None = None):
-        self.tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+        self.tokens = as_token_array(tokens)
         if self.tokens.ndim != 1 or self.tokens.dtype.kind not in "iu":
             raise SourceError(
                 f"tokens must be a 1-D integer array, got shape {self.tokens.shape} dtype {self.tokens.dtype}"
@@ -438,7 +439,8 @@ class ThrottledSource:
 
 
 def open_source(path: str | os.PathLike, seq_len: int | None = None) -> SampleSource:
-    """A shard dataset as a ShardedSource, or a token file cut into windows of `seq_len` + 1.
+    """A shard dataset as a ShardedSource, or token data (a token file or token shards) cut into windows of
+    `seq_len` + 1.
 
     A shard dataset fixes its own sample_len, so a `seq_len` given for one must
     agree with it: a mismatch is a config error, better caught here than as a
@@ -449,6 +451,13 @@ def open_source(path: str | os.PathLike, seq_len: int | None = None) -> SampleSo
         path = path.parent
     if not path.exists():
         raise SourceError(f"{path}: dataset path does not exist")
+    if is_token_shards(path):  # token shards (data.prepare) are a token stream, cut into windows like a token file
+        if seq_len is None:
+            raise SourceError(f"{path}: is token data; pass seq_len to cut it into windows of seq_len+1 tokens")
+        try:
+            return TokenWindowSource(TokenShards.open(path).tokens, seq_len=seq_len)
+        except TokenFileError as e:
+            raise SourceError(str(e)) from e
     if (path / MANIFEST_NAME).exists():
         source = ShardedSource(path)
         if seq_len is not None and seq_len != source.sample_len - 1:

@@ -232,12 +232,16 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def tokenizer_of_data(path: str | os.PathLike) -> TextTokenizer:
-    """The tokenizer that wrote the token data at `path` (what its metadata records; `byte` for older files)."""
+    """The tokenizer that wrote the token data at `path` (what its meta.json or, for token shards, manifest.json
+    records; `byte` for older files)."""
     from data.token_file import META_NAME
+    from data.token_shards import MANIFEST_NAME
 
     path = Path(path)
     directory = path if path.is_dir() else path.parent
     meta_path = directory / META_NAME
+    if not meta_path.exists() and (directory / MANIFEST_NAME).exists():  # token shards (data.prepare)
+        meta_path = directory / MANIFEST_NAME
     try:
         record = json.loads(meta_path.read_text()).get("tokenizer", BYTE)
     except (OSError, ValueError) as e:

@@ -110,6 +110,18 @@ def write_token_file(
     return out_dir
 
 
+def fingerprint_tokens(tokens, *, tokenizer, vocab_size: int, samples: int = 64, window: int = 1 << 14) -> dict:
+    """Token count, tokenizer, vocabulary and a SHA-256 of `samples` evenly spaced windows of `window` tokens (the
+    first and last included; all of small data): cheap for any size. `tokens` needs only len() and slices."""
+    n, digest = len(tokens), hashlib.sha256()
+    if n <= samples * window:
+        digest.update(np.ascontiguousarray(tokens[0:n]).tobytes())
+    else:
+        for start in np.linspace(0, n - window, samples).astype(np.int64):
+            digest.update(np.ascontiguousarray(tokens[start : start + window]).tobytes())
+    return {"tokens": n, "tokenizer": tokenizer, "vocab_size": vocab_size, "sample_sha256": digest.hexdigest()[:16]}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenFile:
     """An opened, validated token file; `tokens` is a read-only 1-D memmap."""
@@ -133,19 +145,13 @@ class TokenFile:
         """What identifies this data, cheaply for any size: token count, tokenizer, vocabulary and a SHA-256 of
         `samples` evenly spaced windows of `window` tokens (the first and last included; all of a small file).
         A checkpoint stores it, so resuming on other data is caught (jaxlm.trainer)."""
-        n = self.num_tokens
-        digest = hashlib.sha256()
-        if n <= samples * window:
-            digest.update(np.ascontiguousarray(self.tokens).tobytes())
-        else:
-            for start in np.linspace(0, n - window, samples).astype(np.int64):
-                digest.update(np.ascontiguousarray(self.tokens[start : start + window]).tobytes())
-        return {
-            "tokens": n,
-            "tokenizer": self.meta.get("tokenizer", "?"),
-            "vocab_size": self.vocab_size,
-            "sample_sha256": digest.hexdigest()[:16],
-        }
+        return fingerprint_tokens(
+            self.tokens,
+            tokenizer=self.meta.get("tokenizer", "?"),
+            vocab_size=self.vocab_size,
+            samples=samples,
+            window=window,
+        )
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "TokenFile":

@@ -156,47 +156,7 @@ def test_overwrite_rules(tmp_path):
     assert (tmp_path / "other" / "precious.txt").read_text() == "keep me"
 
 
-# --- prepare CLI and default corpus ----------------------------------------------------------
-
-
-def run_prepare(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "data.prepare", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
-
-
-def test_prepare_end_to_end(tmp_path):
-    src = tmp_path / "src"
-    (src / "sub").mkdir(parents=True)
-    (src / "b.txt").write_text("bravo")
-    (src / "sub" / "a.txt").write_text("alpha")
-    (src / "skip.md").write_text("not matched")
-    (src / "latin1.txt").write_bytes(b"caf\xe9")
-    out = tmp_path / "out"
-    result = run_prepare("--input", src, "--output", out)
-    assert result.returncode == 0, result.stderr
-    assert "3 documents" in result.stdout and str(out) in result.stdout
-    tf = TokenFile.open(out)
-    assert decode(tf.tokens) == "bravo\n\ncaf\ufffd\n\nalpha\n\n"  # sorted: b.txt, latin1.txt, sub/a.txt
-    again = run_prepare("--input", src, "--output", out)
-    assert again.returncode == 2 and "already exists" in again.stderr
-    assert run_prepare("--input", src, "--output", out, "--overwrite").returncode == 0
-    (out / "notes.txt").write_text("mine")  # a user's file beside the token file: --overwrite must not delete it
-    kept = run_prepare("--input", src, "--output", out, "--overwrite")
-    assert kept.returncode == 2 and "holds files that are not part of the token file (notes.txt)" in kept.stderr
-    assert (out / "notes.txt").read_text() == "mine" and TokenFile.open(out).num_tokens == tf.num_tokens
-
-
-@pytest.mark.parametrize("problem", ["missing", "empty_dir"])
-def test_prepare_errors(tmp_path, problem):
-    target = tmp_path / "nothing_here"
-    if problem == "empty_dir":
-        target.mkdir()
-    result = run_prepare("--input", target, "--output", tmp_path / "out")
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("data.prepare: error: ") and str(target) in lines[0]
-    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+# --- default corpus (data.prepare: tests/test_prepare.py) ----------------------------------------
 
 
 def test_default_corpus(tmp_path):
