@@ -25,6 +25,9 @@ VOCAB_MULTIPLE = 128
 ARCHITECTURE = "LlamaForCausalLM"
 # Tensors some Llama checkpoints carry that are not weights (older transformers saved the RoPE table).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# The key an imported checkpoint's saved config holds the tokenizer's record under (TextTokenizer.describe()),
+# beside the config's sections; its tokenizer.json is saved as WORKDIR/tokenizer.json.
+TOKENIZER_KEY = "tokenizer"
 
 
 class HFError(ValueError):

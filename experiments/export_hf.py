@@ -1,0 +1,72 @@
+"""Export a jaxlm checkpoint as a Hugging Face Llama model directory.
+
+    python -m experiments.export_hf --workdir runs/tiny_lm --out runs/tiny_lm_hf [--step N] [--dtype bfloat16]
+
+The directory (config.json, safetensors, generation_config.json, tokenizer.json, tokenizer_config.json) loads with
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` alone. A run
+that spans hosts is exported by running this command in every process (`python -m sharding.launch ... --` or the
+--coordinator flags); see docs/huggingface.md. Bad input: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+PROG = "experiments.export_hf"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(message)
+
+
+def parse_args(argv):
+    p = _Parser(prog=f"python -m {PROG}", description=__doc__.split("\n")[0])
+    p.add_argument("--workdir", required=True, help="a training (or imported) run's workdir")
+    p.add_argument("--out", required=True, help="the HF directory to write (new or empty)")
+    p.add_argument("--step", type=int, help="the checkpoint step (default: the latest)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="tensor dtype in the files")
+    p.add_argument("--max-shard-mb", type=float, default=4096, help="safetensors shard size limit (default 4096)")
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process: process 0's coordination service")
+    p.add_argument("--num-processes", type=int, metavar="N", help="multi-process: number of processes")
+    p.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's index")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        if not args.workdir.strip() or not args.out.strip():
+            raise ValueError("--workdir and --out must not be empty")
+        if args.max_shard_mb <= 0:
+            raise ValueError(f"--max-shard-mb must be positive, got {args.max_shard_mb}")
+        from sharding.distributed import initialize
+
+        initialize(args.coordinator, args.num_processes, args.process_id)
+        from jaxlm import hf_export
+
+        out = Path(args.out)
+        hf_export.check_out(out)
+        source = hf_export.open_source(Path(args.workdir), args.step)
+    except (ValueError, OSError) as e:  # HFError, DistributedError, a flag
+        print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+        return 2
+    try:
+        summary = hf_export.export(source, out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_mb * 2**20))
+    except ValueError as e:  # HFError found reading the params (unreadable, checksum)
+        print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+        return 2
+    if summary:
+        print(
+            f"{PROG}: step {summary['step']} of {args.workdir}: {summary['tensors']} tensors "
+            f"({summary['bytes'] / 1e6:.1f} MB in float32) as {summary['dtype']} in {len(summary['files'])} "
+            f"safetensors file(s) -> {out}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
