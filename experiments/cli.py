@@ -179,7 +179,7 @@ def _prepare(prog: str, args, default_config: Path):
     from jaxlm import config as config_lib
     from jaxlm.diloco.config import for_this_process
     from jaxlm.memory_check import check_step_fits
-    from jaxlm.run_data import open_run_data
+    from jaxlm.run_data import open_run_data, resolve_vocab, run_tokenizer
     from jaxlm.workdir_lock import WorkdirLock
     from sharding import MeshLayout, load_layout
 
@@ -193,6 +193,7 @@ def _prepare(prog: str, args, default_config: Path):
     cfg = config_lib.apply_overrides(cfg, [f"{k}={v}" for k, v in flags.items() if v is not None] + args.set)
     cfg, args.workdir = for_this_process(cfg, args.workdir, args.replica_id)  # a DiLoCo replica's own process
     config_lib.validate(cfg)
+    cfg = resolve_vocab(cfg)  # model.vocab_size from the data's tokenizer, unless set
 
     num_devices = jax.device_count()
     layout = load_layout(args.mesh, num_devices) if args.mesh else MeshLayout(data=num_devices).validate(num_devices)
@@ -208,6 +209,7 @@ def _prepare(prog: str, args, default_config: Path):
     check_step_fits(cfg, layout)  # minutes of compiling saved when it cannot fit
 
     train_iter, eval_data = open_run_data(cfg)
+    tokenizer = run_tokenizer(cfg)  # a TokenizerError (a ValueError) when its tokenizer.json changed
     workdir = Path(args.workdir)
     check_writable_dir(workdir, "--workdir")
     # One run per workdir, taken before the run writes there. Process 0 holds it for all processes of its run (a
@@ -217,7 +219,7 @@ def _prepare(prog: str, args, default_config: Path):
         note = lock.acquire()
         if note:
             print(f"{prog}: note: {note}", file=sys.stderr)
-    return cfg, layout, train_iter, eval_data, lock
+    return cfg, layout, train_iter, eval_data, tokenizer, lock
 
 
 def use_compilation_cache(choice: str | None) -> None:
@@ -233,7 +235,7 @@ def use_compilation_cache(choice: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the eval step compiles in < 1 s
 
 
-def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
+def _train(prog, args, cfg, layout, train_iter, eval_data, tokenizer) -> int:
     from jaxlm.checkpoint import CheckpointError
     from jaxlm.config import ConfigError
     from jaxlm.diloco.exchange import ExchangeError
@@ -256,6 +258,7 @@ def _train(prog, args, cfg, layout, train_iter, eval_data) -> int:
             progress=not args.no_progress,
             goodput=Goodput(start=LAUNCHED),
             data_fingerprint=run_data_fingerprint(cfg),
+            tokenizer=tokenizer,
         )
     except (LayoutError, DistributedError, ConfigError, ExchangeError) as e:  # e.g. a process whose devices hold
         # non-contiguous batch rows, or DiLoCo in a pipeline layout

@@ -53,7 +53,10 @@ LOADERS = ("clairvoyant", "simple")
 
 @dataclass(frozen=True)
 class ModelConfig(Section):
-    vocab_size: int = 384
+    # 0: the data's tokenizer's vocabulary rounded up to a multiple of VOCAB_MULTIPLE, so `vocab` shards over
+    # `tensor` (jaxlm.run_data.resolve_vocab fills it in before the run starts)
+    vocab_size: int = 0
+    tokenizer_vocab_size: int = 0  # ids >= this are padding, never predicted (logits -inf); 0: every id is a token
     d_model: int = 256
     num_layers: int = 6
     num_heads: int = 4
@@ -100,8 +103,13 @@ class ModelConfig(Section):
 
     def validate(self, run=None) -> None:
         m = self
+        check_non_negative(model__vocab_size=m.vocab_size, model__tokenizer_vocab_size=m.tokenizer_vocab_size)
+        if m.vocab_size and m.tokenizer_vocab_size > m.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size {m.vocab_size} is smaller than the tokenizer's {m.tokenizer_vocab_size} ids; "
+                f"raise it, or leave it 0 to follow the tokenizer"
+            )
         check_positive(
-            model__vocab_size=m.vocab_size,
             model__d_model=m.d_model,
             model__num_layers=m.num_layers,
             model__num_heads=m.num_heads,
@@ -439,6 +447,9 @@ def to_dict(cfg: Any) -> dict:
 
 
 DATA_FINGERPRINT_KEY = "data_fingerprint"  # saved beside the config in each checkpoint (jaxlm.trainer)
+TOKENIZER_KEY = "tokenizer"  # the run's tokenizer (TextTokenizer.describe()), saved beside it too
+SAVED_BESIDE_CONFIG = (DATA_FINGERPRINT_KEY, TOKENIZER_KEY)
+VOCAB_MULTIPLE = 128
 
 
 def _from_json(path: Path) -> TrainConfig:
@@ -475,7 +486,7 @@ def _dataclass_from(cls, data: Any, prefix: str, where: str):
 
 def from_dict(data: dict, where: str = "config") -> TrainConfig:
     """A config from `to_dict`'s output (a checkpoint's saved config, whose data fingerprint is not config)."""
-    data = {k: v for k, v in data.items() if k != DATA_FINGERPRINT_KEY}
+    data = {k: v for k, v in data.items() if k not in SAVED_BESIDE_CONFIG}
     return _dataclass_from(TrainConfig, data, "", where)
 
 

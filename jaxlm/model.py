@@ -25,6 +25,9 @@ from sharding.rules import LOGICAL_AXES_KEY as LOGICAL_AXES
 from sharding.rules import constrain
 
 ACTIVATION_AXES = ("batch", "seq", "act_embed")  # x_BTD at every layer boundary
+# The logit of a padded vocabulary id. Finite, not -inf: the loss picks the target's logit with a one-hot product,
+# and -inf * 0 is NaN. exp(-1e30 - max) is exactly 0 in float32, so softmax and sampling never see it.
+PADDED_LOGIT = -1e30
 
 # What the backward pass may keep from each layer's forward; everything else is recomputed. "dots_no_batch" keeps
 # the projection outputs but recomputes attention scores and elementwise ops: less memory, and on CPU no slower
@@ -234,6 +237,11 @@ class Transformer(nnx.Module):
         self.embed = _param(rngs.params(), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
         self.blocks = _stacked_blocks(cfg, rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if cfg.vocab_size <= 0:
+            raise ValueError(
+                "model.vocab_size is 0 (follow the data's tokenizer): resolve the config with "
+                "jaxlm.run_data.resolve_vocab first, or set it"
+            )
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs.params(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
         self.head_amax = amax_history(cfg, layer_recipe(cfg, "lm_head"))
@@ -299,6 +307,9 @@ def head_logits(cfg: ModelConfig, head: dict[str, jax.Array], x_BTD: jax.Array) 
 def apply_layers(
     cfg: ModelConfig,
     graphdef: nnx.GraphDef,
+    if 0 < cfg.tokenizer_vocab_size < cfg.vocab_size:  # padded ids: probability 0, as in the exported model
+        is_token_V = jnp.arange(cfg.vocab_size) < cfg.tokenizer_vocab_size
+        logits_BTV = jnp.where(is_token_V, logits_BTV, PADDED_LOGIT)
     stacked: nnx.State,
     x_BTD: jax.Array,
     segment_ids_BT=None,

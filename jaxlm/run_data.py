@@ -3,8 +3,10 @@ vocabulary, whether the attention mask needs document boundaries, DiLoCo's data 
 
 from __future__ import annotations
 
+import dataclasses
+
 from data.setup import data_fingerprint, open_data
-from jaxlm.config import TrainConfig
+from jaxlm.config import VOCAB_MULTIPLE, ConfigError, TrainConfig
 from pallas_kernels.mask_spec import parse_mask, uses_documents
 
 
@@ -18,6 +20,26 @@ def open_run_data(cfg: TrainConfig):
         document_mask=mask if uses_documents(parse_mask(mask)) else None,
         partitions=cfg.diloco.data_partitions,
     )
+
+
+def resolve_vocab(cfg: TrainConfig) -> TrainConfig:
+    """The config with the model's vocabulary fitted to the data's tokenizer: `model.vocab_size` 0 becomes the
+    tokenizer's vocabulary rounded up to a multiple of VOCAB_MULTIPLE (so `vocab` shards over `tensor`), and
+    `model.tokenizer_vocab_size` the tokenizer's own, so padded ids are never predicted. An explicit vocab_size
+    smaller than the tokenizer's is a ConfigError."""
+    m = cfg.model
+    tokens = int(data_fingerprint(cfg.data)["vocab_size"])
+    if m.vocab_size and m.vocab_size < tokens:
+        raise ConfigError(
+            f"model.vocab_size {m.vocab_size} is smaller than the data's tokenizer's {tokens} ids; raise it, or "
+            f"leave it out (0) to follow the tokenizer"
+        )
+    if m.tokenizer_vocab_size not in (0, tokens):
+        raise ConfigError(
+            f"model.tokenizer_vocab_size {m.tokenizer_vocab_size} but the data's tokenizer has {tokens} ids"
+        )
+    vocab = m.vocab_size or -(-tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=vocab, tokenizer_vocab_size=tokens))
 
 
 def run_data_fingerprint(cfg: TrainConfig) -> dict:

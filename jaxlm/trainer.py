@@ -13,7 +13,9 @@ What it promises a user who reruns the same command after any failure:
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import time
 from pathlib import Path
 from typing import Iterator
@@ -123,6 +125,20 @@ class Throughput:
         return {"tokens_per_s": tokens_per_s, "model_gflops_per_s": tokens_per_s * self.flops_per_token / 1e9}
 
 
+def bits_per_nat(eval_batches: list[Batch], token_bytes: np.ndarray) -> float | None:
+    """eval_bits_per_byte / eval_loss: the eval targets' token count / (ln 2 x the UTF-8 bytes they stand for),
+    fixed for a run (its eval batches are). Bits per byte compares runs across tokenizers (Levanter's metric);
+    None without eval batches, or for target ids the tokenizer lacks."""
+    tokens = num_bytes = 0.0
+    for batch in eval_batches:
+        targets, mask = np.asarray(batch["targets"]), np.asarray(batch["loss_mask"], np.float64)
+        if targets.max() >= len(token_bytes):
+            return None
+        tokens += mask.sum()
+        num_bytes += (token_bytes[targets] * mask).sum()
+    return tokens / (math.log(2) * num_bytes) if num_bytes else None
+
+
 def _describe(fingerprint: dict) -> str:
     return (
         f"{fingerprint.get('tokens')} tokens, tokenizer {fingerprint.get('tokenizer')}, "
@@ -145,12 +161,16 @@ class Trainer:
         progress: bool = True,
         goodput: Goodput | None = None,
         data_fingerprint: dict | None = None,
+        tokenizer=None,
     ):
         """`goodput`: started at process launch by the CLI, so startup time is counted; else starts now.
         `data_fingerprint` (jaxlm.run_data.run_data_fingerprint): saved with each checkpoint, and a checkpoint saved
-        with another one is not resumed unless data.allow_other_data."""
+        with another one is not resumed unless data.allow_other_data.
+        `tokenizer` (data.text_tokenizer.TextTokenizer, jaxlm.run_data.run_tokenizer): the data's; saved with each
+        checkpoint (a checkpoint is never continued on data of another tokenizer) and as WORKDIR/tokenizer.json,
+        and the UTF-8 bytes behind its tokens turn eval losses into eval_bits_per_byte."""
         self.cfg, self.workdir = cfg, workdir
-        self.data_fingerprint = data_fingerprint
+        self.data_fingerprint, self.tokenizer = data_fingerprint, tokenizer
         self.train_iter, self.eval_batches = train_iter, eval_batches
         self.goodput = goodput or Goodput()
         self.program = make_program(cfg, mesh, layout)
@@ -223,7 +243,20 @@ class Trainer:
                 f"config ({'; '.join(changed)}{params}); use a new --workdir or the "
                 f"original config"
             )
+        self._check_same_tokenizer(step, saved_cfg.get(config_lib.TOKENIZER_KEY))
         self._check_same_data(step, saved_cfg.get(config_lib.DATA_FINGERPRINT_KEY))
+
+    def _check_same_tokenizer(self, step: int, saved: dict | None) -> None:
+        """Refuses data written with another tokenizer than the checkpoint's, whatever data.allow_other_data says:
+        its ids mean other text to the model (fine-tuning an imported model on data of another tokenizer)."""
+        if saved is None or self.tokenizer is None or saved.get("sha256") == self.tokenizer.sha256:
+            return
+        raise config_lib.ConfigError(
+            f"checkpoint at step {step} in {self.workdir} was trained with tokenizer {saved.get('name')} "
+            f"(sha256 {str(saved.get('sha256'))[:12]}) but data.path's tokens were written with "
+            f"{self.tokenizer.name} (sha256 {self.tokenizer.sha256[:12]}); prepare the data with the checkpoint's "
+            f"tokenizer: python -m data.prepare ... --tokenizer {self.workdir}/tokenizer.json"
+        )
 
     def _check_same_data(self, step: int, saved: dict | None) -> None:
         """Refuses to continue a checkpoint on token data other than its own (same size or not: a rewritten data
@@ -275,6 +308,8 @@ class Trainer:
             tmp = config_path.with_suffix(".json.tmp")  # written whole or not at all
             tmp.write_text(json.dumps(config_lib.to_dict(self.cfg), indent=2) + "\n")
             tmp.replace(config_path)
+            if self.tokenizer is not None:  # what generate and export_hf read the run's text with
+                self.tokenizer.save(self.workdir)
             self.logger = MetricsLogger(
                 self.workdir,
                 total_steps=self.cfg.steps,
@@ -435,8 +470,17 @@ class Trainer:
         """The eval loss of `state`'s params, logged at `step` (its time counted as eval, not training)."""
         with self.goodput.timing("eval"):
             eval_loss = self.program.evaluate(self.program.eval_params(state), self.eval_batches)
-        self.logger.log({"step": step, "eval_loss": eval_loss})
+        record = {"step": step, "eval_loss": eval_loss}
+        if self._bits_per_nat:
+            record["eval_bits_per_byte"] = eval_loss * self._bits_per_nat
+        self.logger.log(record)
         return eval_loss
+
+    @functools.cached_property
+    def _bits_per_nat(self) -> float | None:
+        if self.tokenizer is None:
+            return None
+        return bits_per_nat(self.eval_batches, self.tokenizer.token_bytes)
 
     def _save(self, step: int, state, data_state: dict, *, wait: bool = False) -> float:
         """Checkpoints `step` (and waits for it to be on disk if `wait`); returns the seconds it blocked."""
@@ -446,6 +490,8 @@ class Trainer:
             saved = config_lib.to_dict(self.cfg)
             if self.data_fingerprint is not None:
                 saved[config_lib.DATA_FINGERPRINT_KEY] = self.data_fingerprint
+            if self.tokenizer is not None:
+                saved[config_lib.TOKENIZER_KEY] = self.tokenizer.describe()
             self.checkpointer.save(step, state, data_state, saved)
             if wait:
                 self.checkpointer.wait()

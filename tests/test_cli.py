@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from data import write_token_file
+from data.text_tokenizer import byte_tokenizer, load_tokenizer
 from jaxlm.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,6 +62,14 @@ def test_tiny_run_end_to_end_then_resume(tmp_path):
     assert (workdir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads((workdir / "config.json").read_text())
     assert saved["model"]["d_model"] == 64 and saved["steps"] == 3
+    # The vocabulary follows the data's byte tokenizer (257 ids, padded to 384); padded ids get probability 0, so
+    # the untrained model's loss is ln 257 (not ln 384), and eval reports bits per byte beside the loss.
+    assert (saved["model"]["vocab_size"], saved["model"]["tokenizer_vocab_size"]) == (384, 257)
+    assert abs(records[0]["loss"] - np.log(257)) < 0.15, records[0]
+    assert load_tokenizer(workdir).sha256 == byte_tokenizer().sha256
+    evals = [r for r in read_metrics(workdir / "metrics.jsonl") if "eval_loss" in r]
+    ratio = evals[-1]["eval_bits_per_byte"] / evals[-1]["eval_loss"]
+    assert 1 / np.log(2) <= ratio < 1.02 / np.log(2)  # byte ids: a byte per token, but EOS stands for none
 
     proc, _ = tiny_lm(
         "--steps", 5, "--workdir", workdir, "--log-every", 1, *TINY, "--set", "optim.decay_steps=5", "--no-progress"
@@ -183,8 +192,8 @@ BAD_INPUTS = {
     ),
     "missing_meta": (lambda tmp: ["--set", f"data.path={token_dir(tmp, 'no_meta')}"], r"missing meta.json"),
     "vocab_too_big": (
-        lambda tmp: ["--set", f"data.path={token_dir(tmp, vocab=1000)}"],
-        r"has vocab_size 1000 but model.vocab_size is 384",
+        lambda tmp: ["--set", f"data.path={token_dir(tmp, vocab=1000)}", "--set", "model.vocab_size=384"],
+        r"model.vocab_size 384 is smaller than the data's tokenizer's 1000 ids",
     ),
     "unknown_flag": (lambda tmp: ["--stesp", 3], r"unrecognized arguments: --stesp"),
     "bad_mask_spec": (

@@ -4,7 +4,6 @@ from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 
 config = TrainConfig(
     model=ModelConfig(
-        vocab_size=384,
         d_model=256,
         num_layers=6,
         num_heads=4,
