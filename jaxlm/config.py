@@ -296,6 +296,10 @@ class TrainConfig(Section):
     seed: int = 0
     log_every: int = 10
     eval_every: int = 50  # 0 disables periodic eval (a final eval still runs when a val split exists)
+    # Text prompts, separated by "|": at each eval, greedy continuations of eval_sample_tokens tokens go to the run
+    # log, metrics.jsonl ("eval_samples") and TensorBoard (text), so a user watches the model learn
+    eval_prompts: str = ""
+    eval_sample_tokens: int = 32
     checkpoint_every: int = 50
     checkpoint_minutes: float = 0.0  # also checkpoint when this many minutes passed since the last save; 0: off
     keep_checkpoints: int = 3
@@ -318,6 +322,7 @@ class TrainConfig(Section):
             max_bad_steps=self.max_bad_steps,
         )
         check_non_negative(
+            eval_sample_tokens=self.eval_sample_tokens,
             eval_every=self.eval_every,
             checkpoint_every=self.checkpoint_every,
             seed=self.seed,

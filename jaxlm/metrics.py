@@ -56,6 +56,8 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, step)
+                elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+                    self.tb.add_text(key, _markdown(value), step)  # e.g. eval_samples: [{prompt, continuation}]
         if step > self.step:
             self.bar.update(step - self.step)
             self.step = step
@@ -73,6 +75,11 @@ class MetricsLogger:
         records = read_metrics(self.path)
         if records:
             plot_loss(records, self.workdir / PLOT_FILE)
+
+
+def _markdown(rows: list[dict]) -> str:
+    """A list of records as TensorBoard's text tab shows it: one line per record, its fields in code spans."""
+    return "\n\n".join(" → ".join(f"`{str(v)!r}`" for v in row.values()) for row in rows)
 
 
 class NullLogger:

@@ -22,12 +22,14 @@ from typing import Iterator
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from jaxlm import config as config_lib
 from jaxlm import diloco
 from jaxlm.checkpoint import Checkpointer, CheckpointSaveError, shape_mismatches
 from jaxlm.config import TrainConfig
+from jaxlm.generate import generate
 from jaxlm.goodput import Goodput, append_record, summary
 from jaxlm.metrics import MetricsLogger, NullLogger
 from jaxlm.model import model_flops_per_token
@@ -470,11 +472,40 @@ class Trainer:
         """The eval loss of `state`'s params, logged at `step` (its time counted as eval, not training)."""
         with self.goodput.timing("eval"):
             eval_loss = self.program.evaluate(self.program.eval_params(state), self.eval_batches)
+            samples = self._samples(state)
         record = {"step": step, "eval_loss": eval_loss}
         if self._bits_per_nat:
             record["eval_bits_per_byte"] = eval_loss * self._bits_per_nat
+        if samples:
+            record["eval_samples"] = samples
+            for sample in samples:
+                self.logger.info(f"sample at step {step}: {sample['prompt']!r} -> {sample['continuation'][:120]!r}")
         self.logger.log(record)
         return eval_loss
+
+    def _samples(self, state) -> list[dict] | None:
+        """Greedy continuations of cfg.eval_prompts by `state`'s eval params (jaxlm.generate: compiled once)."""
+        prompts = [p for p in self.cfg.eval_prompts.split("|") if p]
+        if not prompts or self.tokenizer is None or not self.cfg.eval_sample_tokens:
+            return None
+        if jax.process_count() > 1:  # the sampled ids would have to be gathered from every process first
+            if not getattr(self, "_said_no_samples", False):
+                self._said_no_samples = True
+                self.log("eval_prompts: samples are generated in single-process runs only")
+            return None
+        tok = self.tokenizer
+        model = nnx.merge(self.program.graphdef, self.program.eval_params(state))
+        new_ids = generate(
+            model,
+            [tok.document(p) for p in prompts],
+            max_new_tokens=self.cfg.eval_sample_tokens,
+            stop_ids=[tok.eos_id],
+            vocab_limit=tok.vocab_size,
+            rules=self.program.layout.rules,
+        )
+        return [
+            {"prompt": p, "continuation": tok.decode(ids, skip_special_tokens=True)} for p, ids in zip(prompts, new_ids)
+        ]
 
     @functools.cached_property
     def _bits_per_nat(self) -> float | None:

@@ -45,7 +45,10 @@ def checkpoint_steps(workdir):
 def test_tiny_run_end_to_end_then_resume(tmp_path):
     workdir = tmp_path / "run"
     # optim.decay_steps: the same schedule for --steps 3 and 5, so the resumed run reuses the compiled programs
-    proc, _ = tiny_lm("--steps", 3, "--workdir", workdir, "--log-every", 1, *TINY, "--set", "optim.decay_steps=5")
+    proc, _ = tiny_lm(
+        *("--steps", 3, "--workdir", workdir, "--log-every", 1, *TINY, "--set", "optim.decay_steps=5"),
+        *("--set", "eval_prompts=def |x = ", "--set", "eval_sample_tokens=8"),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "3/3" in proc.stderr  # the progress bar ran to the end
@@ -70,6 +73,11 @@ def test_tiny_run_end_to_end_then_resume(tmp_path):
     evals = [r for r in read_metrics(workdir / "metrics.jsonl") if "eval_loss" in r]
     ratio = evals[-1]["eval_bits_per_byte"] / evals[-1]["eval_loss"]
     assert 1 / np.log(2) <= ratio < 1.02 / np.log(2)  # byte ids: a byte per token, but EOS stands for none
+    samples = evals[-1]["eval_samples"]  # greedy continuations of eval_prompts, also in the run log
+    assert [s["prompt"] for s in samples] == ["def ", "x ="] and all(
+        isinstance(s["continuation"], str) for s in samples
+    )
+    assert f"sample at step 3: 'def ' -> {samples[0]['continuation'][:120]!r}" in proc.stderr
 
     proc, _ = tiny_lm(
         "--steps", 5, "--workdir", workdir, "--log-every", 1, *TINY, "--set", "optim.decay_steps=5", "--no-progress"

@@ -18,5 +18,6 @@ config = TrainConfig(
     steps=160,
     log_every=10,
     eval_every=40,
+    eval_prompts="def |class |import ",  # greedy samples at each eval: watch it learn Python
     checkpoint_every=40,
 )
