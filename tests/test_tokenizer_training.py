@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from data.text_tokenizer import load_tokenizer
 from data.train_tokenizer import special_tokens, train
@@ -58,3 +59,13 @@ def test_bpe_shards_end_to_end_and_another_tokenizer_refused_on_resume(tmp_path)
         assert (
             "was trained with tokenizer" in lines[0] and "prepare the data with the checkpoint's tokenizer" in lines[0]
         )
+
+
+@pytest.mark.slow  # ~50 s; test_bpe_shards_end_to_end... covers the same path through the CLI
+def test_compare_tokenizers_quick(tmp_path, capsys):
+    from experiments import compare_tokenizers
+
+    assert compare_tokenizers.main(["--quick", "--workdir", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["bpe_vocab"] == 512 and summary["byte_steps"] == 8 and 1 <= summary["bpe_steps"] <= 8
+    assert 0 < summary["bpe_bits_per_byte"] < summary["byte_bits_per_byte"] <= 8.1  # uniform bytes: log2 257
