@@ -1,7 +1,10 @@
 """The data layer: token files on disk -> deterministic, resumable batches.
 
-`tokenizer` (bytes), `token_file` (memmapped on-disk format), `corpus` (the
-default corpus built from Python's stdlib), `prepare` (CLI: text -> token file),
+`tokenizer` (bytes), `text_tokenizer` (byte or any tokenizer.json), `token_file`
+(memmapped single-file format), `token_shards` (the sharded format and `open_tokens`
+for both), `corpus` (the default corpus built from Python's stdlib), `prepare` (CLI:
+text in many formats -> token shards, with `text_sources` and `shard_worker`),
+`train_tokenizer` (CLI: a byte-level BPE),
 `iterator` (the simple seeded batches), and the clairvoyant loader: `access_plan`
 (the seed's whole future), `cache_plan` (Belady placement across processes),
 `tiers`, `peers`, `sources` (sharded / throttled datasets), `perf_model` (per-tier timings:
@@ -25,6 +28,7 @@ from data.sources import (
     write_shards,
 )
 from data.token_file import TokenFile, TokenFileError, write_token_file
+from data.token_shards import ShardedTokens, TokenShards, open_tokens
 from data.tokenizer import BYTE_TOKENIZER_VOCAB_SIZE, EOS_ID, decode, encode
 
 __all__ = [
@@ -47,12 +51,15 @@ __all__ = [
     "Batch",
     "BatchIterator",
     "SeededBatchIterator",
+    "ShardedTokens",
     "TokenFile",
     "TokenFileError",
+    "TokenShards",
     "decode",
     "default_corpus",
     "encode",
     "eval_batches",
+    "open_tokens",
     "segment_ids",
     "split_train_val",
     "write_token_file",
