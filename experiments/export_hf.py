@@ -14,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from experiments.cli import exit_with
+
 PROG = "experiments.export_hf"
 
 
@@ -69,4 +71,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

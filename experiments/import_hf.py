@@ -14,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from experiments.cli import exit_with
+
 PROG = "experiments.import_hf"
 
 
@@ -63,4 +65,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -8,7 +8,8 @@ SwiGLU), so a conversion moves numbers and never changes one. Two layouts differ
 - jaxlm stacks layers on a leading axis; HF names each layer's tensors `model.layers.{i}.`.
 
 The vocabulary: jaxlm's may be padded past the tokenizer's (ids that are never predicted); HF files carry the
-tokenizer's. Export slices the padding off, import pads with zero rows up to a multiple of VOCAB_MULTIPLE.
+tokenizer's. Export slices the padding off, import pads with zero rows up to a multiple of VOCAB_MULTIPLE
+(model.tokenizer_vocab_size marks where the padding starts: those ids are never predicted).
 
 This module reads and writes no files (`jaxlm.hf_files` does); tensors are numpy float32 arrays.
 """
@@ -19,15 +20,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from jaxlm.config import ModelConfig
+from jaxlm.config import VOCAB_MULTIPLE, ModelConfig
 
-VOCAB_MULTIPLE = 128
 ARCHITECTURE = "LlamaForCausalLM"
 # Tensors some Llama checkpoints carry that are not weights (older transformers saved the RoPE table).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-# The key an imported checkpoint's saved config holds the tokenizer's record under (TextTokenizer.describe()),
-# beside the config's sections; its tokenizer.json is saved as WORKDIR/tokenizer.json.
-TOKENIZER_KEY = "tokenizer"
 
 
 class HFError(ValueError):
@@ -52,8 +49,10 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         raise HFError(f"hidden_act is {hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
     D, H = _int(hf, "hidden_size"), _int(hf, "num_attention_heads")
     rope = _rope(hf)
+    V = _int(hf, "vocab_size")
     cfg = ModelConfig(
-        vocab_size=-(-_int(hf, "vocab_size") // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        vocab_size=-(-V // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        tokenizer_vocab_size=V,
         d_model=D,
         num_layers=_int(hf, "num_hidden_layers"),
         num_heads=H,

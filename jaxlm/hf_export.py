@@ -60,15 +60,19 @@ def open_source(workdir: Path, step: int | None) -> Source:
         raise hf.HFError(f"{workdir}/checkpoints/{step}: {e}") from None
     finally:
         checkpointer.close()
-    record = saved.pop(hf.TOKENIZER_KEY, None)
+    record = saved.pop(config_lib.TOKENIZER_KEY, None)
     try:
         cfg = config_lib.validate(config_lib.from_dict(saved, where=f"{workdir}/checkpoints/{step}"))
     except (TypeError, ValueError) as e:
         raise hf.HFError(f"{workdir}/checkpoints/{step}: its config is not a jaxlm config: {e}") from None
     hf.check_exportable(cfg.model)
     tokenizer = checkpoint_tokenizer(workdir, cfg, record)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise hf.HFError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is {cfg.model.vocab_size}")
+    m = cfg.model
+    if tokenizer.vocab_size > m.vocab_size or m.tokenizer_vocab_size not in (0, tokenizer.vocab_size):
+        raise hf.HFError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size is {m.vocab_size} "
+            f"(model.tokenizer_vocab_size {m.tokenizer_vocab_size})"
+        )
     return Source(workdir, step, cfg, tokenizer)
 
 

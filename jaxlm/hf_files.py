@@ -93,6 +93,7 @@ class TensorReader:
 
     def __init__(self, directory: Path):
         self.directory = directory
+        self._open: dict[str, object] = {}  # file name -> safe_open handle
         index = directory / INDEX
         if index.is_file():
             weight_map = read_json(index).get("weight_map")
@@ -103,7 +104,6 @@ class TensorReader:
             self.files = dict.fromkeys(self._keys(SINGLE), SINGLE)
         else:
             raise HFError(f"{directory} holds no {SINGLE} or {INDEX}")
-        self._open: dict[str, object] = {}
 
     def _keys(self, file: str) -> list[str]:
         return list(self._handle(file).keys())

@@ -2,7 +2,7 @@
 
 The workdir is what a training run leaves at step 0: `config.json` (the resolved config), `checkpoints/0` (the
 imported params, a fresh optimizer state, the data loader's starting position; the saved config also records the
-tokenizer under `hf.TOKENIZER_KEY`) and `tokenizer.json`. Training continues it like any run:
+tokenizer under `config_lib.TOKENIZER_KEY`) and `tokenizer.json`. Training continues it like any run:
 `python -m experiments.tiny_lm --config W/config.json --workdir W --steps N`. The config's data section is the
 fine-tuning data (`--data`), whose tokenizer must be the model's: a resumed run may not change it.
 
@@ -27,6 +27,7 @@ from jaxlm.config import DataConfig, TrainConfig
 # Model fields config.json decides; an override may set the others (attention_impl, remat, dtype, ...).
 HF_FIELDS = (
     "vocab_size",
+    "tokenizer_vocab_size",
     "d_model",
     "num_layers",
     "num_heads",
@@ -60,12 +61,13 @@ def plan(hf_dir: Path, *, data: str | None, overrides: list[str]) -> Plan:
         raise hf.HFError(f"--hf {hf_dir} is not a directory")
     hf_config = hf_files.read_json(hf_dir / hf_files.CONFIG)
     model = hf.model_config_from_hf(hf_config)
-    vocab_size = hf_config["vocab_size"]
+    vocab_size = model.tokenizer_vocab_size  # config.json vocab_size: the ids the files hold
     tokenizer = hf_tokenizer(hf_dir)
     if tokenizer.vocab_size > vocab_size:
         raise hf.HFError(
             f"{hf_dir}/tokenizer.json has {tokenizer.vocab_size} ids but config.json vocab_size is {vocab_size}"
         )
+    model = dataclasses.replace(model, tokenizer_vocab_size=tokenizer.vocab_size)  # ids past it: never predicted
     base = TrainConfig(
         model=model, data=DataConfig(path=data or "", seq_len=min(DataConfig.seq_len, model.max_seq_len))
     )
@@ -164,7 +166,7 @@ def write_workdir(p: Plan, params: dict, workdir: Path) -> None:
     tmp.mkdir()
     try:
         checkpointer = Checkpointer(tmp / "checkpoints", async_save=False)
-        saved = {**config_lib.to_dict(p.cfg), hf.TOKENIZER_KEY: p.tokenizer.describe()}
+        saved = {**config_lib.to_dict(p.cfg), config_lib.TOKENIZER_KEY: p.tokenizer.describe()}
         checkpointer.save(0, state, data_state, saved)
         checkpointer.close()
         (tmp / "config.json").write_text(json.dumps(config_lib.to_dict(p.cfg), indent=2) + "\n")

@@ -4,8 +4,13 @@ logits in both directions, export -> import bit for bit, the tokenizer, the CLIs
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -13,10 +18,11 @@ import torch
 from flax import nnx, traverse_util
 from helpers import one_device_mesh, pure, rel
 from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from data import write_token_file
-from data.text_tokenizer import byte_tokenizer
+from data import prepare, write_token_file
+from data.text_tokenizer import byte_tokenizer, load_tokenizer
 from experiments import export_hf, import_hf
 from jaxlm import config as config_lib
 from jaxlm import hf
@@ -25,6 +31,7 @@ from jaxlm.config import DataConfig, ModelConfig, TrainConfig
 from jaxlm.model import Transformer
 from jaxlm.train import Program
 
+REPO = Path(__file__).resolve().parents[1]
 V = 100  # the HF models' (tokenizer's) vocabulary: jaxlm pads it to 128
 T = 32
 CASES = {
@@ -52,10 +59,10 @@ CASES = {
 }
 
 
-def hf_model(case: str, seed: int = 0) -> LlamaForCausalLM:
+def hf_model(case: str, seed: int = 0, **overrides) -> LlamaForCausalLM:
     """A random float32 LlamaForCausalLM with eager attention; norms random too, so their mapping is tested."""
     config = LlamaConfig(
-        vocab_size=V,
+        vocab_size=overrides.pop("vocab_size", V),
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,
@@ -63,10 +70,11 @@ def hf_model(case: str, seed: int = 0) -> LlamaForCausalLM:
         rms_norm_eps=1e-5,
         initializer_range=0.2,
         bos_token_id=None,
-        eos_token_id=V - 1,
+        eos_token_id=overrides.pop("eos_token_id", V - 1),
         pad_token_id=None,
         attn_implementation="eager",
         **CASES[case],
+        **overrides,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float().eval()
@@ -83,11 +91,22 @@ def hf_logits(model: LlamaForCausalLM, tokens: np.ndarray) -> np.ndarray:
 
 
 def jax_model(cfg: ModelConfig, params: dict) -> Transformer:
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    state = nnx.state(model)
-    nnx.replace_by_pure_dict(state, params)
-    nnx.update(model, state)
-    return model
+    """The model holding `params` (built abstractly: a random init of it takes seconds of op-by-op dispatch)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    return nnx.merge(graphdef, state)
+
+
+def random_params(cfg: ModelConfig, seed: int) -> dict:
+    """Random params of a jaxlm model of `cfg` (norm scales around 1)."""
+    shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, a):
+        noise = rng.standard_normal(a.shape).astype(np.float32)
+        return 1 + 0.5 * noise if path[-1].key == "scale" else 0.2 * noise
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 def jax_logits(model: Transformer, tokens: np.ndarray) -> np.ndarray:
@@ -116,13 +135,15 @@ def read_checked(state: dict, cfg: ModelConfig):
 def test_hf_to_jaxlm_logits_match_transformers(case):
     model = hf_model(case)
     cfg = hf.model_config_from_hf(model.config.to_dict())
-    assert cfg.vocab_size == 128 and cfg.tie_embeddings == CASES[case]["tie_word_embeddings"]
+    assert (cfg.vocab_size, cfg.tokenizer_vocab_size) == (128, V) and cfg.tie_embeddings == CASES[case][
+        "tie_word_embeddings"
+    ]
     params = hf.params_from_hf(cfg, V, read_checked(hf_state(model), cfg))
     x = tokens()
     ours = jax_logits(jax_model(cfg, params), x)
     theirs = hf_logits(model, x)
     assert rel(ours[..., :V], theirs) < 1e-5
-    assert not ours[..., V:].any()  # zero rows for the padded ids: logit 0, never the argmax of a trained model
+    assert (ours[..., V:] <= -1e29).all()  # the padded ids (model.tokenizer_vocab_size = V): never predicted
 
 
 @pytest.mark.parametrize("case", ["gqa", "llama3"])
@@ -130,8 +151,8 @@ def test_jaxlm_to_hf_logits_match_transformers(case):
     """A random jaxlm model's tensors loaded into transformers' model compute its logits."""
     template = hf_model(case)
     cfg = hf.model_config_from_hf(template.config.to_dict())
-    model = Transformer(cfg, rngs=nnx.Rngs(3))
-    pure = nnx.to_pure_dict(nnx.state(model))
+    pure = random_params(cfg, seed=3)
+    model = jax_model(cfg, pure)
 
     def fetch(path, layer):
         value = pure
@@ -163,6 +184,7 @@ def jaxlm_workdir(tmp_path, **model) -> tuple[Path, TrainConfig, dict]:
     cfg = TrainConfig(
         model=ModelConfig(
             vocab_size=384,
+            tokenizer_vocab_size=257,
             d_model=32,
             num_layers=2,
             num_heads=4,
@@ -214,8 +236,8 @@ def test_export_loads_in_transformers_and_imports_back_bit_for_bit(tmp_path, cap
     assert import_hf.main(["--hf", str(out), "--workdir", str(imported)]) == 0
     checkpointer = Checkpointer(imported / "checkpoints", async_save=False, primary=False)
     saved = checkpointer.restore_config(0)
-    assert saved[hf.TOKENIZER_KEY] == byte_tokenizer().describe()
-    new_cfg = config_lib.from_dict({k: v for k, v in saved.items() if k != hf.TOKENIZER_KEY})
+    assert saved[config_lib.TOKENIZER_KEY] == byte_tokenizer().describe()
+    new_cfg = config_lib.from_dict({k: v for k, v in saved.items() if k != config_lib.TOKENIZER_KEY})
     assert new_cfg.model == cfg.model and config_lib.load_config(imported / "config.json") == new_cfg
     program = Program(new_cfg, one_device_mesh())
     state, _, _ = checkpointer.restore(0, program.abstract_with_shardings())
@@ -252,3 +274,223 @@ def test_bfloat16_export_is_the_rounded_float32_export(tmp_path):
     np.testing.assert_array_equal(tensors["model.layers.1.mlp.down_proj.weight"], expected)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16
+
+
+def bpe_tokenizer_json(path: Path, texts: list[str]) -> Path:
+    """A small byte-level BPE (not the byte tokenizer: it has merges) with <|endoftext|>, as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    return path / "tokenizer.json"
+
+
+def test_imported_model_matches_transformers_and_fine_tunes_with_the_documented_command(tmp_path):
+    """save_pretrained + a BPE tokenizer.json -> import_hf --data (token data prepared with that tokenizer) ->
+    the step-0 checkpoint computes transformers' logits, and `tiny_lm --config W/config.json --workdir W` trains it."""
+    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 3 for i in range(120)]
+    hf_dir = tmp_path / "hf"
+    bpe_tokenizer_json(hf_dir, texts)
+    tok = load_tokenizer(hf_dir)
+    model = hf_model("gqa", vocab_size=tok.vocab_size, eos_token_id=tok.eos_id)
+    model.save_pretrained(hf_dir)
+    (tmp_path / "text").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "text" / f"{i}.txt").write_text(text)
+    tokens_dir = tmp_path / "tokens"
+    prepare_args = ["--input", str(tmp_path / "text"), "--output", str(tokens_dir), "--tokenizer", str(hf_dir)]
+    assert prepare.main([*prepare_args, "--workers", "1", "--no-progress"]) == 0
+
+    workdir = tmp_path / "run"
+    overrides = ["data.seq_len=16", "data.batch_size=4", "data.val_fraction=0", "checkpoint_every=0"]
+    argv = ["--hf", str(hf_dir), "--workdir", str(workdir), "--data", str(tokens_dir)]
+    assert import_hf.main([*argv, *(a for o in overrides for a in ("--set", o))]) == 0
+    assert load_tokenizer(workdir).sha256 == tok.sha256
+    cfg = config_lib.load_config(workdir / "config.json")
+    assert cfg.data.path == str(tokens_dir) and cfg.model.vocab_size == 384
+    checkpointer = Checkpointer(workdir / "checkpoints", async_save=False, primary=False)
+    assert checkpointer.restore_config(0)[config_lib.TOKENIZER_KEY] == tok.describe()
+    state, _, _ = checkpointer.restore(0, Program(cfg, one_device_mesh()).abstract_with_shardings())
+    checkpointer.close()
+    x = np.random.default_rng(0).integers(0, tok.vocab_size, (2, T)).astype(np.int32)
+    ours = jax_logits(jax_model(cfg.model, pure(state.params)), x)
+    assert rel(ours[..., : tok.vocab_size], hf_logits(model, x)) < 1e-5
+
+    command = ["-m", "experiments.tiny_lm", "--config", workdir / "config.json", "--workdir", workdir, "--steps", 3]
+    result = subprocess.run(
+        [sys.executable, *map(str, command), "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [r["step"] for r in records if "loss" in r][-1] == 3 and all(np.isfinite(losses))
+    assert abs(losses[0] - np.log(tok.vocab_size)) < 2  # a random model over the tokenizer's ids, not over bytes
+    assert (workdir / "checkpoints" / "3").is_dir()
+
+
+def test_greedy_generation_equals_transformers_generate():
+    """jaxlm.generate on the converted model picks transformers' greedy tokens, 40 of them, for two prompts."""
+    generate = pytest.importorskip("jaxlm.generate")
+    model = hf_model("llama3", seed=5)
+    cfg = hf.model_config_from_hf(model.config.to_dict())
+    ours = jax_model(cfg, hf.params_from_hf(cfg, V, read_checked(hf_state(model), cfg)))
+    prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43]]
+    new = generate.generate(ours, prompts, max_new_tokens=40, vocab_limit=V)
+    for prompt, ids in zip(prompts, new):
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        assert ids.tolist() == out[0, len(prompt) :].tolist()
+
+
+# ----------------------------------------------------------------------------- bad input: one line, exit 2
+
+
+@pytest.fixture(scope="module")
+def saved_hf(tmp_path_factory) -> Path:
+    """A tiny HF model directory with the byte tokenizer, as save_pretrained + export write it."""
+    directory = tmp_path_factory.mktemp("hf") / "model"
+    hf_model("gqa", vocab_size=257, eos_token_id=256).save_pretrained(directory)
+    byte_tokenizer().save(directory)
+    return directory
+
+
+def edit_config(directory: Path, **changes) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(directory: Path, change) -> None:
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+IMPORT_ERRORS = {
+    "architecture": (
+        lambda d: edit_config(d, architectures=["MistralForCausalLM"], model_type="mistral"),
+        "architectures is ['MistralForCausalLM']; only LlamaForCausalLM",
+    ),
+    "attention_bias": (lambda d: edit_config(d, attention_bias=True), "attention_bias is true"),
+    "mlp_bias": (lambda d: edit_config(d, mlp_bias=True), "mlp_bias is true"),
+    "rope_type": (
+        lambda d: edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+        "rope_parameters.rope_type is 'yarn'; supported: 'default', 'llama3'",
+    ),
+    "legacy_rope_type": (
+        lambda d: edit_config(d, rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}),
+        "rope_scaling.rope_type is 'dynamic'",
+    ),
+    "llama3_field": (
+        lambda d: edit_config(d, rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
+        "config.json has no rope_parameters.low_freq_factor",
+    ),
+    "no_config_field": (lambda d: edit_config(d, hidden_size=None), "config.json has no hidden_size"),
+    "no_tokenizer": (lambda d: (d / "tokenizer.json").unlink(), "has no tokenizer.json"),
+    "missing_tensor": (
+        lambda d: edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+        "tensor model.layers.1.mlp.up_proj.weight is missing",
+    ),
+    "misshaped_tensor": (
+        lambda d: edit_tensors(d, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((8, 32))})),
+        "tensor model.layers.0.self_attn.k_proj.weight has shape [8, 32], expected [16, 32]",
+    ),
+    "bias_tensor": (
+        lambda d: edit_tensors(d, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(32)})),
+        "tensor model.layers.0.self_attn.q_proj.bias is not part of a Llama model",
+    ),
+    "no_weights": (lambda d: (d / "model.safetensors").unlink(), "holds no model.safetensors"),
+    "shape_override": (lambda d: ["--set", "model.d_model=64"], "model.d_model comes from"),
+    "other_tokenizer_data": (
+        lambda d: ["--data", str(bpe_data(d.parent / "bpe_data"))],
+        "was written with tokenizer",
+    ),
+}
+
+
+def bpe_data(directory: Path) -> Path:
+    """Token data written with a BPE tokenizer (not the model's byte tokenizer)."""
+    texts = ["hello world, hello tokens\n" * 20] * 4
+    bpe_tokenizer_json(directory / "tok", texts)
+    (directory / "text.txt").parent.mkdir(exist_ok=True)
+    (directory / "text.txt").write_text("".join(texts))
+    out = directory / "tokens"
+    argv = ["--input", str(directory / "text.txt"), "--output", str(out), "--tokenizer", str(directory / "tok")]
+    assert prepare.main([*argv, "--workers", "1", "--no-progress"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("case", IMPORT_ERRORS)
+def test_import_bad_input_is_one_line_naming_it(case, saved_hf, tmp_path, capsys):
+    directory = tmp_path / "model"
+    shutil.copytree(saved_hf, directory)
+    damage, expected = IMPORT_ERRORS[case]
+    extra = damage(directory) or []
+    capsys.readouterr()
+    workdir = tmp_path / "run"
+    assert import_hf.main(["--hf", str(directory), "--workdir", str(workdir), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("experiments.import_hf: error: "), err
+    assert expected in err, err
+    assert not workdir.exists() and not list(tmp_path.glob(".*"))  # nothing half-written
+
+
+def test_import_refuses_a_workdir_that_is_not_empty(saved_hf, tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    assert import_hf.main(["--hf", str(saved_hf), "--workdir", str(tmp_path / "run")]) == 2
+    assert "--workdir" in capsys.readouterr().err and (tmp_path / "run" / "notes.txt").read_text() == "mine"
+
+
+def test_export_bad_input_is_one_line(tmp_path, capsys):
+    """No checkpoint, a step that is not there, an --out that holds files: one line each, nothing written."""
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    cases = [
+        (["--workdir", str(tmp_path / "nowhere")], "is not a directory"),
+        (["--workdir", str(tmp_path)], "has no checkpoints/"),
+        (["--workdir", str(tmp_path / "empty")], "holds no complete checkpoint"),
+        (["--workdir", str(tmp_path), "--dtype", "float16"], "invalid choice: 'float16'"),
+    ]
+    for argv, expected in cases:
+        assert export_hf.main([*argv, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("experiments.export_hf: error: ") and expected in err, err
+    assert not (tmp_path / "out").exists()
+    workdir, _, _ = jaxlm_workdir(tmp_path)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("x")
+    for argv, expected in [(["--step", "7"], "has no step 7 (it has 0)"), (["--out", str(tmp_path / "taken")], "")]:
+        assert export_hf.main(["--workdir", str(workdir), "--out", str(tmp_path / "out"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err, err
+    assert not (tmp_path / "out").exists() and (tmp_path / "taken" / "x").read_text() == "x"
+
+
+def test_import_cli_bad_input_is_one_line_on_stderr_exit_2(saved_hf, tmp_path):
+    """The real command, as a user runs it: one line, exit 2, no traceback or library noise."""
+    directory = tmp_path / "model"
+    shutil.copytree(saved_hf, directory)
+    edit_config(directory, attention_bias=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.import_hf", "--hf", str(directory), "--workdir", str(tmp_path / "w")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr == "experiments.import_hf: error: attention_bias is true; jaxlm's Llama has no biases\n"
