@@ -4,6 +4,7 @@ logits in both directions, export -> import bit for bit, the tokenizer, the CLIs
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -494,3 +495,22 @@ def test_import_cli_bad_input_is_one_line_on_stderr_exit_2(saved_hf, tmp_path):
     )
     assert result.returncode == 2
     assert result.stderr == "experiments.import_hf: error: attention_bias is true; jaxlm's Llama has no biases\n"
+
+
+@pytest.mark.slow
+def test_two_process_export_writes_the_same_files(tmp_path):
+    """Two processes x 2 devices (params FSDP-sharded over both, gathered one layer at a time, process 0 writing)
+    export byte for byte what one process does. Fast cover: the 8-device export above."""
+    workdir, _, _ = jaxlm_workdir(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXLM_", "SLURM_", "OMPI_"))}
+    export = ["-m", "experiments.export_hf", "--workdir", workdir, "--max-shard-mb", "0.02"]
+    launch = ["-m", "sharding.launch", "--processes", "2", "--cpu-devices", "2", "--", sys.executable]
+    for argv in ([*launch, *export, "--out", tmp_path / "two"], [*export, "--out", tmp_path / "one"]):
+        result = subprocess.run(
+            [sys.executable, *map(str, argv)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+    one, two = sorted((tmp_path / "one").iterdir()), sorted((tmp_path / "two").iterdir())
+    assert [p.name for p in one] == [p.name for p in two] and len(one) > 5
+    for a, b in zip(one, two):
+        assert a.read_bytes() == b.read_bytes(), a.name
