@@ -256,7 +256,10 @@ def _parquet_documents(piece: Piece, options: ReadOptions, counts: Counts) -> It
     pf = _parquet_file(piece.path)
     stop = pf.metadata.num_row_groups if piece.stop is None else piece.stop
     for group in range(piece.start, stop):
-        column = pf.read_row_group(group, columns=[options.text_field]).column(0)
+        try:
+            column = pf.read_row_group(group, columns=[options.text_field]).column(0)
+        except Exception as e:  # a damaged file: pyarrow's ArrowInvalid / OSError
+            raise TextSourceError(f"{piece.path}: row group {group} does not read ({str(e).splitlines()[0]})") from None
         for row, value in enumerate(column.to_pylist()):
             if isinstance(value, bytes):
                 where = f"{piece.path}: row group {group} row {row}"

@@ -340,13 +340,22 @@ def test_tokenizer_that_does_not_load(tmp_path, capsys):
     nothing_left(tmp_path, tmp_path / "out")
 
 
-def test_parquet_without_the_column(tmp_path, capsys):
+def test_parquet_without_the_column_or_damaged(tmp_path, capsys):
     pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "a.parquet")
     code, _, err = run(capsys, "--input", tmp_path / "a.parquet", "--output", tmp_path / "out")
     assert code == 2
     one_error(err, f"{tmp_path / 'a.parquet'}: parquet file has no column 'text'", "body")
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "b.parquet")
     one_error(run(capsys, "--input", tmp_path / "b.parquet", "--output", tmp_path / "out")[2], "not text")
+    pq.write_table(pa.table({"text": [f"hello {i}" * 50 for i in range(2000)]}), tmp_path / "c.parquet")
+    damaged = bytearray((tmp_path / "c.parquet").read_bytes())
+    damaged[200:2000] = bytes(b ^ 0x5A for b in damaged[200:2000])  # a data page; the footer intact
+    (tmp_path / "c.parquet").write_bytes(damaged)
+    one_error(
+        run(capsys, "--input", tmp_path / "c.parquet", "--output", tmp_path / "out")[2], "row group 0 does not read"
+    )
+    (tmp_path / "d.parquet").write_bytes(damaged[:100])
+    one_error(run(capsys, "--input", tmp_path / "d.parquet", "--output", tmp_path / "out")[2], "not a readable parquet")
     nothing_left(tmp_path, tmp_path / "out")
 
 
