@@ -88,7 +88,8 @@ class ShardedTokens:
 
     def __init__(self, shards: list[np.memmap]):
         self._shards = shards
-        self._starts = np.cumsum([0] + [len(s) for s in shards]).tolist()  # start of each shard, then the total
+        self._starts_array = np.cumsum([0] + [len(s) for s in shards])  # start of each shard, then the total
+        self._starts = self._starts_array.tolist()
         self.dtype = shards[0].dtype
         self.shape = (self._starts[-1],)
 
@@ -127,7 +128,7 @@ class ShardedTokens:
         flat = index.ravel().astype(np.int64, copy=False)
         if flat.size and (flat.min() < 0 or flat.max() >= len(self)):
             raise IndexError(f"token index out of range for {len(self)} tokens")
-        shard_of = np.searchsorted(self._starts, flat, side="right") - 1
+        shard_of = np.searchsorted(self._starts_array, flat, side="right") - 1
         out = np.empty(flat.shape, self.dtype)
         for s in np.unique(shard_of):
             hit = shard_of == s
@@ -142,9 +143,16 @@ class TokenShards:
     def __init__(self, path: Path, meta: dict, tokens: ShardedTokens):
         self.path, self.meta, self.tokens = path, meta, tokens
 
-    num_tokens = property(lambda self: int(self.meta["num_tokens"]))
-    vocab_size = property(lambda self: int(self.meta["vocab_size"]))
-    __len__ = lambda self: self.num_tokens  # noqa: E731
+    @property
+    def num_tokens(self) -> int:
+        return int(self.meta["num_tokens"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    def __len__(self) -> int:
+        return self.num_tokens
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "TokenShards":
