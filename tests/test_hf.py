@@ -29,6 +29,7 @@ from jaxlm import config as config_lib
 from jaxlm import hf
 from jaxlm.checkpoint import Checkpointer
 from jaxlm.config import DataConfig, ModelConfig, TrainConfig
+from jaxlm.generate import generate
 from jaxlm.model import Transformer
 from jaxlm.train import Program
 
@@ -338,12 +339,11 @@ def test_imported_model_matches_transformers_and_fine_tunes_with_the_documented_
 
 def test_greedy_generation_equals_transformers_generate():
     """jaxlm.generate on the converted model picks transformers' greedy tokens, 40 of them, for two prompts."""
-    generate = pytest.importorskip("jaxlm.generate")
     model = hf_model("llama3", seed=5)
     cfg = hf.model_config_from_hf(model.config.to_dict())
     ours = jax_model(cfg, hf.params_from_hf(cfg, V, read_checked(hf_state(model), cfg)))
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43]]
-    new = generate.generate(ours, prompts, max_new_tokens=40, vocab_limit=V)
+    new = generate(ours, prompts, max_new_tokens=40, vocab_limit=V)
     for prompt, ids in zip(prompts, new):
         with torch.no_grad():
             out = model.generate(
