@@ -1,9 +1,10 @@
 """A jaxlm checkpoint -> a Hugging Face Llama directory (`python -m experiments.export_hf`).
 
 Memory: only the params are restored (not the optimizer state), sharded over every device of every process (FSDP
-over `embed`), so no host holds the whole model. Then one param at a time (one layer of a stacked one) is
-gathered whole, converted (`jaxlm.hf.hf_tensors`) and added to the shard being written, which is flushed at
-`max_shard_bytes`: a host holds one shard plus one layer's tensor beyond its share of the model.
+over `embed`; replicated when d_model does not divide by the device count), so no host holds the whole model. Then
+one param at a time (one layer of a stacked one) is gathered whole, converted (`jaxlm.hf.hf_tensors`) and added to
+the shard being written, which is flushed at `max_shard_bytes`: a host holds one shard plus one layer's tensor
+beyond its share of the model.
 
 Multi-host: every process runs the same command (with `sharding.launch`, or the --coordinator flags, or a cluster
 the CLI detects), each restores its own part of the params from the shared workdir, every gather is a collective
