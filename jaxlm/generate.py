@@ -28,20 +28,25 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxlm.model import Transformer
+from jaxlm.model import Transformer, split_layers
 from sharding.rules import constrain, logical_spec, use_rules
 
-CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")  # k_LBSKE, v_LBSKE
+KEY_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")  # every layer's k_BKES
+VALUE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # every layer's v_BKSE
 TOKEN_AXES = ("batch", "cache_seq")  # tokens_BS
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k_LBSKE", "v_LBSKE"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Every layer's rotated keys and values, [L, B, S, K, E] in the model's dtype; slot s holds position s."""
+    """Every layer's rotated keys k_BKES and values v_BKSE, in the model's dtype; slot s holds position s.
 
-    k_LBSKE: jax.Array
-    v_LBSKE: jax.Array
+    One array per layer, not one stacked [L, ...] array: the decode step updates and reads each in place, where a
+    layer sliced out of a stack is a copy. Keys [.., E, S] and values [.., S, E]: attention's two products read
+    them as they lie (model.cached_attention)."""
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
 
 
 @functools.partial(
@@ -113,7 +118,8 @@ def check_sampling(temperature: float, top_k: int, top_p: float, vocab_limit: in
 
 def bucket(n: int, minimum: int = 8) -> int:
     """`n` rounded up to a power of two (at least `minimum`), or past 256 to a multiple of 256: few programs, and
-    at most a quarter of a long cache wasted."""
+    at most a quarter of a long cache wasted. Batches are at least 2 rows: with one, XLA:CPU turns the cache write
+    into an update it copies each layer's cache around, twice per token (measured); an idle second row costs less."""
     n = max(n, minimum)
     return 1 << (n - 1).bit_length() if n <= 256 else -(-n // 256) * 256
 
@@ -160,20 +166,37 @@ def _traced_in(where: Placement | None):
 # ----------------------------------------------------------------------------- the compiled programs
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampler", "cache_len", "where"))
-def _prefill(params, tokens_BT, lengths_B, live_B, key, stop_V, *, graphdef, sampler, cache_len, where):
+class _Spec:
+    """What a program is compiled for besides shapes: the model's graph, the sampler, the placement. Interned (one
+    object per distinct triple), so jit's static-argument lookup is an identity check: hashing the graph for every
+    token cost ~2 ms per decode step (measured, 6 layers)."""
+
+    _interned: dict = {}
+
+    def __init__(self, graphdef, sampler: Sampler, where: Placement | None):
+        self.graphdef, self.sampler, self.where = graphdef, sampler, where
+
+    @classmethod
+    def of(cls, graphdef, sampler: Sampler, where: Placement | None) -> _Spec:
+        key = (graphdef, sampler, where)
+        if key not in cls._interned:
+            cls._interned[key] = cls(*key)
+        return cls._interned[key]
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "cache_len"))
+def _prefill(params, tokens_BT, lengths_B, live_B, key, stop_V, *, spec: _Spec, cache_len: int):
     """The prompt block through the model as in training -> the first new token of every row and a DecodeState
     whose cache (allocated here, `cache_len` slots) holds the prompt's keys and values."""
-    with _traced_in(where):
-        model = nnx.merge(graphdef, params)
+    with _traced_in(spec.where):
+        model = nnx.merge(spec.graphdef, params)
         B, T = tokens_BT.shape
         rows_B = jnp.arange(B)
         valid_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
         x_BTD, k_LBTKE, v_LBTKE = model.prefill(tokens_BT, segment_ids_BT=valid_BT.astype(jnp.int32))
         logits_BV = model.logits(x_BTD[rows_B, lengths_B - 1][:, None])[:, 0]
-        new_B = sampler(logits_BV, jax.random.fold_in(key, 0))
-        pad = ((0, 0), (0, 0), (0, cache_len - T), (0, 0), (0, 0))
-        cache = KVCache(*(constrain(jnp.pad(a, pad), CACHE_AXES) for a in (k_LBTKE, v_LBTKE)))
+        new_B = spec.sampler(logits_BV, jax.random.fold_in(key, 0))
+        cache = KVCache(_layer_caches(k_LBTKE, cache_len, KEY_AXES), _layer_caches(v_LBTKE, cache_len, VALUE_AXES))
         tokens_BS = jnp.pad(tokens_BT, ((0, 0), (0, cache_len - T))).at[rows_B, lengths_B].set(new_B)
         state = DecodeState(
             tokens_BS=constrain(tokens_BS, TOKEN_AXES),
@@ -185,16 +208,26 @@ def _prefill(params, tokens_BT, lengths_B, live_B, key, stop_V, *, graphdef, sam
         return state, new_B
 
 
-def _decode(params, state: DecodeState, key, stop_V, graphdef, sampler) -> tuple[DecodeState, jax.Array]:
+def _layer_caches(x_LBTKE: jax.Array, cache_len: int, axes: tuple[str, ...]) -> tuple[jax.Array, ...]:
+    """A prompt block's keys or values -> one cache per layer laid out as `axes` says, `cache_len` slots."""
+    letters = dict(batch=1, kv_heads=3, cache_seq=2, head_dim=4)
+    x_L___ = x_LBTKE.transpose(0, *(letters[a] for a in axes))
+    slot = 1 + axes.index("cache_seq")
+    pad = [(0, 0)] * 5
+    pad[slot] = (0, cache_len - x_LBTKE.shape[2])
+    return tuple(constrain(x, axes) for x in jnp.pad(x_L___, pad))
+
+
+def _decode(params, weights, state: DecodeState, key, stop_V, spec: _Spec) -> tuple[DecodeState, jax.Array]:
     """One new token per row: the last token through the model over the cache, then sampled. Stopped rows are
     computed (the batch is one program) but neither advance nor change anything."""
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(spec.graphdef, params)
     rows_B = jnp.arange(state.positions_B.shape[0])
     last_B1 = state.tokens_BS[rows_B, state.positions_B][:, None]
-    logits_B1V, k_LBSKE, v_LBSKE = model.decode(
-        last_B1, state.positions_B[:, None], state.cache.k_LBSKE, state.cache.v_LBSKE
+    logits_B1V, keys, values = model.decode(
+        last_B1, state.positions_B[:, None], state.cache.keys, state.cache.values, *weights
     )
-    new_B = sampler(logits_B1V[:, 0], jax.random.fold_in(key, state.step))
+    new_B = spec.sampler(logits_B1V[:, 0], jax.random.fold_in(key, state.step))
     live_B = ~state.done_B
     positions_B = state.positions_B + live_B
     tokens_BS = state.tokens_BS.at[rows_B, positions_B].set(
@@ -205,27 +238,34 @@ def _decode(params, state: DecodeState, key, stop_V, graphdef, sampler) -> tuple
         positions_B=positions_B,
         done_B=state.done_B | stop_V[new_B],
         step=state.step + 1,
-        cache=KVCache(constrain(k_LBSKE, CACHE_AXES), constrain(v_LBSKE, CACHE_AXES)),
+        cache=KVCache(tuple(constrain(k, KEY_AXES) for k in keys), tuple(constrain(v, VALUE_AXES) for v in values)),
     )
     return state, jnp.where(live_B, new_B, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampler", "where"), donate_argnames=("state",))
-def _decode_step(params, state, key, stop_V, *, graphdef, sampler, where):
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def _decode_step(params, weights, state, key, stop_V, *, spec: _Spec):
     """One decode step (what `stream` calls per token); returns the state and the new tokens (-1: stopped row)."""
-    with _traced_in(where):
-        return _decode(params, state, key, stop_V, graphdef, sampler)
+    with _traced_in(spec.where):
+        return _decode(params, weights, state, key, stop_V, spec)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampler", "where"), donate_argnames=("state",))
-def _decode_loop(params, state, key, stop_V, max_new_tokens, *, graphdef, sampler, where):
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def _decode_loop(params, weights, state, key, stop_V, max_new_tokens, *, spec: _Spec):
     """Decode steps until every row stopped or made `max_new_tokens` (a traced value: one program for any count)."""
-    with _traced_in(where):
+    with _traced_in(spec.where):
 
         def more(state):
             return (state.step < max_new_tokens) & ~jnp.all(state.done_B)
 
-        return jax.lax.while_loop(more, lambda s: _decode(params, s, key, stop_V, graphdef, sampler)[0], state)
+        return jax.lax.while_loop(more, lambda s: _decode(params, weights, s, key, stop_V, spec)[0], state)
+
+
+@jax.jit
+def _decode_weights(model: Transformer):
+    """The layers' params one state each and the head's arrays ([D, V] even when tied): copies made once per
+    generation that the decode steps read in place (Transformer.decode)."""
+    return split_layers(nnx.state(model.blocks)), model.head_params()
 
 
 # ----------------------------------------------------------------------------- the entry points
@@ -251,7 +291,7 @@ class _Batch:
                 raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
             if ids.min() < 0 or ids.max() >= vocab_size:
                 raise ValueError(f"prompt {i} holds ids outside the model's vocabulary [0, {vocab_size})")
-        B = -(-bucket(len(arrays), 1) // shards) * shards
+        B = -(-bucket(len(arrays), 2) // shards) * shards  # >= 2: see `bucket`
         longest = max(a.size for a in arrays)
         T = bucket(longest)
         tokens_BT = np.zeros((B, T), np.int32)
@@ -269,11 +309,13 @@ class _Run:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         cfg = model.cfg
-        self.graphdef, self.params = nnx.split(model)
+        graphdef, self.params = nnx.split(model)
         self.where = placement_of(self.params, rules)
+        self.spec = _Spec.of(graphdef, sampler, self.where)
         shards = self.where.batch_shards() if self.where else 1
         self.batch = _Batch.of(prompts, max_new_tokens, cfg.vocab_size, shards)
-        self.sampler, self.max_new_tokens = sampler, max_new_tokens
+        self.weights = _decode_weights(model)
+        self.max_new_tokens = max_new_tokens
         self.key = jax.random.key(seed)
         stop_V = np.zeros(cfg.vocab_size, bool)
         stop_V[[i for i in stop_ids if 0 <= i < cfg.vocab_size]] = True
@@ -291,27 +333,29 @@ class _Run:
             self._put(b.live_B, ("batch",)),
             self.key,
             self.stop_V,
-            graphdef=self.graphdef,
-            sampler=self.sampler,
+            spec=self.spec,
             cache_len=b.cache_len,
-            where=self.where,
         )
 
     def loop(self, state: DecodeState) -> DecodeState:
         return _decode_loop(
             self.params,
+            self.weights,
             state,
             self.key,
             self.stop_V,
             np.int32(self.max_new_tokens),
-            graphdef=self.graphdef,
-            sampler=self.sampler,
-            where=self.where,
+            spec=self.spec,
         )
 
     def step(self, state: DecodeState) -> tuple[DecodeState, jax.Array]:
         return _decode_step(
-            self.params, state, self.key, self.stop_V, graphdef=self.graphdef, sampler=self.sampler, where=self.where
+            self.params,
+            self.weights,
+            state,
+            self.key,
+            self.stop_V,
+            spec=self.spec,
         )
 
     def new_tokens(self, state: DecodeState) -> list[np.ndarray]:

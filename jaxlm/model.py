@@ -137,18 +137,22 @@ class Attention(nnx.Module):
         )
         return self._out(out_BTHE), k_BTKE, v_BTKE
 
-    def decode(self, x_BTD, sin, cos, positions_BT, k_BSKE, v_BSKE):
-        """Attention of new tokens over a KV cache whose slot s holds position s: the block's keys and values are
-        written at their rows' `positions_BT` first, then each query sees the slots the config's mask allows at its
-        position (dense, "reference": one query row per token needs no kernel). Returns (out, k_BSKE, v_BSKE)."""
-        cfg = self.cfg
+    def decode(self, x_BTD, sin, cos, positions_BT, k_BKES, v_BKSE):
+        """Attention of new tokens over this layer's KV cache, whose slot s holds position s: the tokens' keys and
+        values are written at their rows' `positions_BT`, then each query sees the slots the config's mask allows
+        at its position. Returns (out, k_BKES, v_BKSE)."""
+        B, T, _ = x_BTD.shape
         q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, sin, cos)
-        rows_B1 = jnp.arange(x_BTD.shape[0])[:, None]
-        k_BSKE = k_BSKE.at[rows_B1, positions_BT].set(k_BTKE.astype(k_BSKE.dtype))
-        v_BSKE = v_BSKE.at[rows_B1, positions_BT].set(v_BTKE.astype(v_BSKE.dtype))
-        mask = _AtPositions(parse_mask(cfg.attention_mask), positions_BT)
-        out_BTHE = attention(q_BTHE, k_BSKE, v_BSKE, mask=mask, impl="reference", score_mod=self._score_mod())
-        return self._out(out_BTHE), k_BSKE, v_BSKE
+        rows_B1 = jnp.arange(B)[:, None]
+        k_BKES = k_BKES.at[rows_B1, :, :, positions_BT].set(k_BTKE.astype(k_BKES.dtype), **_IN_PLACE)  # [B, T, K, E]
+        v_BKSE = v_BKSE.at[rows_B1, :, positions_BT].set(v_BTKE.astype(v_BKSE.dtype), **_IN_PLACE)
+        mask = _one_document(parse_mask(self.cfg.attention_mask))
+        mask_BTS = mask(positions_BT[:, :, None], jnp.arange(v_BKSE.shape[2])[None, None, :])
+        out_BTHE = cached_attention(q_BTHE, k_BKES, v_BKSE, mask_BTS, positions_BT, self._score_mod())
+        # One contracted axis of H*E: with two (h, e), XLA:CPU transposed wo, a weight copy per layer per token.
+        wo_FD = self.wo[...].reshape(-1, self.wo.shape[-1])
+        y_BTD = project("btf,fd->btd", out_BTHE.reshape(B, T, -1), wo_FD, self.recipe, _value(self.out_amax))
+        return y_BTD, k_BKES, v_BKSE
 
     def _qkv(self, x_BTD, sin, cos):
         B, T, _ = x_BTD.shape
@@ -166,17 +170,26 @@ class Attention(nnx.Module):
         return project("bthe,hed->btd", out_BTHE, self.wo[...], self.recipe, _value(self.out_amax))
 
 
-class _AtPositions(Mask):
-    """A mask evaluated at each query's position instead of its index in the block: a decoded token at position p
-    sees cache slot s (which holds position s) where mask(p, s). `document` terms are one document per row."""
+# Cache writes: positions are in bounds and one per (row, token). Said so, XLA writes the slots in place; with the
+# default out-of-bounds handling it copied every layer's cache twice per token (XLA:CPU).
+_IN_PLACE = dict(mode="promise_in_bounds", unique_indices=True)
 
-    is_static = False
 
-    def __init__(self, mask: Mask, positions_BT: jax.Array):
-        self.mask, self.positions_BT = _one_document(mask), positions_BT
-
-    def __call__(self, q_idx, kv_idx):
-        return self.mask(jnp.take(self.positions_BT, jnp.asarray(q_idx), axis=1), kv_idx)  # [B, T, S]
+def cached_attention(q_BTHE, k_BKES, v_BKSE, mask_BTS, positions_BT, score_mod=None):
+    """Dense grouped attention over a KV cache (jaxlm.attention's reference, cache-shaped). Keys are laid out
+    [B, K, E, S] and values [B, K, S, E], so both products are plain batched matmuls that read the cache in place;
+    with keys [B, S, K, E] XLA:CPU transposed (copied) every layer's keys for every token."""
+    B, T, H, E = q_BTHE.shape
+    K, S = k_BKES.shape[1], k_BKES.shape[3]
+    q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgte,bkes->bkgts", q_BKGTE * E**-0.5, k_BKES, preferred_element_type=jnp.float32)
+    if score_mod is not None:
+        head = jnp.arange(H, dtype=jnp.int32).reshape(1, K, H // K, 1, 1)
+        scores = score_mod(scores, positions_BT[:, None, None, :, None], jnp.arange(S), head)
+    scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSE.dtype)
+    out_BKGTE = jnp.einsum("bkgts,bkse->bkgte", probs, v_BKSE)
+    return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E)
 
 
 def _one_document(mask: Mask) -> Mask:
@@ -224,24 +237,24 @@ class Block(nnx.Module):
         x_BTD = x_BTD + h_BTD
         return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_BTKE, v_BTKE
 
-    def decode(self, x_BTD, sin, cos, positions_BT, k_BSKE, v_BSKE):
+    def decode(self, x_BTD, sin, cos, positions_BT, k_BKES, v_BKSE):
         """The layer for new tokens over this layer's KV cache (Attention.decode)."""
-        h_BTD, k_BSKE, v_BSKE = self.attn.decode(self.attn_norm(x_BTD), sin, cos, positions_BT, k_BSKE, v_BSKE)
+        h_BTD, k_BKES, v_BKSE = self.attn.decode(self.attn_norm(x_BTD), sin, cos, positions_BT, k_BKES, v_BKSE)
         x_BTD = x_BTD + h_BTD
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_BSKE, v_BSKE
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_BKES, v_BKSE
 
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embed = _param(rngs.params(), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
-        self.blocks = _stacked_blocks(cfg, rngs)
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.vocab_size <= 0:
             raise ValueError(
                 "model.vocab_size is 0 (follow the data's tokenizer): resolve the config with "
                 "jaxlm.run_data.resolve_vocab first, or set it"
             )
+        self.cfg = cfg
+        self.embed = _param(rngs.params(), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
+        self.blocks = _stacked_blocks(cfg, rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs.params(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
         self.head_amax = amax_history(cfg, layer_recipe(cfg, "lm_head"))
@@ -285,14 +298,17 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
         return prefill_layers(self.cfg, graphdef, stacked, self.embed_tokens(tokens_BT), segment_ids_BT)
 
-    def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, k_LBSKE: jax.Array, v_LBSKE: jax.Array):
-        """(float32 logits [B, T, V], k_LBSKE, v_LBSKE) for tokens at `positions_BT` over a KV cache whose slot s
-        holds position s; their keys and values are written into it."""
+    def decode(self, tokens_BT, positions_BT, keys: tuple, values: tuple, layers=None, head=None):
+        """(float32 logits [B, T, V], keys, values) for tokens at `positions_BT` over a KV cache (per layer
+        k_BKES / v_BKSE; slot s holds position s), their keys and values written into it. A caller decoding many
+        tokens passes `layers` (`split_layers` of the blocks' params) and `head` (`head_params()`), made once:
+        derived here, they would be copies of the weights made for every token."""
         graphdef, stacked = nnx.split(self.blocks)
-        x_BTD, k_LBSKE, v_LBSKE = decode_layers(
-            self.cfg, graphdef, stacked, self.embed_tokens(tokens_BT), positions_BT, k_LBSKE, v_LBSKE
+        layers = split_layers(stacked) if layers is None else layers
+        x_BTD, keys, values = decode_layers(
+            self.cfg, graphdef, layers, self.embed_tokens(tokens_BT), positions_BT, keys, values
         )
-        return self.logits(x_BTD), k_LBSKE, v_LBSKE
+        return head_logits(self.cfg, self.head_params() if head is None else head, x_BTD), keys, values
 
 
 def head_logits(cfg: ModelConfig, head: dict[str, jax.Array], x_BTD: jax.Array) -> jax.Array:
@@ -301,15 +317,15 @@ def head_logits(cfg: ModelConfig, head: dict[str, jax.Array], x_BTD: jax.Array) 
     logits_BTV = project(
         "btd,dv->btv", x_BTD, head["head_DV"], layer_recipe(cfg, "lm_head"), head.get("amax"), out_dtype=jnp.float32
     )
+    if 0 < cfg.tokenizer_vocab_size < cfg.vocab_size:  # padded ids: probability 0, as in the exported model
+        is_token_V = jnp.arange(cfg.vocab_size) < cfg.tokenizer_vocab_size
+        logits_BTV = jnp.where(is_token_V, logits_BTV, PADDED_LOGIT)
     return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
 def apply_layers(
     cfg: ModelConfig,
     graphdef: nnx.GraphDef,
-    if 0 < cfg.tokenizer_vocab_size < cfg.vocab_size:  # padded ids: probability 0, as in the exported model
-        is_token_V = jnp.arange(cfg.vocab_size) < cfg.tokenizer_vocab_size
-        logits_BTV = jnp.where(is_token_V, logits_BTV, PADDED_LOGIT)
     stacked: nnx.State,
     x_BTD: jax.Array,
     segment_ids_BT=None,
@@ -349,36 +365,30 @@ def prefill_layers(cfg: ModelConfig, graphdef, stacked, x_BTD, segment_ids_BT=No
         x_BTD, (k_LBTKE, v_LBTKE) = jax.lax.scan(layer, x_BTD, stacked, unroll=cfg.scan_unroll)
         return x_BTD, k_LBTKE, v_LBTKE
     keys, values = [], []
-    for layer_state in _unstacked(stacked):
+    for layer_state in split_layers(stacked):
         x_BTD, (k_BTKE, v_BTKE) = layer(x_BTD, layer_state)
         keys.append(k_BTKE)
         values.append(v_BTKE)
     return x_BTD, jnp.stack(keys), jnp.stack(values)
 
 
-def decode_layers(cfg: ModelConfig, graphdef, stacked, x_BTD, positions_BT, k_LBSKE, v_LBSKE):
-    """The layers for new tokens over the stacked KV cache. The cache is carried whole and updated at the layer's
-    index (not scanned over as xs/ys, which would copy all of it every token)."""
+def decode_layers(cfg: ModelConfig, graphdef, layers, x_BTD, positions_BT, keys: tuple, values: tuple):
+    """The layers for new tokens, unrolled over per-layer params and caches: every weight and cache entry is read
+    where it lies. Slicing one layer out of a stack (scan or not) copied all of its weights every token."""
     sin, cos = rotary_tables(positions_BT, x_BTD.shape[1], cfg)
-
-    def layer(carry, layer_state_and_index):
-        x, k_cache, v_cache = carry
-        layer_state, i = layer_state_and_index
-        x, k_BSKE, v_BSKE = nnx.merge(graphdef, layer_state).decode(x, sin, cos, positions_BT, k_cache[i], v_cache[i])
-        return (constrain(x, ACTIVATION_AXES), k_cache.at[i].set(k_BSKE), v_cache.at[i].set(v_BSKE)), None
-
-    carry = (x_BTD, k_LBSKE, v_LBSKE)
-    if cfg.scan_layers:
-        carry, _ = jax.lax.scan(layer, carry, (stacked, jnp.arange(cfg.num_layers)), unroll=cfg.scan_unroll)
-        return carry
-    for i, layer_state in enumerate(_unstacked(stacked)):
-        carry, _ = layer(carry, (layer_state, i))
-    return carry
+    new_keys, new_values = [], []
+    for layer_state, k_BKES, v_BKSE in zip(layers, keys, values, strict=True):
+        x_BTD, k_BKES, v_BKSE = nnx.merge(graphdef, layer_state).decode(x_BTD, sin, cos, positions_BT, k_BKES, v_BKSE)
+        x_BTD = constrain(x_BTD, ACTIVATION_AXES)
+        new_keys.append(k_BKES)
+        new_values.append(v_BKSE)
+    return x_BTD, tuple(new_keys), tuple(new_values)
 
 
-def _unstacked(stacked: nnx.State) -> list[nnx.State]:
+def split_layers(stacked: nnx.State) -> tuple[nnx.State, ...]:
+    """Stacked layer params -> one state per layer."""
     leaves, treedef = jax.tree.flatten(stacked)
-    return [treedef.unflatten([leaf[i] for leaf in leaves]) for i in range(leaves[0].shape[0])]
+    return tuple(treedef.unflatten([leaf[i] for leaf in leaves]) for i in range(leaves[0].shape[0]))
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
