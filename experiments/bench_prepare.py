@@ -185,7 +185,7 @@ def run_prepare(corpus: Path, tokenizer: Path, out: Path, workers: int, shard_mb
     }
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="experiments.bench_prepare", description=__doc__.splitlines()[0])
     parser.add_argument("--corpus-mb", type=float, default=64, help="size of the generated corpus (default 64)")
     parser.add_argument("--vocab-size", type=int, default=8192, help="BPE trained when no --tokenizer (8192)")
@@ -216,7 +216,8 @@ def main(argv=None) -> dict:
         }
         if not args.skip_single and args.workers != 1:
             runs["prepare, 1 process"] = run_prepare(work / "corpus", tok_path, work / "p1", 1, shard_mb)
-    return report(raw, runs, corpus_bytes / 2**20, tok.vocab_size, args.workers)
+    report(raw, runs, corpus_bytes / 2**20, tok.vocab_size, args.workers)
+    return 0
 
 
 def report(raw: dict, runs: dict, corpus_mb: float, vocab_size: int, workers: int) -> dict:
@@ -275,5 +276,4 @@ def _first_chars(texts, limit: int):
 
 
 if __name__ == "__main__":
-    main()
-    exit_with(0)
+    exit_with(main())
