@@ -14,9 +14,14 @@ from data.sources import ThrottledSource, TokenWindowSource
 from data.token_shards import open_tokens
 
 
+def data_path(d) -> str:
+    """The token data data section `d` reads: `d.path`, or the default corpus with `d.corpus_tokenizer`."""
+    return d.path or str(default_corpus(tokenizer=d.corpus_tokenizer))
+
+
 def data_fingerprint(d) -> dict:
     """The fingerprint (TokenFile / TokenShards.fingerprint) of the token data data section `d` reads."""
-    return open_tokens(d.path or default_corpus()).fingerprint()
+    return open_tokens(data_path(d)).fingerprint()
 
 
 def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None, partitions: int = 0):
@@ -24,7 +29,7 @@ def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None
 
     `document_mask`: the attention mask spec, when it needs document boundaries (batches then carry segment ids,
     found at the token file's eos_id); `partitions` > 0: each of that many replicas reads its own slice."""
-    token_file = open_tokens(d.path or default_corpus())  # a token file or token shards: one interface
+    token_file = open_tokens(data_path(d))  # a token file or token shards: one interface
     if token_file.vocab_size > vocab_size:
         raise ValueError(
             f"token file {token_file.path} has vocab_size {token_file.vocab_size} but "

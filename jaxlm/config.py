@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data.corpus import bpe_vocab_size
 from jaxlm.config_checks import ConfigError, Section, check_choice, check_non_negative, check_positive
 from jaxlm.diloco.config import DiLoCoConfig
 from sharding.user_file import call_user_function, exec_python_file
@@ -231,7 +232,9 @@ OptimConfig.RESUME_MAY_CHANGE = tuple(f.name for f in dataclasses.fields(OptimCo
 
 @dataclass(frozen=True)
 class DataConfig(Section):
-    path: str = ""  # a token file directory (python -m data.prepare); "" -> the default stdlib corpus
+    path: str = ""  # token data (python -m data.prepare); "" -> the default stdlib corpus
+    # the default corpus's tokenizer: "byte", or "bpe<N>" (an N-token BPE trained on the corpus, built once)
+    corpus_tokenizer: str = "byte"
     seq_len: int = 256
     batch_size: int = 16  # global batch, in sequences
     microbatches: int = 1  # gradient accumulation: batch_size is split into this many microbatches
@@ -271,6 +274,15 @@ class DataConfig(Section):
         if run is not None and d.seq_len > run.model.max_seq_len:
             raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({run.model.max_seq_len})")
         check_choice("data.loader", d.loader, LOADERS)
+        if d.corpus_tokenizer != "byte":
+            if d.path:
+                raise ConfigError(
+                    "data.corpus_tokenizer is the default corpus's: leave it 'byte' when data.path is set"
+                )
+            try:
+                bpe_vocab_size(d.corpus_tokenizer)
+            except ValueError as e:
+                raise ConfigError(f"data.{e}") from None
         check_non_negative(
             data__cache_ram_mb=d.cache_ram_mb,
             data__cache_disk_mb=d.cache_disk_mb,

@@ -49,7 +49,7 @@ def run_data_fingerprint(cfg: TrainConfig) -> dict:
 
 def run_tokenizer(cfg: TrainConfig):
     """The run's tokenizer (data.text_tokenizer.TextTokenizer): the one its token data was written with."""
-    from data.corpus import default_corpus
+    from data.setup import data_path
     from data.text_tokenizer import tokenizer_of_data
 
-    return tokenizer_of_data(cfg.data.path or default_corpus())
+    return tokenizer_of_data(data_path(cfg.data))

@@ -68,3 +68,18 @@ def test_bits_per_byte_of_a_uniform_model_is_log2_vocab_times_tokens_per_byte():
     num_bytes = sum((token_bytes[b["targets"]] * b["loss_mask"]).sum() for b in batches)
     np.testing.assert_allclose(math.log(300) * bits_per_nat(batches, token_bytes), math.log2(300) * tokens / num_bytes)
     assert bits_per_nat(batches, token_bytes[:100]) is None  # ids the tokenizer lacks: no figure, not a wrong one
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (dict(corpus_tokenizer="bpe100"), "use 'byte' or 'bpe<N>' with N in \\[512, 65536\\]"),
+        (dict(corpus_tokenizer="wordpiece"), "corpus tokenizer 'wordpiece'"),
+        (dict(corpus_tokenizer="bpe4096", path="some/tokens"), "leave it 'byte' when data.path is set"),
+    ],
+)
+def test_the_default_corpus_tokenizer_is_checked(data, message):
+    from jaxlm.config import validate
+
+    with pytest.raises(ConfigError, match=message):
+        validate(TrainConfig(data=DataConfig(**data)))
