@@ -3,7 +3,8 @@
 Preparation and tokenizer training read the same documents through `documents(piece, options)`. A `Piece` is a
 work unit a process can read on its own (a file, a byte range of a large `.jsonl`, or a run of parquet row groups),
 so workers parallelise over files and within large ones. Memory is bounded by one piece's largest record: a line, a
-row group, a `.txt` document, or a whole `.json` array file (arrays are parsed per file). Every bad record raises
+parquet row group's column (Arrow's buffers; Python strings only per 256-row batch), a `.txt` document, or a whole
+`.json` array file (arrays are parsed per file). Every bad record raises
 `TextSourceError` naming the file and line (or element, row group / row, byte offset).
 """
 
@@ -21,6 +22,7 @@ TEXT, JSONL, JSONL_GZ, JSON, PARQUET = "txt", "jsonl", "jsonl.gz", "json", "parq
 _SUFFIXES = ((".jsonl.gz", JSONL_GZ), (".ndjson.gz", JSONL_GZ), (".jsonl", JSONL), (".ndjson", JSONL))
 _SUFFIXES += ((".json", JSON), (".parquet", PARQUET))
 _READ_BYTES = 8 << 20  # separator-split text is read in chunks of this size
+_PARQUET_ROWS = 256  # rows per record batch read from a parquet row group
 
 
 class TextSourceError(ValueError):
@@ -253,15 +255,22 @@ def _parquet_pieces(path: Path, field: str, target_bytes: int) -> list[Piece]:
 
 
 def _parquet_documents(piece: Piece, options: ReadOptions, counts: Counts) -> Iterator[str]:
+    """Row group by row group, in record batches of _PARQUET_ROWS: only a batch's strings become Python objects."""
     pf = _parquet_file(piece.path)
     stop = pf.metadata.num_row_groups if piece.stop is None else piece.stop
     for group in range(piece.start, stop):
-        try:
-            column = pf.read_row_group(group, columns=[options.text_field]).column(0)
-        except Exception as e:  # a damaged file: pyarrow's ArrowInvalid / OSError
-            raise TextSourceError(f"{piece.path}: row group {group} does not read ({str(e).splitlines()[0]})") from None
-        for row, value in enumerate(column.to_pylist()):
-            if isinstance(value, bytes):
-                where = f"{piece.path}: row group {group} row {row}"
-                value = _decode(value, options, counts, lambda at, w=where: f"{w} byte {at}")
-            yield value or ""
+        batches, row = pf.iter_batches(_PARQUET_ROWS, row_groups=[group], columns=[options.text_field]), 0
+        while True:
+            try:
+                batch = next(batches, None)
+            except Exception as e:  # a damaged file: pyarrow's ArrowInvalid / OSError
+                error = str(e).splitlines()[0]
+                raise TextSourceError(f"{piece.path}: row group {group} does not read ({error})") from None
+            if batch is None:
+                break
+            for value in batch.column(0).to_pylist():
+                if isinstance(value, bytes):
+                    where = f"{piece.path}: row group {group} row {row}"
+                    value = _decode(value, options, counts, lambda at, w=where: f"{w} byte {at}")
+                row += 1
+                yield value or ""
