@@ -99,8 +99,8 @@ class Printer:
     """Streams each prompt's text in order: the first unfinished prompt live, later ones once it is done. Holds
     back text that may be the start of a stop string or an incomplete UTF-8 character."""
 
-    def __init__(self, tokenizer, count: int, stops: list[str], out=sys.stdout):
-        self.tok, self.stops, self.out = tokenizer, stops, out
+    def __init__(self, tokenizer, count: int, stops: list[str], out=None):
+        self.tok, self.stops, self.out = tokenizer, stops, out or sys.stdout
         self.ids = [[] for _ in range(count)]
         self.done = [False] * count
         self.shown = [0] * count  # characters of each text printed

@@ -150,8 +150,8 @@ class Attention(nnx.Module):
         mask_BTS = mask(positions_BT[:, :, None], jnp.arange(v_BKSE.shape[2])[None, None, :])
         out_BTHE = cached_attention(q_BTHE, k_BKES, v_BKSE, mask_BTS, positions_BT, self._score_mod())
         # One contracted axis of H*E: with two (h, e), XLA:CPU transposed wo, a weight copy per layer per token.
-        wo_FD = self.wo[...].reshape(-1, self.wo.shape[-1])
-        y_BTD = project("btf,fd->btd", out_BTHE.reshape(B, T, -1), wo_FD, self.recipe, _value(self.out_amax))
+        wo = self.wo[...].reshape(-1, self.wo.shape[-1])  # [H*E, D]
+        y_BTD = project("btx,xd->btd", out_BTHE.reshape(B, T, -1), wo, self.recipe, _value(self.out_amax))
         return y_BTD, k_BKES, v_BKSE
 
     def _qkv(self, x_BTD, sin, cos):

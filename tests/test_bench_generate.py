@@ -1,0 +1,49 @@
+"""experiments.bench_generate: the transformers peer holds the same weights, bad flags are one line, and (slow) the
+whole benchmark prints its table and a JSON last line. No timing is asserted."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from helpers import tiny_model
+
+from experiments import bench_generate
+from jaxlm.model import Transformer
+
+TINY = ["--set", "model.num_layers=1", "--set", "model.d_model=64", "--set", "model.num_heads=2"]
+TINY += ["--set", "model.num_kv_heads=1", "--set", "model.mlp_dim=128", "--set", "model.vocab_size=256"]
+
+
+def test_the_transformers_peer_computes_the_same_logits_and_greedy_tokens():
+    model = Transformer(tiny_model(max_seq_len=64), rngs=nnx.Rngs(0))
+    prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 5)).tolist()
+    peer = bench_generate.hf_model(model)
+    with torch.no_grad():
+        theirs = peer(torch.tensor(prompts)).logits.numpy()
+    ours = np.asarray(model(jnp.asarray(prompts)))
+    assert np.abs(theirs - ours).max() < 1e-4
+    _, _, jax_tokens = bench_generate.jax_times(model, prompts, 6, repeats=1)
+    _, _, hf_tokens = bench_generate.hf_times(peer, prompts, 6, repeats=1)
+    assert (jax_tokens == hf_tokens).all()
+
+
+def test_bad_flags_are_one_line(capsys):
+    assert bench_generate.main(["--batches", "0"]) == 2
+    assert bench_generate.main(["--prompt-len", "200", "--new-tokens", "100"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "exceed the model's max length 256" in err[1]
+
+
+@pytest.mark.slow
+def test_the_benchmark_prints_a_table_and_json(capsys):
+    args = ["--batches", "1,2", "--prompt-len", "4", "--new-tokens", "4", "--repeats", "1", *TINY]
+    assert bench_generate.main(args) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    assert [r["batch"] for r in summary["rows"]] == [1, 2] and summary["copy_bandwidth_gb_s"] > 0
+    for row in summary["rows"]:
+        assert row["same_greedy_tokens"] == 4 and {"decode_speedup", "step_over_bound", "prefill_speedup"} <= set(row)
+    assert out[2].split()[:3] == ["batch", "prefill", "tok/s"]
