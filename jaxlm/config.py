@@ -233,7 +233,8 @@ OptimConfig.RESUME_MAY_CHANGE = tuple(f.name for f in dataclasses.fields(OptimCo
 @dataclass(frozen=True)
 class DataConfig(Section):
     path: str = ""  # token data (python -m data.prepare); "" -> the default stdlib corpus
-    # the default corpus's tokenizer: "byte", or "bpe<N>" (an N-token BPE trained on the corpus, built once)
+    # the default corpus's tokenizer (used when path is ""): "byte", or "bpe<N>" (an N-token BPE trained on the
+    # corpus, built once)
     corpus_tokenizer: str = "byte"
     seq_len: int = 256
     batch_size: int = 16  # global batch, in sequences
@@ -274,11 +275,7 @@ class DataConfig(Section):
         if run is not None and d.seq_len > run.model.max_seq_len:
             raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({run.model.max_seq_len})")
         check_choice("data.loader", d.loader, LOADERS)
-        if d.corpus_tokenizer != "byte":
-            if d.path:
-                raise ConfigError(
-                    "data.corpus_tokenizer is the default corpus's: leave it 'byte' when data.path is set"
-                )
+        if d.corpus_tokenizer != "byte":  # checked even when data.path is set (then unused): a typo surfaces
             try:
                 bpe_vocab_size(d.corpus_tokenizer)
             except ValueError as e:

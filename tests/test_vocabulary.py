@@ -75,7 +75,7 @@ def test_bits_per_byte_of_a_uniform_model_is_log2_vocab_times_tokens_per_byte():
     [
         (dict(corpus_tokenizer="bpe100"), "use 'byte' or 'bpe<N>' with N in \\[512, 65536\\]"),
         (dict(corpus_tokenizer="wordpiece"), "corpus tokenizer 'wordpiece'"),
-        (dict(corpus_tokenizer="bpe4096", path="some/tokens"), "leave it 'byte' when data.path is set"),
+        (dict(corpus_tokenizer="bpe40", path="some/tokens"), "N in"),  # unused with a path, still checked
     ],
 )
 def test_the_default_corpus_tokenizer_is_checked(data, message):
