@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from experiments.bench_train import GPT_BENCH
+from experiments.cli import exit_with
 from jaxlm import config as config_lib
 from jaxlm import generate as gen
 from jaxlm.model import Transformer
@@ -195,4 +196,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.cli import exit_with
+
 PROG = "experiments.generate"
 EXIT_BAD_INPUT = 2
 
@@ -218,4 +220,4 @@ def _fail(message: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())
