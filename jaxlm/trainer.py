@@ -141,6 +141,14 @@ def bits_per_nat(eval_batches: list[Batch], token_bytes: np.ndarray) -> float | 
     return tokens / (math.log(2) * num_bytes) if num_bytes else None
 
 
+def _holds(path: Path, text: str) -> bool:
+    """Whether `path` already holds `text` (a resumed run rewrites nothing it has: a full disk fails at the save)."""
+    try:
+        return path.read_text() == text
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def _describe(fingerprint: dict) -> str:
     return (
         f"{fingerprint.get('tokens')} tokens, tokenizer {fingerprint.get('tokenizer')}, "
@@ -310,7 +318,8 @@ class Trainer:
             tmp = config_path.with_suffix(".json.tmp")  # written whole or not at all
             tmp.write_text(json.dumps(config_lib.to_dict(self.cfg), indent=2) + "\n")
             tmp.replace(config_path)
-            if self.tokenizer is not None:  # what generate and export_hf read the run's text with
+            saved_tokenizer = Path(self.workdir) / "tokenizer.json"  # what generate and export_hf read text with
+            if self.tokenizer is not None and not _holds(saved_tokenizer, self.tokenizer.json):
                 self.tokenizer.save(self.workdir)
             self.logger = MetricsLogger(
                 self.workdir,

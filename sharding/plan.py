@@ -11,6 +11,7 @@ and as its last line one JSON object with the key figures. Bad inputs: one line 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -39,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the best layout to this mesh layout file")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--remat", choices=REMAT_CHOICES, help="default: the model config's (presets: none)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=0,
+        help="the vocabulary, for a config whose model.vocab_size is 0 (it follows the data's tokenizer)",
+    )
     return p
 
 
@@ -180,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             check_out(Path(args.out))
         cfg = load_model(args.model)
+        if args.vocab_size:
+            cfg = dataclasses.replace(cfg, vocab_size=args.vocab_size)
+        elif cfg.vocab_size == 0:
+            raise LayoutError(
+                f"{args.model} leaves model.vocab_size to the data's tokenizer (0); give it with --vocab-size N "
+                f"(the tokenizer's ids, rounded up to a multiple of 128)"
+            )
         remat = args.remat or ("full" if cfg.remat == "full" else "none")
         result = plan(cfg, args.devices, args.global_batch_tokens, args.seq, get_hardware(args.hardware), remat)
     except (LayoutError, ValueError) as e:

@@ -279,6 +279,8 @@ def test_config_file_and_cpu_preset(capsys):
                 "256",
                 "--hardware",
                 "cpu",
+                "--vocab-size",
+                "4096",  # tiny_lm's config leaves it to the data's tokenizer
             ]
         )
         == 0
