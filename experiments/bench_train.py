@@ -3,6 +3,7 @@
     python -m experiments.bench_train                     # the gpt-bench config
     python -m experiments.bench_train --compare           # also the variants (unrolled layers, remat, ...)
     python -m experiments.bench_train --set model.dtype=bfloat16
+    python -m experiments.bench_train --peer              # also PyTorch eager / torch.compile, and the ratio
 
 Both numbers are measured in the same run: the peak is the best of 5 float32 `jnp.dot` 2048x2048 products; the
 step's model FLOPs are 6*N*tokens plus attention (12*L*H*E*T per token). The last line is a JSON summary.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -142,6 +144,11 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=3, help="timed windows; the best is reported")
     p.add_argument("--compare", action="store_true", help="also measure the VARIANTS, in this same run")
     p.add_argument("--profile", metavar="DIR", help="trace one step of the first variant into DIR and print top ops")
+    p.add_argument(
+        "--peer",
+        action="store_true",
+        help="also run bench_torch_reference (PyTorch eager and torch.compile) in this same run and print the ratio",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.windows < 1:
         p.error("--steps and --windows must be >= 1")
@@ -191,8 +198,39 @@ def main(argv=None) -> int:
             "tokens_per_s": round(results[best]["tokens_per_s"], 1),
             "mfu": round(results[best]["mfu"], 4),
         }
+    if args.peer:
+        summary["peer"] = measure_peer(head["tokens_per_s"], args.steps, args.windows)
     print(json.dumps(summary))
     return 0
+
+
+def measure_peer(tokens_per_s: float, steps: int, windows: int) -> dict:
+    """bench_torch_reference, eager and torch.compile, as subprocesses (one framework per process, as each runs
+    alone), right after jaxlm's step on the same machine; this run's tokens/s over the faster peer's."""
+    peers = {}
+    for mode, extra in (("torch eager", []), ("torch.compile", ["--compile"])):
+        cmd = [
+            sys.executable,
+            "-m",
+            "experiments.bench_torch_reference",
+            "--steps",
+            str(steps),
+            "--windows",
+            str(windows),
+        ]
+        proc = subprocess.run([*cmd, *extra], capture_output=True, text=True)
+        if proc.returncode:
+            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            print(f"{mode:34s} failed: {last}", flush=True)
+            continue
+        peers[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["tokens_per_s"]
+        print(f"{mode:34s} {'':>7s} {'':>7s} {peers[mode]:8.0f}", flush=True)
+    if not peers:
+        return {}
+    faster = max(peers, key=peers.get)
+    ratio = tokens_per_s / peers[faster]
+    print(f"jaxlm / {faster}: {ratio:.2f}x (goal >= 1.0x; stretch 1.2x)")
+    return {"tokens_per_s": {k: round(v, 1) for k, v in peers.items()}, "faster": faster, "ratio": round(ratio, 3)}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 """Benchmarks keep their contract: a readable table, then one JSON object with the key figures as the last line."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -59,11 +58,27 @@ def test_bench_train_rejects_bad_override():
 
 
 def test_torch_reference_without_torch_says_so():
-    if importlib.util.find_spec("torch") is not None:
-        pytest.skip("torch is installed: the module would run the real (slow) benchmark")
-    proc = run("experiments.bench_torch_reference")
+    """torch hidden (sys.modules["torch"] = None makes `import torch` raise ImportError): one line, exit 2."""
+    script = (
+        "import sys, runpy; sys.modules['torch'] = None; sys.argv = ['bench_torch_reference']; "
+        "runpy.run_module('experiments.bench_torch_reference', run_name='__main__')"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "torch is not installed" in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "bench_torch_reference: error: torch is not installed (pip install torch)"
+    ]
+
+
+@pytest.mark.slow  # ~3 min: PyTorch's gpt-bench steps, eager and compiled; the ratio is arithmetic on their JSON
+def test_bench_train_peer_reports_the_ratio_to_the_faster_torch():
+    proc = run("experiments.bench_train", "--peer", "--steps", "1", "--windows", "1")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    peer = summary["peer"]
+    assert set(peer["tokens_per_s"]) == {"torch eager", "torch.compile"}
+    faster = max(peer["tokens_per_s"].values())
+    assert peer["ratio"] == pytest.approx(summary["tokens_per_s"] / faster, rel=1e-3)
 
 
 def test_bench_attention_prints_table_then_json():
