@@ -3,9 +3,10 @@
     python -m experiments.compare_tokenizers                 # tiny_lm's config, 160 byte-level steps, BPE 4096
     python -m experiments.compare_tokenizers --quick         # a tiny model and a few steps (the test's)
 
-Both runs read the default corpus (this Python's standard library, tests excluded). The BPE is trained on that
-corpus (`data.train_tokenizer`'s trainer) and the corpus prepared with it into token shards (`data.prepare`'s
-pipeline). Each run is `python -m experiments.tiny_lm` as a user runs it. A BPE token costs more FLOPs (its
+Both runs read the default corpus (this Python's standard library, tests excluded), set by
+`data.corpus_tokenizer`: `byte`, and `bpe<N>`, a BPE trained on the whole corpus and the corpus prepared with it
+into token shards (`data.corpus.default_corpus`, built once). Each run is `python -m experiments.tiny_lm` as a
+user runs it. A BPE token costs more FLOPs (its
 larger embedding and head) but stands for several bytes, so the BPE run gets the steps that make its training
 FLOPs equal the byte-level run's. Eval bits per byte compares them whatever the tokenizer: both runs hold out the
 last 1% of their tokens, the same tail of the corpus. Prints a table and, last, one JSON line.
@@ -30,40 +31,8 @@ QUICK = [
 ]
 
 
-def bpe_data(root: Path, vocab_size: int, max_mb: float) -> Path:
-    """The default corpus tokenized with a BPE of `vocab_size` trained on its first `max_mb` MB (cached in root)."""
-    from data.corpus import stdlib_sources
-    from data.prepare import Job, prepare
-    from data.text_sources import ReadOptions
-    from data.text_tokenizer import load_tokenizer
-    from data.train_tokenizer import special_tokens, train
-
-    out = root / f"bpe{vocab_size}"
-    if (out / "tokens").is_dir():
-        return out / "tokens"
-    stdlib, names = stdlib_sources()
-    files = [stdlib / name for name in names]
-    texts, size = [], 0
-    for f in files:
-        if size >= max_mb * 1e6:
-            break
-        texts.append(f.read_text(errors="replace"))
-        size += len(texts[-1])
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    train(texts, vocab_size=vocab_size, specials=special_tokens(bos=False, pad=False)).save(str(out / "tokenizer.json"))
-    print(
-        f"trained a {vocab_size}-token BPE on {size / 1e6:.1f} MB in {time.perf_counter() - t0:.1f}s", file=sys.stderr
-    )
-    job = Job(files, load_tokenizer(out / "tokenizer.json"), ReadOptions(utf8_errors="replace"), 16 << 20)
-    t0 = time.perf_counter()
-    prepare(job, out / "tokens", workers=2)
-    print(f"prepared the corpus with it in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    return out / "tokens"
-
-
-def flops_per_token(flags: list[str], data_path: str | None) -> float:
-    """Training FLOPs per token of tiny_lm's config with `flags`, on the data at `data_path` (its vocabulary)."""
+def flops_per_token(flags: list[str]) -> float:
+    """Training FLOPs per token of tiny_lm's config with `flags` (its vocabulary: the data's tokenizer's)."""
     from flax import nnx
 
     from jaxlm.config import apply_overrides, load_config
@@ -71,8 +40,7 @@ def flops_per_token(flags: list[str], data_path: str | None) -> float:
     from jaxlm.run_data import resolve_vocab
 
     sets = [flags[i + 1] for i in range(len(flags) - 1) if flags[i] == "--set"]
-    cfg = apply_overrides(load_config(REPO / "experiments" / "configs" / "tiny_lm.py"), sets)
-    cfg = resolve_vocab(apply_overrides(cfg, [f"data.path={data_path}"] if data_path else []))
+    cfg = resolve_vocab(apply_overrides(load_config(REPO / "experiments" / "configs" / "tiny_lm.py"), sets))
     model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     return model_flops_per_token(cfg.model, count_params(model), cfg.data.seq_len)
 
@@ -99,22 +67,24 @@ def train_run(workdir: Path, steps: int, flags: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.compare_tokenizers", description=__doc__.split("\n")[0])
-    p.add_argument("--workdir", default="runs/compare_tokenizers", help="runs and the BPE data (reused)")
+    p.add_argument("--workdir", default="runs/compare_tokenizers", help="the two runs")
     p.add_argument("--steps", type=int, default=160, help="byte-level steps (the BPE run gets equal FLOPs)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary")
-    p.add_argument("--max-mb", type=float, default=64.0, help="train the BPE on this many MB of the corpus")
-    p.add_argument("--quick", action="store_true", help="a tiny model, 8 steps, a 512-token BPE on 1 MB")
+    p.add_argument("--quick", action="store_true", help="a tiny model, 8 steps, a 512-token BPE")
     args = p.parse_args(argv)
     root = Path(args.workdir)
     flags = QUICK if args.quick else []
-    steps, vocab, max_mb = (8, 512, 1.0) if args.quick else (args.steps, args.vocab_size, args.max_mb)
+    steps, vocab = (8, 512) if args.quick else (args.steps, args.vocab_size)
 
-    bpe_path = bpe_data(root, vocab, max_mb)
-    per_token = {"byte": flops_per_token(flags, None), "bpe": flops_per_token(flags, str(bpe_path))}
+    flags = {
+        "byte": [*flags, "--set", "data.corpus_tokenizer=byte"],  # explicit: tiny_lm's own default is a BPE
+        "bpe": [*flags, "--set", f"data.corpus_tokenizer=bpe{vocab}"],
+    }
+    per_token = {name: flops_per_token(f) for name, f in flags.items()}  # builds the BPE corpus if it is new
     bpe_steps = max(1, round(steps * per_token["byte"] / per_token["bpe"]))
     runs = {
-        "byte": train_run(root / "byte", steps, flags),
-        "bpe": train_run(root / f"bpe{vocab}-run", bpe_steps, [*flags, "--set", f"data.path={bpe_path}"]),
+        "byte": train_run(root / "byte", steps, flags["byte"]),
+        "bpe": train_run(root / f"bpe{vocab}", bpe_steps, flags["bpe"]),
     }
     print(
         f"{'tokenizer':<12}{'steps':>7}{'MFLOP/token':>13}{'eval loss':>11}{'bits/byte':>11}{'tok/s':>9}{'wall s':>8}"
