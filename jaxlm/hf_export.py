@@ -90,14 +90,8 @@ def checkpoint_tokenizer(workdir: Path, cfg: TrainConfig, record: dict | None):
 
 
 def check_out(out: Path) -> None:
-    """--out must be new or an empty directory; its parent must be writable (nothing is ever overwritten)."""
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        raise hf.HFError(f"--out {out} exists and is not an empty directory")
-    parent = out.absolute().parent
-    if not parent.is_dir():
-        raise hf.HFError(f"--out {out}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK):
-        raise hf.HFError(f"--out {out}: {parent} is not writable")
+    """--out must be new or an empty directory (hf_files.check_new_dir)."""
+    hf_files.check_new_dir(out, "--out")
 
 
 def export(source: Source, out: Path, *, dtype: str, max_shard_bytes: int) -> dict:

@@ -156,3 +156,15 @@ def write_tokenizer(directory: Path, tokenizer, *, max_length: int) -> None:
 def generation_config(eos_id: int, bos_id: int | None) -> dict:
     config = {"eos_token_id": eos_id, "pad_token_id": eos_id}
     return config if bos_id is None else {"bos_token_id": bos_id, **config}
+
+
+def check_new_dir(path: Path, flag: str) -> None:
+    """An output directory (`flag` names it) must be new or empty and its parent writable: an import or export
+    writes beside it and renames into place, and never overwrites anything."""
+    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
+        raise HFError(f"{flag} {path} exists and is not an empty directory")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise HFError(f"{flag} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK):
+        raise HFError(f"{flag} {path}: {parent} is not writable")

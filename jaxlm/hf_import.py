@@ -126,14 +126,8 @@ def check_data_tokenizer(data: str, tokenizer) -> None:
 
 
 def check_workdir(workdir: Path) -> None:
-    """--workdir must be new or an empty directory; its parent must be writable (nothing is ever overwritten)."""
-    if workdir.exists() and not (workdir.is_dir() and not any(workdir.iterdir())):
-        raise hf.HFError(f"--workdir {workdir} exists and is not an empty directory")
-    parent = workdir.absolute().parent
-    if not parent.is_dir():
-        raise hf.HFError(f"--workdir {workdir}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK):
-        raise hf.HFError(f"--workdir {workdir}: {parent} is not writable")
+    """--workdir must be new or an empty directory (hf_files.check_new_dir)."""
+    hf_files.check_new_dir(workdir, "--workdir")
 
 
 def read_params(p: Plan) -> dict:
