@@ -19,6 +19,11 @@ def data_path(d) -> str:
     return d.path or str(default_corpus(tokenizer=d.corpus_tokenizer))
 
 
+def data_vocab_size(d) -> int:
+    """The vocabulary of the tokenizer the token data data section `d` reads was written with (its metadata)."""
+    return open_tokens(data_path(d)).vocab_size
+
+
 def data_fingerprint(d) -> dict:
     """The fingerprint (TokenFile / TokenShards.fingerprint) of the token data data section `d` reads."""
     return open_tokens(data_path(d)).fingerprint()

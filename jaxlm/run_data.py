@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from data.setup import data_fingerprint, open_data
+from data.setup import data_fingerprint, data_vocab_size, open_data
 from jaxlm.config import VOCAB_MULTIPLE, ConfigError, TrainConfig
 from pallas_kernels.mask_spec import parse_mask, uses_documents
 
@@ -28,7 +28,7 @@ def resolve_vocab(cfg: TrainConfig) -> TrainConfig:
     `model.tokenizer_vocab_size` the tokenizer's own, so padded ids are never predicted. An explicit vocab_size
     smaller than the tokenizer's is a ConfigError."""
     m = cfg.model
-    tokens = int(data_fingerprint(cfg.data)["vocab_size"])
+    tokens = data_vocab_size(cfg.data)  # the metadata's: no need to hash samples as the fingerprint does
     if m.vocab_size and m.vocab_size < tokens:
         raise ConfigError(
             f"model.vocab_size {m.vocab_size} is smaller than the data's tokenizer's {tokens} ids; raise it, or "
