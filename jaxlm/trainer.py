@@ -198,6 +198,8 @@ class Trainer:
         self.notes: list[str] = [
             f"removed incomplete checkpoint {name} (a save cut short by a crash)" for name in self.checkpointer.removed
         ]
+        if cfg.eval_prompts and jax.process_count() > 1:
+            self.notes.append("eval_prompts: samples are generated in single-process runs only")
 
     def _read_rows(self) -> None:
         """The iterator reads only the rows of each batch this process's program needs (all, on one process)."""
@@ -497,10 +499,7 @@ class Trainer:
         prompts = [p for p in self.cfg.eval_prompts.split("|") if p]
         if not prompts or self.tokenizer is None or not self.cfg.eval_sample_tokens:
             return None
-        if jax.process_count() > 1:  # the sampled ids would have to be gathered from every process first
-            if not getattr(self, "_said_no_samples", False):
-                self._said_no_samples = True
-                self.log("eval_prompts: samples are generated in single-process runs only")
+        if jax.process_count() > 1:  # its ids would need gathering from every process first; __init__ notes it
             return None
         tok = self.tokenizer
         model = nnx.merge(self.program.graphdef, self.program.eval_params(state))
