@@ -200,6 +200,8 @@ def _special_id(hf, path: Path, named: str | None, candidates, what: str, *, req
             raise TokenizerError(f"tokenizer {path}: no token {named!r} for {what}")
         return token_id
     special = {t.content for t in hf.get_added_tokens_decoder().values() if t.special}
+    # A candidate counts when it is a special token; the three most common names (GPT-2 / Llama 3 / Llama 2) also
+    # when they are only in the vocabulary, as some converted tokenizer.json files leave them.
     for token in candidates:
         if token in special or (token in candidates[:3] and hf.token_to_id(token) is not None):
             return hf.token_to_id(token)
