@@ -23,6 +23,7 @@ from .masks import (
 from .pallas_attention import block_sparse_attention
 from .reference import reference_attention
 from .xla_attention import block_sparse_attention_xla
+from .xla_tiled_attention import tiled_attention_xla
 
 __all__ = [
     "EMPTY",
@@ -47,4 +48,5 @@ __all__ = [
     "reference_attention",
     "block_sparse_attention",
     "block_sparse_attention_xla",
+    "tiled_attention_xla",
 ]
