@@ -40,6 +40,7 @@ MAX_SIDE = 2048
 #: element mask. It says a 128 x 128 tile costs ~3x per element what a 2048 x 2048 square does.
 OVERHEAD = 128
 MASKED_COST = 1.1
+BARRIER = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Plan:
         return sum(g.rows * g.cols * len(g.q_starts) for g in self.groups)
 
 
-def plan_block_mask(block_mask: BlockMask, max_side: int = MAX_SIDE) -> Plan:
+def plan_block_mask(block_mask: BlockMask, max_side: int | None = None) -> Plan:
     """The pieces covering a host block mask's non-empty tiles (of every batch element: a tile FULL in all of them
     counts FULL, one EMPTY in all counts EMPTY, anything else PARTIAL)."""
     if block_mask.is_traced:
@@ -74,11 +75,11 @@ def plan_block_mask(block_mask: BlockMask, max_side: int = MAX_SIDE) -> Plan:
     kind = np.asarray(block_mask.kind).reshape(-1, block_mask.num_q_blocks, block_mask.num_kv_blocks)
     bs = block_mask.block_sizes
     union = np.where((kind == FULL).all(0), FULL, np.where((kind == EMPTY).all(0), EMPTY, PARTIAL)).astype(np.int8)
-    return _plan(union.tobytes(), union.shape, bs.block_q, bs.block_kv, max_side)
+    return _plan(union.tobytes(), union.shape, bs.block_q, bs.block_kv, max_side or MAX_SIDE, OVERHEAD)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(kind_bytes: bytes, shape: tuple[int, int], bq: int, bkv: int, max_side: int) -> Plan:
+def _plan(kind_bytes: bytes, shape: tuple[int, int], bq: int, bkv: int, max_side: int, overhead: int) -> Plan:
     nq, nkv = shape
     kind = np.frombuffer(kind_bytes, np.int8).reshape(shape)
 
@@ -94,7 +95,7 @@ def _plan(kind_bytes: bytes, shape: tuple[int, int], bq: int, bkv: int, max_side
 
     def cost(r0, r1, c0, c1, masked):
         h, w = (r1 - r0) * bq, (c1 - c0) * bkv
-        return h * w * (1 + OVERHEAD / h + OVERHEAD / w) * (MASKED_COST if masked else 1.0)
+        return h * w * (1 + overhead / h + overhead / w) * (MASKED_COST if masked else 1.0)
 
     def best(r0, c0, size):
         """(cost, pieces) of the square of ``size`` blocks at (r0, c0), clipped to the grid."""
@@ -198,6 +199,9 @@ def _attention_bwd(static, residuals, cotangents):
     d_out, d_lse = cotangents
     # d lse / d s = p, so a cotangent on lse enters ds = p * (dp - delta) as -d_lse in delta.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+    # materialized: XLA otherwise fuses lse's elementwise merge (an exp per piece) into every score element's exp
+    if BARRIER:
+        lse, delta = jax.lax.optimization_barrier((lse, delta))
     dq, dk, dv = _backward(static, q, k, v, d_out, lse, delta, doc_arrays)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 

@@ -1,6 +1,8 @@
-"""Block-sparse attention, the Pallas kernels (interpret mode on CPU) and the XLA path, against the dense
-pallas_kernels.reference_attention: forward, gradients, every mask, GQA/MQA, T != S, padding, score mods, bf16."""
+"""Block-sparse attention, the Pallas kernels (interpret mode on CPU) and the XLA paths (the dispatcher, its scan and
+its tiled path), against the dense pallas_kernels.reference_attention: forward, gradients, every mask, GQA/MQA,
+T != S, padding, score mods, bf16; the tiled path's cover of the block mask."""
 
+import contextlib
 import functools
 
 import jax
@@ -11,6 +13,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import (
+    EMPTY,
+    FULL,
+    PARTIAL,
     BlockSizes,
     alibi,
     alibi_slopes,
@@ -26,10 +31,19 @@ from pallas_kernels import (
     reference_attention,
     sliding_window,
     soft_cap,
+    tiled_attention_xla,
 )
+from pallas_kernels import xla_tiled_attention as tiled
+from pallas_kernels.xla_attention import block_sparse_attention_scan, uses_tiled_path
 
-IMPLS = {"xla": block_sparse_attention_xla, "pallas": block_sparse_attention}
-impls = pytest.mark.parametrize("impl", list(IMPLS))
+IMPLS = {
+    "xla": block_sparse_attention_xla,  # host block masks: the tiled path
+    "scan": block_sparse_attention_scan,
+    "tiled": tiled_attention_xla,
+    "pallas": block_sparse_attention,
+}
+impls = pytest.mark.parametrize("impl", ["xla", "pallas"])
+with_scan = pytest.mark.parametrize("impl", ["xla", "scan", "pallas"])  # host masks: xla runs the tiled path
 
 
 def qkv(B=1, Hq=2, Hkv=2, T=64, S=None, D=16, dtype=jnp.float32, seed=0):
@@ -129,7 +143,7 @@ def test_non_square(impl, mask):
     check_forward(impl, *qkv(B=2, T=128, S=64), mask, BlockSizes(32, 16))
 
 
-@impls
+@with_scan
 def test_lengths_not_multiples_of_blocks_are_padded(impl):
     T, S = 50, 37
     check_forward(impl, *qkv(B=2, Hq=2, Hkv=1, T=T, S=S), prefix_lm(5), BlockSizes(16, 16))
@@ -151,7 +165,7 @@ def test_score_mods(impl):
     check_gradients(impl, *qkv(B=1, T=64), sliding_window(24), BlockSizes(16, 16), score_mod=soft_cap(1.5))
 
 
-@impls
+@with_scan
 @pytest.mark.parametrize("doc", [False, True], ids=["causal", "document"])
 def test_gradients_match_reference(impl, doc):
     B, T = 2, 64
@@ -204,7 +218,7 @@ def test_bfloat16_targets(impl):
     check_gradients(impl, q, k, v, mask, BlockSizes(32, 32), tols=(5e-2, 5e-2, 4e-3))
 
 
-@pytest.mark.parametrize("impl", ["pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas"])  # xla: a traced block mask takes the scan
 def test_traced_document_mask_under_jit(impl):
     """Segment ids arriving as a traced batch: the block mask is built on device, results unchanged."""
     B, T = 2, 96
@@ -244,6 +258,16 @@ def _draw_mask(a, b, op, doc, B, T, seed):
     return mask & document(segments(B, T, seed=seed)) if doc else mask
 
 
+@contextlib.contextmanager
+def _fine_pieces_if(fine: bool):
+    """The tiled path with pieces as fine as they go (see ``fine_pieces``), inside a hypothesis example."""
+    with pytest.MonkeyPatch.context() as mp:
+        if fine:
+            mp.setattr(tiled, "OVERHEAD", 0)
+            mp.setattr(tiled, "MAX_SIDE", 32)
+        yield
+
+
 def _assume_no_empty_rows(mask, T, S, bs):
     try:
         make_block_mask(mask, T, S, bs)
@@ -267,7 +291,8 @@ def _assume_no_empty_rows(mask, T, S, bs):
 def test_property_forward(impl, a, b, op, bq, bkv, T, doc, seed):
     mask = _draw_mask(a, b, op, doc, 2, T, seed)
     _assume_no_empty_rows(mask, T, T, BlockSizes(bq, bkv))
-    check_forward(impl, *qkv(B=2, Hq=2, Hkv=1, T=T, seed=seed), mask, BlockSizes(bq, bkv))
+    with _fine_pieces_if(impl == "tiled"):
+        check_forward(impl, *qkv(B=2, Hq=2, Hkv=1, T=T, seed=seed), mask, BlockSizes(bq, bkv))
 
 
 @settings(max_examples=4, deadline=None)  # each example compiles a forward and backward anew
@@ -286,20 +311,128 @@ def test_property_forward(impl, a, b, op, bq, bkv, T, doc, seed):
 def test_property_gradients(impl, a, b, op, bq, bkv, T, Hkv, doc, seed):
     mask = _draw_mask(a, b, op, doc, 1, T, seed)
     _assume_no_empty_rows(mask, T, T, BlockSizes(bq, bkv))
-    check_gradients(impl, *qkv(B=1, Hq=2, Hkv=Hkv, T=T, seed=seed), mask, BlockSizes(bq, bkv))
+    with _fine_pieces_if(impl == "tiled"):
+        check_gradients(impl, *qkv(B=1, Hq=2, Hkv=Hkv, T=T, seed=seed), mask, BlockSizes(bq, bkv))
+
+
+# ----------------------------------------------------------------------------- the tiled path
+
+
+@pytest.fixture
+def fine_pieces(monkeypatch):
+    """Small shapes with the tiled path's pieces as fine as they go: no per-piece overhead in its cost model (so it
+    splits every mixed square down to single masked tiles) and squares of at most 4 blocks of 16."""
+    monkeypatch.setattr(tiled, "OVERHEAD", 0)
+    monkeypatch.setattr(tiled, "MAX_SIDE", 64)
+
+
+def _covers(plan):
+    """[nq, nkv] count of pieces over each tile, and of unmasked pieces."""
+    count = np.zeros((plan.num_q_blocks, plan.num_kv_blocks), int)
+    unmasked = np.zeros_like(count)
+    for g in plan.groups:
+        for r, c in zip(g.q_starts, g.kv_starts):
+            assert 0 <= r <= plan.num_q_blocks - g.rows and 0 <= c <= plan.num_kv_blocks - g.cols
+            count[r : r + g.rows, c : c + g.cols] += 1
+            unmasked[r : r + g.rows, c : c + g.cols] += not g.masked
+    return count, unmasked
+
+
+@settings(max_examples=40, deadline=None)  # host-side only: no compiling
+@given(
+    nq=st.integers(1, 13),
+    nkv=st.integers(1, 13),
+    p_empty=st.floats(0, 1),
+    overhead=st.sampled_from([0, 16, 128]),
+    max_side=st.sampled_from([16, 64, 2048]),
+    seed=st.integers(0, 2**16),
+)
+def test_tiled_plan_covers_every_live_tile_once(nq, nkv, p_empty, overhead, max_side, seed):
+    r = np.random.default_rng(seed)
+    kind = np.where(r.random((nq, nkv)) < p_empty, EMPTY, r.choice([PARTIAL, FULL], size=(nq, nkv))).astype(np.int8)
+    count, unmasked = _covers(tiled._plan(kind.tobytes(), kind.shape, 16, 16, max_side, overhead))
+    assert np.all(count[kind != EMPTY] == 1)  # every live tile computed exactly once
+    assert np.all(count <= 1) and np.all(kind[unmasked > 0] == FULL)  # no element mask only on FULL tiles
+
+
+def test_tiled_plan_for_causal_is_a_few_large_unmasked_squares():
+    bm = make_block_mask(causal(), 8192, 8192, BlockSizes(128, 128))
+    plan = tiled.plan_block_mask(bm)
+    count, unmasked = _covers(plan)
+    assert np.all(count[bm.kind != EMPTY] == 1)
+    assert len(plan.groups) <= 6  # one batched product per shape
+    assert max(g.rows for g in plan.groups if not g.masked) * 128 == tiled.MAX_SIDE
+    masked = [g for g in plan.groups if g.masked]
+    assert all(r == c for g in masked for r, c in zip(g.q_starts, g.kv_starts))  # the diagonal only
+    assert plan.computed_blocks() <= 1.02 * int(np.count_nonzero(bm.kind))
+    assert int(unmasked.sum()) >= 0.9 * plan.computed_blocks()
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        causal(),
+        sliding_window(40),
+        prefix_lm(40),
+        chunked_causal(40),
+        causal() & (global_tokens(20) | sliding_window(36)),
+    ],
+    ids=repr,
+)
+def test_tiled_forward_and_gradients_match_reference(mask, fine_pieces):
+    """96 = 6 blocks of 16: pieces of 1, 2 and 4 blocks, clipped at the grid's edge; B=2, GQA."""
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, T=96, seed=11)
+    plan = tiled.plan_block_mask(make_block_mask(mask, 96, 96, BlockSizes(16, 16)))
+    assert len(plan.groups) >= 2
+    check_forward("tiled", q, k, v, mask, BlockSizes(16, 16))
+    check_gradients("tiled", q, k, v, mask, BlockSizes(16, 16))
+
+
+def test_tiled_padding_non_square_score_mods_and_documents(fine_pieces):
+    check_gradients("tiled", *qkv(B=2, Hq=2, Hkv=1, T=50, S=37), prefix_lm(5), BlockSizes(16, 8))
+    check_forward("tiled", *qkv(B=1, T=40, S=72), causal() | global_tokens(3), BlockSizes(8, 16))
+    check_gradients(
+        "tiled", *qkv(B=1, Hq=4, Hkv=2, T=64), causal(), BlockSizes(16, 16), score_mod=alibi(alibi_slopes(4))
+    )
+    check_forward("tiled", *qkv(B=2, T=64), sliding_window(24), BlockSizes(16, 16), score_mod=soft_cap(1.5))
+    mask = causal() & document(segments(2, 80, seed=12))  # host ids, different per row: the union is planned
+    bm = make_block_mask(mask, 80, 80, BlockSizes(16, 16))
+    assert bm.batch_shape == (2,) and uses_tiled_path(bm)
+    check_gradients("tiled", *qkv(B=2, Hq=2, Hkv=1, T=80, seed=13), mask, BlockSizes(16, 16))
+
+
+def test_xla_dispatch_takes_the_tiled_path_for_host_block_masks():
+    q = jnp.zeros((2, 2, 64, 8))
+
+    def scans(bm):
+        return "scan" in str(jax.make_jaxpr(lambda q: block_sparse_attention_xla(q, q, q, bm))(q))
+
+    assert not scans(make_block_mask(causal(), 64, 64, BlockSizes(16, 16)))
+    mask = causal() & document(np.array([[0] * 32 + [1] * 32, [0] * 64]))
+    assert not scans(make_block_mask(mask, 64, 64, BlockSizes(16, 16)))  # per-batch host ids: union planned
+
+    @jax.jit
+    def traced(q, seg):
+        bm = make_block_mask(causal() & document(seg), 64, 64, BlockSizes(16, 16))
+        assert not uses_tiled_path(bm)
+        return block_sparse_attention_xla(q, q, q, bm)[0]
+
+    assert "scan" in str(jax.make_jaxpr(traced)(q, jnp.zeros((2, 64), jnp.int32)))
 
 
 def _has_dense(hlo_text):
     return "4096x4096" in hlo_text or "4096,4096" in hlo_text  # StableHLO / HLO shape spellings
 
 
-def test_no_dense_score_matrix_for_long_sequences():
+@pytest.mark.parametrize("impl", ["xla", "scan"])
+@pytest.mark.parametrize("mask", [sliding_window(128), causal()], ids=repr)
+def test_no_dense_score_matrix_for_long_sequences(impl, mask):
     T, D = 4096, 16
-    bm = make_block_mask(sliding_window(128), T, T, BlockSizes(128, 128))
+    bm = make_block_mask(mask, T, T, BlockSizes(128, 128))
     x = jax.ShapeDtypeStruct((1, 1, T, D), jnp.float32)
-    f = functools.partial(block_sparse_attention_xla, block_mask=bm)
+    f = functools.partial(IMPLS[impl], block_mask=bm)
     assert _has_dense(
-        jax.jit(functools.partial(reference_attention, mask=sliding_window(128))).lower(x, x, x).as_text()
+        jax.jit(functools.partial(reference_attention, mask=mask)).lower(x, x, x).as_text()
     )  # the check itself sees a dense matrix
     assert not _has_dense(jax.jit(f).lower(x, x, x).as_text())
     grad_hlo = jax.jit(jax.grad(lambda q, k, v: f(q, k, v)[0].sum(), argnums=(0, 1, 2))).lower(x, x, x).as_text()
