@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxlm.attention import attention
 from jaxlm.config import REMAT_CHOICES, ModelConfig
-from jaxlm.quantized import AmaxHistory, amax_history, layer_recipe, project
+from jaxlm.quantized import PROJECTION_NAME, AmaxHistory, amax_history, layer_recipe, project
 from pallas_kernels import BlockSizes, Mask, full, soft_cap
 from pallas_kernels.kernel_mask import DocumentSlot
 from pallas_kernels.mask_spec import parse_mask
@@ -31,12 +31,16 @@ PADDED_LOGIT = -1e30
 
 # What the backward pass may keep from each layer's forward; everything else is recomputed. "dots_no_batch" keeps
 # the projection outputs but recomputes attention scores and elementwise ops: less memory, and on CPU no slower
-# because fewer per-layer residuals have to be stacked by the scan.
+# because fewer per-layer residuals have to be stacked by the scan. Plain projections run under a custom_vjp, whose
+# dot the dot policies cannot see, so their outputs are also kept by name (jaxlm.quantized.PROJECTION_NAME).
+_PROJECTIONS = jax.checkpoint_policies.save_only_these_names(PROJECTION_NAME)
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(jax.checkpoint_policies.dots_saveable, _PROJECTIONS),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _PROJECTIONS
+    ),
 }
 assert tuple(REMAT_POLICIES) == REMAT_CHOICES, "jaxlm.config.REMAT_CHOICES names the policies the config allows"
 

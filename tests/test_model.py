@@ -311,6 +311,61 @@ def test_scan_unrolled_and_remat_agree():
     assert any(np.abs(g).max() > 0 for g in jax.tree.leaves(ref_grads))
 
 
+@pytest.mark.parametrize(
+    "spec, x_shape, w_shape, dtype, out_dtype",
+    [
+        ("btd,dkge->btkge", (2, 5, 8), (8, 2, 3, 4), jnp.float32, None),
+        ("btd,dcf->btcf", (2, 5, 8), (8, 2, 6), jnp.float32, None),
+        ("bthe,hed->btd", (2, 5, 3, 4), (3, 4, 8), jnp.float32, None),
+        ("btd,dv->btv", (2, 5, 8), (8, 11), jnp.bfloat16, jnp.float32),
+    ],
+)
+def test_plain_projection_gradients_equal_autodiff(spec, x_shape, w_shape, dtype, out_dtype):
+    """The projection's written-out backward (weight gradient as einsum(x, dY)) is autodiff's, dtypes included."""
+    from jaxlm.quantized import plain_projection
+
+    kx, kw, ky = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, x_shape, dtype)
+    w = jax.random.normal(kw, w_shape, dtype)
+    out_shape = jax.eval_shape(lambda: jnp.einsum(spec, x, w)).shape
+    cot = jax.random.normal(ky, out_shape, jnp.float32)
+
+    def loss(f):
+        return lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * cot)
+
+    def autodiff(x, w):
+        return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+
+    def custom(x, w):
+        return plain_projection(spec, out_dtype, x, w)
+
+    ours = jax.jit(jax.grad(loss(custom), argnums=(0, 1)))(x, w)
+    reference = jax.jit(jax.grad(loss(autodiff), argnums=(0, 1)))(x, w)
+    for a, b in zip(ours, reference):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
+
+
+def test_dot_remat_policies_keep_the_plain_projections():
+    """`remat=dots` keeps the projections' outputs although their dot sits inside a custom_vjp: the backward
+    recomputes no projection (as many dots as without remat), where `full` recomputes them."""
+    from jaxlm.model import REMAT_POLICIES
+    from jaxlm.quantized import project
+
+    x, w1, w2 = jnp.ones((16, 8)), jnp.ones((8, 32)), jnp.ones((32, 8))
+
+    def f(x, w1, w2):
+        return jnp.sum(project("td,df->tf", jax.nn.silu(project("td,df->tf", x, w1, None)), w2, None))
+
+    def dots(policy):
+        fn = f if policy is None else jax.checkpoint(f, policy=policy)
+        return jax.jit(jax.value_and_grad(fn, argnums=(1, 2))).lower(x, w1, w2).as_text().count("dot_general")
+
+    assert dots(REMAT_POLICIES["dots"]) == dots(REMAT_POLICIES["dots_no_batch"]) == dots(None)
+    assert dots(REMAT_POLICIES["full"]) > dots(None)
+
+
 # ----------------------------------------------------------------------------- logical-axis metadata
 
 
