@@ -1,11 +1,15 @@
 """Block-sparse attention benchmark: blocks computed and forward+backward time, against dense masked attention.
 
     python -m experiments.bench_attention                               # seq 2k/8k x head dim 64/128 x 4 masks
-    python -m experiments.bench_attention --seq-lens 1024 --head-dims 64
+    python -m experiments.bench_attention --seq-lens 1024 --head-dims 64 --masks causal
 
-On CPU it times the XLA block-sparse path (pallas_kernels.block_sparse_attention_xla) against the dense masked
-reference (pallas_kernels.reference_attention), both jitted, forward + backward (grad of sum(out * w)). The dense
-reference does the same work whatever the mask, so it is timed once per (seq, head dim), under causal.
+On CPU it times, forward + backward (grad of sum(out * w)), all jitted and in one interleaved run: the dense masked
+reference (pallas_kernels.reference_attention), the block-list scan (block_sparse_attention_scan) and
+block_sparse_attention_xla, which runs these host block masks as large tiles (tiled_attention_xla). The dense
+reference does the same work whatever the mask, so it is timed once per (seq, head dim), under causal. "per FLOP"
+is the tiled path's time per FLOP it computes over one square float32 matmul's, timed in the same run: FLOPs are
+14 * D per score element it computes (forward q.k and p.v, backward q.k again, dO.v, dV, dK, dQ: 2 * D each),
+masked tiles counted whole; the softmax's exp and the merges are time without FLOPs.
 On a GPU it times the Pallas kernel against jax.nn.dot_product_attention (cuDNN), forward + backward, in bfloat16,
 and reports TFLOP/s counted on the non-masked score elements only (4 * D FLOPs forward, 10 * D forward+backward).
 The last line is a JSON summary.
@@ -35,6 +39,10 @@ from pallas_kernels import (
     reference_attention,
     sliding_window,
 )
+from pallas_kernels.xla_attention import block_sparse_attention_scan, uses_tiled_path
+from pallas_kernels.xla_tiled_attention import plan_block_mask
+
+MASK_NAMES = ("causal", "sliding", "document", "prefix-LM")
 
 
 def masks(T: int, window: int, docs: int) -> dict:
@@ -48,6 +56,10 @@ def masks(T: int, window: int, docs: int) -> dict:
     }
 
 
+def _short(name: str) -> str:
+    return name.split()[0]
+
+
 def visible_elements(mask, T: int) -> int:
     """Score elements the mask keeps (the FLOPs a perfect kernel does), counted row block by row block."""
     total, kv = 0, np.arange(T)[None, :]
@@ -57,14 +69,31 @@ def visible_elements(mask, T: int) -> int:
     return total
 
 
-def time_fwd_bwd(fn, q, k, v, repeats: int) -> float:
-    """Best wall time of one jitted forward + backward (grad of sum(out * w) w.r.t. q, k, v)."""
-    w = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
+def fwd_bwd(fn):
+    """Jitted forward + backward of ``fn``: grad of sum(out * w) w.r.t. q, k, v."""
 
     def loss(q, k, v):
+        w = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
         return jnp.sum(fn(q, k, v)[0].astype(jnp.float32) * w)
 
-    return best_time(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, repeats=repeats)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def time_fwd_bwd(fn, q, k, v, repeats: int) -> float:
+    """Best wall time of one jitted forward + backward (grad of sum(out * w) w.r.t. q, k, v)."""
+    return best_time(fwd_bwd(fn), q, k, v, repeats=repeats)
+
+
+def interleaved_times(jobs: dict, repeats: int) -> dict:
+    """Best wall time of each ``name: (fn, args)``, after one warm-up each, the repeats taken in turn: on a shared
+    machine every candidate sees the same background load."""
+    for fn, args in jobs.values():
+        best_time(fn, *args, repeats=0)
+    best = {name: float("inf") for name in jobs}
+    for _ in range(repeats):
+        for name, (fn, args) in jobs.items():
+            best[name] = min(best[name], best_time(fn, *args, repeats=1, warmup=0))
+    return best
 
 
 def inputs(B, H, T, D, dtype):
@@ -74,34 +103,69 @@ def inputs(B, H, T, D, dtype):
 
 def bench_cpu(args) -> dict:
     print(
-        f"{'seq':>6s} {'D':>4s} {'mask':>16s} {'blocks':>7s} {'visited':>9s} {'dense ms':>9s} "
-        f"{'blocksparse ms':>14s} {'speedup':>8s}"
+        f"{'seq':>6s} {'D':>4s} {'mask':>16s} {'blocks':>7s} {'computed':>9s} {'dense ms':>9s} {'scan ms':>9s} "
+        f"{'blocksparse ms':>14s} {'speedup':>8s} {'scan':>6s} {'per FLOP':>9s}"
     )
     summary = {}
     for T in args.seq_lens:
         for D in args.head_dims:
-            q, k, v = inputs(args.batch, args.heads, T, D, jnp.float32)
-            dense_s = time_fwd_bwd(functools.partial(reference_attention, mask=causal()), q, k, v, args.repeats)
-            for name, mask in masks(T, args.window, args.docs).items():
-                bm = make_block_mask(mask, T, T, BlockSizes(args.block, args.block))
-                visited = int(np.sum(bm.kv_block_counts)) // max(1, int(np.prod(bm.batch_shape)))
-                sparse_s = time_fwd_bwd(
-                    functools.partial(block_sparse_attention_xla, block_mask=bm), q, k, v, args.repeats
-                )
-                print(
-                    f"{T:6d} {D:4d} {name:>16s} {bm.density:7.1%} "
-                    f"{visited:4d}/{bm.num_q_blocks * bm.num_kv_blocks:<4d} "
-                    f"{dense_s * 1e3:9.1f} {sparse_s * 1e3:14.1f} {dense_s / sparse_s:7.2f}x",
-                    flush=True,
-                )
-                key = f"{name.split()[0]}_T{T}_D{D}"
-                summary[key] = {
-                    "blocks": round(bm.density, 4),
-                    "speedup": round(dense_s / sparse_s, 2),
-                    "dense_ms": round(dense_s * 1e3, 1),
-                    "blocksparse_ms": round(sparse_s * 1e3, 1),
-                }
+            summary.update(bench_cpu_shape(args, T, D))
     return summary
+
+
+def bench_cpu_shape(args, T: int, D: int) -> dict:
+    """One (seq, head dim): every mask's scan and block_sparse_attention_xla, the dense reference and one matmul,
+    timed in turn."""
+    q, k, v = inputs(args.batch, args.heads, T, D, jnp.float32)
+    per_element = 14 * D * args.batch * args.heads  # FLOPs per computed score element, forward + backward
+    jobs = {"dense": (fwd_bwd(functools.partial(reference_attention, mask=causal())), (q, k, v))}
+    block_masks, computed = {}, {}
+    for name, mask in masks(T, args.window, args.docs).items():
+        if _short(name) not in args.masks:
+            continue
+        bm = block_masks[name] = make_block_mask(mask, T, T, BlockSizes(args.block, args.block))
+        if uses_tiled_path(bm):  # score elements the tiled path computes
+            computed[name] = plan_block_mask(bm).computed_blocks() * args.block**2
+        if not args.no_scan:
+            scan = functools.partial(block_sparse_attention_scan, block_mask=bm)
+            jobs[f"scan {name}"] = (fwd_bwd(scan), (q, k, v))
+        jobs[name] = (fwd_bwd(functools.partial(block_sparse_attention_xla, block_mask=bm)), (q, k, v))
+    # one square matmul with as many FLOPs as the largest case (n >~ 1000: near the machine's peak)
+    n = round((per_element * max(computed.values(), default=T * T) / 2) ** (1 / 3))
+    a = jax.random.normal(jax.random.key(5), (n, n), jnp.float32)
+    jobs["matmul"] = (jax.jit(jnp.matmul), (a, a))
+    t = interleaved_times(jobs, args.repeats)
+    matmul_s_per_flop = t["matmul"] / (2 * n**3)
+
+    summary = {}
+    for name, bm in block_masks.items():
+        dense_s, sparse_s, scan_s = t["dense"], t[name], t.get(f"scan {name}")
+        elements = computed.get(name)
+        per_flop = sparse_s / (per_element * elements) / matmul_s_per_flop if elements else None
+        print(
+            f"{T:6d} {D:4d} {name:>16s} {bm.density:7.1%} "
+            f"{_fmt(elements and elements / (T * T), '.1%', 'scan'):>9s} {dense_s * 1e3:9.1f} "
+            f"{_fmt(scan_s and scan_s * 1e3, '.1f'):>9s} {sparse_s * 1e3:14.1f} {dense_s / sparse_s:7.2f}x "
+            f"{_fmt(scan_s and dense_s / scan_s, '.2f', suffix='x'):>6s} {_fmt(per_flop, '.2f', suffix='x'):>9s}",
+            flush=True,
+        )
+        summary[f"{_short(name)}_T{T}_D{D}"] = {
+            "blocks": round(bm.density, 4),
+            "visited": int(np.sum(bm.kv_block_counts)) // max(1, int(np.prod(bm.batch_shape))),
+            "computed": elements and round(elements / (T * T), 4),
+            "speedup": round(dense_s / sparse_s, 2),
+            "dense_ms": round(dense_s * 1e3, 1),
+            "blocksparse_ms": round(sparse_s * 1e3, 1),
+            "scan_ms": scan_s and round(scan_s * 1e3, 1),
+            "scan_speedup": scan_s and round(dense_s / scan_s, 2),
+            "flop_ratio": per_flop and round(per_flop, 2),
+            "matmul_gflops": round(1e-9 / matmul_s_per_flop, 1),
+        }
+    return summary
+
+
+def _fmt(x, spec: str, none: str = "-", suffix: str = "") -> str:
+    return none if x is None else f"{x:{spec}}{suffix}"
 
 
 def bench_gpu(args) -> dict:
@@ -155,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=1024, help="sliding window size")
     p.add_argument("--docs", type=int, default=8, help="documents per sequence for the document mask")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case; the best is reported")
+    p.add_argument("--masks", nargs="+", default=list(MASK_NAMES), choices=MASK_NAMES, help="CPU: masks to time")
+    p.add_argument("--no-scan", action="store_true", help="CPU: skip the block-list scan")
     args = p.parse_args(argv)
     for name in ("batch", "heads", "block", "window", "docs", "repeats"):
         if getattr(args, name) < 1:
