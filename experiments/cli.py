@@ -180,6 +180,7 @@ def _prepare(prog: str, args, default_config: Path):
     from jaxlm.diloco.config import for_this_process
     from jaxlm.memory_check import check_step_fits
     from jaxlm.run_data import open_run_data, resolve_vocab, run_tokenizer
+    from jaxlm.train import step_microbatches
     from jaxlm.workdir_lock import WorkdirLock
     from sharding import MeshLayout, load_layout
 
@@ -200,7 +201,7 @@ def _prepare(prog: str, args, default_config: Path):
     m, d = cfg.model, cfg.data
     layout.check_divisibility(
         batch_size=d.batch_size,
-        microbatches=d.microbatches,
+        microbatches=step_microbatches(cfg, layout, jax.devices()[0].platform),
         num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads,
         mlp_dim=m.mlp_dim,

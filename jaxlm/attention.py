@@ -1,6 +1,7 @@
 """The one attention entry point: a mask spec and an implementation name in, [B, T, H, E] out.
 
 Implementations:
+  auto             the fastest measured for the platform, mask and length (`auto_impl`); the default
   reference        dense masked softmax in XLA (grouped, no K/V repeat); the plain baseline
   jax              jax.nn.dot_product_attention: cuDNN's fused kernel on a GPU for bf16/fp16, causal or no mask and
                    head dim <= 128 (jaxlm.attention.cudnn_fits), XLA's otherwise
@@ -67,6 +68,8 @@ def attention(
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
     template = parse_mask(mask) if isinstance(mask, str) else mask
+    if impl == "auto":
+        impl = auto_impl(template, q_BTHE, score_mod, block_sizes)
     if not uses_documents(template):
         segment_ids_BT = None  # nothing reads them: don't carry them into the kernels' shard_map
     elif segment_ids_BT is None:
@@ -101,6 +104,23 @@ def attention(
             implementation="cudnn" if dense is None and cudnn_fits(q_BTHE) else "xla",
         )
     return _reference(q_BTHE, k_BSKE, v_BSKE, _dense_mask(mask_obj, T, S), scale, score_mod)
+
+
+def auto_impl(template: pk.Mask, q_BTHE, score_mod=None, block_sizes: pk.BlockSizes = pk.BlockSizes()) -> str:
+    """What `impl="auto"` runs: the fastest implementation measured for this platform, mask and length.
+
+    CPU: `xla_blocksparse` once the sequence spans more than one query block (its tiled path turns a static mask's
+    non-empty tiles into a few large products; 1.17x the gpt-bench train step at T=256 and 1.5-1.8x the dense
+    reference for causal at T=2k-8k, docs/results/bench_attention.md), else `reference` (one tile: nothing to skip).
+    GPU: cuDNN's fused kernel (`jax`) where it serves the query (plain causal, bf16/fp16, `cudnn_fits`),
+    the Pallas kernels for every other mask. TPU: the Pallas kernels.
+    """
+    platform = target_platform()
+    if platform == "cpu":
+        return "xla_blocksparse" if q_BTHE.shape[1] > block_sizes.block_q else "reference"
+    if platform == "gpu" and score_mod is None and template == pk.causal() and cudnn_fits(q_BTHE):
+        return "jax"
+    return "pallas"
 
 
 def cudnn_fits(q_BTHE) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 
 from jaxlm.config import ConfigError, TrainConfig
+from jaxlm.train import step_microbatches
 from sharding.mesh import MeshLayout
 from sharding.planner import ModelShape, memory_per_device
 
@@ -34,8 +35,9 @@ def device_memory_bytes() -> tuple[float, str] | None:
 
 def estimated_step_bytes(cfg: TrainConfig, layout: MeshLayout) -> float:
     d = cfg.data
+    microbatches = step_microbatches(cfg, layout, jax.devices()[0].platform)
     memory = memory_per_device(
-        ModelShape.from_config(cfg.model), layout, d.batch_size, d.seq_len, cfg.model.remat, d.microbatches
+        ModelShape.from_config(cfg.model), layout, d.batch_size, d.seq_len, cfg.model.remat, microbatches
     )
     return memory.total
 
@@ -53,9 +55,11 @@ def check_step_fits(cfg: TrainConfig, layout: MeshLayout, available: tuple[float
     if need <= limit:
         return
     d, m = cfg.data, cfg.model
+    microbatches = step_microbatches(cfg, layout, jax.devices()[0].platform)
+    auto = "" if d.microbatches else ", auto"
     raise ConfigError(
         f"the train step needs about {need / 2**30:.1f} GiB per device (estimated before compiling) but {where} "
         f"{limit / 2**30:.1f} GiB; make it smaller: data.batch_size ({d.batch_size}), data.seq_len ({d.seq_len}), "
-        f"more data.microbatches ({d.microbatches}), model.remat=full (now {m.remat}), or a --mesh layout that "
-        f"shards it (fsdp / tensor / pipeline) over more devices"
+        f"more data.microbatches (now {microbatches}{auto}), model.remat=full (now {m.remat}), or a --mesh layout "
+        f"that shards it (fsdp / tensor / pipeline) over more devices"
     )

@@ -194,6 +194,18 @@ def eval_step(params: nnx.State, batch: Batch, *, graphdef, layout: MeshLayout |
 # ----------------------------------------------------------------------------- the compiled program
 
 
+def step_microbatches(
+    cfg: TrainConfig, layout: MeshLayout, platform: str, rows: int | None = None, shards: int | None = None
+) -> int:
+    """Gradient-accumulation microbatches of one step: data.microbatches, or the platform's fastest for 0 (auto;
+    1 under a pipeline, which splits the batch itself). `rows` / `shards`: the batch rows one step splits and the
+    data-parallel shards they spread over (default: the whole batch, over replica x data x fsdp)."""
+    if layout.pipeline > 1 and not cfg.data.microbatches:
+        return 1
+    shards = layout.replica * layout.data * layout.fsdp if shards is None else shards
+    return cfg.data.resolved_microbatches(platform, rows, shards)
+
+
 class Program:
     """Model graph, optimizer, shardings and the jitted init / train / eval functions for one config and mesh."""
 
@@ -208,6 +220,7 @@ class Program:
             )
         rules = layout.rules
         self.cfg, self.mesh, self.layout = cfg, mesh, layout
+        self.microbatches = step_microbatches(cfg, layout, mesh.devices.flat[0].platform)
         self.tx, self.schedule = make_optimizer(cfg.optim, cfg.steps)
         abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
         self.graphdef, _ = nnx.split(abstract_model)
@@ -224,7 +237,7 @@ class Program:
                     graphdef=self.graphdef,
                     tx=self.tx,
                     schedule=self.schedule,
-                    microbatches=cfg.data.microbatches,
+                    microbatches=self.microbatches,
                     layout=layout,
                 )
             ),

@@ -402,3 +402,35 @@ def test_check_rules():
     check_rules({"embed": ("fsdp", "tensor"), "mlp": None})
     with pytest.raises(LayoutError, match=r"rule 'mlp' -> 'gpu': unknown mesh axis"):
         check_rules({"mlp": ("tensor", "gpu")})
+
+
+def test_auto_microbatches_follow_the_platform_and_the_shards():
+    """data.microbatches=0: on CPU the most microbatches that keep >= CPU_MICROBATCH_TOKENS tokens per batch shard
+    (and divide the rows evenly over the shards); 1 on accelerators; an explicit count is kept everywhere."""
+    from jaxlm.config import CPU_MICROBATCH_TOKENS, DataConfig
+
+    assert CPU_MICROBATCH_TOKENS == 1024
+    gpt_bench = DataConfig(seq_len=256, batch_size=16)
+    assert gpt_bench.microbatches == 0
+    assert gpt_bench.resolved_microbatches("cpu") == 4  # 4 x 256 tokens each
+    assert gpt_bench.resolved_microbatches("gpu") == gpt_bench.resolved_microbatches("tpu") == 1
+    assert gpt_bench.resolved_microbatches("cpu", shards=2) == 2  # 8 rows per shard: 2 microbatches of 4 x 256
+    assert gpt_bench.resolved_microbatches("cpu", shards=8) == 1  # 2 rows of 256 per shard: already under 1024
+    assert gpt_bench.resolved_microbatches("cpu", rows=8) == 2  # a DiLoCo replica's half of the batch
+    assert DataConfig(seq_len=16, batch_size=8).resolved_microbatches("cpu") == 1  # tiny test batches: one step
+    assert DataConfig(seq_len=4096, batch_size=6).resolved_microbatches("cpu") == 6  # one row each is enough
+    assert DataConfig(seq_len=256, batch_size=16, microbatches=2).resolved_microbatches("cpu") == 2
+    assert DataConfig(seq_len=256, batch_size=16, microbatches=8).resolved_microbatches("gpu") == 8
+
+
+def test_auto_microbatches_in_the_program_and_under_a_pipeline():
+    from helpers import one_device_mesh, tiny_config
+
+    from jaxlm.train import Program, step_microbatches
+    from sharding import MeshLayout
+
+    cfg = tiny_config(data=dict(seq_len=64, batch_size=32))  # 2048 tokens: 2 microbatches of 1024 on CPU
+    assert Program(cfg, one_device_mesh()).microbatches == 2
+    assert step_microbatches(cfg, MeshLayout(data=1, pipeline=2), "cpu") == 1  # the pipeline splits the batch
+    explicit = tiny_config(data=dict(seq_len=64, batch_size=32, microbatches=4))
+    assert step_microbatches(explicit, MeshLayout(data=1, pipeline=2), "cpu") == 4

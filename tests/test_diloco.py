@@ -79,8 +79,10 @@ def test_one_replica_outer_sgd_lr1_equals_plain_training():
     plain_state, plain_losses = run(Program(cfg, mesh()), 7)
     dl_cfg = with_diloco(cfg, replicas=1, inner_steps=3, outer_lr=1.0, outer_momentum=0.0)
     dl_state, dl_losses = run(DiLoCoProgram(dl_cfg, mesh()), 7)  # 7 steps: syncs at 3, 6 and the final flush
-    assert max_diff(dl_state.global_params, plain_state.params) <= 1e-6
-    assert max_diff(dl_state.replicas.params, jax.tree.map(lambda x: x[None], plain_state.params)) <= 1e-6
+    # float32 rounding only: the replica's step is vmapped, so its weight-gradient dots carry a batch axis and sum
+    # in another order than the plain program's (measured 1.15e-6 after 7 steps; a real difference is >= 1e-3)
+    assert max_diff(dl_state.global_params, plain_state.params) <= 3e-6
+    assert max_diff(dl_state.replicas.params, jax.tree.map(lambda x: x[None], plain_state.params)) <= 3e-6
     np.testing.assert_allclose(dl_losses, plain_losses, rtol=1e-6)
 
 

@@ -180,6 +180,29 @@ def test_attention_explicit_scale_softcap_and_bad_heads(impl):
         attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), impl=impl, mask="causal & document")
 
 
+def test_auto_attention_picks_by_platform_mask_and_length():
+    """impl="auto": on CPU the block-sparse XLA path once the sequence spans more than one query block, the dense
+    reference below; on a GPU cuDNN for plain causal bf16 and the Pallas kernels for other masks or float32."""
+    from jaxlm.attention import auto_impl
+    from pallas_kernels import causal, sliding_window
+    from pallas_kernels.kernel_inputs import compile_target
+
+    def q(T, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct((1, T, 4, 64), dtype)
+
+    assert jax.default_backend() == "cpu"
+    assert auto_impl(causal(), q(256)) == "xla_blocksparse"
+    assert auto_impl(causal(), q(128)) == "reference"
+    assert auto_impl(causal(), q(256), block_sizes=BlockSizes(256, 256)) == "reference"
+    with compile_target("gpu"):
+        assert auto_impl(causal(), q(4096, jnp.bfloat16)) == "jax"
+        assert auto_impl(causal(), q(4096, jnp.float32)) == "pallas"
+        assert auto_impl(causal() & sliding_window(1024), q(4096, jnp.bfloat16)) == "pallas"
+        assert auto_impl(causal(), q(4096, jnp.bfloat16), score_mod=soft_cap(30.0)) == "pallas"
+    with compile_target("tpu"):
+        assert auto_impl(causal(), q(4096, jnp.bfloat16)) == "pallas"
+
+
 def test_unknown_attention_impl_and_bad_mask_specs():
     x = jnp.zeros((1, 4, 2, 8))
     with pytest.raises(ValueError, match="unknown attention impl"):

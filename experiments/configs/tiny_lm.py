@@ -10,15 +10,11 @@ config = TrainConfig(
         num_kv_heads=2,
         mlp_dim=1024,
         max_seq_len=256,
-        scan_layers=False,
-    ),  # 6 layers: unrolling is faster on CPU (bench_train --compare)
+    ),  # the library's speed defaults: unrolled layers, auto attention, auto microbatches (4 of 4 rows on CPU)
     optim=OptimConfig(learning_rate=3e-3, warmup_steps=20, min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0),
-    # 4 microbatches of 4: the same optimizer step as one batch of 16, with a cache-sized working set
     # The default corpus with a 4096-token BPE trained on it: at equal training FLOPs 0.77x the byte-level bits per
     # byte, and no slower (docs/results/compare_tokenizers.md)
-    data=DataConfig(
-        seq_len=256, batch_size=16, microbatches=4, val_fraction=0.01, eval_batches=4, corpus_tokenizer="bpe4096"
-    ),
+    data=DataConfig(seq_len=256, batch_size=16, val_fraction=0.01, eval_batches=4, corpus_tokenizer="bpe4096"),
     steps=160,
     log_every=10,
     eval_every=40,

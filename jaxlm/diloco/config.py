@@ -69,7 +69,7 @@ class DiLoCoConfig(Section):
             raise ConfigError(f"diloco.outer_momentum must be in [0, 1), got {c.outer_momentum}")
         if d.batch_size % c.replicas:
             raise ConfigError(f"data.batch_size ({d.batch_size}) must be divisible by diloco.replicas ({c.replicas})")
-        if (d.batch_size // c.replicas) % d.microbatches:
+        if d.microbatches and (d.batch_size // c.replicas) % d.microbatches:
             raise ConfigError(
                 f"per-replica batch {d.batch_size // c.replicas} (data.batch_size / diloco.replicas) "
                 f"must be divisible by data.microbatches ({d.microbatches})"

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlm.config import ConfigError, TrainConfig
 from jaxlm.diloco.compression import round_trip, wire_bytes
 from jaxlm.diloco.config import parse_drops, replicas_down
-from jaxlm.train import Program, TrainState, train_step
+from jaxlm.train import Program, TrainState, step_microbatches, train_step
 from sharding.mesh import LayoutError, MeshLayout
 from sharding.rules import DEFAULT_RULES
 
@@ -203,7 +203,14 @@ class DiLoCoProgram(Program):
             raise LayoutError(
                 f"diloco.replicas = {c.replicas} is not divisible by mesh axis 'replica' = {layout.replica}"
             )
-        rows = cfg.data.batch_size // c.replicas // cfg.data.microbatches
+        self.microbatches = step_microbatches(
+            cfg,
+            layout,
+            mesh.devices.flat[0].platform,
+            rows=cfg.data.batch_size // c.replicas,
+            shards=layout.data * layout.fsdp,
+        )
+        rows = cfg.data.batch_size // c.replicas // self.microbatches
         if rows % (layout.data * layout.fsdp):
             raise LayoutError(
                 f"per-replica microbatch of {rows} rows (data.batch_size / diloco.replicas / "
@@ -297,7 +304,7 @@ class DiLoCoProgram(Program):
             graphdef=self.graphdef,
             tx=self.tx,
             schedule=self.schedule,
-            microbatches=self.cfg.data.microbatches,
+            microbatches=self.microbatches,
         )
 
         def local(replicas_k, batch_k, alive_k):
