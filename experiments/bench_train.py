@@ -1,7 +1,7 @@
 """Training throughput benchmark: achieved model FLOP/s of the compiled train step / this machine's matmul peak.
 
     python -m experiments.bench_train                     # the gpt-bench config
-    python -m experiments.bench_train --compare           # also the variants (unrolled layers, remat, ...)
+    python -m experiments.bench_train --compare           # also the variants (scanned layers, 1 microbatch, ...)
     python -m experiments.bench_train --set model.dtype=bfloat16
     python -m experiments.bench_train --peer              # also PyTorch eager / torch.compile, and the ratio
 
@@ -46,16 +46,17 @@ GPT_BENCH = TrainConfig(
     steps=1000,
 )
 
-VARIANTS = {  # name -> --set overrides, measured against the baseline in one run with --compare
-    "scanned layers (default)": [],
-    "unrolled layers": ["model.scan_layers=false"],
-    "scan unroll=2": ["model.scan_unroll=2"],
+VARIANTS = {  # name -> --set overrides, measured against the library defaults in one run with --compare
+    "library defaults": [],
+    "scanned layers": ["model.scan_layers=true"],
+    "one microbatch": ["data.microbatches=1"],
+    "2 microbatches": ["data.microbatches=2"],
+    "8 microbatches": ["data.microbatches=8"],
+    "reference attention": ["model.attention_impl=reference"],
     "jax.nn.dot_product_attention": ["model.attention_impl=jax"],
     "remat full": ["model.remat=full"],
     "remat dots_no_batch": ["model.remat=dots_no_batch"],
-    "2 microbatches": ["data.microbatches=2"],
-    "4 microbatches": ["data.microbatches=4"],
-    "unrolled + 4 microbatches": ["model.scan_layers=false", "data.microbatches=4"],
+    "the 2026-11-21 defaults": ["model.scan_layers=true", "model.attention_impl=reference", "data.microbatches=1"],
 }
 
 
@@ -94,6 +95,7 @@ def measure_train_step(cfg: TrainConfig, steps: int, windows: int, profile_dir: 
     tokens_per_s = B * T / best
     return {
         "params": program.num_params,
+        "microbatches": program.microbatches,
         "mflop_per_token": flops_per_token / 1e6,
         "compile_s": compile_s,
         "step_s": best,
@@ -188,6 +190,7 @@ def main(argv=None) -> int:
         "mfu": round(head["mfu"], 4),
         "mflop_per_token": round(head["mflop_per_token"], 2),
         "params": head["params"],
+        "microbatches": head["microbatches"],
         "device": device.device_kind,
     }
     if args.compare:
