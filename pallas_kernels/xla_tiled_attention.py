@@ -1,21 +1,22 @@
 """Block-sparse attention in XLA as a few large dense products: the CPU path for block masks known on the host.
 
-Why: XLA:CPU runs a [1024, E] x [E, 1024] score product at about twice the FLOP rate of a batch of 128 x 128 tiles,
-and the scan path (``xla_attention``) multiplies 128 x 128 tiles one list slot at a time. Here the non-empty tiles of
-a host (numpy) block mask are covered by a quadtree over the (q-block, kv-block) grid, in squares of at most
-``MAX_SIDE`` positions: a square whose tiles are all FULL is one unmasked product, all EMPTY is skipped, a mixed one
-is computed whole under the element mask or split in four, whichever a cost model says is cheaper (time per score
-element rises for small products). For causal masks this is the recursive split: big squares below the diagonal, a
-row of masked tiles on it. Pieces of one shape are one batched einsum over static gathers of their q / kv blocks.
-Each piece yields its rows' max, sum and un-normalized output; every q block merges its pieces by the log-sum-exp
-rule through a static gather table.
+Why: on XLA:CPU a batch of 128 x 128 score tiles runs forward + backward at about half the FLOP rate of 512 x 512
+squares (measured per piece shape, head dim 128: 56-68 against 113-131 GFLOP/s on 2 cores), and the scan path
+(``xla_attention``) multiplies 128 x 128 tiles one list slot at a time. Here the non-empty tiles of a host (numpy)
+block mask are covered by a quadtree over the (q-block, kv-block) grid, in squares of at most ``MAX_SIDE``
+positions: a square whose tiles are all FULL is one unmasked product, all EMPTY is skipped, a mixed one is computed
+whole under the element mask or split in four, whichever the cost model says is cheaper. For causal masks this is the
+recursive split: big squares below the diagonal, masked tiles on it. Pieces of one shape are one batched einsum over
+static gathers of their q / kv blocks. Each piece yields its rows' max, sum and un-normalized output, and every q
+block merges its pieces by the log-sum-exp rule through a static table.
 
 Backward (``jax.custom_vjp``, FlashAttention-2 style): per piece the probabilities are recomputed from the saved
 log-sum-exp, and that one score tile feeds dQ, dK and dV; the pieces' gradients are summed per block through tables
-like the forward's. Nothing of size [T, S] is saved; the transients are one group's score tiles.
+like the forward's. Nothing of size [T, S] is saved; the transients are the score tiles of one group of pieces.
 
-Shape suffixes follow the legend in docs/architecture.md, plus: N pieces of a group, Q / W query / key positions of a
-piece, R row blocks of all groups' pieces stacked (one more: an empty slot), C the pieces meeting one block.
+Shape suffixes follow the legend in docs/architecture.md, plus: A batch x query heads (flattened), N pieces of a
+group, Q / W query / key positions of a piece, O every block of an axis, R the blocks of all groups' pieces stacked
+(plus one empty slot).
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ from .kernel_inputs import check_attention_inputs, pad_axis, segment_arrays
 from .kernel_mask import bind_documents, split_documents
 from .masks import Mask, ScoreMod
 
-#: Largest piece side, in positions: bigger squares are split (their score tiles stay a few MiB per head, and
-#: measured no faster).
+#: Largest piece side, in positions: bigger squares are split (a score tile stays <= 16 MiB per head; 4096-wide
+#: ones measured no faster).
 MAX_SIDE = 2048
-#: Cost model of a piece h x w positions: h * w * (1 + OVERHEAD / h + OVERHEAD / w), times MASKED_COST under the
-#: element mask. It says a 128 x 128 tile costs ~3x per element what a 2048 x 2048 square does.
-OVERHEAD = 128
-MASKED_COST = 1.1
-BARRIER = 1
+#: Cost model of a piece of h x w positions: h * w (times MASKED_COST under the element mask) + PIECE_COST. A piece
+#: costs about one 128 x 128 tile beyond its area (the per-shape rates above), and splitting causal's 256 x 256
+#: diagonal squares into tiles measured 8-20% faster than computing them whole under the mask.
+PIECE_COST = 128 * 128
+MASKED_COST = 1.6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +76,35 @@ def plan_block_mask(block_mask: BlockMask, max_side: int | None = None) -> Plan:
     kind = np.asarray(block_mask.kind).reshape(-1, block_mask.num_q_blocks, block_mask.num_kv_blocks)
     bs = block_mask.block_sizes
     union = np.where((kind == FULL).all(0), FULL, np.where((kind == EMPTY).all(0), EMPTY, PARTIAL)).astype(np.int8)
-    return _plan(union.tobytes(), union.shape, bs.block_q, bs.block_kv, max_side or MAX_SIDE, OVERHEAD)
+    costs = (PIECE_COST, MASKED_COST)
+    return _plan(union.tobytes(), union.shape, bs.block_q, bs.block_kv, max_side or MAX_SIDE, costs)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(kind_bytes: bytes, shape: tuple[int, int], bq: int, bkv: int, max_side: int, overhead: int) -> Plan:
-    nq, nkv = shape
+def _plan(kind_bytes: bytes, shape: tuple[int, int], bq: int, bkv: int, max_side: int, costs: tuple) -> Plan:
     kind = np.frombuffer(kind_bytes, np.int8).reshape(shape)
+    piece_cost, masked_cost = costs
+
+    def cost(pieces):
+        return sum(
+            (r1 - r0) * bq * (c1 - c0) * bkv * (masked_cost if masked else 1.0) + piece_cost
+            for r0, r1, c0, c1, masked in pieces
+        )
+
+    pieces = _quadtree(kind, bq, bkv, max_side, cost)
+    shapes: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
+    for r0, r1, c0, c1, masked in sorted(pieces):
+        shapes.setdefault((r1 - r0, c1 - c0, masked), []).append((r0, c0))
+    groups = tuple(
+        Group(h, w, m, tuple(r for r, _ in at), tuple(c for _, c in at)) for (h, w, m), at in sorted(shapes.items())
+    )
+    return Plan(groups, *shape)
+
+
+def _quadtree(kind, bq, bkv, max_side, cost):
+    """Pieces (r0, r1, c0, c1, masked) in blocks: squares of at most ``max_side`` positions, each all FULL (one
+    unmasked product), or mixed and computed whole under the mask, or split in four, whichever ``cost`` prefers."""
+    nq, nkv = kind.shape
 
     def table(x):  # summed-area table: count(r0, r1, c0, c1) in four lookups
         t = np.zeros((nq + 1, nkv + 1), np.int64)
@@ -93,34 +116,23 @@ def _plan(kind_bytes: bytes, shape: tuple[int, int], bq: int, bkv: int, max_side
     def count(t, r0, r1, c0, c1):
         return t[r1][c1] - t[r0][c1] - t[r1][c0] + t[r0][c0]
 
-    def cost(r0, r1, c0, c1, masked):
-        h, w = (r1 - r0) * bq, (c1 - c0) * bkv
-        return h * w * (1 + overhead / h + overhead / w) * (MASKED_COST if masked else 1.0)
-
     def best(r0, c0, size):
         """(cost, pieces) of the square of ``size`` blocks at (r0, c0), clipped to the grid."""
         r1, c1 = min(r0 + size, nq), min(c0 + size, nkv)
         if r0 >= r1 or c0 >= c1 or count(live, r0, r1, c0, c1) == 0:
             return 0.0, []
         if count(full, r0, r1, c0, c1) == (r1 - r0) * (c1 - c0):
-            return cost(r0, r1, c0, c1, False), [(r0, r1, c0, c1, False)]
-        whole = cost(r0, r1, c0, c1, True), [(r0, r1, c0, c1, True)]
+            return cost([(r0, r1, c0, c1, False)]), [(r0, r1, c0, c1, False)]
+        whole = [(r0, r1, c0, c1, True)]
         if size == 1:
-            return whole
+            return cost(whole), whole
         half = size // 2
         parts = [best(r0 + a, c0 + b, half) for a in (0, half) for b in (0, half)]
         split = sum(c for c, _ in parts), [p for _, ps in parts for p in ps]
-        return split if split[0] < whole[0] else whole
+        return split if split[0] < cost(whole) else (cost(whole), whole)
 
     side = 1 << max(0, (max_side // max(bq, bkv)).bit_length() - 1)  # a power of two, in blocks
-    pieces = [p for r0 in range(0, nq, side) for c0 in range(0, nkv, side) for p in best(r0, c0, side)[1]]
-    shapes: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
-    for r0, r1, c0, c1, masked in sorted(pieces):
-        shapes.setdefault((r1 - r0, c1 - c0, masked), []).append((r0, c0))
-    groups = tuple(
-        Group(h, w, m, tuple(r for r, _ in at), tuple(c for _, c in at)) for (h, w, m), at in sorted(shapes.items())
-    )
-    return Plan(groups, nq, nkv)
+    return [p for r0 in range(0, nq, side) for c0 in range(0, nkv, side) for p in best(r0, c0, side)[1]]
 
 
 @functools.lru_cache(maxsize=256)
@@ -200,8 +212,7 @@ def _attention_bwd(static, residuals, cotangents):
     # d lse / d s = p, so a cotangent on lse enters ds = p * (dp - delta) as -d_lse in delta.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
     # materialized: XLA otherwise fuses lse's elementwise merge (an exp per piece) into every score element's exp
-    if BARRIER:
-        lse, delta = jax.lax.optimization_barrier((lse, delta))
+    lse, delta = jax.lax.optimization_barrier((lse, delta))
     dq, dk, dv = _backward(static, q, k, v, d_out, lse, delta, doc_arrays)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
@@ -236,7 +247,7 @@ def _pieces(x_AO_, starts, size):
         x = jax.lax.slice_in_dim(x.reshape(A, N, step, b, *rest), 0, size, axis=2)
     else:
         idx = (np.asarray(starts, np.int32)[:, None] + np.arange(size, dtype=np.int32)).reshape(-1)
-        x = jnp.take(x_AO_, idx, axis=1)
+        x = jnp.take(x_AO_, idx, axis=1)  # measured faster than mode="promise_in_bounds" (XLA:CPU, jax 0.10)
     return x.reshape(A, N, size * b, *rest)
 
 

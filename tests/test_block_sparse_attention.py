@@ -263,7 +263,7 @@ def _fine_pieces_if(fine: bool):
     """The tiled path with pieces as fine as they go (see ``fine_pieces``), inside a hypothesis example."""
     with pytest.MonkeyPatch.context() as mp:
         if fine:
-            mp.setattr(tiled, "OVERHEAD", 0)
+            mp.setattr(tiled, "PIECE_COST", 0)
             mp.setattr(tiled, "MAX_SIDE", 32)
         yield
 
@@ -320,9 +320,9 @@ def test_property_gradients(impl, a, b, op, bq, bkv, T, Hkv, doc, seed):
 
 @pytest.fixture
 def fine_pieces(monkeypatch):
-    """Small shapes with the tiled path's pieces as fine as they go: no per-piece overhead in its cost model (so it
-    splits every mixed square down to single masked tiles) and squares of at most 4 blocks of 16."""
-    monkeypatch.setattr(tiled, "OVERHEAD", 0)
+    """Small shapes with the tiled path's pieces as fine as they go: no per-piece cost in its cost model (so it splits
+    every mixed square down to single masked tiles) and squares of at most 4 blocks of 16."""
+    monkeypatch.setattr(tiled, "PIECE_COST", 0)
     monkeypatch.setattr(tiled, "MAX_SIDE", 64)
 
 
@@ -343,14 +343,14 @@ def _covers(plan):
     nq=st.integers(1, 13),
     nkv=st.integers(1, 13),
     p_empty=st.floats(0, 1),
-    overhead=st.sampled_from([0, 16, 128]),
+    piece_cost=st.sampled_from([0, 256, 16384]),
     max_side=st.sampled_from([16, 64, 2048]),
     seed=st.integers(0, 2**16),
 )
-def test_tiled_plan_covers_every_live_tile_once(nq, nkv, p_empty, overhead, max_side, seed):
+def test_tiled_plan_covers_every_live_tile_once(nq, nkv, p_empty, piece_cost, max_side, seed):
     r = np.random.default_rng(seed)
     kind = np.where(r.random((nq, nkv)) < p_empty, EMPTY, r.choice([PARTIAL, FULL], size=(nq, nkv))).astype(np.int8)
-    count, unmasked = _covers(tiled._plan(kind.tobytes(), kind.shape, 16, 16, max_side, overhead))
+    count, unmasked = _covers(tiled._plan(kind.tobytes(), kind.shape, 16, 16, max_side, (piece_cost, 1.6)))
     assert np.all(count[kind != EMPTY] == 1)  # every live tile computed exactly once
     assert np.all(count <= 1) and np.all(kind[unmasked > 0] == FULL)  # no element mask only on FULL tiles
 
