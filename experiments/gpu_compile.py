@@ -220,6 +220,7 @@ def small_llama():
             mlp_dim=1024,
             max_seq_len=SEQ,
             dtype="bfloat16",
+            scan_layers=True,  # one layer body: each kernel is compiled once
             attention_impl="pallas",
             matmul_precision="fp8",
             matmul_impl="pallas",

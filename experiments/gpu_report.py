@@ -115,6 +115,7 @@ def llama_1b():
             mlp_dim=5632,
             max_seq_len=2048,
             dtype="bfloat16",
+            scan_layers=True,  # 20 layers: compile time flat in depth
         ),
         optim=OptimConfig(learning_rate=3e-4, warmup_steps=5),
         data=DataConfig(seq_len=2048, batch_size=8),

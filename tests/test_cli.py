@@ -210,7 +210,7 @@ BAD_INPUTS = {
     ),
     "bad_attention_impl": (
         lambda tmp: ["--set", "model.attention_impl=flash"],
-        r"model.attention_impl must be one of \['jax', 'pallas', 'reference', 'xla_blocksparse'\]",
+        r"model.attention_impl must be one of \['auto', 'jax', 'pallas', 'reference', 'xla_blocksparse'\]",
     ),
     "heads_vs_kv_heads": (lambda tmp: ["--set", "model.num_kv_heads=3"], r"must be divisible by model.num_kv_heads"),
     "rules_clash": (
