@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import resource
 
 import jax
 import jax.numpy as jnp
@@ -85,15 +87,42 @@ def time_fwd_bwd(fn, q, k, v, repeats: int) -> float:
 
 
 def interleaved_times(jobs: dict, repeats: int) -> dict:
-    """Best wall time of each ``name: (fn, args)``, after one warm-up each, the repeats taken in turn: on a shared
-    machine every candidate sees the same background load."""
-    for fn, args in jobs.values():
-        best_time(fn, *args, repeats=0)
+    """Best wall time of each ``name: (fn, args)``, the repeats taken in turn so that on a shared machine every
+    candidate sees the same background load. Each timed run follows an untimed one of the same function: the first
+    run after another function pays for memory that one returned (measured up to 25% for the tiled path right after
+    the dense reference)."""
     best = {name: float("inf") for name in jobs}
     for _ in range(repeats):
         for name, (fn, args) in jobs.items():
-            best[name] = min(best[name], best_time(fn, *args, repeats=1, warmup=0))
+            best[name] = min(best[name], best_time(fn, *args, repeats=1, warmup=1))
     return best
+
+
+class BackgroundLoad:
+    """Share of the machine's CPU time that other processes used while the block ran (None off Linux): on a shared
+    machine, a figure taken beside someone else's job is a different figure."""
+
+    share: float | None = None
+
+    @staticmethod
+    def _ticks():
+        try:
+            with open("/proc/stat") as f:
+                ticks = [int(x) for x in f.readline().split()[1:9]]
+        except OSError:
+            return None
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return sum(ticks), ticks[3] + ticks[4], (usage.ru_utime + usage.ru_stime) * os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self):
+        self._start = self._ticks()
+        return self
+
+    def __exit__(self, *exc):
+        end = self._ticks()
+        if self._start and end:
+            total, idle, own = (b - a for a, b in zip(self._start, end))
+            self.share = max(0.0, (total - idle - own) / max(1, total))
 
 
 def inputs(B, H, T, D, dtype):
@@ -134,7 +163,8 @@ def bench_cpu_shape(args, T: int, D: int) -> dict:
     n = round((per_element * max(computed.values(), default=T * T) / 2) ** (1 / 3))
     a = jax.random.normal(jax.random.key(5), (n, n), jnp.float32)
     jobs["matmul"] = (jax.jit(jnp.matmul), (a, a))
-    t = interleaved_times(jobs, args.repeats)
+    with BackgroundLoad() as load:
+        t = interleaved_times(jobs, args.repeats)
     matmul_s_per_flop = t["matmul"] / (2 * n**3)
 
     summary = {}
@@ -160,7 +190,10 @@ def bench_cpu_shape(args, T: int, D: int) -> dict:
             "scan_speedup": scan_s and round(dense_s / scan_s, 2),
             "flop_ratio": per_flop and round(per_flop, 2),
             "matmul_gflops": round(1e-9 / matmul_s_per_flop, 1),
+            "background_load": load.share and round(load.share, 2),
         }
+    if load.share is not None:
+        print(f"{'':>6s} other processes used {load.share:.0%} of the CPU during these rows", flush=True)
     return summary
 
 

@@ -211,7 +211,7 @@ def _attention_bwd(static, residuals, cotangents):
     d_out, d_lse = cotangents
     # d lse / d s = p, so a cotangent on lse enters ds = p * (dp - delta) as -d_lse in delta.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
-    # materialized: XLA otherwise fuses lse's elementwise merge (an exp per piece) into every score element's exp
+    # materialized: XLA otherwise fuses lse's merge (gathers and an exp per piece) into every score element's exp
     lse, delta = jax.lax.optimization_barrier((lse, delta))
     dq, dk, dv = _backward(static, q, k, v, d_out, lse, delta, doc_arrays)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
@@ -247,7 +247,7 @@ def _pieces(x_AO_, starts, size):
         x = jax.lax.slice_in_dim(x.reshape(A, N, step, b, *rest), 0, size, axis=2)
     else:
         idx = (np.asarray(starts, np.int32)[:, None] + np.arange(size, dtype=np.int32)).reshape(-1)
-        x = jnp.take(x_AO_, idx, axis=1)  # measured faster than mode="promise_in_bounds" (XLA:CPU, jax 0.10)
+        x = jnp.take(x_AO_, idx, axis=1)
     return x.reshape(A, N, size * b, *rest)
 
 
