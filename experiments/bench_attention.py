@@ -72,18 +72,22 @@ def visible_elements(mask, T: int) -> int:
 
 
 def fwd_bwd(fn):
-    """Jitted forward + backward of ``fn``: grad of sum(out * w) w.r.t. q, k, v."""
+    """Jitted forward + backward of ``fn``: (q, k, v, w) -> grad of sum(out * w) w.r.t. q, k, v."""
 
-    def loss(q, k, v):
-        w = jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
+    def loss(q, k, v, w):
         return jnp.sum(fn(q, k, v)[0].astype(jnp.float32) * w)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
+def out_weights(q):
+    """The w of sum(out * w), an input rather than drawn inside the timed function."""
+    return jax.random.normal(jax.random.key(3), q.shape, jnp.float32)
+
+
 def time_fwd_bwd(fn, q, k, v, repeats: int) -> float:
     """Best wall time of one jitted forward + backward (grad of sum(out * w) w.r.t. q, k, v)."""
-    return best_time(fwd_bwd(fn), q, k, v, repeats=repeats)
+    return best_time(fwd_bwd(fn), q, k, v, out_weights(q), repeats=repeats)
 
 
 def interleaved_times(jobs: dict, repeats: int) -> dict:
@@ -146,8 +150,9 @@ def bench_cpu_shape(args, T: int, D: int) -> dict:
     """One (seq, head dim): every mask's scan and block_sparse_attention_xla, the dense reference and one matmul,
     timed in turn."""
     q, k, v = inputs(args.batch, args.heads, T, D, jnp.float32)
+    qkvw = (q, k, v, out_weights(q))
     per_element = 14 * D * args.batch * args.heads  # FLOPs per computed score element, forward + backward
-    jobs = {"dense": (fwd_bwd(functools.partial(reference_attention, mask=causal())), (q, k, v))}
+    jobs = {"dense": (fwd_bwd(functools.partial(reference_attention, mask=causal())), qkvw)}
     block_masks, computed = {}, {}
     for name, mask in masks(T, args.window, args.docs).items():
         if _short(name) not in args.masks:
@@ -157,8 +162,8 @@ def bench_cpu_shape(args, T: int, D: int) -> dict:
             computed[name] = plan_block_mask(bm).computed_blocks() * args.block**2
         if not args.no_scan:
             scan = functools.partial(block_sparse_attention_scan, block_mask=bm)
-            jobs[f"scan {name}"] = (fwd_bwd(scan), (q, k, v))
-        jobs[name] = (fwd_bwd(functools.partial(block_sparse_attention_xla, block_mask=bm)), (q, k, v))
+            jobs[f"scan {name}"] = (fwd_bwd(scan), qkvw)
+        jobs[name] = (fwd_bwd(functools.partial(block_sparse_attention_xla, block_mask=bm)), qkvw)
     # one square matmul with as many FLOPs as the largest case (n >~ 1000: near the machine's peak)
     n = round((per_element * max(computed.values(), default=T * T) / 2) ** (1 / 3))
     a = jax.random.normal(jax.random.key(5), (n, n), jnp.float32)
