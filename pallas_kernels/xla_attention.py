@@ -1,8 +1,8 @@
 """Block-sparse flash attention in plain XLA, for CPU training and as a fallback.
 
 ``block_sparse_attention_xla`` picks one of two algorithms. A block mask known on the host (static masks, numpy
-segment ids) takes ``xla_tiled_attention``: its non-empty tiles as a few large products, 1.5-1.9x faster than the
-dense reference for causal masks on a 2-core CPU where this scan was 0.4-0.7x (docs/results/bench_attention.md). A
+segment ids) takes ``xla_tiled_attention``: its non-empty tiles as a few large products, 1.3-1.9x faster than the
+dense reference for causal masks on a 2-core CPU where this scan was 0.4-0.9x (docs/results/bench_attention.md). A
 traced block mask (``document`` with segment ids from the batch, inside ``jit``) takes the scan below, the Pallas
 kernels' algorithm, whose lists are sized on device.
 

@@ -1,7 +1,7 @@
 """Block-sparse attention in XLA as a few large dense products: the CPU path for block masks known on the host.
 
 Why: on XLA:CPU a batch of 128 x 128 score tiles runs forward + backward at about half the FLOP rate of 512 x 512
-squares (measured per piece shape, head dim 128: 56-68 against 113-131 GFLOP/s on 2 cores), and the scan path
+squares (measured per piece shape, head dim 128: 56-71 against 108-131 GFLOP/s on 2 cores), and the scan path
 (``xla_attention``) multiplies 128 x 128 tiles one list slot at a time. Here the non-empty tiles of a host (numpy)
 block mask are covered by a quadtree over the (q-block, kv-block) grid, in squares of at most ``MAX_SIDE``
 positions: a square whose tiles are all FULL is one unmasked product, all EMPTY is skipped, a mixed one is computed
