@@ -5,7 +5,8 @@ Implementations:
   reference        dense masked softmax in XLA (grouped, no K/V repeat); the plain baseline
   jax              jax.nn.dot_product_attention: cuDNN's fused kernel on a GPU for bf16/fp16, causal or no mask and
                    head dim <= 128 (jaxlm.attention.cudnn_fits), XLA's otherwise
-  xla_blocksparse  pallas_kernels.block_sparse_attention_xla: blocked online softmax over non-empty blocks only
+  xla_blocksparse  pallas_kernels.block_sparse_attention_xla: the non-empty tiles only (a host mask's as a few large
+                   products merged by log-sum-exp, a traced one's by a scan over the tiles)
   pallas           pallas_kernels.block_sparse_attention: the Pallas kernels (interpret mode on CPU)
 
 Masks are pallas_kernels masks, given as objects or as a spec string from the config, e.g.
@@ -110,7 +111,7 @@ def auto_impl(template: pk.Mask, q_BTHE, score_mod=None, block_sizes: pk.BlockSi
     """What `impl="auto"` runs: the fastest implementation measured for this platform, mask and length.
 
     CPU: `xla_blocksparse` once the sequence spans more than one query block (its tiled path turns a static mask's
-    non-empty tiles into a few large products; 1.17x the gpt-bench train step at T=256 and 1.5-1.8x the dense
+    non-empty tiles into a few large products; 1.11x the gpt-bench train step at T=256 and 1.3-1.9x the dense
     reference for causal at T=2k-8k, docs/results/bench_attention.md), else `reference` (one tile: nothing to skip).
     GPU: cuDNN's fused kernel (`jax`) where it serves the query (plain causal, bf16/fp16, `cudnn_fits`),
     the Pallas kernels for every other mask. TPU: the Pallas kernels.
