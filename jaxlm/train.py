@@ -119,14 +119,11 @@ def cross_entropy_sums(logits_BTV, targets_BT, loss_mask_BT) -> tuple[jax.Array,
 def _pipelined_loss_sums(model: Transformer, batch: Batch, layout: MeshLayout) -> tuple[jax.Array, jax.Array]:
     """Embedding before the pipeline, the layers split over stages, the head and loss at the last stage."""
     cfg, stages = model.cfg, layout.pipeline
-    # A stage's layers always scan: unrolled, each tick of the pipeline's scan would slice every layer's weights out
-    # of the stage's stack anew (copies XLA keeps per tick: +12-21% step memory, past sharding.planner's model).
-    stage_cfg = dataclasses.replace(cfg, scan_layers=True)
     block_graphdef, stacked = nnx.split(model.blocks)
     micro = split_microbatches({**batch, "x": model.embed_tokens(batch["inputs"])}, layout.num_microbatches)
 
     def stage_fn(stage_layers, x_BTD, segment_ids_BT):
-        return apply_layers(stage_cfg, block_graphdef, stage_layers, x_BTD, segment_ids_BT)
+        return apply_layers(cfg, block_graphdef, stage_layers, x_BTD, segment_ids_BT)
 
     def head_fn(head, y_BTD, side):
         return cross_entropy_sums(head_logits(cfg, head, y_BTD), side["targets"], side["loss_mask"])
@@ -211,10 +208,13 @@ def step_microbatches(
 
 
 def step_model_config(model_cfg, layout: MeshLayout, microbatches: int):
-    """The model config a train step runs: unrolled layers (the default) scan instead under FSDP with gradient
-    accumulation, where XLA hoists every layer's all-gathered weights out of the accumulation loop (a whole
-    unsharded copy of the layers, live for the step: +27-46% step memory measured). Same params either way."""
-    if model_cfg.scan_layers or layout.fsdp == 1 or microbatches == 1:
+    """The model config a train step runs: unrolled layers (the default) scan instead where unrolling costs memory.
+    In a pipeline stage each tick of the schedule's scan would slice every layer's weights out of the stage's stack
+    anew (copies XLA keeps per tick: +12-21% step memory); under FSDP with gradient accumulation XLA hoists every
+    layer's all-gathered weights out of the accumulation loop (a whole unsharded copy of the layers, live for the
+    step: +27-46%). Same params either way."""
+    costly = layout.pipeline > 1 or (layout.fsdp > 1 and microbatches > 1)
+    if model_cfg.scan_layers or not costly:
         return model_cfg
     return dataclasses.replace(model_cfg, scan_layers=True)
 

@@ -437,8 +437,9 @@ def test_auto_microbatches_in_the_program_and_under_a_pipeline():
 
 
 def test_unrolled_layers_scan_under_fsdp_with_accumulation():
-    """The default unrolled layers scan where unrolling would cost memory (FSDP with accumulation: XLA would hoist
-    every layer's all-gathered weights out of the loop, test_planner's memory comparison) and nowhere else."""
+    """The default unrolled layers scan where unrolling would cost memory (a pipeline stage; FSDP with
+    accumulation: XLA would hoist every layer's all-gathered weights out of the loop, test_planner's memory
+    comparison) and nowhere else."""
     from jaxlm.config import ModelConfig
     from jaxlm.train import step_model_config
     from sharding import MeshLayout
@@ -449,3 +450,4 @@ def test_unrolled_layers_scan_under_fsdp_with_accumulation():
     assert step_model_config(unrolled, MeshLayout(fsdp=8), 1).scan_layers is False
     assert step_model_config(unrolled, MeshLayout(data=8), 4).scan_layers is False
     assert step_model_config(ModelConfig(scan_layers=True), MeshLayout(data=8), 1).scan_layers is True
+    assert step_model_config(unrolled, MeshLayout(data=4, pipeline=2), 1).scan_layers is True  # a pipeline stage
