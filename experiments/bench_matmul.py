@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         "--impl",
         choices=("auto", "xla", "pallas"),
         default="auto",
-        help="scaled_matmul implementation (auto: Pallas on GPU/TPU, XLA on CPU)",
+        help="scaled_matmul implementation (auto: Pallas on TPU, XLA on GPU and CPU)",
     )
     p.add_argument("--large", action="store_true", help="also 4096^3 and 8192^3 square products (for GPUs)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per case; the best is reported")

@@ -3,7 +3,7 @@
 Attention (``block_sparse_attention``) is checked against ``reference_attention`` computed in float32 at the highest
 matmul precision, forward (out, lse) and gradients (dq, dk, dv), for each mask kind in float32 and bfloat16 with
 GQA, a length that is not a whole number of blocks, and T != S. Quantized matmuls (``scaled_matmul``) are checked
-against the XLA implementation of the same arithmetic on the same quantized operands, and the training
+against the exact float32 product of the same quantized operands (XLA's error beside it), and the training
 ``quantized_dot`` (forward + custom_vjp) against its XLA twin. Errors are max |got - want| / max |want|.
 
 Each check yields one row: {"check", "error_over_tolerance", "detail", "ok"}; a check that raises is the caller's
@@ -21,7 +21,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from pallas_kernels.quantize import quantize
-from pallas_kernels.quantized_matmul import scaled_matmul
+from pallas_kernels.quantized_matmul import reference_scaled_matmul, scaled_matmul
 from pallas_kernels.quantized_training import QuantRecipe, new_amax_history, quantized_dot
 
 # max error / max |reference|: float32 leaves room for TF32 tensor-core products, bfloat16 for its 8-bit mantissa
@@ -142,7 +142,12 @@ def _quantized_operands(X, C, Y, x_dtype, w_dtype, scales, k_block, seed=0):
 
 
 def matmul_checks(sizes: CheckSizes) -> Iterator[dict]:
-    """Pallas scaled_matmul against the XLA implementation on the same quantized operands, every case and shape."""
+    """Pallas scaled_matmul against the exact float32 product of the dequantized operands, every case and shape.
+
+    XLA's implementation is measured against the same reference and reported beside it, not used as the reference:
+    on an H100 its fp8 products (cuBLAS) land 1e-4 to 2e-3 from the exact sum while the Pallas kernel lands at
+    float32 rounding (experiments.tune_gpu_tiles, 2026-11-24).
+    """
     for name, (x_dtype, w_dtype, scales, kind) in MATMUL_CASES.items():
         for X, C, Y in sizes.matmul_shapes:
             k_block = sizes.k_block if scales == "block" else None
@@ -150,11 +155,13 @@ def matmul_checks(sizes: CheckSizes) -> Iterator[dict]:
             run = lambda impl: jax.jit(lambda *a: scaled_matmul(*a, k_block=k_block, impl=impl, out_dtype=jnp.float32))(
                 *ops
             )
-            error, tol = _rel_error(run("pallas"), run("xla")), MATMUL_TOLERANCE[kind]
+            exact = jax.jit(lambda *a: reference_scaled_matmul(*a, k_block=k_block))(*ops)
+            error, tol = _rel_error(run("pallas"), exact), MATMUL_TOLERANCE[kind]
+            xla_error = _rel_error(run("xla"), exact)
             yield {
                 "check": f"matmul {name}, {X}x{C}x{Y}",
                 "error_over_tolerance": error / tol,
-                "detail": f"{error:.1e} from XLA's (tol {tol:.0e})",
+                "detail": f"{error:.1e} from the exact product (tol {tol:.0e}; XLA's {xla_error:.1e})",
                 "ok": error <= tol,
             }
 

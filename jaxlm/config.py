@@ -95,7 +95,7 @@ class ModelConfig(Section):
     quant_scaling: str = "delayed"  # delayed (per-tensor, amax history) | current (per row / per channel)
     quant_backward: str = "quantized"  # quantized (dY in e5m2 / int8) | high (backward in the compute dtype)
     quant_amax_history: int = 16  # steps of amax history for delayed scaling
-    matmul_impl: str = "auto"  # auto (Pallas kernel on one GPU/TPU, else XLA) | pallas | xla
+    matmul_impl: str = "auto"  # auto (Pallas kernel on one TPU, else XLA) | pallas | xla
 
     @property
     def resolved_head_dim(self) -> int:

@@ -35,24 +35,44 @@ IMPLS = ("auto", "pallas", "xla")
 
 @dataclasses.dataclass(frozen=True)
 class MatmulBlocks:
-    """Output tile [block_m, block_n] per kernel program and the k-slice per loop step (shrunk to small shapes)."""
+    """Output tile [block_m, block_n] per kernel program and the k-slice per loop step (shrunk to small shapes);
+    on GPU also Triton's warps and pipeline stages (None: 8 warps for tiles over 64x64, else 4; 3 stages)."""
 
     block_m: int = 128
     block_n: int = 128
     block_k: int = 128
+    warps: int | None = None
+    stages: int | None = None
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"MatmulBlocks.{name} must be positive, got {getattr(self, name)}")
+        for name in ("block_m", "block_n", "block_k", "warps", "stages"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"MatmulBlocks.{name} must be positive, got {value}")
+
+
+# The fastest of ten candidate tilings of an 8192^3 product on an H100 (experiments.tune_gpu_tiles, 2026-11-24):
+# int8 256x128x128 ran 271 TFLOP/s against 181 for 128x128x128; fp8 128x128x64 with 4 warps and 4 stages 361
+# against 324. Other kinds and backends keep the 128 blocks.
+_GPU_BLOCKS = {"int8": MatmulBlocks(256, 128, 128, 8, 3), "fp8": MatmulBlocks(128, 128, 64, 4, 4)}
+
+
+def default_blocks(kind: str, backend: str) -> MatmulBlocks:
+    """The blocks a scaled_matmul of this operand kind uses on this backend when the caller names none."""
+    return _GPU_BLOCKS.get(kind, MatmulBlocks()) if backend == "gpu" else MatmulBlocks()
 
 
 def resolve_impl(impl: str) -> str:
-    """'auto' -> the Pallas kernel on GPU/TPU, the XLA implementation on CPU (where Pallas only interprets)."""
+    """'auto' -> the Pallas kernel on TPU, the XLA implementation on GPU and CPU.
+
+    GPU takes XLA's because it measured faster on an H100 (experiments.gpu_report, 2026-11-24): XLA's fp8 product
+    (cuBLASLt) ran 741 TFLOP/s at 8192^3 against the Pallas kernel's 357, and a 1B train step with fp8 matmuls 65.4k
+    tokens/s against 36.8k. CPU takes it because Pallas only interprets there.
+    """
     if impl not in IMPLS:
         raise ValueError(f"unknown quantized matmul impl {impl!r}; choose one of {IMPLS}")
     if impl == "auto":
-        return "pallas" if target_platform() in ("gpu", "tpu") else "xla"
+        return "pallas" if target_platform() == "tpu" else "xla"
     return impl
 
 
@@ -99,7 +119,7 @@ def scaled_matmul(
     *,
     out_dtype=jnp.float32,
     k_block: int | None = None,
-    blocks: MatmulBlocks = MatmulBlocks(),
+    blocks: MatmulBlocks | None = None,
     impl: str = "auto",
     interpret: bool | None = None,
     backend: str | None = None,
@@ -108,8 +128,9 @@ def scaled_matmul(
 
     Scales are float32: x_scale [X or 1, N], w_scale [N, Y or 1], with N = 1 (per row / per column / per
     tensor, applied in the epilogue) or N = ceil(C / k_block) (one scale per k_block-long slice of the
-    contraction). ``impl``: 'pallas', 'xla', or 'auto' (Pallas on GPU/TPU, XLA on CPU). ``interpret`` defaults to
+    contraction). ``impl``: 'pallas', 'xla', or 'auto' (Pallas on TPU, XLA on GPU and CPU). ``interpret`` defaults to
     True on CPU; ``backend`` ('gpu', 'tpu') picks the kernel lowering and lets a CPU machine export for one.
+    ``blocks`` defaults to the measured table of ``default_blocks``.
     """
     if xq.ndim != 2 or wq.ndim != 2 or xq.shape[1] != wq.shape[0]:
         raise ValueError(f"scaled_matmul: expected x [X, C] and w [C, Y], got {list(xq.shape)} and {list(wq.shape)}")
@@ -130,7 +151,7 @@ def scaled_matmul(
         w_scale,
         kind=kind,
         k_block=k_block,
-        blocks=blocks,
+        blocks=default_blocks(kind, backend) if blocks is None else blocks,
         out_dtype=jnp.dtype(out_dtype),
         backend=backend,
     )
@@ -202,7 +223,7 @@ def _pallas(xq, x_scale, wq, w_scale, *, kind, k_block, blocks, out_dtype, backe
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((Xp, Yp), out_dtype),
         interpret=backend == "interpret",
-        compiler_params=_compiler_params(backend, bm, bn),
+        compiler_params=_compiler_params(backend, bm, bn, blocks),
         name=f"{kind}_matmul",
     )(xq, x_scale, wq, w_scale)
     return out[:X, :Y]
@@ -232,11 +253,12 @@ def _kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k, bk, acc_dtype, blockw
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _compiler_params(backend, bm, bn):
+def _compiler_params(backend, bm, bn, blocks: MatmulBlocks):
     if backend == "gpu":
         from jax.experimental.pallas import triton as pltriton
 
-        return pltriton.CompilerParams(num_warps=4 if bm * bn <= 64 * 64 else 8, num_stages=3)
+        warps = blocks.warps or (4 if bm * bn <= 64 * 64 else 8)
+        return pltriton.CompilerParams(num_warps=warps, num_stages=blocks.stages or 3)
     if backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 

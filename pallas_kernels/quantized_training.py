@@ -43,7 +43,7 @@ class QuantRecipe:
     margin: float = 0.0  # scale headroom: amax * 2**margin maps to the type's max
     stochastic_grads: bool = False  # round dY stochastically (needs a key)
     impl: str = "auto"  # scaled_matmul impl: auto | pallas | xla
-    blocks: MatmulBlocks = MatmulBlocks()
+    blocks: MatmulBlocks | None = None  # None: quantized_matmul.default_blocks
 
     def __post_init__(self):
         quant_dtype(self.dtype)

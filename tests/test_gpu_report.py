@@ -124,3 +124,19 @@ def test_a_report_run_in_parts_ends_as_one_file(tmp_path):
     assert report.sections["kernels"] == earlier["kernels"] and report.sections["matmul"] == [{"n": 2, "impl": "new"}]
     assert report.failures == earlier["failures"]
     assert gpu_report.merge_earlier_sections(gpu_report.Report(), path, ["matmul"], quick=False) == []
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "no GPU here; the sweep times Triton kernels on a GPU"),
+        (["--only", "matmul,warps"], "--only 'matmul,warps': parts are precision, matmul, attention"),
+        (["--T", "1000"], "--T 1000: must be a positive multiple of 128"),
+    ],
+)
+def test_tile_sweep_refuses_bad_usage_and_a_cpu_in_one_line(capsys, argv, message):
+    from experiments import tune_gpu_tiles
+
+    assert tune_gpu_tiles.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

@@ -213,3 +213,20 @@ def test_kernel_under_jit_with_default_blocks():
     xq, xs, wq, ws = operands(300, 200, 260, "int8", "int8", None)
     out = jax.jit(lambda *a: scaled_matmul(*a, impl="pallas"))(xq, xs, wq, ws)
     assert rel(out, reference_scaled_matmul(xq, xs, wq, ws)) <= 1e-6
+
+
+def test_auto_picks_pallas_on_tpu_only_and_gpu_blocks_follow_the_measured_table():
+    from pallas_kernels.kernel_inputs import compile_target
+    from pallas_kernels.quantized_matmul import default_blocks, resolve_impl
+
+    assert resolve_impl("auto") == "xla"  # CPU: Pallas would only interpret
+    with compile_target("gpu"):
+        assert resolve_impl("auto") == "xla"  # XLA's fp8 product measured 2.1x the kernel's on an H100
+    with compile_target("tpu"):
+        assert resolve_impl("auto") == "pallas"
+    assert resolve_impl("pallas") == "pallas"
+    assert default_blocks("int8", "gpu") == MatmulBlocks(256, 128, 128, 8, 3)
+    assert default_blocks("fp8", "gpu") == MatmulBlocks(128, 128, 64, 4, 4)
+    assert default_blocks("weight_only", "gpu") == default_blocks("int8", "tpu") == MatmulBlocks()
+    with pytest.raises(ValueError, match="MatmulBlocks.warps must be positive"):
+        MatmulBlocks(warps=0)
