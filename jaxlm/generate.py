@@ -118,8 +118,9 @@ def check_sampling(temperature: float, top_k: int, top_p: float, vocab_limit: in
 
 def bucket(n: int, minimum: int = 8) -> int:
     """`n` rounded up to a power of two (at least `minimum`), or past 256 to a multiple of 256: few programs, and
-    at most a quarter of a long cache wasted. Batches are at least 2 rows: with one, XLA:CPU turns the cache write
-    into an update it copies each layer's cache around, twice per token (measured); an idle second row costs less."""
+    at most a quarter of a long cache wasted. One prompt runs as one row (the model writes its cache with a
+    dynamic_update_slice): a padded second row made every weight product a two-row one, 1.3x the decode step of
+    gpt-bench on CPU (3.27 vs 4.24 ms, measured)."""
     n = max(n, minimum)
     return 1 << (n - 1).bit_length() if n <= 256 else -(-n // 256) * 256
 
@@ -291,7 +292,7 @@ class _Batch:
                 raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
             if ids.min() < 0 or ids.max() >= vocab_size:
                 raise ValueError(f"prompt {i} holds ids outside the model's vocabulary [0, {vocab_size})")
-        B = -(-bucket(len(arrays), 2) // shards) * shards  # >= 2: see `bucket`
+        B = -(-bucket(len(arrays), 1) // shards) * shards
         longest = max(a.size for a in arrays)
         T = bucket(longest)
         tokens_BT = np.zeros((B, T), np.int32)

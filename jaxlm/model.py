@@ -147,12 +147,11 @@ class Attention(nnx.Module):
         at its position. Returns (out, k_BKES, v_BKSE)."""
         B, T, _ = x_BTD.shape
         q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, sin, cos)
-        rows_B1 = jnp.arange(B)[:, None]
-        k_BKES = k_BKES.at[rows_B1, :, :, positions_BT].set(k_BTKE.astype(k_BKES.dtype), **_IN_PLACE)  # [B, T, K, E]
-        v_BKSE = v_BKSE.at[rows_B1, :, positions_BT].set(v_BTKE.astype(v_BKSE.dtype), **_IN_PLACE)
+        k_NES, v_NSE = _write_cache(k_BKES, v_BKSE, k_BTKE, v_BTKE, positions_BT)
         mask = _one_document(parse_mask(self.cfg.attention_mask))
         mask_BTS = mask(positions_BT[:, :, None], jnp.arange(v_BKSE.shape[2])[None, None, :])
-        out_BTHE = cached_attention(q_BTHE, k_BKES, v_BKSE, mask_BTS, positions_BT, self._score_mod())
+        out_BTHE = cached_attention(q_BTHE, k_NES, v_NSE, mask_BTS, positions_BT, self._score_mod())
+        k_BKES, v_BKSE = k_NES.reshape(k_BKES.shape), v_NSE.reshape(v_BKSE.shape)
         # One contracted axis of H*E: with two (h, e), XLA:CPU transposed wo, a weight copy per layer per token.
         wo = self.wo[...].reshape(-1, self.wo.shape[-1])  # [H*E, D]
         y_BTD = project("btx,xd->btd", out_BTHE.reshape(B, T, -1), wo, self.recipe, _value(self.out_amax))
@@ -179,21 +178,43 @@ class Attention(nnx.Module):
 _IN_PLACE = dict(mode="promise_in_bounds", unique_indices=True)
 
 
-def cached_attention(q_BTHE, k_BKES, v_BKSE, mask_BTS, positions_BT, score_mod=None):
-    """Dense grouped attention over a KV cache (jaxlm.attention's reference, cache-shaped). Keys are laid out
-    [B, K, E, S] and values [B, K, S, E], so both products are plain batched matmuls that read the cache in place;
-    with keys [B, S, K, E] XLA:CPU transposed (copied) every layer's keys for every token."""
+def _write_cache(k_BKES, v_BKSE, k_BTKE, v_BTKE, positions_BT):
+    """The new tokens' keys and values into their slots; returns the caches with rows and kv heads merged, k_NES and
+    v_NSE (N = B*K), the shape the attention products read. One row with one token is a dynamic_update_slice on the
+    merged shape: as a scatter XLA:CPU copied each layer's cache twice per token, and with the row axis kept it fed
+    the attention a second, updated copy (both measured)."""
+    B, T = positions_BT.shape
+    K, E, S = k_BKES.shape[1:]
+    k_BTKE, v_BTKE = k_BTKE.astype(k_BKES.dtype), v_BTKE.astype(v_BKSE.dtype)
+    if B == 1 and T == 1:
+        slot = positions_BT[0, 0]
+        k_NES = jax.lax.dynamic_update_slice(k_BKES.reshape(K, E, S), k_BTKE[0].transpose(1, 2, 0), (0, 0, slot))
+        v_NSE = jax.lax.dynamic_update_slice(v_BKSE.reshape(K, S, E), v_BTKE[0].transpose(1, 0, 2), (0, slot, 0))
+        return k_NES, v_NSE
+    rows_B1 = jnp.arange(B)[:, None]
+    k_BKES = k_BKES.at[rows_B1, :, :, positions_BT].set(k_BTKE, **_IN_PLACE)  # [B, T, K, E]
+    v_BKSE = v_BKSE.at[rows_B1, :, positions_BT].set(v_BTKE, **_IN_PLACE)
+    return k_BKES.reshape(B * K, E, S), v_BKSE.reshape(B * K, S, E)
+
+
+def cached_attention(q_BTHE, k_NES, v_NSE, mask_BTS, positions_BT, score_mod=None):
+    """Dense grouped attention over a KV cache (jaxlm.attention's reference, cache-shaped), rows and kv heads
+    merged (N = B*K). Keys are laid out [N, E, S] and values [N, S, E], so both products are plain batched matmuls
+    that read the cache in place; with keys [B, S, K, E] XLA:CPU transposed (copied) every layer's keys for every
+    token."""
     B, T, H, E = q_BTHE.shape
-    K, S = k_BKES.shape[1], k_BKES.shape[3]
-    q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum("bkgte,bkes->bkgts", q_BKGTE * E**-0.5, k_BKES, preferred_element_type=jnp.float32)
+    N, _, S = k_NES.shape
+    K, G = N // B, H // (N // B)
+    q_NME = q_BTHE.reshape(B, T, K, G, E).transpose(0, 2, 3, 1, 4).reshape(N, G * T, E)  # M = G*T
+    scores = jnp.einsum("nme,nes->nms", q_NME * E**-0.5, k_NES, preferred_element_type=jnp.float32)
+    scores = scores.reshape(B, K, G, T, S)
     if score_mod is not None:
-        head = jnp.arange(H, dtype=jnp.int32).reshape(1, K, H // K, 1, 1)
+        head = jnp.arange(H, dtype=jnp.int32).reshape(1, K, G, 1, 1)
         scores = score_mod(scores, positions_BT[:, None, None, :, None], jnp.arange(S), head)
     scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSE.dtype)
-    out_BKGTE = jnp.einsum("bkgts,bkse->bkgte", probs, v_BKSE)
-    return out_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E)
+    probs_NMS = jax.nn.softmax(scores, axis=-1).astype(v_NSE.dtype).reshape(N, G * T, S)
+    out_NME = jnp.einsum("nms,nse->nme", probs_NMS, v_NSE)
+    return out_NME.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4).reshape(B, T, H, E)
 
 
 def _one_document(mask: Mask) -> Mask:
