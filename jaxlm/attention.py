@@ -93,14 +93,15 @@ def attention(
     if impl == "jax":
         if score_mod is not None:
             raise ValueError("attention impl 'jax' (jax.nn.dot_product_attention) does not support score mods")
-        is_causal = mask_obj == pk.causal()
-        dense = None if is_causal else _dense_mask(mask_obj, T, S)
+        window = causal_window(mask_obj) if T == S else None
+        dense = None if window is not None else _dense_mask(mask_obj, T, S)
         return jax.nn.dot_product_attention(
             q_BTHE,
             k_BSKE,
             v_BSKE,
             mask=None if dense is None else dense[:, None],
-            is_causal=is_causal,
+            is_causal=window is not None,
+            local_window_size=(window - 1, 0) if window else None,
             scale=scale,
             implementation="cudnn" if dense is None and cudnn_fits(q_BTHE) else "xla",
         )
@@ -113,15 +114,31 @@ def auto_impl(template: pk.Mask, q_BTHE, score_mod=None, block_sizes: pk.BlockSi
     CPU: `xla_blocksparse` once the sequence spans more than one query block (its tiled path turns a static mask's
     non-empty tiles into a few large products; 1.11x the gpt-bench train step at T=256 and 1.3-1.9x the dense
     reference for causal at T=2k-8k, docs/results/bench_attention.md), else `reference` (one tile: nothing to skip).
-    GPU: cuDNN's fused kernel (`jax`) where it serves the query (plain causal, bf16/fp16, `cudnn_fits`),
-    the Pallas kernels for every other mask. TPU: the Pallas kernels.
+    GPU: cuDNN's fused kernel (`jax`) where it serves the query (causal, or causal within a sliding window;
+    bf16/fp16; `cudnn_fits`): on an H100 its forward + backward ran 2.4-3.5x the Pallas kernels' for causal and
+    1.8-2.5x for a 1024 window at T=8k, head dims 64 and 128 (docs/results/gpu-nvidia-h100-80gb-hbm3-2026-11-24.md).
+    The Pallas kernels for every other mask. TPU: the Pallas kernels.
     """
     platform = target_platform()
     if platform == "cpu":
         return "xla_blocksparse" if q_BTHE.shape[1] > block_sizes.block_q else "reference"
-    if platform == "gpu" and score_mod is None and template == pk.causal() and cudnn_fits(q_BTHE):
+    if platform == "gpu" and score_mod is None and causal_window(template) is not None and cudnn_fits(q_BTHE):
         return "jax"
     return "pallas"
+
+
+def causal_window(mask: pk.Mask) -> int | None:
+    """How `jax.nn.dot_product_attention` can express this mask itself: 0 for causal, w for causal within a
+    sliding window of w keys (also written `causal() & sliding_window(w)`), None for any other mask."""
+    if mask == pk.causal():
+        return 0
+    if isinstance(mask, pk.masks.SlidingWindow):
+        return mask.window
+    if isinstance(mask, pk.masks.And):
+        windows = [causal_window(m) for m in mask.masks]
+        if None not in windows:
+            return min((w for w in windows if w), default=0)
+    return None
 
 
 def cudnn_fits(q_BTHE) -> bool:

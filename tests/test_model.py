@@ -120,6 +120,7 @@ def allowed_by(spec, segment_ids, B, T):
         "full": np.ones((T, T), bool),
         "causal & document": (q >= kv) & same_doc,
         "sliding_window(5)": (q - kv >= 0) & (q - kv < 5),
+        "causal & sliding_window(4)": (q - kv >= 0) & (q - kv < 4),
         "prefix_lm(4) & document": ((kv < 4) | (q >= kv)) & same_doc,
         "causal & (sliding_window(3) | global_tokens(2))": (q >= kv)
         & (((q - kv >= 0) & (q - kv < 3)) | (kv < 2) | (q < 2)),
@@ -132,6 +133,7 @@ MASK_SPECS = [
     "full",
     "causal & document",
     "sliding_window(5)",
+    "causal & sliding_window(4)",
     "prefix_lm(4) & document",
     "causal & (sliding_window(3) | global_tokens(2))",
 ]
@@ -182,9 +184,10 @@ def test_attention_explicit_scale_softcap_and_bad_heads(impl):
 
 def test_auto_attention_picks_by_platform_mask_and_length():
     """impl="auto": on CPU the block-sparse XLA path once the sequence spans more than one query block, the dense
-    reference below; on a GPU cuDNN for plain causal bf16 and the Pallas kernels for other masks or float32."""
+    reference below; on a GPU cuDNN for causal (or causal in a sliding window) bf16 and the Pallas kernels for other
+    masks or float32."""
     from jaxlm.attention import auto_impl
-    from pallas_kernels import causal, sliding_window
+    from pallas_kernels import causal, prefix_lm, sliding_window
     from pallas_kernels.kernel_inputs import compile_target
 
     def q(T, dtype=jnp.float32):
@@ -197,7 +200,10 @@ def test_auto_attention_picks_by_platform_mask_and_length():
     with compile_target("gpu"):
         assert auto_impl(causal(), q(4096, jnp.bfloat16)) == "jax"
         assert auto_impl(causal(), q(4096, jnp.float32)) == "pallas"
-        assert auto_impl(causal() & sliding_window(1024), q(4096, jnp.bfloat16)) == "pallas"
+        assert auto_impl(causal() & sliding_window(1024), q(4096, jnp.bfloat16)) == "jax"  # local_window_size
+        assert auto_impl(sliding_window(1024), q(4096, jnp.bfloat16)) == "jax"
+        assert auto_impl(causal() | sliding_window(1024), q(4096, jnp.bfloat16)) == "pallas"
+        assert auto_impl(sliding_window(1024) & prefix_lm(8), q(4096, jnp.bfloat16)) == "pallas"
         assert auto_impl(causal(), q(4096, jnp.bfloat16), score_mod=soft_cap(30.0)) == "pallas"
     with compile_target("tpu"):
         assert auto_impl(causal(), q(4096, jnp.bfloat16)) == "pallas"
