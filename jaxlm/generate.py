@@ -323,7 +323,8 @@ class _Run:
         self.stop_V = stop_V
 
     def _put(self, array: np.ndarray, axes: tuple[str, ...]):
-        return jnp.asarray(array) if self.where is None else jax.device_put(array, self.where.sharding(axes))
+        # device_put, not jnp.asarray: that staged a small program per new shape (lax.stage), compiled each time
+        return jax.device_put(array) if self.where is None else jax.device_put(array, self.where.sharding(axes))
 
     def prefill(self) -> tuple[DecodeState, jax.Array]:
         b = self.batch
