@@ -157,6 +157,19 @@ def _lowerings(fn) -> int:
     return len(count)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5000))
+def test_a_bucket_holds_the_length_and_wastes_under_a_third_past_128(n):
+    b = gen.bucket(n, 1)
+    assert n <= b and gen.bucket(b, 1) == b
+    assert b - n < b / 3 if n > 128 else b < 2 * n
+    assert gen.bucket(n) == max(b, 8)
+
+
+def test_buckets_are_few():
+    assert len({gen.bucket(n, 1) for n in range(1, 5121)}) == 8 + 6 + 18  # 1..128, 192..512, 768..5120
+
+
 def test_decode_compiles_once_per_bucket_not_per_token():
     model = model_of(seed=3, num_layers=3)
     # Cache bucket 32 in every call; the prompt block is 32 slots, then 8; batch bucket 1, then 2.
