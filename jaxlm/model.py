@@ -144,14 +144,15 @@ class Attention(nnx.Module):
     def decode(self, x_BTD, sin, cos, positions_BT, k_BKES, v_BKSE):
         """Attention of new tokens over this layer's KV cache, whose slot s holds position s: the tokens' keys and
         values are written at their rows' `positions_BT`, then each query sees the slots the config's mask allows
-        at its position. Returns (out, k_BKES, v_BKSE)."""
+        at its position. Returns (out, k_BKES, v_BKSE). A cache of one row may come without its row axis (k_KES,
+        v_KSE) and is returned so."""
         B, T, _ = x_BTD.shape
         q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, sin, cos)
         k_NES, v_NSE = _write_cache(k_BKES, v_BKSE, k_BTKE, v_BTKE, positions_BT)
         mask = _one_document(parse_mask(self.cfg.attention_mask))
-        mask_BTS = mask(positions_BT[:, :, None], jnp.arange(v_BKSE.shape[2])[None, None, :])
+        mask_BTS = mask(positions_BT[:, :, None], jnp.arange(v_BKSE.shape[-2])[None, None, :])
         out_BTHE = cached_attention(q_BTHE, k_NES, v_NSE, mask_BTS, positions_BT, self._score_mod())
-        k_BKES, v_BKSE = k_NES.reshape(k_BKES.shape), v_NSE.reshape(v_BKSE.shape)
+        k_BKES, v_BKSE = k_NES.reshape(k_BKES.shape), v_NSE.reshape(v_BKSE.shape)  # a one-row cache stays [K, ..]
         # One contracted axis of H*E: with two (h, e), XLA:CPU transposed wo, a weight copy per layer per token.
         wo = self.wo[...].reshape(-1, self.wo.shape[-1])  # [H*E, D]
         y_BTD = project("btx,xd->btd", out_BTHE.reshape(B, T, -1), wo, self.recipe, _value(self.out_amax))
@@ -180,11 +181,12 @@ _IN_PLACE = dict(mode="promise_in_bounds", unique_indices=True)
 
 def _write_cache(k_BKES, v_BKSE, k_BTKE, v_BTKE, positions_BT):
     """The new tokens' keys and values into their slots; returns the caches with rows and kv heads merged, k_NES and
-    v_NSE (N = B*K), the shape the attention products read. One row with one token is a dynamic_update_slice on the
-    merged shape: as a scatter XLA:CPU copied each layer's cache twice per token, and with the row axis kept it fed
-    the attention a second, updated copy (both measured)."""
+    v_NSE (N = B*K), the shape the attention products read. One row with one token is a dynamic_update_slice: as a
+    scatter XLA:CPU copied each layer's cache twice per token (measured). A one-row cache may come without its row
+    axis (generate keeps it so; see jaxlm.generate.KVCache)."""
     B, T = positions_BT.shape
-    K, E, S = k_BKES.shape[1:]
+    K, E, S = k_BKES.shape[-3:]
+    k_BKES, v_BKSE = k_BKES.reshape(B, K, E, S), v_BKSE.reshape(B, K, S, E)
     k_BTKE, v_BTKE = k_BTKE.astype(k_BKES.dtype), v_BTKE.astype(v_BKSE.dtype)
     if B == 1 and T == 1:
         slot = positions_BT[0, 0]

@@ -55,6 +55,24 @@ def test_greedy_decode_with_cache_equals_full_recompute(scan_layers):
     assert new.tolist() == recomputed_greedy(model, prompt, 40)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_a_one_row_cache_without_its_row_axis_decodes_like_one_with_it(T):
+    """generate keeps one unsharded row's cache as k_KES / v_KSE (a row axis of 1 made XLA copy it every token)."""
+    model = model_of(seed=4)
+    cfg = model.cfg
+    K, E, S, L = cfg.num_kv_heads, cfg.resolved_head_dim, 16, cfg.num_layers
+    r = np.random.default_rng(0)
+    keys = tuple(jnp.asarray(r.normal(size=(1, K, E, S)), jnp.float32) for _ in range(L))
+    values = tuple(jnp.asarray(r.normal(size=(1, K, S, E)), jnp.float32) for _ in range(L))
+    tokens, positions = jnp.asarray([[3, 9, 4][:T]]), jnp.arange(5, 5 + T)[None]
+    logits4, k4, v4 = model.decode(tokens, positions, keys, values)
+    logits3, k3, v3 = model.decode(tokens, positions, tuple(k[0] for k in keys), tuple(v[0] for v in values))
+    np.testing.assert_allclose(logits3, logits4, rtol=1e-6, atol=1e-6)
+    for a, b in zip(k3 + v3, k4 + v4):
+        assert a.shape == b.shape[1:]
+        np.testing.assert_array_equal(a, b[0])
+
+
 def test_padded_batch_equals_each_prompt_alone_and_stops_at_a_stop_id():
     model = model_of(seed=1)
     prompts = [[7, 1, 9], list(range(10, 29)), [33, 2, 2, 40, 5, 6, 8], [50]]
