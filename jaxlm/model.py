@@ -148,11 +148,11 @@ class Attention(nnx.Module):
         v_KSE) and is returned so."""
         B, T, _ = x_BTD.shape
         q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, sin, cos)
-        k_NES, v_NSE = _write_cache(k_BKES, v_BKSE, k_BTKE, v_BTKE, positions_BT)
+        k_PES, v_PSE = _write_cache(k_BKES, v_BKSE, k_BTKE, v_BTKE, positions_BT)
         mask = _one_document(parse_mask(self.cfg.attention_mask))
         mask_BTS = mask(positions_BT[:, :, None], jnp.arange(v_BKSE.shape[-2])[None, None, :])
-        out_BTHE = cached_attention(q_BTHE, k_NES, v_NSE, mask_BTS, positions_BT, self._score_mod())
-        k_BKES, v_BKSE = k_NES.reshape(k_BKES.shape), v_NSE.reshape(v_BKSE.shape)  # a one-row cache stays [K, ..]
+        out_BTHE = cached_attention(q_BTHE, k_PES, v_PSE, mask_BTS, positions_BT, self._score_mod())
+        k_BKES, v_BKSE = k_PES.reshape(k_BKES.shape), v_PSE.reshape(v_BKSE.shape)  # a one-row cache stays [K, ..]
         # One contracted axis of H*E: with two (h, e), XLA:CPU transposed wo, a weight copy per layer per token.
         wo = self.wo[...].reshape(-1, self.wo.shape[-1])  # [H*E, D]
         y_BTD = project("btx,xd->btd", out_BTHE.reshape(B, T, -1), wo, self.recipe, _value(self.out_amax))
@@ -180,8 +180,8 @@ _IN_PLACE = dict(mode="promise_in_bounds", unique_indices=True)
 
 
 def _write_cache(k_BKES, v_BKSE, k_BTKE, v_BTKE, positions_BT):
-    """The new tokens' keys and values into their slots; returns the caches with rows and kv heads merged, k_NES and
-    v_NSE (N = B*K), the shape the attention products read. One row with one token is a dynamic_update_slice: as a
+    """The new tokens' keys and values into their slots; returns the caches with rows and kv heads merged, k_PES and
+    v_PSE (P = B*K), the shape the attention products read. One row with one token is a dynamic_update_slice: as a
     scatter XLA:CPU copied each layer's cache twice per token (measured). A one-row cache may come without its row
     axis (generate keeps it so; see jaxlm.generate.KVCache)."""
     B, T = positions_BT.shape
@@ -190,33 +190,33 @@ def _write_cache(k_BKES, v_BKSE, k_BTKE, v_BTKE, positions_BT):
     k_BTKE, v_BTKE = k_BTKE.astype(k_BKES.dtype), v_BTKE.astype(v_BKSE.dtype)
     if B == 1 and T == 1:
         slot = positions_BT[0, 0]
-        k_NES = jax.lax.dynamic_update_slice(k_BKES.reshape(K, E, S), k_BTKE[0].transpose(1, 2, 0), (0, 0, slot))
-        v_NSE = jax.lax.dynamic_update_slice(v_BKSE.reshape(K, S, E), v_BTKE[0].transpose(1, 0, 2), (0, slot, 0))
-        return k_NES, v_NSE
+        k_PES = jax.lax.dynamic_update_slice(k_BKES.reshape(K, E, S), k_BTKE[0].transpose(1, 2, 0), (0, 0, slot))
+        v_PSE = jax.lax.dynamic_update_slice(v_BKSE.reshape(K, S, E), v_BTKE[0].transpose(1, 0, 2), (0, slot, 0))
+        return k_PES, v_PSE
     rows_B1 = jnp.arange(B)[:, None]
     k_BKES = k_BKES.at[rows_B1, :, :, positions_BT].set(k_BTKE, **_IN_PLACE)  # [B, T, K, E]
     v_BKSE = v_BKSE.at[rows_B1, :, positions_BT].set(v_BTKE, **_IN_PLACE)
     return k_BKES.reshape(B * K, E, S), v_BKSE.reshape(B * K, S, E)
 
 
-def cached_attention(q_BTHE, k_NES, v_NSE, mask_BTS, positions_BT, score_mod=None):
+def cached_attention(q_BTHE, k_PES, v_PSE, mask_BTS, positions_BT, score_mod=None):
     """Dense grouped attention over a KV cache (jaxlm.attention's reference, cache-shaped), rows and kv heads
-    merged (N = B*K). Keys are laid out [N, E, S] and values [N, S, E], so both products are plain batched matmuls
+    merged (P = B*K). Keys are laid out [P, E, S] and values [P, S, E], so both products are plain batched matmuls
     that read the cache in place; with keys [B, S, K, E] XLA:CPU transposed (copied) every layer's keys for every
     token."""
     B, T, H, E = q_BTHE.shape
-    N, _, S = k_NES.shape
-    K, G = N // B, H // (N // B)
-    q_NME = q_BTHE.reshape(B, T, K, G, E).transpose(0, 2, 3, 1, 4).reshape(N, G * T, E)  # M = G*T
-    scores = jnp.einsum("nme,nes->nms", q_NME * E**-0.5, k_NES, preferred_element_type=jnp.float32)
+    P, _, S = k_PES.shape
+    K, G = P // B, H // (P // B)
+    q_PJE = q_BTHE.reshape(B, T, K, G, E).transpose(0, 2, 3, 1, 4).reshape(P, G * T, E)  # J = G*T
+    scores = jnp.einsum("pje,pes->pjs", q_PJE * E**-0.5, k_PES, preferred_element_type=jnp.float32)
     scores = scores.reshape(B, K, G, T, S)
     if score_mod is not None:
         head = jnp.arange(H, dtype=jnp.int32).reshape(1, K, G, 1, 1)
         scores = score_mod(scores, positions_BT[:, None, None, :, None], jnp.arange(S), head)
     scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs_NMS = jax.nn.softmax(scores, axis=-1).astype(v_NSE.dtype).reshape(N, G * T, S)
-    out_NME = jnp.einsum("nms,nse->nme", probs_NMS, v_NSE)
-    return out_NME.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4).reshape(B, T, H, E)
+    probs_PJS = jax.nn.softmax(scores, axis=-1).astype(v_PSE.dtype).reshape(P, G * T, S)
+    out_PJE = jnp.einsum("pjs,pse->pje", probs_PJS, v_PSE)
+    return out_PJE.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4).reshape(B, T, H, E)
 
 
 def _one_document(mask: Mask) -> Mask:
