@@ -8,12 +8,42 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 from .block_mask import BlockMask
-from .masks import Document
+from .masks import Document, Mask, ScoreMod
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionStatic:
+    """What every block-sparse attention implementation is specialised on (hashable: a custom_vjp's
+    non-differentiable argument). Each implementation's own record adds its fields to these."""
+
+    template: Mask  # the mask with document terms as slots
+    score_mod: ScoreMod | None
+    scale: float
+    block_q: int
+    block_kv: int
+    q_len: int
+    kv_len: int
+
+    @staticmethod
+    def shared(template: Mask, score_mod: ScoreMod | None, scale: float | None, block_mask: BlockMask, E: int) -> dict:
+        """The shared fields as keywords; ``scale`` None is 1 / sqrt(head dim)."""
+        bs = block_mask.block_sizes
+        return dict(
+            template=template,
+            score_mod=score_mod,
+            scale=1.0 / math.sqrt(E) if scale is None else float(scale),
+            block_q=bs.block_q,
+            block_kv=bs.block_kv,
+            q_len=block_mask.q_len,
+            kv_len=block_mask.kv_len,
+        )
 
 
 def check_attention_inputs(name: str, q, k, v, block_mask: BlockMask) -> None:

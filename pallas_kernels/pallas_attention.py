@@ -25,9 +25,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .block_mask import BlockMask
-from .kernel_inputs import check_attention_inputs, list_arrays, pad_axis, resolve_backend, segment_arrays
+from .kernel_inputs import (
+    AttentionStatic,
+    check_attention_inputs,
+    list_arrays,
+    pad_axis,
+    resolve_backend,
+    segment_arrays,
+)
 from .kernel_mask import bind_documents, split_documents
-from .masks import Mask, ScoreMod
+from .masks import ScoreMod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,16 +103,9 @@ def _passes(tiles: KernelTiles, bs):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class _Static(AttentionStatic):
     """Everything a kernel is specialised on (hashable: the custom_vjp's non-differentiable argument)."""
 
-    template: Mask  # the mask with document terms as slots
-    score_mod: ScoreMod | None
-    scale: float
-    block_q: int
-    block_kv: int
-    q_len: int
-    kv_len: int
     groups: int  # query heads per kv head
     mask_batched: bool  # block-mask arrays have a batch dim of B (else 1)
     docs_batched: tuple[bool, ...]  # per document slot
@@ -151,18 +151,12 @@ def block_sparse_attention(
     doc_arrays = [a for q_ids, kv_ids in segments for a in (q_ids[:, :, None], kv_ids[:, None, :])]
     mask_arrays = list_arrays(block_mask)
     static = _Static(
-        template,
-        score_mod,
-        1.0 / math.sqrt(E) if scale is None else float(scale),
-        bs.block_q,
-        bs.block_kv,
-        T,
-        S,
-        H // K,
-        mask_arrays[0].shape[0] == B and B > 1,
-        tuple(q_ids.shape[0] == B and B > 1 for q_ids, _ in segments),
-        backend,
-        tiles,
+        **AttentionStatic.shared(template, score_mod, scale, block_mask, E),
+        groups=H // K,
+        mask_batched=mask_arrays[0].shape[0] == B and B > 1,
+        docs_batched=tuple(q_ids.shape[0] == B and B > 1 for q_ids, _ in segments),
+        backend=backend,
+        tiles=tiles,
     )
     qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))

@@ -35,9 +35,9 @@ import numpy as np
 from jax import lax
 
 from .block_mask import EMPTY, BlockMask
-from .kernel_inputs import check_attention_inputs, list_arrays, pad_axis, segment_arrays
+from .kernel_inputs import AttentionStatic, check_attention_inputs, list_arrays, pad_axis, segment_arrays
 from .kernel_mask import bind_documents, split_documents
-from .masks import Mask, ScoreMod
+from .masks import ScoreMod
 from .xla_tiled_attention import plan_block_mask, tiled_attention_xla
 
 #: The tiled path computes whole pieces of the union of a per-batch block mask; past this multiple of the blocks one
@@ -46,15 +46,8 @@ TILED_MAX_OVERCOMPUTE = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    template: Mask  # the mask with document terms as slots
-    score_mod: ScoreMod | None
-    scale: float
-    block_q: int
-    block_kv: int
-    q_len: int
-    kv_len: int
-    groups: int
+class _Static(AttentionStatic):
+    groups: int  # query heads per kv head
 
 
 def block_sparse_attention_xla(
@@ -95,8 +88,7 @@ def block_sparse_attention_scan(
         for pair in segment_arrays("block_sparse_attention_xla", docs, block_mask, B)
         for ids in pair
     ]
-    bq, bkv = block_mask.block_sizes.block_q, block_mask.block_sizes.block_kv
-    static = _Static(template, score_mod, 1.0 / math.sqrt(E) if scale is None else float(scale), bq, bkv, T, S, H // K)
+    static = _Static(**AttentionStatic.shared(template, score_mod, scale, block_mask, E), groups=H // K)
     qp = pad_axis(q, 2, block_mask.padded_q_len)
     kp, vp = (pad_axis(x, 2, block_mask.padded_kv_len) for x in (k, v))
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))

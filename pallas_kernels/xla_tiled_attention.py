@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .block_mask import EMPTY, FULL, PARTIAL, BlockMask
-from .kernel_inputs import check_attention_inputs, pad_axis, segment_arrays
+from .kernel_inputs import AttentionStatic, check_attention_inputs, pad_axis, segment_arrays
 from .kernel_mask import bind_documents, split_documents
-from .masks import Mask, ScoreMod
+from .masks import ScoreMod
 
 #: Largest piece side, in positions: bigger squares are split (a score tile stays <= 16 MiB per head; 4096-wide
 #: ones measured no faster).
@@ -157,15 +156,8 @@ def _tables(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class _Static(AttentionStatic):
     plan: Plan
-    template: Mask  # the mask with document terms as slots
-    score_mod: ScoreMod | None
-    scale: float
-    block_q: int
-    block_kv: int
-    q_len: int
-    kv_len: int
 
 
 def tiled_attention_xla(
@@ -181,9 +173,9 @@ def tiled_attention_xla(
     B, H, T, E = q.shape
     template, docs = split_documents(block_mask.mask)
     doc_arrays = tuple(ids for pair in segment_arrays("tiled_attention_xla", docs, block_mask, B) for ids in pair)
-    bq, bkv = block_mask.block_sizes.block_q, block_mask.block_sizes.block_kv
-    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
-    static = _Static(plan_block_mask(block_mask), template, score_mod, scale, bq, bkv, T, block_mask.kv_len)
+    static = _Static(
+        **AttentionStatic.shared(template, score_mod, scale, block_mask, E), plan=plan_block_mask(block_mask)
+    )
     qp = pad_axis(q, 2, block_mask.padded_q_len)
     kp, vp = (pad_axis(x, 2, block_mask.padded_kv_len) for x in (k, v))
     out, lse = _attention(static, qp, kp, vp, doc_arrays)
