@@ -30,6 +30,7 @@ from jaxlm.config import ATTENTION_IMPLS as IMPLEMENTATIONS
 from pallas_kernels.kernel_inputs import target_platform
 from pallas_kernels.kernel_mask import DocumentSlot
 from pallas_kernels.mask_spec import parse_mask, uses_documents
+from pallas_kernels.xla_tiled_attention import STRIPS_MAX_LEN
 from sharding.rules import active_mesh_axes
 
 BLOCK_SPARSE = ("xla_blocksparse", "pallas")
@@ -70,6 +71,7 @@ def attention(
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
     template = parse_mask(mask) if isinstance(mask, str) else mask
     if impl == "auto":
+        block_sizes = auto_block_sizes(template, q_BTHE, block_sizes)
         impl = auto_impl(template, q_BTHE, score_mod, block_sizes)
     if not uses_documents(template):
         segment_ids_BT = None  # nothing reads them: don't carry them into the kernels' shard_map
@@ -112,8 +114,9 @@ def auto_impl(template: pk.Mask, q_BTHE, score_mod=None, block_sizes: pk.BlockSi
     """What `impl="auto"` runs: the fastest implementation measured for this platform, mask and length.
 
     CPU: `xla_blocksparse` once the sequence spans more than one query block (its tiled path turns a static mask's
-    non-empty tiles into a few large products; 1.11x the gpt-bench train step at T=256 and 1.3-1.9x the dense
-    reference for causal at T=2k-8k, docs/results/bench_attention.md), else `reference` (one tile: nothing to skip).
+    non-empty tiles into a few large products, 1.3-1.9x the dense reference for causal at T=2k-8k; short sequences
+    as strips of `auto_block_sizes`, 1.2-1.5x the dense reference at T=128-256: docs/results/bench_attention.md),
+    else `reference` (one tile: nothing to skip).
     GPU: cuDNN's fused kernel (`jax`) where it serves the query (causal, or causal within a sliding window;
     bf16/fp16; `cudnn_fits`): on an H100 its forward + backward ran 2.4-3.5x the Pallas kernels' for causal and
     1.8-2.5x for a 1024 window at T=8k, head dims 64 and 128 (docs/results/gpu-nvidia-h100-80gb-hbm3-2026-11-24.md).
@@ -125,6 +128,21 @@ def auto_impl(template: pk.Mask, q_BTHE, score_mod=None, block_sizes: pk.BlockSi
     if platform == "gpu" and score_mod is None and causal_window(template) is not None and cudnn_fits(q_BTHE):
         return "jax"
     return "pallas"
+
+
+#: The tile side `auto` gives the CPU's tiled path for short sequences, which it plans as strips (one product per
+#: q block, pallas_kernels.xla_tiled_attention.STRIPS_MAX_LEN): causal forward + backward at T=256 ran 1.2-1.5x
+#: faster in strips of 64 than of 128 or 32, and 1.5x the gpt-bench step's attention before strips.
+CPU_STRIP_BLOCK = 64
+
+
+def auto_block_sizes(template: pk.Mask, q_BTHE, block_sizes: pk.BlockSizes) -> pk.BlockSizes:
+    """The tiles `impl="auto"` runs with: on a CPU, strips of CPU_STRIP_BLOCK for a sequence the tiled path plans as
+    strips (a host mask: no document term, whose tiles are known only on device); the configured ones otherwise."""
+    T = q_BTHE.shape[1]
+    if target_platform() == "cpu" and not uses_documents(template) and T <= STRIPS_MAX_LEN:
+        return pk.BlockSizes(CPU_STRIP_BLOCK, CPU_STRIP_BLOCK)
+    return block_sizes
 
 
 def causal_window(mask: pk.Mask) -> int | None:

@@ -86,7 +86,8 @@ class ModelConfig(Section):
     # xla_blocksparse | pallas (jaxlm.attention)
     attention_impl: str = "auto"
     attention_mask: str = "causal"  # a mask spec, e.g. "causal & sliding_window(128)" or "causal & document"
-    attention_block_q: int = 128  # tile sizes of the block-sparse implementations
+    # tile sizes of the block-sparse implementations (`auto` on a CPU takes 64 up to 256 positions: auto_block_sizes)
+    attention_block_q: int = 128
     attention_block_kv: int = 128
     attention_softcap: float = 0.0  # > 0: cap * tanh(score / cap) on attention logits (Gemma 2 style)
     # Low-precision matmuls (jaxlm.quantized): "fp8", or per layer class "attention=fp8,mlp=fp8,lm_head=default";

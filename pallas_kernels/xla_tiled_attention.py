@@ -2,12 +2,13 @@
 
 Why: on XLA:CPU a batch of 128 x 128 score tiles runs forward + backward at about half the FLOP rate of 512 x 512
 squares (measured per piece shape, head dim 128: 56-71 against 108-131 GFLOP/s on 2 cores), and the scan path
-(``xla_attention``) multiplies 128 x 128 tiles one list slot at a time. Here the non-empty tiles of a host (numpy)
-block mask are covered by a quadtree over the (q-block, kv-block) grid, in squares of at most ``MAX_SIDE``
-positions: a square whose tiles are all FULL is one unmasked product, all EMPTY is skipped, a mixed one is computed
-whole under the element mask or split in four, whichever the cost model says is cheaper. For causal masks this is the
-recursive split: big squares below the diagonal, masked tiles on it. Pieces of one shape are one batched einsum over
-static gathers of their q / kv blocks. Each piece yields its rows' max, sum and un-normalized output, and every q
+(``xla_attention``) multiplies 128 x 128 tiles one list slot at a time. Here the non-empty tiles of a host (numpy) block
+mask are covered by a quadtree over the (q-block, kv-block) grid, in squares of at most ``MAX_SIDE`` positions: a square
+whose tiles are all FULL is one unmasked product, all EMPTY is skipped, a mixed one is computed whole under the element
+mask or split in four, whichever the cost model says is cheaper. For causal masks this is the recursive split: big
+squares below the diagonal, masked tiles on it. Short sequences (``STRIPS_MAX_LEN``) are planned as strips instead: each
+q block one piece over its span of live kv blocks, with nothing to merge. Pieces of one shape are one batched einsum
+over static gathers of their q / kv blocks. Each piece yields its rows' max, sum and un-normalized output, and every q
 block merges its pieces by the log-sum-exp rule through a static table.
 
 Backward (``jax.custom_vjp``, FlashAttention-2 style): per piece the probabilities are recomputed from the saved
@@ -41,6 +42,11 @@ MAX_SIDE = 2048
 #: diagonal squares into tiles measured 8-20% faster than computing them whole under the mask.
 PIECE_COST = 128 * 128
 MASKED_COST = 1.6
+#: Query lengths (padded to whole blocks) up to which the plan is strips instead: one piece per q block, spanning
+#: the kv blocks from its first live one to its last, so no q block merges partial softmaxes. For short sequences
+#: that merge is what costs: causal forward + backward at T=256, head dim 64, in strips of 64 ran 1.3-1.6x the
+#: quadtree; from T=512 on strips were 0.8-1.2x it (docs/results/bench_attention.md).
+STRIPS_MAX_LEN = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +75,34 @@ class Plan:
 
 def plan_block_mask(block_mask: BlockMask, max_side: int | None = None) -> Plan:
     """The pieces covering a host block mask's non-empty tiles (of every batch element: a tile FULL in all of them
-    counts FULL, one EMPTY in all counts EMPTY, anything else PARTIAL)."""
+    counts FULL, one EMPTY in all counts EMPTY, anything else PARTIAL): strips up to ``STRIPS_MAX_LEN`` query
+    positions, the quadtree beyond."""
     if block_mask.is_traced:
         raise ValueError("plan_block_mask: the block mask is traced; its tiles are known on device only")
     kind = np.asarray(block_mask.kind).reshape(-1, block_mask.num_q_blocks, block_mask.num_kv_blocks)
     bs = block_mask.block_sizes
     union = np.where((kind == FULL).all(0), FULL, np.where((kind == EMPTY).all(0), EMPTY, PARTIAL)).astype(np.int8)
+    if block_mask.num_q_blocks * bs.block_q <= STRIPS_MAX_LEN:
+        return _strips(union.tobytes(), union.shape)
     costs = (PIECE_COST, MASKED_COST)
     return _plan(union.tobytes(), union.shape, bs.block_q, bs.block_kv, max_side or MAX_SIDE, costs)
+
+
+@functools.lru_cache(maxsize=256)
+def _strips(kind_bytes: bytes, shape: tuple[int, int]) -> Plan:
+    """One piece per q block over its first to last live kv block (masked unless all of them are FULL); q blocks
+    of equal span form one group."""
+    kind = np.frombuffer(kind_bytes, np.int8).reshape(shape)
+    shapes: dict[tuple[int, bool], list[tuple[int, int]]] = {}
+    for row, row_kind in enumerate(kind):
+        live = np.flatnonzero(row_kind != EMPTY)
+        if live.size:
+            c0, c1 = int(live[0]), int(live[-1]) + 1
+            shapes.setdefault((c1 - c0, bool((row_kind[c0:c1] != FULL).any())), []).append((row, c0))
+    groups = tuple(
+        Group(1, w, m, tuple(r for r, _ in at), tuple(c for _, c in at)) for (w, m), at in sorted(shapes.items())
+    )
+    return Plan(groups, *shape)
 
 
 @functools.lru_cache(maxsize=256)

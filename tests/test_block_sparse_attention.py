@@ -265,6 +265,7 @@ def _fine_pieces_if(fine: bool):
         if fine:
             mp.setattr(tiled, "PIECE_COST", 0)
             mp.setattr(tiled, "MAX_SIDE", 32)
+            mp.setattr(tiled, "STRIPS_MAX_LEN", 0)  # the quadtree; "xla" runs these short sequences as strips
         yield
 
 
@@ -321,9 +322,11 @@ def test_property_gradients(impl, a, b, op, bq, bkv, T, Hkv, doc, seed):
 @pytest.fixture
 def fine_pieces(monkeypatch):
     """Small shapes with the tiled path's pieces as fine as they go: no per-piece cost in its cost model (so it splits
-    every mixed square down to single masked tiles) and squares of at most 4 blocks of 16."""
+    every mixed square down to single masked tiles) and squares of at most 4 blocks of 16; the quadtree even where
+    the sequence is short enough for strips."""
     monkeypatch.setattr(tiled, "PIECE_COST", 0)
     monkeypatch.setattr(tiled, "MAX_SIDE", 64)
+    monkeypatch.setattr(tiled, "STRIPS_MAX_LEN", 0)
 
 
 def _covers(plan):
@@ -353,6 +356,49 @@ def test_tiled_plan_covers_every_live_tile_once(nq, nkv, p_empty, piece_cost, ma
     count, unmasked = _covers(tiled._plan(kind.tobytes(), kind.shape, 16, 16, max_side, (piece_cost, 1.6)))
     assert np.all(count[kind != EMPTY] == 1)  # every live tile computed exactly once
     assert np.all(count <= 1) and np.all(kind[unmasked > 0] == FULL)  # no element mask only on FULL tiles
+
+
+@settings(max_examples=40, deadline=None)  # host-side only: no compiling
+@given(
+    nq=st.integers(1, 13),
+    nkv=st.integers(1, 13),
+    p_empty=st.floats(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_strips_cover_every_live_tile_once_with_one_piece_per_q_block(nq, nkv, p_empty, seed):
+    r = np.random.default_rng(seed)
+    kind = np.where(r.random((nq, nkv)) < p_empty, EMPTY, r.choice([PARTIAL, FULL], size=(nq, nkv))).astype(np.int8)
+    plan = tiled._strips(kind.tobytes(), kind.shape)
+    count, unmasked = _covers(plan)
+    assert np.all(count[kind != EMPTY] == 1) and np.all(count <= 1)
+    assert np.all(kind[unmasked > 0] == FULL)
+    assert all(g.rows == 1 for g in plan.groups)
+    rows = [r for g in plan.groups for r in g.q_starts]
+    assert sorted(rows) == [i for i in range(nq) if (kind[i] != EMPTY).any()]  # every live q block, once
+    assert plan.computed_blocks() == sum(np.ptp(np.flatnonzero(k != EMPTY)) + 1 for k in kind if (k != EMPTY).any())
+
+
+def test_short_sequences_are_planned_as_strips():
+    plan = tiled.plan_block_mask(make_block_mask(causal(), 256, 256, BlockSizes(64, 64)))
+    assert [(g.cols, g.masked, g.q_starts, g.kv_starts) for g in plan.groups] == [
+        (w, True, (w - 1,), (0,)) for w in (1, 2, 3, 4)
+    ]
+    plan = tiled.plan_block_mask(make_block_mask(causal(), 512, 512, BlockSizes(64, 64)))
+    assert max(g.rows for g in plan.groups) > 1  # past STRIPS_MAX_LEN: the quadtree
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [causal(), sliding_window(40), prefix_lm(40), causal() & (global_tokens(8) | sliding_window(20))],
+    ids=repr,
+)
+def test_strips_forward_and_gradients_match_reference(mask):
+    """96 = 6 q blocks of 16, strips of 1 to 6 blocks; the last mask leaves EMPTY tiles inside some strips."""
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, T=96, seed=17)
+    plan = tiled.plan_block_mask(make_block_mask(mask, 96, 96, BlockSizes(16, 16)))
+    assert all(g.rows == 1 for g in plan.groups)
+    check_forward("tiled", q, k, v, mask, BlockSizes(16, 16))
+    check_gradients("tiled", q, k, v, mask, BlockSizes(16, 16))
 
 
 def test_tiled_plan_for_causal_is_a_few_large_unmasked_squares():

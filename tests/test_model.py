@@ -186,9 +186,10 @@ def test_auto_attention_picks_by_platform_mask_and_length():
     """impl="auto": on CPU the block-sparse XLA path once the sequence spans more than one query block, the dense
     reference below; on a GPU cuDNN for causal (or causal in a sliding window) bf16 and the Pallas kernels for other
     masks or float32."""
-    from jaxlm.attention import auto_impl
+    from jaxlm.attention import auto_block_sizes, auto_impl
     from pallas_kernels import causal, prefix_lm, sliding_window
     from pallas_kernels.kernel_inputs import compile_target
+    from pallas_kernels.mask_spec import parse_mask
 
     def q(T, dtype=jnp.float32):
         return jax.ShapeDtypeStruct((1, T, 4, 64), dtype)
@@ -197,6 +198,11 @@ def test_auto_attention_picks_by_platform_mask_and_length():
     assert auto_impl(causal(), q(256)) == "xla_blocksparse"
     assert auto_impl(causal(), q(128)) == "reference"
     assert auto_impl(causal(), q(256), block_sizes=BlockSizes(256, 256)) == "reference"
+    # up to STRIPS_MAX_LEN the tiled path runs strips of CPU_STRIP_BLOCK: from 65 positions on, more than one
+    for T, want in ((64, BlockSizes(64, 64)), (256, BlockSizes(64, 64)), (257, BlockSizes(128, 128))):
+        assert auto_block_sizes(causal(), q(T), BlockSizes(128, 128)) == want
+    traced = parse_mask("causal & document")  # its tiles are known on device only: no strips
+    assert auto_block_sizes(traced, q(256), BlockSizes(128, 128)) == BlockSizes(128, 128)
     with compile_target("gpu"):
         assert auto_impl(causal(), q(4096, jnp.bfloat16)) == "jax"
         assert auto_impl(causal(), q(4096, jnp.float32)) == "pallas"
@@ -349,8 +355,11 @@ def test_scan_unrolled_and_remat_agree():
         ("btd,dv->btv", (2, 5, 8), (8, 11), jnp.bfloat16, jnp.float32),
     ],
 )
-def test_plain_projection_gradients_equal_autodiff(spec, x_shape, w_shape, dtype, out_dtype):
-    """The projection's written-out backward (weight gradient as einsum(x, dY)) is autodiff's, dtypes included."""
+@pytest.mark.parametrize("devices", [1, 2], ids=["one device: 2-D products", "a mesh: einsums"])
+def test_plain_projection_gradients_equal_autodiff(spec, x_shape, w_shape, dtype, out_dtype, devices):
+    """The projection's written-out backward is autodiff's, dtypes included: on one device as 2-D products, under a
+    mesh of several as einsums (that do not merge axes a rule may shard)."""
+    from jaxlm import quantized
     from jaxlm.quantized import plain_projection
 
     kx, kw, ky = jax.random.split(jax.random.key(0), 3)
@@ -368,7 +377,10 @@ def test_plain_projection_gradients_equal_autodiff(spec, x_shape, w_shape, dtype
     def custom(x, w):
         return plain_projection(spec, out_dtype, x, w)
 
-    ours = jax.jit(jax.grad(loss(custom), argnums=(0, 1)))(x, w)
+    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    with jax.set_mesh(mesh):
+        assert quantized._one_device() == (devices == 1)
+        ours = jax.jit(jax.grad(loss(custom), argnums=(0, 1)))(x, w)
     reference = jax.jit(jax.grad(loss(autodiff), argnums=(0, 1)))(x, w)
     for a, b in zip(ours, reference):
         assert a.dtype == b.dtype and a.shape == b.shape
