@@ -388,6 +388,20 @@ def test_plain_projection_gradients_equal_autodiff(spec, x_shape, w_shape, dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=tol, atol=tol)
 
 
+def test_swiglu_backward_equals_autodiff():
+    """The written-out SwiGLU gradient (one stack of the gate and up halves) is autodiff's of silu(gate) * up."""
+    from jaxlm.model import swiglu
+
+    kh, kw = jax.random.split(jax.random.key(3))
+    h = 3 * jax.random.normal(kh, (2, 5, 2, 7), jnp.float32)
+    w = jax.random.normal(kw, (2, 5, 7), jnp.float32)
+    ours = jax.grad(lambda h: jnp.sum(swiglu(h) * w))(h)
+    reference = jax.grad(lambda h: jnp.sum(jax.nn.silu(h[:, :, 0]) * h[:, :, 1] * w))(h)
+    np.testing.assert_allclose(swiglu(h), jax.nn.silu(h[:, :, 0]) * h[:, :, 1], rtol=1e-6)
+    np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
+    assert np.abs(ours[:, :, 0]).max() > 0 and np.abs(ours[:, :, 1]).max() > 0
+
+
 def test_dot_remat_policies_keep_the_plain_projections():
     """`remat=dots` keeps the projections' outputs although their dot sits inside a custom_vjp: the backward
     recomputes no projection (as many dots as without remat), where `full` recomputes them."""
