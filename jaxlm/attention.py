@@ -115,7 +115,7 @@ def auto_impl(template: pk.Mask, q_BTHE, score_mod=None, block_sizes: pk.BlockSi
 
     CPU: `xla_blocksparse` once the sequence spans more than one query block (its tiled path turns a static mask's
     non-empty tiles into a few large products, 1.3-1.9x the dense reference for causal at T=2k-8k; short sequences
-    as strips of `auto_block_sizes`, 1.2-1.5x the dense reference at T=128-256: docs/results/bench_attention.md),
+    as strips of `auto_block_sizes`, 1.1-1.7x the dense reference at T=128-256: docs/results/bench_attention.md),
     else `reference` (one tile: nothing to skip).
     GPU: cuDNN's fused kernel (`jax`) where it serves the query (causal, or causal within a sliding window;
     bf16/fp16; `cudnn_fits`): on an H100 its forward + backward ran 2.4-3.5x the Pallas kernels' for causal and
@@ -131,14 +131,15 @@ def auto_impl(template: pk.Mask, q_BTHE, score_mod=None, block_sizes: pk.BlockSi
 
 
 #: The tile side `auto` gives the CPU's tiled path for short sequences, which it plans as strips (one product per
-#: q block, pallas_kernels.xla_tiled_attention.STRIPS_MAX_LEN): causal forward + backward at T=256 ran 1.2-1.5x
-#: faster in strips of 64 than of 128 or 32, and 1.5x the gpt-bench step's attention before strips.
+#: q block, pallas_kernels.xla_tiled_attention.STRIPS_MAX_LEN): causal forward + backward at T=256 (head dims 64
+#: and 128) ran 1.13-1.18x faster in strips of 64 than of 128, 1.3-1.8x faster than of 32.
 CPU_STRIP_BLOCK = 64
 
 
 def auto_block_sizes(template: pk.Mask, q_BTHE, block_sizes: pk.BlockSizes) -> pk.BlockSizes:
-    """The tiles `impl="auto"` runs with: on a CPU, strips of CPU_STRIP_BLOCK for a sequence the tiled path plans as
-    strips (a host mask: no document term, whose tiles are known only on device); the configured ones otherwise."""
+    """The tiles `impl="auto"` runs with: on a CPU, CPU_STRIP_BLOCK for a sequence the tiled path plans as strips,
+    unless the mask has a document term (its tiles are known only on device: the scan, not strips, runs it); the
+    configured ones otherwise."""
     T = q_BTHE.shape[1]
     if target_platform() == "cpu" and not uses_documents(template) and T <= STRIPS_MAX_LEN:
         return pk.BlockSizes(CPU_STRIP_BLOCK, CPU_STRIP_BLOCK)
