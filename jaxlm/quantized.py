@@ -94,11 +94,17 @@ def _plain_projection_fwd(spec, out_dtype, x, w):
 
 def _plain_projection_bwd(spec, out_dtype, residuals, dy):
     x, w = residuals
+    dy = dy.astype(x.dtype)
+    if not _one_device():
+        return _projection_grads(spec, x, w, dy)
+    dx, dw = _projection_grads("nc,co->no", *_flattened(spec, x, w, dy))
+    return dx.reshape(x.shape), dw.reshape(w.shape)
+
+
+def _projection_grads(spec, x, w, dy):
+    """(dX, dW) of einsum(spec, x, w) for the cotangent dy (in x's dtype)."""
     inputs, y_axes = spec.split("->")
     x_axes, w_axes = inputs.split(",")
-    dy = dy.astype(x.dtype)
-    if _one_device():
-        return _flat_backward(x, w, dy, contracted=sum(a in w_axes for a in x_axes))
     dx = jnp.einsum(f"{y_axes},{w_axes}->{x_axes}", dy, w)
     # The weight gradient contracts the tokens, the leading axes of both: XLA:CPU re-lays out the first operand of
     # the dot. Make that the narrower one (x for the wide QKV, gate/up and vocabulary outputs; dY for the down
@@ -121,26 +127,20 @@ def _one_device() -> bool:
     return mesh.empty or mesh.size == 1
 
 
-def _flat_backward(x, w, dy, contracted: int):
-    """The backward as 2-D products with one contracted axis each: [N, O] x [C, O]^T for dX, [N, C]^T x [N, O] for
-    dW (N tokens, C the `contracted` axes of w, O the rest). XLA:CPU lays out a dot's operands with all its
-    contracted axes together, so with two of them (the gate/up projection's (2, F) in dX, the tokens' (B, T) in dW)
-    it copied each layer's weight transposed in every microbatch; one contracted axis reads w as it lies (measured
-    on the gpt-bench step: those copies gone, 1.6% faster). On one device only: merging a sharded axis with its
-    neighbours (F split over `tensor`) would make GSPMD reshard."""
+def _flattened(spec, x, w, dy):
+    """x [N, C], w [C, O], dy [N, O]: the projection as 2-D operands (N tokens, C w's contracted axes, O the rest), so
+    each backward product has one contracted axis. XLA:CPU lays out a dot's operands with all its contracted axes
+    together, so with two of them (the gate/up projection's (2, F) in dX, the tokens' (B, T) in dW) it copied each
+    layer's weight transposed in every microbatch; one contracted axis reads w as it lies (measured on the gpt-bench
+    step: those copies gone, 1.6% faster). On one device only: merging a sharded axis with its neighbours (F split
+    over `tensor`) would make GSPMD reshard."""
+    x_axes, w_axes = spec.split("->")[0].split(",")
+    contracted = sum(a in w_axes for a in x_axes)
     if dy.shape != x.shape[: x.ndim - contracted] + w.shape[contracted:]:
         raise ValueError(f"project: x {x.shape}, w {w.shape} -> {dy.shape} is not x's last axes against w's first")
     C = math.prod(w.shape[:contracted])
     w_CO = w.reshape(C, -1)
-    dy_NO = dy.reshape(-1, w_CO.shape[1])
-    x_NC = x.reshape(-1, C)
-    dx = jax.lax.dot_general(dy_NO, w_CO, (((1,), (1,)), ((), ())))
-    # the narrower operand goes first, as in the general path: XLA:CPU re-lays out the first one
-    if x_NC.size <= dy_NO.size:
-        dw = jax.lax.dot_general(x_NC, dy_NO, (((0,), (0,)), ((), ())))
-    else:
-        dw = jax.lax.dot_general(dy_NO, x_NC, (((0,), (0,)), ((), ()))).T
-    return dx.reshape(x.shape), dw.reshape(w.shape).astype(w.dtype)
+    return x.reshape(-1, C), w_CO, dy.reshape(-1, w_CO.shape[1])
 
 
 def _placed(recipe: QuantRecipe) -> QuantRecipe:

@@ -341,6 +341,12 @@ def _covers(plan):
     return count, unmasked
 
 
+def _random_kinds(nq, nkv, p_empty, seed):
+    """A [nq, nkv] block grid: EMPTY with probability p_empty, else PARTIAL or FULL."""
+    r = np.random.default_rng(seed)
+    return np.where(r.random((nq, nkv)) < p_empty, EMPTY, r.choice([PARTIAL, FULL], size=(nq, nkv))).astype(np.int8)
+
+
 @settings(max_examples=40, deadline=None)  # host-side only: no compiling
 @given(
     nq=st.integers(1, 13),
@@ -351,8 +357,7 @@ def _covers(plan):
     seed=st.integers(0, 2**16),
 )
 def test_tiled_plan_covers_every_live_tile_once(nq, nkv, p_empty, piece_cost, max_side, seed):
-    r = np.random.default_rng(seed)
-    kind = np.where(r.random((nq, nkv)) < p_empty, EMPTY, r.choice([PARTIAL, FULL], size=(nq, nkv))).astype(np.int8)
+    kind = _random_kinds(nq, nkv, p_empty, seed)
     count, unmasked = _covers(tiled._plan(kind.tobytes(), kind.shape, 16, 16, max_side, (piece_cost, 1.6)))
     assert np.all(count[kind != EMPTY] == 1)  # every live tile computed exactly once
     assert np.all(count <= 1) and np.all(kind[unmasked > 0] == FULL)  # no element mask only on FULL tiles
@@ -366,8 +371,7 @@ def test_tiled_plan_covers_every_live_tile_once(nq, nkv, p_empty, piece_cost, ma
     seed=st.integers(0, 2**16),
 )
 def test_strips_cover_every_live_tile_once_with_one_piece_per_q_block(nq, nkv, p_empty, seed):
-    r = np.random.default_rng(seed)
-    kind = np.where(r.random((nq, nkv)) < p_empty, EMPTY, r.choice([PARTIAL, FULL], size=(nq, nkv))).astype(np.int8)
+    kind = _random_kinds(nq, nkv, p_empty, seed)
     plan = tiled._strips(kind.tobytes(), kind.shape)
     count, unmasked = _covers(plan)
     assert np.all(count[kind != EMPTY] == 1) and np.all(count <= 1)
