@@ -31,19 +31,18 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlm.model import Transformer, split_layers
 from sharding.rules import constrain, logical_spec, use_rules
 
-KEY_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")  # every layer's k_BKES
-VALUE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # every layer's v_BKSE
+CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # every layer's k_BKSE and v_BKSE
 TOKEN_AXES = ("batch", "cache_seq")  # tokens_BS
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Every layer's rotated keys k_BKES and values v_BKSE, in the model's dtype; slot s holds position s.
+    """Every layer's rotated keys k_BKSE and values v_BKSE, in the model's dtype; slot s holds position s.
 
     One array per layer, not one stacked [L, ...] array: the decode step updates and reads each in place, where a
-    layer sliced out of a stack is a copy. Keys [.., E, S] and values [.., S, E]: attention's two products read
-    them as they lie (model.cached_attention). One unsharded row keeps no row axis (k_KES, v_KSE): with a row axis
+    layer sliced out of a stack is a copy. Keys and values [.., S, E]: attention's two products read them as they
+    lie (model.cached_attention). One unsharded row keeps no row axis (k_KSE, v_KSE): with a row axis
     of 1, XLA:CPU copied every layer's cache once per token to feed the attention (2.43 vs 3.05 ms a gpt-bench step,
     measured)."""
 
@@ -88,7 +87,7 @@ class Sampler:
         if self.vocab_limit and self.vocab_limit < V:
             logits_BV = jnp.where(jnp.arange(V) < self.vocab_limit, logits_BV, -jnp.inf)
         if self.temperature == 0:
-            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+            return greedy_ids(logits_BV)
         logits_BV = logits_BV.astype(jnp.float32) / self.temperature
         if not self.top_k and self.top_p >= 1:
             return jax.random.categorical(key, logits_BV).astype(jnp.int32)
@@ -101,6 +100,15 @@ class Sampler:
             values_BN = jnp.where(before_BN < self.top_p, values_BN, -jnp.inf)  # the best one is always kept
         choice_B = jax.random.categorical(key, values_BN)
         return jnp.take_along_axis(ids_BN, choice_B[:, None], axis=1)[:, 0].astype(jnp.int32)
+
+
+def greedy_ids(logits_BV: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first largest id; the first NaN if there is one) as two plain
+    reductions: XLA:CPU's paired value-index reduce took 0.30 ms on [16, 8192] logits, these 0.10 (measured)."""
+    V = logits_BV.shape[-1]
+    max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
+    hits_BV = (logits_BV == max_B1) | jnp.isnan(logits_BV)
+    return jnp.min(jnp.where(hits_BV, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float, vocab_limit: int | None = None) -> None:
@@ -203,7 +211,7 @@ def _prefill(params, tokens_BT, lengths_B, live_B, key, stop_V, *, spec: _Spec, 
         x_BTD, k_LBTKE, v_LBTKE = model.prefill(tokens_BT, segment_ids_BT=valid_BT.astype(jnp.int32))
         logits_BV = model.logits(x_BTD[rows_B, lengths_B - 1][:, None])[:, 0]
         new_B = spec.sampler(logits_BV, jax.random.fold_in(key, 0))
-        cache = KVCache(_layer_caches(k_LBTKE, cache_len, KEY_AXES), _layer_caches(v_LBTKE, cache_len, VALUE_AXES))
+        cache = KVCache(_layer_caches(k_LBTKE, cache_len), _layer_caches(v_LBTKE, cache_len))
         if B == 1 and spec.where is None:  # see KVCache
             cache = KVCache(tuple(k[0] for k in cache.keys), tuple(v[0] for v in cache.values))
         tokens_BS = jnp.pad(tokens_BT, ((0, 0), (0, cache_len - T))).at[rows_B, lengths_B].set(new_B)
@@ -217,14 +225,12 @@ def _prefill(params, tokens_BT, lengths_B, live_B, key, stop_V, *, spec: _Spec, 
         return state, new_B
 
 
-def _layer_caches(x_LBTKE: jax.Array, cache_len: int, axes: tuple[str, ...]) -> tuple[jax.Array, ...]:
-    """A prompt block's keys or values -> one cache per layer laid out as `axes` says, `cache_len` slots."""
-    letters = dict(batch=1, kv_heads=3, cache_seq=2, head_dim=4)
-    x_L___ = x_LBTKE.transpose(0, *(letters[a] for a in axes))
-    slot = 1 + axes.index("cache_seq")
-    pad = [(0, 0)] * 5
-    pad[slot] = (0, cache_len - x_LBTKE.shape[2])
-    return tuple(constrain(x, axes) for x in jnp.pad(x_L___, pad))
+def _layer_caches(x_LBTKE: jax.Array, cache_len: int) -> tuple[jax.Array, ...]:
+    """A prompt block's keys or values -> one cache per layer, [B, K, S, E] with `cache_len` slots."""
+    x_LBKTE = jnp.pad(
+        x_LBTKE.transpose(0, 1, 3, 2, 4), ((0, 0), (0, 0), (0, 0), (0, cache_len - x_LBTKE.shape[2]), (0, 0))
+    )
+    return tuple(constrain(x, CACHE_AXES) for x in x_LBKTE)
 
 
 def _decode(params, weights, state: DecodeState, key, stop_V, spec: _Spec) -> tuple[DecodeState, jax.Array]:
@@ -247,7 +253,7 @@ def _decode(params, weights, state: DecodeState, key, stop_V, spec: _Spec) -> tu
         positions_B=positions_B,
         done_B=state.done_B | stop_V[new_B],
         step=state.step + 1,
-        cache=KVCache(tuple(constrain(k, KEY_AXES) for k in keys), tuple(constrain(v, VALUE_AXES) for v in values)),
+        cache=KVCache(tuple(constrain(k, CACHE_AXES) for k in keys), tuple(constrain(v, CACHE_AXES) for v in values)),
     )
     return state, jnp.where(live_B, new_B, -1)
 

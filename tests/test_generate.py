@@ -57,12 +57,12 @@ def test_greedy_decode_with_cache_equals_full_recompute(scan_layers):
 
 @pytest.mark.parametrize("T", [1, 3])
 def test_a_one_row_cache_without_its_row_axis_decodes_like_one_with_it(T):
-    """generate keeps one unsharded row's cache as k_KES / v_KSE (a row axis of 1 made XLA copy it every token)."""
+    """generate keeps one unsharded row's cache as k_KSE / v_KSE (a row axis of 1 made XLA copy it every token)."""
     model = model_of(seed=4)
     cfg = model.cfg
     K, E, S, L = cfg.num_kv_heads, cfg.resolved_head_dim, 16, cfg.num_layers
     r = np.random.default_rng(0)
-    keys = tuple(jnp.asarray(r.normal(size=(1, K, E, S)), jnp.float32) for _ in range(L))
+    keys = tuple(jnp.asarray(r.normal(size=(1, K, S, E)), jnp.float32) for _ in range(L))
     values = tuple(jnp.asarray(r.normal(size=(1, K, S, E)), jnp.float32) for _ in range(L))
     tokens, positions = jnp.asarray([[3, 9, 4][:T]]), jnp.arange(5, 5 + T)[None]
     logits4, k4, v4 = model.decode(tokens, positions, keys, values)
@@ -125,6 +125,14 @@ def test_sampler_respects_top_k_top_p_and_the_vocabulary_limit(seed, top_k, top_
         before = np.cumsum(probs) - probs
         allowed = allowed[before < top_p + 1e-6]  # the smallest prefix holding top_p of the mass
         assert i in allowed
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), B=st.integers(1, 4), V=st.integers(1, 9))
+def test_greedy_ids_is_argmax_with_ties_infinities_and_nans(data, B, V):
+    values = st.sampled_from([-np.inf, -1.0, 0.0, 0.5, 2.0, np.inf, np.nan])
+    logits = np.asarray(data.draw(st.lists(values, min_size=B * V, max_size=B * V)), np.float32).reshape(B, V)
+    np.testing.assert_array_equal(np.asarray(gen.greedy_ids(jnp.asarray(logits))), np.argmax(logits, axis=-1))
 
 
 @pytest.mark.parametrize(
