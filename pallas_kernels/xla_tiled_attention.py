@@ -13,7 +13,9 @@ block merges its pieces by the log-sum-exp rule through a static table.
 
 Backward (``jax.custom_vjp``, FlashAttention-2 style): per piece the probabilities are recomputed from the saved
 log-sum-exp, and that one score tile feeds dQ, dK and dV; the pieces' gradients are summed per block through tables
-like the forward's. Nothing of size [T, S] is saved; the transients are the score tiles of one group of pieces.
+like the forward's. Nothing of size [T, S] is saved beyond ``KEEP_PROBS_MAX_LEN`` query positions (up to it the
+forward's probability tiles are kept, which saves a product and an exp per tile); the transients are the score tiles
+of one group of pieces.
 
 Shape suffixes follow the legend in docs/architecture.md, plus: A batch x query heads (flattened), N pieces of a
 group, Q / W query / key positions of a piece, O every block of an axis, R the blocks of all groups' pieces stacked
@@ -47,6 +49,12 @@ MASKED_COST = 1.6
 #: that merge is what costs: causal forward + backward at T=256, head dim 64, in strips of 64 ran 1.3-1.6x the
 #: quadtree; from T=512 on strips were 0.8-1.2x it (docs/results/bench_attention.md).
 STRIPS_MAX_LEN = 256
+#: Query lengths (padded) up to which the forward's probability tiles are kept for the backward instead of recomputed
+#: from q, k and the log-sum-exp: one score product and one exp per tile fewer. Short sequences only, where the
+#: tiles are small (at most 256 x 256 per head): causal forward + backward at T=256, head dim 64, batch 4 x 6 heads
+#: 1.35x; at T=2048 0.96-1.03x (the kept tiles must be transposed for the backward's products), so long sequences
+#: keep FlashAttention's O(T) residuals.
+KEEP_PROBS_MAX_LEN = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,22 +224,23 @@ def tiled_attention_xla(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(static, q, k, v, doc_arrays):
-    return _forward(static, q, k, v, doc_arrays)
+    return _forward(static, q, k, v, doc_arrays)[:2]
 
 
 def _attention_fwd(static, q, k, v, doc_arrays):
-    out, lse = _forward(static, q, k, v, doc_arrays)
-    return (out, lse), (q, k, v, out, lse, doc_arrays)
+    out, lse, probs = _forward(static, q, k, v, doc_arrays)
+    keep = static.score_mod is None and q.shape[2] <= KEEP_PROBS_MAX_LEN  # a score mod's gradient needs the scores
+    return (out, lse), (q, k, v, out, lse, doc_arrays, probs if keep else None)
 
 
 def _attention_bwd(static, residuals, cotangents):
-    q, k, v, out, lse, doc_arrays = residuals
+    q, k, v, out, lse, doc_arrays, probs = residuals
     d_out, d_lse = cotangents
     # d lse / d s = p, so a cotangent on lse enters ds = p * (dp - delta) as -d_lse in delta.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
     # materialized: XLA otherwise fuses lse's merge (gathers and an exp per piece) into every score element's exp
     lse, delta = jax.lax.optimization_barrier((lse, delta))
-    dq, dk, dv = _backward(static, q, k, v, d_out, lse, delta, doc_arrays)
+    dq, dk, dv = _backward(static, q, k, v, d_out, lse, delta, doc_arrays, probs)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
@@ -331,7 +340,7 @@ def _forward(static, q, k, v, doc_arrays):
     B, H, T, E = q.shape
     q_blocks = _blocks(q * static.scale, static.block_q)  # scaling q: no pass over the score tiles
     k_blocks, v_blocks = _kv_blocks(static, k, H), _kv_blocks(static, v, H)
-    ms, ls, accs = [], [], []
+    ms, ls, accs, probs = [], [], [], []
     for g in static.plan.groups:
         q_ANQE = _pieces(q_blocks, g.q_starts, g.rows)
         k_ANWE, v_ANWE = (_pieces(x, g.kv_starts, g.cols) for x in (k_blocks, v_blocks))
@@ -339,6 +348,7 @@ def _forward(static, q, k, v, doc_arrays):
         m = s.max(-1)
         m_safe = jnp.where(jnp.isneginf(m), 0.0, m)  # a row the piece's mask leaves empty
         p = jnp.exp(s - m_safe[..., None])
+        probs.append((p, m_safe))  # exp(s - lse) = p * exp(m_safe - lse): what the backward needs, if kept
         ms.append((m, (static.block_q,)))
         ls.append((p.sum(-1), (static.block_q,)))
         accs.append((_dot("bqw,bwe->bqe", p, v_ANWE), (static.block_q, E)))
@@ -352,12 +362,14 @@ def _forward(static, q, k, v, doc_arrays):
     seen = l > 0  # False only on padding rows (and rows a static document mask leaves empty)
     out = acc / jnp.where(seen, l, 1.0)[..., None]
     lse = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)  # +inf: p = 0 there in the backward
-    return out.reshape(B, H, T, E).astype(q.dtype), lse.reshape(B, H, T)
+    return out.reshape(B, H, T, E).astype(q.dtype), lse.reshape(B, H, T), probs
 
 
-def _backward(static, q, k, v, do, lse, delta, doc_arrays):
+def _backward(static, q, k, v, do, lse, delta, doc_arrays, probs=None):
     """FlashAttention-2's backward per piece, on transposed score tiles [W, Q]: dK and dV contract the tile's last
-    axis, as XLA:CPU's fast products want; only dQ's [E, Q] result is transposed, and it is small."""
+    axis, as XLA:CPU's fast products want; only dQ's [E, Q] result is transposed, and it is small. The probability
+    tiles are recomputed from q, k and the log-sum-exp, or rescaled from the forward's ``probs`` (per group: tiles
+    [A, N, Q, W] and their rows' max) when it kept them."""
     B, H, T, E = q.shape
     K, S = k.shape[1], k.shape[2]
     bq = static.block_q
@@ -365,14 +377,19 @@ def _backward(static, q, k, v, do, lse, delta, doc_arrays):
     lse_blocks, delta_blocks = _blocks(lse, bq), _blocks(delta, bq)
     k_blocks, v_blocks = _kv_blocks(static, k, H), _kv_blocks(static, v, H)
     dqs, dks, dvs = [], [], []
-    for g in static.plan.groups:
+    for i, g in enumerate(static.plan.groups):
         q_ANQE, do_ANQE, lse_ANQ, delta_ANQ = (
             _pieces(x, g.q_starts, g.rows) for x in (q_blocks, do_blocks, lse_blocks, delta_blocks)
         )
         k_ANWE, v_ANWE = (_pieces(x, g.kv_starts, g.cols) for x in (k_blocks, v_blocks))
-        s = _dot("bwe,bqe->bwq", k_ANWE, q_ANQE)
-        s, d_mod = _mask_and_mod(static, g, s, B, doc_arrays, transposed=True, with_grad=True)
-        p = jnp.exp(s - lse_ANQ[:, :, None])
+        if probs is None:
+            s = _dot("bwe,bqe->bwq", k_ANWE, q_ANQE)
+            s, d_mod = _mask_and_mod(static, g, s, B, doc_arrays, transposed=True, with_grad=True)
+            p = jnp.exp(s - lse_ANQ[:, :, None])
+        else:
+            p_ANQW, m_ANQ = probs[i]
+            p = (p_ANQW * jnp.exp(m_ANQ - lse_ANQ)[..., None]).swapaxes(-1, -2)
+            d_mod = None
         ds = p * (_dot("bwe,bqe->bwq", v_ANWE, do_ANQE) - delta_ANQ[:, :, None])
         if d_mod is not None:
             ds = ds * d_mod

@@ -405,6 +405,26 @@ def test_strips_forward_and_gradients_match_reference(mask):
     check_gradients("tiled", q, k, v, mask, BlockSizes(16, 16))
 
 
+@pytest.mark.parametrize("strips", [True, False], ids=["strips", "quadtree"])
+def test_kept_probabilities_give_the_recomputed_gradients(strips, monkeypatch):
+    """Up to KEEP_PROBS_MAX_LEN the backward rescales the forward's probability tiles instead of recomputing them;
+    the gradients (the lse cotangent's too) equal the recomputing backward's and the reference's."""
+    if not strips:
+        monkeypatch.setattr(tiled, "STRIPS_MAX_LEN", 0)
+    mask = causal() & (global_tokens(8) | sliding_window(40))
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, T=96, seed=23)
+    bm = make_block_mask(mask, 96, 96, BlockSizes(16, 16))
+    w = jnp.asarray(np.random.default_rng(5).normal(size=q.shape), jnp.float32)
+    fn = functools.partial(tiled.tiled_attention_xla, block_mask=bm)
+    kept = grads(fn, q, k, v, w)
+    monkeypatch.setattr(tiled, "KEEP_PROBS_MAX_LEN", 0)
+    recomputed = grads(fn, q, k, v, w)
+    want = grads(functools.partial(reference_attention, mask=mask), q, k, v, w)
+    for g, r, x in zip(kept, recomputed, want):
+        np.testing.assert_allclose(g, r, atol=2e-6, rtol=2e-6)
+        np.testing.assert_allclose(g, x, atol=1e-4, rtol=1e-4)
+
+
 def test_tiled_plan_for_causal_is_a_few_large_unmasked_squares():
     bm = make_block_mask(causal(), 8192, 8192, BlockSizes(128, 128))
     plan = tiled.plan_block_mask(bm)
