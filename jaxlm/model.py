@@ -184,22 +184,24 @@ _IN_PLACE = dict(mode="promise_in_bounds", unique_indices=True)
 
 def _write_cache(k_BKSE, v_BKSE, k_BTKE, v_BTKE, positions_BT):
     """The new tokens' keys and values into their slots; returns the caches with rows and kv heads merged, k_PSE and
-    v_PSE (P = B*K), the shape the attention products read. One row with one token is a dynamic_update_slice: as a
-    scatter XLA:CPU copied each layer's cache twice per token (measured). A one-row cache may come without its row
-    axis (generate keeps it so; see jaxlm.generate.KVCache)."""
+    v_PSE (P = B*K), the shape the attention products read. A one-row cache may come without its row axis (generate
+    keeps it so; see jaxlm.generate.KVCache)."""
+    return _write_slots(k_BKSE, k_BTKE, positions_BT), _write_slots(v_BKSE, v_BTKE, positions_BT)
+
+
+def _write_slots(cache_BKSE, x_BTKE, positions_BT):
+    """One cache (keys or values, both [B, K, S, E]) with x written at its rows' positions -> [B*K, S, E]. One row with
+    one token is a dynamic_update_slice: as a scatter XLA:CPU copied each layer's cache twice per token (measured)."""
     B, T = positions_BT.shape
-    K, S, E = k_BKSE.shape[-3:]
-    k_BKSE, v_BKSE = k_BKSE.reshape(B, K, S, E), v_BKSE.reshape(B, K, S, E)
-    k_BTKE, v_BTKE = k_BTKE.astype(k_BKSE.dtype), v_BTKE.astype(v_BKSE.dtype)
+    K, S, E = cache_BKSE.shape[-3:]
+    x_BTKE = x_BTKE.astype(cache_BKSE.dtype)
     if B == 1 and T == 1:
-        slot = positions_BT[0, 0]
-        k_PSE = jax.lax.dynamic_update_slice(k_BKSE.reshape(K, S, E), k_BTKE[0].transpose(1, 0, 2), (0, slot, 0))
-        v_PSE = jax.lax.dynamic_update_slice(v_BKSE.reshape(K, S, E), v_BTKE[0].transpose(1, 0, 2), (0, slot, 0))
-        return k_PSE, v_PSE
+        return jax.lax.dynamic_update_slice(
+            cache_BKSE.reshape(K, S, E), x_BTKE[0].transpose(1, 0, 2), (0, positions_BT[0, 0], 0)
+        )
     rows_B1 = jnp.arange(B)[:, None]
-    k_BKSE = k_BKSE.at[rows_B1, :, positions_BT].set(k_BTKE, **_IN_PLACE)  # [B, T, K, E]
-    v_BKSE = v_BKSE.at[rows_B1, :, positions_BT].set(v_BTKE, **_IN_PLACE)
-    return k_BKSE.reshape(B * K, S, E), v_BKSE.reshape(B * K, S, E)
+    cache_BKSE = cache_BKSE.reshape(B, K, S, E).at[rows_B1, :, positions_BT].set(x_BTKE, **_IN_PLACE)  # [B, T, K, E]
+    return cache_BKSE.reshape(B * K, S, E)
 
 
 def cached_attention(q_BTHE, k_PSE, v_PSE, mask_BTS, positions_BT, score_mod=None):
