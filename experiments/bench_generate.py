@@ -9,7 +9,9 @@ jaxlm.hf (float32 both); both sides run greedy on the same random prompts and th
 Prefill: the time to the first new token. Decode: (time for N new tokens - time for 1) / (N - 1) per step, best
 of --repeats. The bound of a decode step is the bytes it must read (every weight once, plus each row's filled
 cache slots, on average prompt + N/2 of them) over the machine's copy bandwidth (an in-place add over 256 MB,
-bytes read + written per second). The last line is JSON.
+bytes read + written per second). "products ms" is the step's weight products alone, in the model's einsums on the
+same weights (`weight_products_s`): the floor XLA's own matmul kernels put under the step here, and "ceiling x" the
+decode speed-up over transformers were the step nothing else. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -63,6 +65,38 @@ def jax_times(model, prompts, new_tokens: int, repeats: int) -> tuple[float, flo
     first = best_of(lambda: run(1), repeats)
     full = best_of(lambda: run(new_tokens), repeats)
     return first, (full - first) / (new_tokens - 1), np.stack(run(new_tokens))
+
+
+def weight_products(model: Transformer, rows: int, steps: int = 32):
+    """(compiled fn, its args): `steps` decode steps of nothing but the model's weight products, on `rows` rows: each
+    layer's QKV, output, gate/up and down projections and the vocabulary head, in the model's own einsums and weight
+    layouts, chained with only the glue that keeps them dependent (no attention, cache, norms or sampling)."""
+    cfg = model.cfg
+    K, D = cfg.num_kv_heads, cfg.d_model
+    G = cfg.num_heads // K
+    weights = [list(w) for w in (model.blocks.attn.wqkv[...], model.blocks.attn.wo[...])]
+    weights += [list(w) for w in (model.blocks.mlp.w_in[...], model.blocks.mlp.w_out[...])]
+    weights.append(model.embed[...] if cfg.tie_embeddings else model.lm_head[...])
+
+    def step(x_BTD, wqkv, wo, w_in, w_out, head):
+        for l in range(cfg.num_layers):
+            qkv = jnp.einsum("btd,dkge->btkge", x_BTD, wqkv[l])
+            attn = qkv[:, :, :, :G].reshape(rows, 1, -1)  # the query heads stand in for attention's output
+            x_BTD = x_BTD + jnp.einsum("btx,xd->btd", attn, wo[l].reshape(-1, D))
+            h_BTCF = jnp.einsum("btd,dcf->btcf", x_BTD, w_in[l])
+            x_BTD = x_BTD + jnp.einsum("btf,fd->btd", h_BTCF[:, :, 0] * h_BTCF[:, :, 1], w_out[l])
+        head_DV = head.T if cfg.tie_embeddings else head  # as Transformer.head_params gives it
+        return x_BTD + jnp.einsum("btd,dv->btv", x_BTD, head_DV)[:, :, :1]
+
+    fn = jax.jit(lambda x, *w: jax.lax.fori_loop(0, steps, lambda _, x: step(x, *w), x))
+    return fn, (jnp.full((rows, 1, D), 1e-3, jnp.float32), *weights)
+
+
+def weight_products_s(model: Transformer, rows: int, repeats: int, steps: int = 32) -> float:
+    """Seconds per decode step of its weight products alone (`weight_products`): the floor that XLA's own matmul
+    kernels put under the decode step on this machine."""
+    fn, args = weight_products(model, rows, steps)
+    return best_of(lambda: fn(*args).block_until_ready(), repeats) / steps
 
 
 def hf_model(model: Transformer):
@@ -143,6 +177,7 @@ def main(argv=None) -> int:
         filled = args.prompt_len + args.new_tokens / 2  # cache slots a step must read, on average per row
         cache_bytes = 2 * cfg.num_layers * B * filled * cfg.num_kv_heads * cfg.resolved_head_dim * 4
         bound_s = (weight_bytes + cache_bytes) / bandwidth
+        products_s = weight_products_s(model, B, args.repeats)
         row = {
             "batch": B,
             "prefill_tokens_per_s": B * args.prompt_len / prefill_s,
@@ -150,6 +185,8 @@ def main(argv=None) -> int:
             "decode_step_ms": 1e3 * step_s,
             "bound_step_ms": 1e3 * bound_s,
             "step_over_bound": step_s / bound_s,
+            "weight_products_ms": 1e3 * products_s,
+            "products_over_bound": products_s / bound_s,
         }
         if torch_model is not None:
             hf_prefill_s, hf_step_s, hf_tokens = hf_times(torch_model, prompts, args.new_tokens, args.repeats)
@@ -159,6 +196,7 @@ def main(argv=None) -> int:
                 hf_decode_tokens_per_s=B / hf_step_s,
                 prefill_speedup=hf_prefill_s / prefill_s,
                 decode_speedup=hf_step_s / step_s,
+                decode_speedup_ceiling=hf_step_s / products_s,  # were the step nothing but its weight products
                 same_greedy_tokens=min(agree),  # leading tokens equal in every row (float32 both)
             )
         rows.append(row)
@@ -169,18 +207,21 @@ def main(argv=None) -> int:
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; {jax.device_count()} JAX device(s)"
     )
     head = f"{'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8} {'bound ms':>9} {'/bound':>7}"
+    head += f" {'products ms':>12} {'/bound':>7}"
     if torch_model is not None:
-        head += f" {'HF prefill':>11} {'HF decode':>10} {'prefill x':>10} {'decode x':>9} {'same':>5}"
+        head += f" {'HF prefill':>11} {'HF decode':>10} {'prefill x':>10} {'decode x':>9} {'ceiling x':>10} {'same':>5}"
     print(head)
     for r in rows:
         line = (
             f"{r['batch']:>5} {r['prefill_tokens_per_s']:>14.0f} {r['decode_tokens_per_s']:>13.1f} "
             f"{r['decode_step_ms']:>8.2f} {r['bound_step_ms']:>9.2f} {r['step_over_bound']:>7.2f}"
+            f" {r['weight_products_ms']:>12.2f} {r['products_over_bound']:>7.2f}"
         )
         if torch_model is not None:
             line += (
                 f" {r['hf_prefill_tokens_per_s']:>11.0f} {r['hf_decode_tokens_per_s']:>10.1f} "
-                f"{r['prefill_speedup']:>10.2f} {r['decode_speedup']:>9.2f} {r['same_greedy_tokens']:>5}"
+                f"{r['prefill_speedup']:>10.2f} {r['decode_speedup']:>9.2f} {r['decode_speedup_ceiling']:>10.2f}"
+                f" {r['same_greedy_tokens']:>5}"
             )
         print(line)
     summary = {

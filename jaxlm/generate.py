@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxlm.model import Transformer, split_layers
+from jaxlm.model import Transformer, head_logits, split_layers
 from sharding.rules import constrain, logical_spec, use_rules
 
 CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # every layer's k_BKSE and v_BKSE
@@ -200,16 +200,18 @@ class _Spec:
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "cache_len"))
-def _prefill(params, tokens_BT, lengths_B, live_B, key, stop_V, *, spec: _Spec, cache_len: int):
+def _prefill(params, weights, tokens_BT, lengths_B, live_B, key, stop_V, *, spec: _Spec, cache_len: int):
     """The prompt block through the model as in training -> the first new token of every row and a DecodeState
-    whose cache (allocated here, `cache_len` slots) holds the prompt's keys and values."""
+    whose cache (allocated here, `cache_len` slots) holds the prompt's keys and values. `weights` are the decode
+    steps' (`_decode_weights`), read in place here too."""
     with _traced_in(spec.where):
         model = nnx.merge(spec.graphdef, params)
         B, T = tokens_BT.shape
         rows_B = jnp.arange(B)
         valid_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
-        x_BTD, k_LBTKE, v_LBTKE = model.prefill(tokens_BT, segment_ids_BT=valid_BT.astype(jnp.int32))
-        logits_BV = model.logits(x_BTD[rows_B, lengths_B - 1][:, None])[:, 0]
+        layers, head = weights
+        x_BTD, k_LBTKE, v_LBTKE = model.prefill(tokens_BT, segment_ids_BT=valid_BT.astype(jnp.int32), layers=layers)
+        logits_BV = head_logits(model.cfg, head, x_BTD[rows_B, lengths_B - 1][:, None])[:, 0]
         new_B = spec.sampler(logits_BV, jax.random.fold_in(key, 0))
         cache = KVCache(_layer_caches(k_LBTKE, cache_len), _layer_caches(v_LBTKE, cache_len))
         if B == 1 and spec.where is None:  # see KVCache
@@ -344,6 +346,7 @@ class _Run:
         b = self.batch
         return _prefill(
             self.params,
+            self.weights,
             self._put(b.tokens_BT, ("batch", "seq")),
             self._put(b.lengths_B, ("batch",)),
             self._put(b.live_B, ("batch",)),

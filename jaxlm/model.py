@@ -348,10 +348,14 @@ class Transformer(nnx.Module):
     # Generation (jaxlm.generate): a prompt block through the layers as in training, keeping every layer's keys and
     # values; then new tokens one block at a time over that KV cache.
 
-    def prefill(self, tokens_BT: jax.Array, *, segment_ids_BT=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(final hidden states x_BTD before the head, keys k_LBTKE, values v_LBTKE) of a block at positions 0..T-1."""
+    def prefill(
+        self, tokens_BT: jax.Array, *, segment_ids_BT=None, layers=None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(final hidden states x_BTD before the head, keys k_LBTKE, values v_LBTKE) of a block at positions 0..T-1.
+        `layers` (`split_layers` of the blocks' params), when a caller has them, are read in place (see decode)."""
         graphdef, stacked = nnx.split(self.blocks)
-        return prefill_layers(self.cfg, graphdef, stacked, self.embed_tokens(tokens_BT), segment_ids_BT)
+        x_BTD = self.embed_tokens(tokens_BT)
+        return prefill_layers(self.cfg, graphdef, stacked, x_BTD, segment_ids_BT, layers=layers)
 
     def decode(self, tokens_BT, positions_BT, keys: tuple, values: tuple, layers=None, head=None):
         """(float32 logits [B, T, V], keys, values) for tokens at `positions_BT` over a KV cache (per layer
@@ -408,19 +412,22 @@ def apply_layers(
     return x_BTD
 
 
-def prefill_layers(cfg: ModelConfig, graphdef, stacked, x_BTD, segment_ids_BT=None):
-    """`apply_layers` without remat or pipeline, also returning every layer's keys and values [L, B, T, K, E]."""
+def prefill_layers(cfg: ModelConfig, graphdef, stacked, x_BTD, segment_ids_BT=None, layers=None):
+    """`apply_layers` without remat or pipeline, also returning every layer's keys and values [L, B, T, K, E].
+    Given `layers` (one state each, made once by a caller), they are run unrolled and read where they lie: split
+    from the stack here, every layer's weights were copied (at batch 1 and 64 tokens, most of gpt-bench's prefill
+    on CPU)."""
     sin, cos = rotary_tables(None, x_BTD.shape[1], cfg)
 
     def layer(x, layer_state):
         x, k_BTKE, v_BTKE = nnx.merge(graphdef, layer_state).prefill(x, sin, cos, segment_ids_BT)
         return constrain(x, ACTIVATION_AXES), (k_BTKE, v_BTKE)
 
-    if cfg.scan_layers:
+    if cfg.scan_layers and layers is None:
         x_BTD, (k_LBTKE, v_LBTKE) = jax.lax.scan(layer, x_BTD, stacked, unroll=cfg.scan_unroll)
         return x_BTD, k_LBTKE, v_LBTKE
     keys, values = [], []
-    for layer_state in split_layers(stacked):
+    for layer_state in split_layers(stacked) if layers is None else layers:
         x_BTD, (k_BTKE, v_BTKE) = layer(x_BTD, layer_state)
         keys.append(k_BTKE)
         values.append(v_BTKE)

@@ -3,6 +3,8 @@ whole benchmark prints its table and a JSON last line. No timing is asserted."""
 
 import json
 
+import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,6 +32,26 @@ def test_the_transformers_peer_computes_the_same_logits_and_greedy_tokens():
     assert (jax_tokens == hf_tokens).all()
 
 
+def test_the_products_floor_is_the_models_own_weight_products():
+    """Four products a layer and the head, each contracting one of the model's weights as stored."""
+    model = Transformer(tiny_model(max_seq_len=64, num_layers=3), rngs=nnx.Rngs(0))
+    fn, args = bench_generate.weight_products(model, rows=2, steps=1)
+    dots = [e for e in _equations(jax.make_jaxpr(fn)(*args).jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 4 * 3 + 1
+    weights = {tuple(w.shape[1:]) for w in jax.tree.leaves(nnx.state(model.blocks))}  # one layer's, unstacked
+    _, H, E, D = model.blocks.attn.wo[...].shape
+    weights |= {(H * E, D), model.embed[...].T.shape}  # wo as decode reads it, [H * E, D]; the tied head, [D, V]
+    assert all(tuple(d.invars[1].aval.shape) in weights for d in dots)
+    assert np.isfinite(np.asarray(fn(*args))).all()
+
+
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _equations(sub)
+
+
 def test_bad_flags_are_one_line(capsys):
     assert bench_generate.main(["--batches", "0"]) == 2
     assert bench_generate.main(["--prompt-len", "200", "--new-tokens", "100"]) == 2
@@ -46,4 +68,5 @@ def test_the_benchmark_prints_a_table_and_json(capsys):
     assert [r["batch"] for r in summary["rows"]] == [1, 2] and summary["copy_bandwidth_gb_s"] > 0
     for row in summary["rows"]:
         assert row["same_greedy_tokens"] == 4 and {"decode_speedup", "step_over_bound", "prefill_speedup"} <= set(row)
+        assert row["weight_products_ms"] > 0 and row["decode_speedup_ceiling"] > 0
     assert out[2].split()[:3] == ["batch", "prefill", "tok/s"]
