@@ -30,7 +30,7 @@ from experiments.bench_train import GPT_BENCH
 from experiments.cli import exit_with
 from jaxlm import config as config_lib
 from jaxlm import generate as gen
-from jaxlm.model import Transformer
+from jaxlm.model import Transformer, row_weights
 
 
 def copy_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
@@ -74,17 +74,21 @@ def weight_products(model: Transformer, rows: int, steps: int = 32):
     cfg = model.cfg
     K, D = cfg.num_kv_heads, cfg.d_model
     G = cfg.num_heads // K
+    one_row = rows == 1 and row_weights(cfg, nnx.state(model.blocks))  # as generate decodes one row
     weights = [list(w) for w in (model.blocks.attn.wqkv[...], model.blocks.attn.wo[...])]
     weights += [list(w) for w in (model.blocks.mlp.w_in[...], model.blocks.mlp.w_out[...])]
+    if one_row:
+        weights[1], weights[3] = ([r[i] for r in one_row] for i in (0, 1))  # wo [D, H*E], w_out [D, F]
     weights.append(model.embed[...] if cfg.tie_embeddings else model.lm_head[...])
 
     def step(x_BTD, wqkv, wo, w_in, w_out, head):
         for l in range(cfg.num_layers):
             qkv = jnp.einsum("btd,dkge->btkge", x_BTD, wqkv[l])
             attn = qkv[:, :, :, :G].reshape(rows, 1, -1)  # the query heads stand in for attention's output
-            x_BTD = x_BTD + jnp.einsum("btx,xd->btd", attn, wo[l].reshape(-1, D))
+            wo_spec, w_out_spec = ("btx,dx->btd", "btf,df->btd") if one_row else ("btx,xd->btd", "btf,fd->btd")
+            x_BTD = x_BTD + jnp.einsum(wo_spec, attn, wo[l] if one_row else wo[l].reshape(-1, D))
             h_BTCF = jnp.einsum("btd,dcf->btcf", x_BTD, w_in[l])
-            x_BTD = x_BTD + jnp.einsum("btf,fd->btd", h_BTCF[:, :, 0] * h_BTCF[:, :, 1], w_out[l])
+            x_BTD = x_BTD + jnp.einsum(w_out_spec, h_BTCF[:, :, 0] * h_BTCF[:, :, 1], w_out[l])
         head_DV = head.T if cfg.tie_embeddings else head  # as Transformer.head_params gives it
         return x_BTD + jnp.einsum("btd,dv->btv", x_BTD, head_DV)[:, :, :1]
 

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxlm.model import Transformer, head_logits, split_layers
+from jaxlm.model import Transformer, head_logits, row_weights, split_layers
 from sharding.rules import constrain, logical_spec, use_rules
 
 CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # every layer's k_BKSE and v_BKSE
@@ -209,7 +209,7 @@ def _prefill(params, weights, tokens_BT, lengths_B, live_B, key, stop_V, *, spec
         B, T = tokens_BT.shape
         rows_B = jnp.arange(B)
         valid_BT = jnp.arange(T)[None, :] < lengths_B[:, None]
-        layers, head = weights
+        layers, head, _ = weights  # the one-row weights are for one token at a time
         x_BTD, k_LBTKE, v_LBTKE = model.prefill(tokens_BT, segment_ids_BT=valid_BT.astype(jnp.int32), layers=layers)
         logits_BV = head_logits(model.cfg, head, x_BTD[rows_B, lengths_B - 1][:, None])[:, 0]
         new_B = spec.sampler(logits_BV, jax.random.fold_in(key, 0))
@@ -278,11 +278,14 @@ def _decode_loop(params, weights, state, key, stop_V, max_new_tokens, *, spec: _
         return jax.lax.while_loop(more, lambda s: _decode(params, weights, s, key, stop_V, spec)[0], state)
 
 
-@jax.jit
-def _decode_weights(model: Transformer):
-    """The layers' params one state each and the head's arrays ([D, V] even when tied): copies made once per
-    generation that the decode steps read in place (Transformer.decode)."""
-    return split_layers(nnx.state(model.blocks)), model.head_params()
+@functools.partial(jax.jit, static_argnames=("one_row",))
+def _decode_weights(model: Transformer, one_row: bool):
+    """The layers' params one state each, the head's arrays ([D, V] even when tied) and, for one row on one
+    device, the output projections transposed (`row_weights`): copies made once per generation that the decode
+    steps read in place (Transformer.decode)."""
+    stacked = nnx.state(model.blocks)
+    rows = row_weights(model.cfg, stacked) if one_row else None
+    return split_layers(stacked), model.head_params(), rows
 
 
 # ----------------------------------------------------------------------------- the entry points
@@ -331,7 +334,7 @@ class _Run:
         self.spec = _Spec.of(graphdef, sampler, self.where)
         shards = self.where.batch_shards() if self.where else 1
         self.batch = _Batch.of(prompts, max_new_tokens, cfg.vocab_size, shards)
-        self.weights = _decode_weights(model)
+        self.weights = _decode_weights(model, one_row=self.batch.tokens_BT.shape[0] == 1 and self.where is None)
         self.max_new_tokens = max_new_tokens
         self.key = jax.random.key(seed)
         stop_V = np.zeros(cfg.vocab_size, bool)

@@ -32,16 +32,20 @@ def test_the_transformers_peer_computes_the_same_logits_and_greedy_tokens():
     assert (jax_tokens == hf_tokens).all()
 
 
-def test_the_products_floor_is_the_models_own_weight_products():
-    """Four products a layer and the head, each contracting one of the model's weights as stored."""
-    model = Transformer(tiny_model(max_seq_len=64, num_layers=3), rngs=nnx.Rngs(0))
-    fn, args = bench_generate.weight_products(model, rows=2, steps=1)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_products_floor_is_the_models_own_weight_products(rows):
+    """Four products a layer and the head, each contracting one of the model's weights as decode lays it out
+    (one row: the output projections transposed, `row_weights`)."""
+    model = Transformer(tiny_model(max_seq_len=64, num_layers=3, mlp_dim=96), rngs=nnx.Rngs(0))  # F != V, D
+    fn, args = bench_generate.weight_products(model, rows=rows, steps=1)
     dots = [e for e in _equations(jax.make_jaxpr(fn)(*args).jaxpr) if e.primitive.name == "dot_general"]
     assert len(dots) == 4 * 3 + 1
     weights = {tuple(w.shape[1:]) for w in jax.tree.leaves(nnx.state(model.blocks))}  # one layer's, unstacked
     _, H, E, D = model.blocks.attn.wo[...].shape
     weights |= {(H * E, D), model.embed[...].T.shape}  # wo as decode reads it, [H * E, D]; the tied head, [D, V]
-    assert all(tuple(d.invars[1].aval.shape) in weights for d in dots)
+    shapes = [tuple(d.invars[1].aval.shape) for d in dots]
+    assert all(shape in weights | {(D, H * E), (D, model.cfg.mlp_dim)} for shape in shapes)
+    assert ((D, model.cfg.mlp_dim) in shapes) == (rows == 1)
     assert np.isfinite(np.asarray(fn(*args))).all()
 
 

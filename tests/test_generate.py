@@ -19,7 +19,7 @@ from experiments import generate as generate_cli
 from experiments import quantize_checkpoint
 from jaxlm import generate as gen
 from jaxlm.inference import load_model
-from jaxlm.model import Transformer
+from jaxlm.model import Transformer, row_weights
 from sharding import MeshLayout, build_mesh, tree_shardings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,6 +71,26 @@ def test_a_one_row_cache_without_its_row_axis_decodes_like_one_with_it(T):
     for a, b in zip(k3 + v3, k4 + v4):
         assert a.shape == b.shape[1:]
         np.testing.assert_array_equal(a, b[0])
+
+
+def test_one_row_decodes_alike_through_the_transposed_output_projections():
+    """generate hands a one-row decode the output projections transposed (`row_weights`); the logits are the
+    stored layout's, and quantized layers get none (their products go through the recipe)."""
+    model = model_of(seed=5)
+    cfg = model.cfg
+    K, E, S, L = cfg.num_kv_heads, cfg.resolved_head_dim, 16, cfg.num_layers
+    r = np.random.default_rng(1)
+    keys = tuple(jnp.asarray(r.normal(size=(K, S, E)), jnp.float32) for _ in range(L))
+    values = tuple(jnp.asarray(r.normal(size=(K, S, E)), jnp.float32) for _ in range(L))
+    tokens, positions = jnp.asarray([[11]]), jnp.asarray([[6]])
+    rows = row_weights(cfg, nnx.state(model.blocks))
+    assert len(rows) == L and rows[0][0].shape == (cfg.d_model, cfg.num_heads * E)
+    plain, _, _ = model.decode(tokens, positions, keys, values)
+    transposed, _, _ = model.decode(tokens, positions, keys, values, rows=rows)
+    np.testing.assert_allclose(transposed, plain, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(model.decode(tokens, positions, keys, values, rows=rows[::-1])[0], plain)  # rows are read
+    int8 = model_of(seed=5, matmul_precision="int8_weight_only")
+    assert row_weights(int8.cfg, nnx.state(int8.blocks)) is None
 
 
 def test_padded_batch_equals_each_prompt_alone_and_stops_at_a_stop_id():
