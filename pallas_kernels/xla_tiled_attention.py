@@ -52,8 +52,8 @@ STRIPS_MAX_LEN = 256
 #: Query lengths (padded) up to which the forward's probability tiles are kept for the backward instead of recomputed
 #: from q, k and the log-sum-exp: one score product and one exp per tile fewer. Short sequences only, where the
 #: tiles are small (at most 256 x 256 per head): causal forward + backward at T=256, head dim 64, batch 4 x 6 heads
-#: 1.35x; at T=2048 0.96-1.03x (the kept tiles must be transposed for the backward's products), so long sequences
-#: keep FlashAttention's O(T) residuals.
+#: 1.35x. Longer sequences keep FlashAttention's O(T) residuals: kept tiles are O(T^2) (at T=2048, batch 16 x 6
+#: heads, ~860 MB a layer), for 0.96-1.05x measured at T=2048.
 KEEP_PROBS_MAX_LEN = 256
 
 
@@ -366,10 +366,11 @@ def _forward(static, q, k, v, doc_arrays):
 
 
 def _backward(static, q, k, v, do, lse, delta, doc_arrays, probs=None):
-    """FlashAttention-2's backward per piece, on transposed score tiles [W, Q]: dK and dV contract the tile's last
-    axis, as XLA:CPU's fast products want; only dQ's [E, Q] result is transposed, and it is small. The probability
-    tiles are recomputed from q, k and the log-sum-exp, or rescaled from the forward's ``probs`` (per group: tiles
-    [A, N, Q, W] and their rows' max) when it kept them."""
+    """FlashAttention-2's backward per piece. Recomputed from q, k and the log-sum-exp, the probability tiles are
+    transposed [W, Q]: dK and dV contract the tile's last axis, as XLA:CPU's fast products want; only dQ's [E, Q]
+    result is transposed, and it is small. Rescaled from the forward's ``probs`` (per group: tiles [A, N, Q, W] and
+    their rows' max) when it kept them, they stay [Q, W] as the forward made them: transposing them cost more than
+    it saved (causal, T = 256, batch 4 x 6 heads, head dim 64: 1.03-1.06x without, in-process)."""
     B, H, T, E = q.shape
     K, S = k.shape[1], k.shape[2]
     bq = static.block_q
@@ -382,14 +383,17 @@ def _backward(static, q, k, v, do, lse, delta, doc_arrays, probs=None):
             _pieces(x, g.q_starts, g.rows) for x in (q_blocks, do_blocks, lse_blocks, delta_blocks)
         )
         k_ANWE, v_ANWE = (_pieces(x, g.kv_starts, g.cols) for x in (k_blocks, v_blocks))
-        if probs is None:
-            s = _dot("bwe,bqe->bwq", k_ANWE, q_ANQE)
-            s, d_mod = _mask_and_mod(static, g, s, B, doc_arrays, transposed=True, with_grad=True)
-            p = jnp.exp(s - lse_ANQ[:, :, None])
-        else:
+        if probs is not None:  # kept: no score mod (see _attention_fwd), tiles [Q, W]
             p_ANQW, m_ANQ = probs[i]
-            p = (p_ANQW * jnp.exp(m_ANQ - lse_ANQ)[..., None]).swapaxes(-1, -2)
-            d_mod = None
+            p_ANQW = p_ANQW * jnp.exp(m_ANQ - lse_ANQ)[..., None]
+            ds_ANQW = p_ANQW * (_dot("bqe,bwe->bqw", do_ANQE, v_ANWE) - delta_ANQ[..., None])
+            dvs.append((_dot("bqw,bqe->bwe", p_ANQW, do_ANQE), (static.block_kv, E)))
+            dks.append((_dot("bqw,bqe->bwe", ds_ANQW, q_ANQE), (static.block_kv, E)))
+            dqs.append((_dot("bqw,bwe->bqe", ds_ANQW, k_ANWE), (bq, E)))
+            continue
+        s = _dot("bwe,bqe->bwq", k_ANWE, q_ANQE)
+        s, d_mod = _mask_and_mod(static, g, s, B, doc_arrays, transposed=True, with_grad=True)
+        p = jnp.exp(s - lse_ANQ[:, :, None])
         ds = p * (_dot("bwe,bqe->bwq", v_ANWE, do_ANQE) - delta_ANQ[:, :, None])
         if d_mod is not None:
             ds = ds * d_mod
