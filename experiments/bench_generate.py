@@ -72,28 +72,30 @@ def weight_products(model: Transformer, rows: int, steps: int = 32):
     layer's QKV, output, gate/up and down projections and the vocabulary head, in the model's own einsums and weight
     layouts, chained with only the glue that keeps them dependent (no attention, cache, norms or sampling)."""
     cfg = model.cfg
-    K, D = cfg.num_kv_heads, cfg.d_model
+    L, K, D = cfg.num_layers, cfg.num_kv_heads, cfg.d_model
     G = cfg.num_heads // K
-    one_row = rows == 1 and row_weights(cfg, nnx.state(model.blocks))  # as generate decodes one row
-    weights = [list(w) for w in (model.blocks.attn.wqkv[...], model.blocks.attn.wo[...])]
-    weights += [list(w) for w in (model.blocks.mlp.w_in[...], model.blocks.mlp.w_out[...])]
-    if one_row:
-        weights[1], weights[3] = ([r[i] for r in one_row] for i in (0, 1))  # wo [D, H*E], w_out [D, F]
-    weights.append(model.embed[...] if cfg.tie_embeddings else model.lm_head[...])
+    wqkv, w_in = list(model.blocks.attn.wqkv[...]), list(model.blocks.mlp.w_in[...])
+    transposed = rows == 1 and row_weights(cfg, nnx.state(model.blocks))  # as generate decodes one row
+    if transposed:  # wo [D, H*E], w_out [D, F]
+        wo, w_out = (list(w) for w in zip(*transposed, strict=True))
+        wo_spec, w_out_spec = "btx,dx->btd", "btf,df->btd"
+    else:  # wo [H*E, D], w_out [F, D]
+        wo, w_out = list(model.blocks.attn.wo[...].reshape(L, -1, D)), list(model.blocks.mlp.w_out[...])
+        wo_spec, w_out_spec = "btx,xd->btd", "btf,fd->btd"
+    head = model.embed[...] if cfg.tie_embeddings else model.lm_head[...]
 
     def step(x_BTD, wqkv, wo, w_in, w_out, head):
-        for l in range(cfg.num_layers):
+        for l in range(L):
             qkv = jnp.einsum("btd,dkge->btkge", x_BTD, wqkv[l])
             attn = qkv[:, :, :, :G].reshape(rows, 1, -1)  # the query heads stand in for attention's output
-            wo_spec, w_out_spec = ("btx,dx->btd", "btf,df->btd") if one_row else ("btx,xd->btd", "btf,fd->btd")
-            x_BTD = x_BTD + jnp.einsum(wo_spec, attn, wo[l] if one_row else wo[l].reshape(-1, D))
+            x_BTD = x_BTD + jnp.einsum(wo_spec, attn, wo[l])
             h_BTCF = jnp.einsum("btd,dcf->btcf", x_BTD, w_in[l])
             x_BTD = x_BTD + jnp.einsum(w_out_spec, h_BTCF[:, :, 0] * h_BTCF[:, :, 1], w_out[l])
         head_DV = head.T if cfg.tie_embeddings else head  # as Transformer.head_params gives it
         return x_BTD + jnp.einsum("btd,dv->btv", x_BTD, head_DV)[:, :, :1]
 
     fn = jax.jit(lambda x, *w: jax.lax.fori_loop(0, steps, lambda _, x: step(x, *w), x))
-    return fn, (jnp.full((rows, 1, D), 1e-3, jnp.float32), *weights)
+    return fn, (jnp.full((rows, 1, D), 1e-3, jnp.float32), wqkv, wo, w_in, w_out, head)
 
 
 def weight_products_s(model: Transformer, rows: int, repeats: int, steps: int = 32) -> float:
