@@ -4,6 +4,7 @@
     python -m experiments.bench_train --compare           # also the variants (scanned layers, 1 microbatch, ...)
     python -m experiments.bench_train --set model.dtype=bfloat16
     python -m experiments.bench_train --peer              # also PyTorch eager / torch.compile, and the ratio
+    python -m experiments.bench_train --products          # also every matmul of the step timed alone
 
 Both numbers are measured in the same run: the peak is the best of 5 float32 `jnp.dot` 2048x2048 products; the
 step's model FLOPs are 6*N*tokens plus attention (12*L*H*E*T per token). The last line is a JSON summary.
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.cli import exit_with
+from experiments.step_products import print_products
 from experiments.timing import best_time
 from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, apply_overrides, validate
 from jaxlm.model import model_flops_per_token
@@ -67,8 +69,11 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best_time(jax.jit(jnp.dot), a, b, repeats=repeats)
 
 
-def measure_train_step(cfg: TrainConfig, steps: int, windows: int, profile_dir: str | None = None) -> dict:
-    """Compiles the train step, runs a warm-up step, then times `windows` windows of `steps` steps; best window."""
+def measure_train_step(
+    cfg: TrainConfig, steps: int, windows: int, profile_dir: str | None = None, keep_hlo: bool = False
+) -> dict:
+    """Compiles the train step, runs a warm-up step, then times `windows` windows of `steps` steps; best window.
+    `keep_hlo`: the result's "hlo" is the compiled step's optimized HLO text."""
     program = Program(cfg, build_mesh(MeshLayout(data=1), devices=jax.devices()[:1]))
     rng = np.random.default_rng(0)
     B, T, V = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
@@ -93,7 +98,7 @@ def measure_train_step(cfg: TrainConfig, steps: int, windows: int, profile_dir: 
         print_profile(lambda: step_fn(state, batch), profile_dir)
     flops_per_token = model_flops_per_token(cfg.model, program.num_params, T)
     tokens_per_s = B * T / best
-    return {
+    return ({"hlo": step_fn.as_text()} if keep_hlo else {}) | {
         "params": program.num_params,
         "microbatches": program.microbatches,
         "mflop_per_token": flops_per_token / 1e6,
@@ -147,6 +152,11 @@ def main(argv=None) -> int:
     p.add_argument("--compare", action="store_true", help="also measure the VARIANTS, in this same run")
     p.add_argument("--profile", metavar="DIR", help="trace one step of the first variant into DIR and print top ops")
     p.add_argument(
+        "--products",
+        action="store_true",
+        help="also time every matrix product of the first variant's compiled step alone (experiments.step_products)",
+    )
+    p.add_argument(
         "--peer",
         action="store_true",
         help="also run bench_torch_reference (PyTorch eager and torch.compile) in this same run and print the ratio",
@@ -174,7 +184,8 @@ def main(argv=None) -> int:
     print(f"{'variant':34s} {'params':>7s} {'step s':>7s} {'tok/s':>8s} {'GFLOP/s':>8s} {'MFU':>6s} {'compile s':>9s}")
     results = {}
     for i, (name, cfg) in enumerate(variants.items()):
-        r = measure_train_step(cfg, args.steps, args.windows, args.profile if i == 0 else None)
+        first = i == 0
+        r = measure_train_step(cfg, args.steps, args.windows, args.profile if first else None, args.products and first)
         r["mfu"] = r["model_gflops_per_s"] * 1e9 / peak
         results[name] = r
         print(
@@ -201,6 +212,8 @@ def main(argv=None) -> int:
             "tokens_per_s": round(results[best]["tokens_per_s"], 1),
             "mfu": round(results[best]["mfu"], 4),
         }
+    if args.products:
+        summary["products"] = print_products(head["hlo"], peak, head["step_s"])
     if args.peer:
         summary["peer"] = measure_peer(head["tokens_per_s"], args.steps, args.windows)
     print(json.dumps(summary))

@@ -39,14 +39,19 @@ def run(module, *args, env=None):
 
 
 def test_bench_train_prints_table_then_json():
-    proc = run("experiments.bench_train", *TINY, "--steps", "1", "--windows", "1")
+    proc = run("experiments.bench_train", *TINY, "--steps", "1", "--windows", "1", "--products")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert any("MFU" in line for line in lines[:-1])
+    assert any("products timed alone" in line for line in lines[:-1])
     summary = json.loads(lines[-1])
     assert summary["tokens_per_s"] > 0 and summary["peak_gflops_per_s"] > 0
     assert 0 < summary["mfu"] < 1.5
     assert summary["params"] > 0
+    # --products: the step's dots timed alone, the layers' projections unbatched and attention's batched
+    products = summary["products"]
+    assert products["unbatched_ms"] > 0 and products["batched_ms"] > 0
+    assert products["products_ms"] == pytest.approx(products["unbatched_ms"] + products["batched_ms"], abs=0.11)
 
 
 def test_bench_train_rejects_bad_override():
