@@ -31,7 +31,7 @@ _DTYPES = {
     "s32": jnp.int32,
 }
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*?^}$", re.M | re.S)
-_CALLS = re.compile(r"\b(calls|body|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_CALLS = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\](\{[\d,]*\})? (\S+?)\((.*)$", re.M)
 
 
@@ -91,12 +91,9 @@ def products(hlo_text: str) -> dict[Product, int]:
     for name in _callee_order(computations, entry.group(1)):
         for line in computations[name].splitlines():
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-            for key, callee in _CALLS.findall(line):
+            for key, callee in _callees(line):
                 if callee in runs:
                     runs[callee] += runs[name] * (int(trips.group(1)) if key == "body" and trips else 1)
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                for callee in re.findall(r"%([\w.\-]+)", group):
-                    runs[callee] = runs.get(callee, 0) + runs[name]
     counts: dict[Product, int] = {}
     for name, text in computations.items():
         shapes = {m.group(1): (m.group(2), m.group(3), m.group(4)) for m in _INSTRUCTION.finditer(text)}
@@ -121,13 +118,17 @@ def products(hlo_text: str) -> dict[Product, int]:
     return counts
 
 
+def _callees(text: str) -> list[tuple[str, str]]:
+    """(attribute, computation name) for each computation the HLO text calls."""
+    found = _CALLS.findall(text)
+    for group in re.findall(r"branch_computations=\{([^}]*)\}", text):
+        found += [("branch_computations", callee) for callee in re.findall(r"%([\w.\-]+)", group)]
+    return found
+
+
 def _callee_order(computations: dict[str, str], entry: str) -> list[str]:
     """Computations with every caller before its callees (the call graph of an HLO module is acyclic)."""
-    callees = {
-        name: set(re.findall(r"(?:calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)", t))
-        | {c for group in re.findall(r"branch_computations=\{([^}]*)\}", t) for c in re.findall(r"%([\w.\-]+)", group)}
-        for name, t in computations.items()
-    }
+    callees = {name: {callee for _, callee in _callees(text)} for name, text in computations.items()}
     order, seen = [], set()
 
     def visit(name):
@@ -156,13 +157,18 @@ def time_product(product: Product, repeats: int = 5) -> float:
 def print_products(hlo_text: str, peak_flops: float, step_s: float, top: int = 12, repeats: int = 5) -> dict:
     """Times every product of the program alone and prints the slowest in total, the sums for unbatched products (a
     model's projections) and batched ones (attention's), and how far each sum is from the peak. Returns the sums."""
-    rows = []
+    rows, untimed = [], set()
     for product, runs in products(hlo_text).items():
+        if product.dtype not in _DTYPES:  # e.g. fp8: not one jnp.ones can make here
+            untimed.add(product.dtype)
+            continue
         seconds = time_product(product, repeats)
         rows.append((seconds * runs, runs, seconds, product))
     rows.sort(key=lambda row: -row[0])
     total = sum(row[0] for row in rows)
     print(f"the program's products timed alone: {total * 1e3:.0f} ms of the {step_s * 1e3:.0f} ms step")
+    if untimed:
+        print(f"  (not timed: the products in {', '.join(sorted(untimed))})")
     print(f"  {'ms a step':>9s} {'runs':>5s} {'GFLOP/s':>8s}  product")
     for spent, runs, seconds, product in rows[:top]:
         print(
