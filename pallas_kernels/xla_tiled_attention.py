@@ -384,22 +384,23 @@ def _backward(static, q, k, v, do, lse, delta, doc_arrays, probs=None):
         )
         k_ANWE, v_ANWE = (_pieces(x, g.kv_starts, g.cols) for x in (k_blocks, v_blocks))
         if probs is not None:  # kept: no score mod (see _attention_fwd), tiles [Q, W]
+            tile = "bqw"
             p_ANQW, m_ANQ = probs[i]
-            p_ANQW = p_ANQW * jnp.exp(m_ANQ - lse_ANQ)[..., None]
-            ds_ANQW = p_ANQW * (_dot("bqe,bwe->bqw", do_ANQE, v_ANWE) - delta_ANQ[..., None])
-            dvs.append((_dot("bqw,bqe->bwe", p_ANQW, do_ANQE), (static.block_kv, E)))
-            dks.append((_dot("bqw,bqe->bwe", ds_ANQW, q_ANQE), (static.block_kv, E)))
-            dqs.append((_dot("bqw,bwe->bqe", ds_ANQW, k_ANWE), (bq, E)))
-            continue
-        s = _dot("bwe,bqe->bwq", k_ANWE, q_ANQE)
-        s, d_mod = _mask_and_mod(static, g, s, B, doc_arrays, transposed=True, with_grad=True)
-        p = jnp.exp(s - lse_ANQ[:, :, None])
-        ds = p * (_dot("bwe,bqe->bwq", v_ANWE, do_ANQE) - delta_ANQ[:, :, None])
-        if d_mod is not None:
-            ds = ds * d_mod
-        dvs.append((_dot("bwq,bqe->bwe", p, do_ANQE), (static.block_kv, E)))
-        dks.append((_dot("bwq,bqe->bwe", ds, q_ANQE), (static.block_kv, E)))
-        dqs.append((_dot("bwe,bwq->beq", k_ANWE, ds).swapaxes(-1, -2), (bq, E)))
+            p = p_ANQW * jnp.exp(m_ANQ - lse_ANQ)[..., None]
+            ds = p * (_dot("bqe,bwe->bqw", do_ANQE, v_ANWE) - delta_ANQ[..., None])
+            dq = _dot("bqw,bwe->bqe", ds, k_ANWE)
+        else:  # recomputed, tiles [W, Q]
+            tile = "bwq"
+            s = _dot("bwe,bqe->bwq", k_ANWE, q_ANQE)
+            s, d_mod = _mask_and_mod(static, g, s, B, doc_arrays, transposed=True, with_grad=True)
+            p = jnp.exp(s - lse_ANQ[:, :, None])
+            ds = p * (_dot("bwe,bqe->bwq", v_ANWE, do_ANQE) - delta_ANQ[:, :, None])
+            if d_mod is not None:
+                ds = ds * d_mod
+            dq = _dot("bwe,bwq->beq", k_ANWE, ds).swapaxes(-1, -2)
+        dvs.append((_dot(f"{tile},bqe->bwe", p, do_ANQE), (static.block_kv, E)))
+        dks.append((_dot(f"{tile},bqe->bwe", ds, q_ANQE), (static.block_kv, E)))
+        dqs.append((dq, (bq, E)))
     q_table, kv_table = _tables(static.plan)
     dq = sum(_slots(_stack(dqs, 0.0), q_table)) * static.scale
     dk, dv = (sum(_slots(_stack(x, 0.0), kv_table)).reshape(B, K, H // K, S, E).sum(2) for x in (dks, dvs))
