@@ -265,10 +265,12 @@ class Checkpointer:
         if verified:
             saved = dict(restored.integrity)
             for path, record in integrity(restored.state).items():
+                # The checksum first: a flipped bit can also read back as NaN, and the mismatch is the cause.
+                nonfinite = f" (it now holds {record['nonfinite']} non-finite values)" if record["nonfinite"] else ""
+                if saved.get(path, {}).get("digest") != record["digest"]:
+                    raise CheckpointCorrupt(f"{path} does not match its saved checksum{nonfinite}")
                 if record["nonfinite"]:
                     raise CheckpointCorrupt(f"{path} holds {record['nonfinite']} non-finite values")
-                if saved.get(path, {}).get("digest") != record["digest"]:
-                    raise CheckpointCorrupt(f"{path} does not match its saved checksum")
         return restored.state, dict(restored.data), dict(restored.config)
 
     def restore_config(self, step: int) -> dict:

@@ -201,6 +201,31 @@ def test_when_no_checkpoint_verifies_nothing_is_moved_and_the_run_does_not_start
     assert (tmp_path / "metrics.jsonl").read_text() == before
 
 
+def test_bits_that_read_back_as_nan_are_reported_as_a_checksum_mismatch(tmp_path):
+    """A flipped bit can turn a value into NaN; the message names the cause (the file changed), not only the NaN."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from jaxlm.checkpoint import CheckpointCorrupt
+
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    good = {"w": jnp.arange(8, dtype=jnp.float32)}
+    damaged = {"w": good["w"].at[3].set(jnp.nan)}  # what a flipped exponent bit reads back as
+    ckpt.manager.save(
+        1,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(damaged),
+            data=ocp.args.JsonSave({}),
+            config=ocp.args.JsonSave({}),
+            integrity=ocp.args.JsonSave(integrity(good)),
+        ),
+    )
+    ckpt.wait()
+    with pytest.raises(CheckpointCorrupt, match=r"^w does not match its saved checksum \(it now holds 1 non-finite"):
+        ckpt.restore(1, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), good))
+    ckpt.close()
+
+
 def test_an_incomplete_save_left_by_a_crash_is_removed_and_logged(setup, tmp_path, capsys):
     train(setup, tmp_path, steps=2)
     leftover = tmp_path / "checkpoints" / f"4{TMP_MARKER}"
