@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import logging
 import re
 import shutil
@@ -144,6 +145,14 @@ def _closed_loop_callback(unraisable) -> bool:
     return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
 
+def _abandoned_read(unraisable) -> bool:
+    """One of Orbax's parallel array reads, left unawaited when another read of the same restore failed, raising
+    as it is garbage-collected (often minutes later, mid-training): ~70 lines of TensorStore spec per array. The
+    restore's own error already named the failure."""
+    obj = unraisable.object
+    return inspect.iscoroutine(obj) and "orbax" in obj.cr_code.co_filename
+
+
 def _quiet_orbax_failures() -> None:
     """Installs the filters above once per process, so a failed save ends with one line, the caller's."""
     for name in ("absl", "asyncio"):
@@ -154,7 +163,7 @@ def _quiet_orbax_failures() -> None:
     previous = sys.unraisablehook
 
     def hook(unraisable):
-        if not _closed_loop_callback(unraisable):
+        if not (_closed_loop_callback(unraisable) or _abandoned_read(unraisable)):
             previous(unraisable)
 
     hook.jaxlm_quiet = True
@@ -261,7 +270,7 @@ class Checkpointer:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:
             _ONE_LINE.held_back()  # Orbax's own lines about it: this error says what failed
-            raise CheckpointCorrupt(_one_line(e)) from e
+            raise CheckpointCorrupt(_read_failure(e)) from e
         if verified:
             saved = dict(restored.integrity)
             for path, record in integrity(restored.state).items():
@@ -356,7 +365,16 @@ def _storage_cause(error: Exception) -> str:
     return found.group(0) if found else _one_line(error, 160)
 
 
-def _one_line(error: Exception, limit: int = 240) -> str:
-    text = str(error).strip().splitlines()
+def _read_failure(error: Exception) -> str:
+    """A failed read, short. Orbax wraps TensorStore's error (which array, what is wrong with its bytes) in one
+    that names only slice indices and prints a spec; the wrapped one is the cause, and the file it names is the
+    checkpoint's own, which the caller names already."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return _one_line(error, text=re.sub(r' in OCDBT database at local file "[^"]*"', "", str(error)))
+
+
+def _one_line(error: Exception, limit: int = 240, text: str | None = None) -> str:
+    text = (str(error) if text is None else text).strip().splitlines()
     line = text[0] if text else ""
     return f"{type(error).__name__}: {line[:limit] + '...' if len(line) > limit else line}"

@@ -418,9 +418,10 @@ def _set_path(obj: Any, parts: list[str], raw: str, full_key: str) -> Any:
     name = parts[0]
     if name not in fields:
         where = type(obj).__name__
-        raise ConfigError(
-            f"unknown config key {full_key!r}: {where} has no field {name!r} (fields: {', '.join(fields)})"
-        )
+        close = difflib.get_close_matches(name, fields, n=1)
+        section = full_key[: len(full_key) - len(".".join(parts))]
+        hint = f"did you mean '{section}{close[0]}'?" if close else f"fields: {', '.join(fields)}"
+        raise ConfigError(f"unknown config key {full_key!r}: {where} has no field {name!r} ({hint})")
     current = getattr(obj, name)
     if dataclasses.is_dataclass(current):
         if len(parts) == 1:

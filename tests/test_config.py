@@ -197,8 +197,17 @@ def test_unknown_key_lists_the_section_fields():
     assert "model.nonexistent" in message and "ModelConfig has no field 'nonexistent'" in message
     for name in (f.name for f in dataclasses.fields(ModelConfig)):
         assert name in message
-    with pytest.raises(ConfigError, match=r"TrainConfig has no field 'modle'.*model, optim, data, diloco, steps"):
-        apply_overrides(TrainConfig(), ["modle.d_model=1"])
+    with pytest.raises(ConfigError, match=r"TrainConfig has no field 'xyz'.*model, optim, data, diloco, steps"):
+        apply_overrides(TrainConfig(), ["xyz.d_model=1"])
+
+
+@pytest.mark.parametrize(
+    "assignment, suggestion",
+    [("modle.d_model=1", "'model'"), ("model.n_layers=2", "'model.num_layers'"), ("stepz=3", "'steps'")],
+)
+def test_a_misspelt_key_gets_the_close_one_suggested(assignment, suggestion):
+    with pytest.raises(ConfigError, match=rf"has no field '\w+' \(did you mean {suggestion}\?\)$"):
+        apply_overrides(TrainConfig(), [assignment])
 
 
 # ----------------------------------------------------------------------------- validation
