@@ -35,8 +35,12 @@ def resolve_vocab(cfg: TrainConfig) -> TrainConfig:
             f"leave it out (0) to follow the tokenizer"
         )
     if m.tokenizer_vocab_size not in (0, tokens):
+        source = f"data.path {cfg.data.path}" if cfg.data.path else f"the default corpus ({cfg.data.corpus_tokenizer})"
         raise ConfigError(
-            f"model.tokenizer_vocab_size {m.tokenizer_vocab_size} but the data's tokenizer has {tokens} ids"
+            f"model.tokenizer_vocab_size {m.tokenizer_vocab_size} but the tokenizer of {source} has {tokens} ids: "
+            "the model was trained with another tokenizer; write token data with it (its workdir's tokenizer.json: "
+            "python -m data.prepare --tokenizer WORKDIR/tokenizer.json --input TEXT --output DIR) and pass "
+            "--set data.path=DIR"
         )
     vocab = m.vocab_size or -(-tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     return dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=vocab, tokenizer_vocab_size=tokens))

@@ -35,6 +35,19 @@ def test_an_explicit_vocab_size_is_kept_unless_smaller_than_the_tokenizer(tmp_pa
         resolve_vocab(config_on(path, vocab_size=256))
 
 
+def test_a_model_of_another_tokenizer_is_refused_with_how_to_write_its_data(tmp_path):
+    """An imported model's config (tokenizer_vocab_size fixed) fine-tuned on data of another tokenizer."""
+    path = random_token_file(tmp_path / "t", num_tokens=300, vocab=257)
+    with pytest.raises(
+        ConfigError,
+        match=rf"^model.tokenizer_vocab_size 4096 but the tokenizer of data.path {path} "
+        r"has 257 ids: .*--tokenizer WORKDIR/tokenizer.json .*--set data.path=DIR$",
+    ):
+        resolve_vocab(config_on(path, tokenizer_vocab_size=4096))
+    with pytest.raises(ConfigError, match=r"the tokenizer of the default corpus \(byte\) has 257 ids"):
+        resolve_vocab(TrainConfig(model=ModelConfig(tokenizer_vocab_size=4096)))
+
+
 def test_an_unresolved_vocabulary_cannot_build_a_model():
     with pytest.raises(ValueError, match="resolve_vocab"):
         Transformer(ModelConfig(), rngs=nnx.Rngs(0))
