@@ -515,10 +515,11 @@ def check_inputs(cfg: ModelShape, devices: int, batch_tokens: int, seq_len: int,
         raise LayoutError(f"remat must be one of {', '.join(REMAT_CHOICES)}, got {remat!r}")
     if batch_tokens % seq_len:
         lo = batch_tokens // seq_len
+        nearest = [n for n in (lo, lo + 1) if n > 0]
         raise LayoutError(
             f"global batch tokens {batch_tokens} is not a multiple of seq {seq_len} "
-            f"({batch_tokens / seq_len:.2f} sequences); e.g. {lo * seq_len} ({lo} sequences) or "
-            f"{(lo + 1) * seq_len} ({lo + 1})"
+            f"({batch_tokens / seq_len:.2f} sequences); e.g. "
+            + " or ".join(f"{n * seq_len} ({n} sequence{'s' * (n > 1)})" for n in nearest)
         )
     return batch_tokens // seq_len
 

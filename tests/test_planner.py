@@ -146,7 +146,15 @@ def test_1000_sequences_force_tensor_or_pipeline_parallelism(capsys):
     [
         (["--devices", "0"], "devices must be a positive integer, got 0"),
         (["--devices", "-8"], "devices must be a positive integer, got -8"),
-        (["--global-batch-tokens", "4000000"], "global batch tokens 4000000 is not a multiple of seq 4096"),
+        (
+            ["--global-batch-tokens", "4000000"],
+            "global batch tokens 4000000 is not a multiple of seq 4096 (976.56 sequences); e.g. 3997696 (976 "
+            "sequences) or 4001792 (977 sequences)",
+        ),
+        (
+            ["--global-batch-tokens", "1000"],
+            "global batch tokens 1000 is not a multiple of seq 4096 (0.24 sequences); e.g. 4096 (1 sequence)",
+        ),
         (
             ["--global-batch-tokens", "8192", "--devices", "1024"],
             "global batch of 2 sequences is smaller than the smallest data x fsdp size 4",
