@@ -86,6 +86,31 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def trained_model_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The flags of a command that reads a trained model (`generate`, `evaluate`): --workdir, --step, --mesh,
+    --cpu-devices, for `load_trained_model`. Errors are one-line ValueErrors (UsageError), not argparse's exit."""
+    p = _Parser(prog=f"python -m {prog}", description=description)
+    p.add_argument("--workdir", required=True, help="a training workdir, or an import_hf / quantize_checkpoint output")
+    p.add_argument("--step", type=int, help="the checkpoint step (default: the latest)")
+    p.add_argument("--mesh", help="Python mesh layout file defining `layout` (default: one device)")
+    p.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (set before JAX starts)")
+    return p
+
+
+def load_trained_model(args):
+    """`--cpu-devices`, `--mesh`, `--workdir`, `--step` -> the model, as `generate` and `evaluate` read it
+    (jaxlm.inference.Loaded). ValueError (LayoutError among them): one line naming the problem."""
+    import jax
+
+    if args.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    from jaxlm.inference import load_model
+    from sharding import load_layout
+
+    layout = load_layout(args.mesh, jax.device_count()) if args.mesh else None
+    return load_model(args.workdir, step=args.step, layout=layout)
+
+
 def build_parser(prog: str, default_workdir: str) -> argparse.ArgumentParser:
     p = _Parser(prog=f"python -m experiments.{prog}", description=sys.modules["__main__"].__doc__)
     p.add_argument("--workdir", default=default_workdir, help=f"outputs + checkpoints (default: {default_workdir})")

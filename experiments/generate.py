@@ -13,26 +13,18 @@ one line naming it, before anything compiles.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
-from experiments.cli import exit_with
+from experiments.cli import exit_with, load_trained_model, trained_model_parser
 
 PROG = "experiments.generate"
 EXIT_BAD_INPUT = 2
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage + error
-        raise ValueError(message)
-
-
 def parse_args(argv):
-    p = _Parser(prog=f"python -m {PROG}", description=__doc__.split("\n")[0])
-    p.add_argument("--workdir", required=True, help="a training workdir, or a quantize_checkpoint output directory")
-    p.add_argument("--step", type=int, help="the checkpoint step (default: the latest)")
+    p = trained_model_parser(PROG, __doc__.split("\n")[0])
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable: decoded as one batch)")
     p.add_argument("--prompt-file", help="a text file of prompts, one per line (empty lines skipped)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most (default 128)")
@@ -42,8 +34,6 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--stop", action="append", default=[], help="stop a continuation at this text (repeatable)")
     p.add_argument("--truncate", action="store_true", help="keep a too-long prompt's last tokens instead of failing")
-    p.add_argument("--mesh", help="Python mesh layout file defining `layout` (default: one device)")
-    p.add_argument("--cpu-devices", type=int, default=0, help="simulate N CPU devices (set before JAX starts)")
     return p.parse_args(argv)
 
 
@@ -159,30 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         texts = check_args(args)
     except ValueError as e:
         return _fail(str(e))
-    import jax
-
-    if args.cpu_devices:
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    from jaxlm.generate import check_sampling, stream
-    from jaxlm.inference import load_model
-    from sharding import LayoutError, load_layout
-
     try:
-        layout = load_layout(args.mesh, jax.device_count()) if args.mesh else None
-        loaded = load_model(args.workdir, step=args.step, layout=layout)
+        loaded = load_trained_model(args)  # first: --cpu-devices must be set before anything starts JAX's backends
+        from jaxlm.generate import check_sampling, stream
+
         tok, cfg = loaded.tokenizer, loaded.cfg.model
         check_sampling(args.temperature, args.top_k, args.top_p, tok.vocab_size)
-        if layout is not None:
-            layout.check_divisibility(
-                batch_size=layout.data * layout.fsdp * layout.replica,
-                microbatches=1,
-                num_heads=cfg.num_heads,
-                num_kv_heads=cfg.num_kv_heads,
-                mlp_dim=cfg.mlp_dim,
-                num_layers=cfg.num_layers,
-            )
         ids = fit_prompts([list(tok.document(t)) for t in texts], cfg.max_seq_len, args.max_new_tokens, args.truncate)
-    except (ValueError, OSError, LayoutError) as e:
+    except (ValueError, OSError) as e:
         return _fail(str(e).replace("top_k", "--top-k"))
     printer = Printer(tok, len(ids), args.stop)
     t0 = time.perf_counter()

@@ -169,7 +169,7 @@ def placement_of(params, rules: dict | None = None) -> Placement | None:
 
 
 @contextlib.contextmanager
-def _traced_in(where: Placement | None):
+def traced_in(where: Placement | None):
     """Traces with the mesh and rules in context, so `constrain` pins activations and the cache as in training."""
     if where is None:
         yield
@@ -204,7 +204,7 @@ def _prefill(params, weights, tokens_BT, lengths_B, live_B, key, stop_V, *, spec
     """The prompt block through the model as in training -> the first new token of every row and a DecodeState
     whose cache (allocated here, `cache_len` slots) holds the prompt's keys and values. `weights` are the decode
     steps' (`_decode_weights`), read in place here too."""
-    with _traced_in(spec.where):
+    with traced_in(spec.where):
         model = nnx.merge(spec.graphdef, params)
         B, T = tokens_BT.shape
         rows_B = jnp.arange(B)
@@ -263,14 +263,14 @@ def _decode(params, weights, state: DecodeState, key, stop_V, spec: _Spec) -> tu
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def _decode_step(params, weights, state, key, stop_V, *, spec: _Spec):
     """One decode step (what `stream` calls per token); returns the state and the new tokens (-1: stopped row)."""
-    with _traced_in(spec.where):
+    with traced_in(spec.where):
         return _decode(params, weights, state, key, stop_V, spec)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
 def _decode_loop(params, weights, state, key, stop_V, max_new_tokens, *, spec: _Spec):
     """Decode steps until every row stopped or made `max_new_tokens` (a traced value: one program for any count)."""
-    with _traced_in(spec.where):
+    with traced_in(spec.where):
 
         def more(state):
             return (state.step < max_new_tokens) & ~jnp.all(state.done_B)

@@ -67,7 +67,7 @@ def _load_checkpoint(workdir: Path, step: int | None, layout: MeshLayout, mesh) 
         elif step not in steps:
             raise ValueError(f"{workdir} has no checkpoint at step {step}; its steps: {', '.join(map(str, steps))}")
         saved = checkpointer.restore_config(step)
-        cfg = _config(saved, f"{workdir}/checkpoints/{step}")
+        cfg = _config(saved, f"{workdir}/checkpoints/{step}", layout)
         program = Program(cfg, mesh, layout)
         state, _, _ = checkpointer.restore(step, program.abstract_with_shardings())
     except CheckpointError as e:
@@ -91,7 +91,7 @@ def _load_int8(directory: Path, step: int | None, layout: MeshLayout, mesh) -> L
         raise ValueError(f"{directory}/{INT8_MANIFEST} is not a quantize_checkpoint manifest: {e}") from None
     if step is not None and step != int8_step:
         raise ValueError(f"{directory} holds the int8 weights of step {int8_step} only, not step {step}")
-    cfg = _config(saved, str(directory))
+    cfg = _config(saved, str(directory), layout)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, matmul_precision="int8_weight_only"))
     program = Program(cfg, mesh, layout)
     try:
@@ -111,13 +111,24 @@ def _load_int8(directory: Path, step: int | None, layout: MeshLayout, mesh) -> L
     )
 
 
-def _config(saved: dict, where: str) -> config_lib.TrainConfig:
+def _config(saved: dict, where: str, layout: MeshLayout) -> config_lib.TrainConfig:
+    """The saved config, checked, and the layout checked against its model (a LayoutError names the axis) before
+    any param is placed."""
     try:
         cfg = config_lib.validate(config_lib.from_dict(saved))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: its config is not a jaxlm config: {e}") from None
     if not cfg.model.vocab_size:
         raise ValueError(f"{where}: its config has no resolved vocabulary (model.vocab_size 0)")
+    m = cfg.model
+    layout.check_divisibility(
+        batch_size=layout.data * layout.fsdp * layout.replica,
+        microbatches=1,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        mlp_dim=m.mlp_dim,
+        num_layers=m.num_layers,
+    )
     return cfg
 
 

@@ -35,6 +35,27 @@ def tiny_config(
     )
 
 
+def tiny_run_sets(**overrides) -> list[str]:
+    """`--set` flags for a tiny tiny_lm run from the CLI (2 layers of d_model 32, windows of 32, no evals or
+    samples); `overrides` by dotted key with `.` written `__` (data__path=...)."""
+    fields = {
+        "model.d_model": 32,
+        "model.num_layers": 2,
+        "model.num_heads": 4,
+        "model.num_kv_heads": 2,
+        "model.mlp_dim": 64,
+        "model.max_seq_len": 64,
+        "data.seq_len": 32,
+        "data.batch_size": 4,
+        "data.microbatches": 1,
+        "data.eval_batches": 1,
+        "eval_every": 0,
+        "eval_prompts": "",
+        **{key.replace("__", "."): value for key, value in overrides.items()},
+    }
+    return [a for k, v in fields.items() for a in ("--set", f"{k}={v}")]
+
+
 def one_device_mesh():
     return build_mesh(MeshLayout(data=1), devices=jax.devices()[:1])
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import tiny_model
+from helpers import tiny_model, tiny_run_sets
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -237,21 +237,7 @@ def test_decode_compiles_once_per_bucket_not_per_token():
 def workdir(tmp_path_factory):
     """A few steps of experiments.tiny_lm at a tiny size, as a user would train it."""
     root = tmp_path_factory.mktemp("generate")
-    tiny = {
-        "model.d_model": 32,
-        "model.num_layers": 2,
-        "model.num_heads": 4,
-        "model.num_kv_heads": 2,
-        "model.mlp_dim": 64,
-        "model.max_seq_len": 64,
-        "data.seq_len": 32,
-        "data.batch_size": 4,
-        "data.microbatches": 1,
-        "data.eval_batches": 1,
-        "eval_every": 0,
-        "eval_prompts": "",
-    }
-    sets = [a for k, v in tiny.items() for a in ("--set", f"{k}={v}")]
+    sets = tiny_run_sets()
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.tiny_lm", "--workdir", root / "run", "--steps", "3", "--no-progress"]
         + sets,
