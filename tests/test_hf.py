@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from data import prepare, write_token_file
 from data.text_tokenizer import byte_tokenizer, load_tokenizer
-from experiments import export_hf, import_hf
+from experiments import evaluate, export_hf, import_hf
 from jaxlm import config as config_lib
 from jaxlm import hf
 from jaxlm.checkpoint import Checkpointer
@@ -294,9 +294,10 @@ def bpe_tokenizer_json(path: Path, texts: list[str]) -> Path:
     return path / "tokenizer.json"
 
 
-def test_imported_model_matches_transformers_and_fine_tunes_with_the_documented_command(tmp_path):
+def test_imported_model_matches_transformers_and_fine_tunes_with_the_documented_command(tmp_path, capsys):
     """save_pretrained + a BPE tokenizer.json -> import_hf --data (token data prepared with that tokenizer) ->
-    the step-0 checkpoint computes transformers' logits, and `tiny_lm --config W/config.json --workdir W` trains it."""
+    the step-0 checkpoint computes transformers' logits, `experiments.evaluate` its loss on held-out text, and
+    `tiny_lm --config W/config.json --workdir W` trains it."""
     texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 3 for i in range(120)]
     hf_dir = tmp_path / "hf"
     bpe_tokenizer_json(hf_dir, texts)
@@ -324,6 +325,7 @@ def test_imported_model_matches_transformers_and_fine_tunes_with_the_documented_
     x = np.random.default_rng(0).integers(0, tok.vocab_size, (2, T)).astype(np.int32)
     ours = jax_logits(jax_model(cfg.model, pure(state.params)), x)
     assert rel(ours[..., : tok.vocab_size], hf_logits(model, x)) < 1e-5
+    _evaluate_matches_transformers_loss(workdir, model, tok, tmp_path, capsys)
 
     command = ["-m", "experiments.tiny_lm", "--config", workdir / "config.json", "--workdir", workdir, "--steps", 3]
     result = subprocess.run(
@@ -335,6 +337,26 @@ def test_imported_model_matches_transformers_and_fine_tunes_with_the_documented_
     assert [r["step"] for r in records if "loss" in r][-1] == 3 and all(np.isfinite(losses))
     assert abs(losses[0] - np.log(tok.vocab_size)) < 2  # a random model over the tokenizer's ids, not over bytes
     assert (workdir / "checkpoints" / "3").is_dir()
+
+
+def _evaluate_matches_transformers_loss(workdir, model, tok, tmp_path, capsys, seq_len=16):
+    """`experiments.evaluate` on held-out text: the loss and bits per byte transformers gives the same windows."""
+    text = "class Point:\n    def norm(self):\n        return (self.x ** 2 + self.y ** 2) ** 0.5\n"
+    (tmp_path / "held_out.txt").write_text(text)
+    argv = ["--workdir", str(workdir), "--text", str(tmp_path / "held_out.txt"), "--seq-len", str(seq_len)]
+    capsys.readouterr()
+    assert evaluate.main(argv) == 0
+    figures = json.loads(capsys.readouterr().out.splitlines()[-1])
+    stream = np.r_[tok.eos_id, tok.encode(text), tok.eos_id]
+    nats = 0.0
+    with torch.no_grad():
+        for start in range(0, len(stream) - 1, seq_len):
+            window = torch.tensor(stream[start : start + seq_len + 1])[None]
+            logits = model(window[:, :-1]).logits.double()
+            nats += torch.nn.functional.cross_entropy(logits[0], window[0, 1:], reduction="sum").item()
+    assert figures["tokens"] == len(stream) - 1 and figures["bytes"] == len(text.encode())
+    assert figures["loss"] == pytest.approx(nats / (len(stream) - 1), rel=1e-5)
+    assert figures["bits_per_byte"] == pytest.approx(nats / np.log(2) / len(text.encode()), rel=1e-5)
 
 
 def test_greedy_generation_equals_transformers_generate():
