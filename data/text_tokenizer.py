@@ -249,3 +249,17 @@ def tokenizer_of_data(path: str | os.PathLike) -> TextTokenizer:
     except (OSError, ValueError) as e:
         raise TokenizerError(f"token data {directory}: cannot read {META_NAME}: {e}") from None
     return tokenizer_from_record(record, directory)
+
+
+def check_data_tokenizer(data: str | os.PathLike, tokenizer: TextTokenizer, fix: str, flag: str = "--data") -> None:
+    """Token data read by a model must have been written with its own tokenizer (same tokenizer.json): its ids mean
+    other text otherwise. TokenizerError naming both tokenizers and `fix`, or why the data's cannot be read."""
+    try:
+        theirs = tokenizer_of_data(data)
+    except (TokenizerError, ValueError, OSError) as e:
+        raise TokenizerError(f"{flag} {data}: {e}") from None
+    if theirs.sha256 != tokenizer.sha256:
+        raise TokenizerError(
+            f"{flag} {data} was written with tokenizer {theirs.name} (sha256 {theirs.sha256[:12]}), not the "
+            f"model's {tokenizer.name} (sha256 {tokenizer.sha256[:12]}); {fix}"
+        )

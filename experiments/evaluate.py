@@ -71,16 +71,11 @@ def text_tokens(args, tokenizer):
 
 def data_tokens(args, tokenizer):
     """--data's tokens, refused unless they were written with the model's tokenizer."""
-    from data.text_tokenizer import tokenizer_of_data
+    from data.text_tokenizer import check_data_tokenizer
     from data.token_shards import open_tokens
 
-    written_with = tokenizer_of_data(args.data)
-    if written_with.sha256 != tokenizer.sha256:
-        raise ValueError(
-            f"--data {args.data} was written with another tokenizer ({written_with.name}) than the model's "
-            f"({tokenizer.name}); write it with the model's: python -m data.prepare --tokenizer "
-            f"{args.workdir}/tokenizer.json --input TEXT --output DIR"
-        )
+    prepare = f"python -m data.prepare --tokenizer {args.workdir}/tokenizer.json --input TEXT --output DIR"
+    check_data_tokenizer(args.data, tokenizer, fix=f"write it with the model's: {prepare}")
     tokens = open_tokens(args.data).tokens
     return (tokens[: args.max_tokens] if args.max_tokens else tokens), 1
 
@@ -91,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
     except ValueError as e:
         return _fail(str(e))
+    from tqdm import tqdm
+
     from data.text_sources import TextSourceError
     from data.text_tokenizer import TokenizerError
     from data.token_file import TokenFileError
@@ -100,29 +97,33 @@ def main(argv: list[str] | None = None) -> int:
         from jaxlm.evaluate import score
 
         tok, cfg = loaded.tokenizer, loaded.cfg
-        seq_len = args.seq_len or min(cfg.data.seq_len, cfg.model.max_seq_len)
+        seq_len = args.seq_len or cfg.data.seq_len  # validated: at most the model's max_seq_len
         if seq_len > cfg.model.max_seq_len:
             raise ValueError(f"--seq-len {seq_len} is longer than the model's max_seq_len {cfg.model.max_seq_len}")
         stream, files = data_tokens(args, tok) if args.data else text_tokens(args, tok)
         if len(stream) < 2:
             raise ValueError(f"{'--data' if args.data else '--text'} holds no text to score")
-        bar = _progress_bar(args.no_progress)
+        show = not args.no_progress and sys.stderr.isatty()
         t0 = time.perf_counter()
-        result = score(
-            loaded.model,
-            stream,
-            tok.token_bytes,
-            seq_len=seq_len,
-            batch_size=args.batch_size,
-            pad_id=tok.eos_id,
-            rules=loaded.rules,
-            progress=bar,
-        )
+        with tqdm(unit="batch", file=sys.stderr, leave=False, disable=not show) as bar:
+
+            def advance(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+
+            result = score(
+                loaded.model,
+                stream,
+                tok.token_bytes,
+                seq_len=seq_len,
+                batch_size=args.batch_size,
+                pad_id=tok.eos_id,
+                rules=loaded.rules,
+                progress=advance,
+            )
         seconds = time.perf_counter() - t0
     except (ValueError, OSError, TextSourceError, TokenizerError, TokenFileError) as e:
         return _fail(str(e))
-    if bar is not None:
-        bar.close()
     kind = "int8 weight-only" if loaded.int8 else "checkpoint"
     bpb = result.bits_per_byte
     print(
@@ -134,22 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     record = {"workdir": args.workdir, "step": loaded.step, **source, "seq_len": seq_len, **result.record()}
     print(json.dumps(record))
     return 0
-
-
-def _progress_bar(disabled: bool):
-    """A tqdm bar on stderr when it is a terminal (a callable progress(done, total)); None otherwise."""
-    if disabled or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    bar = tqdm(unit="batch", file=sys.stderr, leave=False)
-
-    def progress(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
-    progress.close = bar.close
-    return progress
 
 
 def _fail(message: str) -> int:

@@ -111,18 +111,13 @@ def hf_tokenizer(hf_dir: Path):
 
 def check_data_tokenizer(data: str, tokenizer) -> None:
     """Fine-tuning token data must have been written with the model's own tokenizer (same tokenizer.json)."""
-    from data.text_tokenizer import TokenizerError, tokenizer_of_data
+    from data.text_tokenizer import TokenizerError
+    from data.text_tokenizer import check_data_tokenizer as check
 
     try:
-        theirs = tokenizer_of_data(data)
-    except (TokenizerError, ValueError, OSError) as e:
-        raise hf.HFError(f"--data {data}: {e}") from None
-    if theirs.sha256 != tokenizer.sha256:
-        raise hf.HFError(
-            f"--data {data} was written with tokenizer {theirs.name} (sha256 {theirs.sha256[:12]}), not the "
-            f"model's {tokenizer.name} (sha256 {tokenizer.sha256[:12]}); tokenize the text with the model's "
-            f"tokenizer.json"
-        )
+        check(data, tokenizer, fix="tokenize the text with the model's tokenizer.json")
+    except TokenizerError as e:
+        raise hf.HFError(str(e)) from None
 
 
 def check_workdir(workdir: Path) -> None:

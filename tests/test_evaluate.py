@@ -121,7 +121,7 @@ def test_token_data_of_the_models_tokenizer_is_scored_and_another_is_refused(run
     capsys.readouterr()
     code, out, err = cli(capsys, "--workdir", run / "run", "--data", tmp_path / "bpe_tokens")
     assert code == 2 and not out
-    assert err.count("\n") == 1 and "was written with another tokenizer" in err and "data.prepare --tokenizer" in err
+    assert err.count("\n") == 1 and "was written with tokenizer" in err and "data.prepare --tokenizer" in err
 
 
 @pytest.mark.parametrize(
