@@ -6,7 +6,7 @@
     python -m experiments.gpu_compile --json out.json  # also the rows as JSON
 
 Triton compiles each kernel for sm_90 and XLA checks its shared memory against the H100's 227 KiB per block, so a
-kernel change is done only when this passes (pallas_kernels.gpu_target says how it works). Attention: every mask
+kernel change is done only when this passes (pallas_kernels.targets says how it works). Attention: every mask
 kind, forward + dQ + dK/dV, head dims 64 / 128 / 256, float32 and bfloat16, GQA; a case that fails is compiled
 again kernel by kernel to name the one that does not fit. Matmuls: int8, fp8, mixed fp8 and weight-only, per
 tensor / channel / block, and the training custom_vjp. Then whole train steps: a small Llama with Pallas attention
@@ -80,7 +80,7 @@ def _attention_fns(mask, E: int, dtype: str):
 
 
 def _compile_attention(mask, E: int, dtype: str) -> str:
-    from pallas_kernels.gpu_target import compile_for_gpu, first_line
+    from pallas_kernels.targets import compile_for_gpu, first_line
 
     fns, args = _attention_fns(mask, E, dtype)
     try:
@@ -157,8 +157,8 @@ def _compile_matmul(spec) -> str:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.gpu_target import compile_for_gpu
     from pallas_kernels.quantized_matmul import scaled_matmul
+    from pallas_kernels.targets import compile_for_gpu
 
     x_dtype, xs, w_dtype, ws, k_block = spec
     X, C, Y = MATMUL_SHAPE
@@ -179,8 +179,8 @@ def _compile_quantized_dot(recipe_name: str, delayed: bool) -> str:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.gpu_target import compile_for_gpu
     from pallas_kernels.quantized_training import QuantRecipe, new_amax_history, quantized_dot
+    from pallas_kernels.targets import compile_for_gpu
 
     recipe = getattr(QuantRecipe, recipe_name)(impl="pallas")
     X, C, Y = MATMUL_SHAPE
@@ -237,8 +237,8 @@ def _compile_step(cfg):
 
     from jaxlm.config import validate
     from jaxlm.train import Program
-    from pallas_kernels.gpu_target import h100_mesh
     from pallas_kernels.kernel_inputs import compile_target
+    from pallas_kernels.targets import h100_mesh
     from sharding import MeshLayout, build_mesh
 
     validate(cfg)
@@ -262,7 +262,7 @@ def _compile_report_step(overrides: dict) -> str:
     import dataclasses
 
     from experiments.gpu_report import llama_1b
-    from pallas_kernels.gpu_target import H100_MEMORY
+    from pallas_kernels.targets import H100_MEMORY
 
     base = llama_1b()
     compiled = _compile_step(dataclasses.replace(base, model=dataclasses.replace(base.model, **overrides)))
@@ -291,7 +291,7 @@ def train_cases(core: bool = False) -> list[Case]:
 
 
 def run(cases: list[Case], log=print) -> list[dict]:
-    from pallas_kernels.gpu_target import first_line
+    from pallas_kernels.targets import first_line
 
     rows = []
     for case in cases:
@@ -319,19 +319,17 @@ def main(argv=None) -> int:
     p.add_argument("--no-install", action="store_true", help="fail instead of installing the plugin with pip")
     args = p.parse_args(argv)
 
-    from pallas_kernels import gpu_target
+    from pallas_kernels import targets
 
     try:
-        directory = gpu_target.plugin_dir()
+        directory = targets.plugin_dir()
         if not args.no_install:
-            directory = gpu_target.install_plugin(directory)
-        gpu_target.enable_plugin(directory)
-    except gpu_target.PluginError as e:
+            directory = targets.install_plugin(directory)
+        targets.enable_plugin(directory)
+    except targets.TargetError as e:
         print(f"gpu_compile: error: {e}", file=sys.stderr)
         return 2
-    print(
-        f"gpu_compile: compiling for {gpu_target.h100_mesh().devices.flat[0].device_kind} (sm_90), plugin {directory}"
-    )
+    print(f"gpu_compile: compiling for {targets.h100_mesh().devices.flat[0].device_kind} (sm_90), plugin {directory}")
     rows = run(attention_cases(args.quick, args.core) + matmul_cases(args.quick) + train_cases(args.core or args.quick))
     failed = [r for r in rows if not r["ok"]]
     print(f"gpu_compile: {len(rows) - len(failed)} of {len(rows)} compile for the H100")

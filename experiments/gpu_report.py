@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.cli import exit_with
-from pallas_kernels.gpu_target import first_line
+from pallas_kernels.targets import first_line
 
 SECTIONS = ("kernels", "attention", "matmul", "train")
 

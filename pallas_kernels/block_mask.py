@@ -197,6 +197,31 @@ def _build_traced(mask: Mask, q_len: int, kv_len: int, bs: BlockSizes) -> BlockM
     return BlockMask(mask, q_len, kv_len, bs, kind, *_compact(kind, jnp), *_compact(jnp.swapaxes(kind, -1, -2), jnp))
 
 
+def coarsen(block_mask: BlockMask, factor_q: int, factor_kv: int) -> BlockMask:
+    """The same mask in blocks ``factor_q`` x ``factor_kv`` times larger: a coarse block is EMPTY when all its blocks
+    are, FULL when all are, PARTIAL otherwise (blocks past the padded end count as EMPTY, so a coarse block holding
+    padding is PARTIAL and its padding is masked). Why: a kernel that wants larger tiles than the mask's blocks (the
+    TPU kernels) reads the one block mask at its own granularity, on the host or traced alike."""
+    if factor_q == factor_kv == 1:
+        return block_mask
+    xp = jnp if block_mask.is_traced else np
+    kind = block_mask.kind
+    nq, nkv = kind.shape[-2:]
+    cq, ckv = -(-nq // factor_q), -(-nkv // factor_kv)
+    pad = [(0, 0)] * (kind.ndim - 2) + [(0, cq * factor_q - nq), (0, ckv * factor_kv - nkv)]
+    tiles = xp.pad(kind, pad, constant_values=EMPTY).reshape(*kind.shape[:-2], cq, factor_q, ckv, factor_kv)
+    all_full = (tiles == FULL).all(axis=(-3, -1))
+    any_set = (tiles != EMPTY).any(axis=(-3, -1))
+    coarse = xp.where(all_full, FULL, xp.where(any_set, PARTIAL, EMPTY)).astype(xp.int8)
+    sizes = BlockSizes(block_mask.block_sizes.block_q * factor_q, block_mask.block_sizes.block_kv * factor_kv)
+    arrays = (coarse, *_compact(coarse, xp), *_compact(xp.swapaxes(coarse, -1, -2), xp))
+    if xp is np:
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        for a in arrays:
+            a.setflags(write=False)
+    return BlockMask(block_mask.mask, block_mask.q_len, block_mask.kv_len, sizes, *arrays)
+
+
 def _compact(kind, xp):
     """Per row of kinds [..., r, c]: (indices [..., r, width], partial counts [..., r], counts [..., r]).
 

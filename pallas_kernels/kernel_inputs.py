@@ -73,7 +73,7 @@ _compile_target: contextvars.ContextVar[str | None] = contextvars.ContextVar("co
 @contextlib.contextmanager
 def compile_target(platform: str):
     """Trace kernels for ``platform`` ("gpu" or "tpu") whatever this machine's default backend is: what compiling
-    ahead of time for a device this machine lacks needs (``pallas_kernels.gpu_target``). Inside it, kernels that
+    ahead of time for a device this machine lacks needs (``pallas_kernels.targets``). Inside it, kernels that
     are not told otherwise lower for ``platform`` and ``impl="auto"`` matmuls take the Pallas kernel."""
     if platform not in BACKENDS[:2]:
         raise ValueError(f"compile_target: unknown platform {platform!r}; choose one of {BACKENDS[:2]}")

@@ -1,7 +1,10 @@
 """Block-sparse flash attention as Pallas kernels: forward, dQ and dK/dV, tied together with ``jax.custom_vjp``.
 
-One kernel body serves every backend: Triton on GPU, Mosaic on TPU, and the Pallas interpreter on CPU (what the
-tests run). Each program owns one tile of its output and loops only over the non-empty tiles of its row (forward,
+These kernels serve Triton on GPU and the Pallas interpreter on CPU (what most tests run); on TPU
+``block_sparse_attention`` hands over to ``tpu_attention``, whose grid walks the block lists so that only the current
+blocks sit in VMEM (the view below does not fit it at long sequences).
+
+Each program owns one tile of its output and loops only over the non-empty tiles of its row (forward,
 dQ) or column (dK/dV) of the block mask: first the PARTIAL tiles, with the element mask, then the FULL ones, with
 none. K and V (or Q and dO for dK/dV) stay whole per head in the kernel's view and tiles are sliced out of them at
 the block offsets the mask lists, the way the JAX GPU flash-attention kernel walks its keys.
@@ -35,6 +38,7 @@ from .kernel_inputs import (
 )
 from .kernel_mask import bind_documents, split_documents
 from .masks import ScoreMod
+from .tpu_attention import block_sparse_attention_tpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +79,7 @@ _GPU_TILES = {
 
 
 def kernel_tiles(backend: str, head_dim: int, dtype, block_sizes) -> KernelTiles:
-    """The tiles the kernels use: the mask's blocks in interpret mode and on TPU, on GPU the smallest entry of the
+    """The tiles the kernels use: the mask's blocks in interpret mode, on GPU the smallest entry of the
     shared-memory table that covers this head dim and dtype, cut to divide the blocks."""
     bq, bkv = block_sizes.block_q, block_sizes.block_kv
     if backend != "gpu":
@@ -135,13 +139,17 @@ def block_sparse_attention(
     Pallas interpreter's slices do not track varying mesh axes in jax 0.10). ``interpret`` defaults to True on
     CPU. ``backend`` ("gpu", "tpu") picks the lowering; it defaults to the default JAX backend, and setting it lets
     a CPU machine lower (export) the kernels for an accelerator. ``tiles`` overrides ``kernel_tiles`` (each tile
-    must divide its block).
+    must divide its block). On TPU the kernels are ``tpu_attention``'s, which choose their own tiles.
     """
     check_attention_inputs("block_sparse_attention", q, k, v, block_mask)
+    backend = resolve_backend("block_sparse_attention", interpret, backend)
+    if backend == "tpu":
+        if tiles is not None:
+            raise ValueError("block_sparse_attention: tiles are the GPU kernels'; the TPU kernels choose their own")
+        return block_sparse_attention_tpu(q, k, v, block_mask, scale=scale, score_mod=score_mod)
     B, H, T, E = q.shape
     _, K, S, _ = k.shape
     template, docs = split_documents(block_mask.mask)
-    backend = resolve_backend("block_sparse_attention", interpret, backend)
 
     bs = block_mask.block_sizes
     tiles = kernel_tiles(backend, E, q.dtype, bs) if tiles is None else tiles
@@ -301,7 +309,7 @@ def _forward(static, q, k, v, mask_arrays, doc_arrays):
         out_specs=[q_spec, pl.BlockSpec((None, None, tq, 1), lambda b, h, i: (b, h, i, 0))],
         out_shape=[_like(q.shape, q.dtype, q), _like((B, H, Tp, 1), jnp.float32, q)],
         interpret=static.backend == "interpret",
-        compiler_params=_compiler_params(static, static.tiles.forward, 3),
+        compiler_params=_compiler_params(static, static.tiles.forward),
         name="block_sparse_attention_fwd",
     )(q, k, v, *mask_arrays[:3], *doc_arrays)
 
@@ -352,7 +360,7 @@ def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
         out_specs=q_spec,
         out_shape=_like(q.shape, q.dtype, q),
         interpret=static.backend == "interpret",
-        compiler_params=_compiler_params(static, static.tiles.dq, 3),
+        compiler_params=_compiler_params(static, static.tiles.dq),
         name="block_sparse_attention_dq",
     )(q, k, v, d_out, lse, delta, *mask_arrays[:3], *doc_arrays)
 
@@ -424,7 +432,7 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
         out_specs=[kv_spec, kv_spec],
         out_shape=[_like(k.shape, k.dtype, k), _like(v.shape, v.dtype, v)],
         interpret=static.backend == "interpret",
-        compiler_params=_compiler_params(static, static.tiles.dkv, 3),
+        compiler_params=_compiler_params(static, static.tiles.dkv),
         name="block_sparse_attention_dkv",
     )(grouped(q), k, v, grouped(d_out), grouped(lse), grouped(delta), *mask_arrays[3:], *doc_arrays)
 
@@ -449,21 +457,13 @@ def _row_doc_specs(static, tq, Sp):
 
 
 def _index_spec(static):
-    """Block lists and counts: whole arrays, read as scalars (SMEM on TPU)."""
-    if static.backend == "tpu":
-        from jax.experimental.pallas import tpu as pltpu
-
-        return pl.BlockSpec(memory_space=pltpu.SMEM)
+    """Block lists and counts: whole arrays, read as scalars."""
     return pl.BlockSpec()
 
 
-def _compiler_params(static, tiles: PassTiles, grid_rank):
+def _compiler_params(static, tiles: PassTiles):
     if static.backend == "gpu":
         from jax.experimental.pallas import triton as pltriton
 
         return pltriton.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages)
-    if static.backend == "tpu":
-        from jax.experimental.pallas import tpu as pltpu
-
-        return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
     return None

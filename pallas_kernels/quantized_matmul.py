@@ -210,6 +210,7 @@ def _pallas(xq, x_scale, wq, w_scale, *, kind, k_block, blocks, out_dtype, backe
         blockwise=k_block is not None,
         weight_only=kind == "weight_only",
         upcast=jnp.bfloat16 if mixed_fp8 else None,
+        lane_aligned=backend == "tpu",
     )
     out = pl.pallas_call(
         kernel,
@@ -229,8 +230,16 @@ def _pallas(xq, x_scale, wq, w_scale, *, kind, k_block, blocks, out_dtype, backe
     return out[:X, :Y]
 
 
-def _kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k, bk, acc_dtype, blockwise, weight_only, upcast):
+def _kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k, bk, acc_dtype, blockwise, weight_only, upcast, lane_aligned):
     """One output tile: loop over C slices; int32 or float32 partial sums; scales in the epilogue (or per slice)."""
+
+    def x_scales(k):
+        """Column k of the x scales [bm, N]. Mosaic (TPU) loads lanes only at multiples of 128, so there the
+        column is picked out of the whole block by a one-hot sum (N is a few dozen; the product dwarfs it)."""
+        if not lane_aligned:
+            return xs_ref[:, pl.ds(k, 1)]
+        xs = xs_ref[...]
+        return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, xs.shape, 1) == k, xs, 0.0), axis=1, keepdims=True)
 
     def partial(k):
         x = x_ref[:, pl.ds(k * bk, bk)]
@@ -244,7 +253,7 @@ def _kernel(x_ref, xs_ref, w_ref, ws_ref, o_ref, *, num_k, bk, acc_dtype, blockw
     if blockwise:
 
         def body(k, acc):
-            return acc + partial(k).astype(jnp.float32) * xs_ref[:, pl.ds(k, 1)] * ws_ref[pl.ds(k, 1), :]
+            return acc + partial(k).astype(jnp.float32) * x_scales(k) * ws_ref[pl.ds(k, 1), :]
 
         acc = lax.fori_loop(0, num_k, body, jnp.zeros(o_ref.shape, jnp.float32))
     else:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pallas_kernels import gpu_target
+from pallas_kernels import targets
 
 
 def _env():
@@ -68,8 +68,8 @@ def test_a_kernel_too_big_for_shared_memory_fails_the_compile():
     """The check bites: 128x128 dK/dV tiles at head dim 128 ask for more than an H100's shared memory (what the
     kernels did before their tiles followed head dim and dtype)."""
     script = """
-from pallas_kernels import gpu_target
-gpu_target.enable_plugin(gpu_target.install_plugin())
+from pallas_kernels import targets
+targets.enable_plugin(targets.install_plugin())
 import jax, jax.numpy as jnp
 import pallas_kernels as pk
 from pallas_kernels.pallas_attention import KernelTiles, PassTiles
@@ -80,9 +80,9 @@ loss = lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, tiles=tiles)[0].as
 q = jax.ShapeDtypeStruct((1, 4, 384, 128), jnp.bfloat16)
 kv = jax.ShapeDtypeStruct((1, 2, 384, 128), jnp.bfloat16)
 try:
-    gpu_target.compile_for_gpu(jax.grad(loss, argnums=(1, 2)), q, kv, kv)
+    targets.compile_for_gpu(jax.grad(loss, argnums=(1, 2)), q, kv, kv)
 except Exception as e:
-    print(gpu_target.first_line(e))
+    print(targets.first_line(e))
 else:
     print("compiled")
 """
@@ -93,13 +93,13 @@ else:
 
 
 def test_enable_plugin_says_what_is_missing(tmp_path):
-    with pytest.raises(gpu_target.PluginError, match=f"no CUDA plugin in {tmp_path}"):
-        gpu_target.enable_plugin(tmp_path)
+    with pytest.raises(targets.TargetError, match=f"no CUDA plugin in {tmp_path}"):
+        targets.enable_plugin(tmp_path)
 
 
 def test_plugin_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXLM_CUDA_PLUGIN_DIR", str(tmp_path / "p"))
-    assert gpu_target.plugin_dir() == tmp_path / "p"
+    assert targets.plugin_dir() == tmp_path / "p"
     monkeypatch.delenv("JAXLM_CUDA_PLUGIN_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert gpu_target.plugin_dir().parent == tmp_path / "jaxlm"
+    assert targets.plugin_dir().parent == tmp_path / "jaxlm"

@@ -1,0 +1,187 @@
+"""Compile every Pallas kernel for TPU v5e / v5p / v6e (and v4), on a machine without a TPU.
+
+    python -m experiments.tpu_compile                          # every generation, mask, head dim, dtype, T 8k-128k
+    python -m experiments.tpu_compile --core                   # v5p, head dim 128, bf16, T 8192 and 32768
+    python -m experiments.tpu_compile --generations v6e --seqs 131072 --json out.json
+
+Mosaic compiles each kernel for the generation and XLA checks its VMEM and SMEM, so a kernel that would not fit a
+TPU fails here, with XLA's first line (e.g. "Ran out of memory in memory space vmem"). Attention: every mask kind
+(document ids known on the host, and traced as in training), forward + dQ + dK/dV in one program, GQA; a case that
+fails is compiled again kernel by kernel to name the one that does not fit. Matmuls: int8, fp8, mixed and
+weight-only, per tensor / channel / block, and the training custom_vjp. libtpu (jax's own pin) is installed on first
+use into a cache directory of its own (pallas_kernels.targets). Exit 0 when everything compiles, 1 when something
+does not, 2 on bad flags or when libtpu cannot be set up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from experiments.cli import exit_with
+from experiments.gpu_compile import MATMUL_SHAPE, MATMULS, Case, _scale_shape, attention_masks, run
+
+TPU_CALL = "tpu_custom_call"
+GENERATIONS = ("v5e", "v5p", "v6e")
+SEQS = (8192, 32768, 131072)
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("bfloat16", "float32")
+HEADS, KV_HEADS, BLOCK = 4, 2, 128
+TRACED_DOCUMENT = "document, ids traced"
+
+
+def _kernels_in(compiled, expected: int) -> str:
+    """Check the program calls at least `expected` Mosaic kernels (nothing fell back to interpret mode) and say how
+    much temporary memory it needs."""
+    found = compiled.as_text().count(f'custom_call_target="{TPU_CALL}"')
+    if found < expected:
+        raise RuntimeError(f"expected {expected} Mosaic kernels in the compiled program, found {found}")
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return f"{found} Mosaic kernels, {temp / 2**20:.0f} MiB temporaries"
+
+
+def _attention_fns(mask, T: int, E: int, dtype: str):
+    """(forward, dQ, dK/dV, all three) as functions of q, k, v, segment ids, and their argument specs."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+
+    sizes = pk.BlockSizes(BLOCK, BLOCK)
+    host = None if mask is None else pk.make_block_mask(mask, T, T, sizes)
+
+    def block_mask(ids):  # mask None: causal documents whose ids arrive with the batch, as in training
+        return host if mask is not None else pk.make_block_mask(pk.causal() & pk.document(ids), T, T, sizes)
+
+    def loss(q, k, v, ids):
+        out, lse = pk.block_sparse_attention(q, k, v, block_mask(ids))
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+    fns = {
+        "forward": lambda q, k, v, ids: pk.block_sparse_attention(q, k, v, block_mask(ids)),
+        "dQ": jax.grad(loss, argnums=0),
+        "dK/dV": jax.grad(loss, argnums=(1, 2)),
+        "all": jax.value_and_grad(loss, argnums=(0, 1, 2)),
+    }
+    q = jax.ShapeDtypeStruct((1, HEADS, T, E), jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct((1, KV_HEADS, T, E), jnp.dtype(dtype))
+    return fns, (q, kv, kv, jax.ShapeDtypeStruct((1, T), jnp.int32))
+
+
+def _compile_attention(generation: str, mask, T: int, E: int, dtype: str) -> str:
+    from pallas_kernels.targets import compile_for_tpu, first_line
+
+    fns, args = _attention_fns(mask, T, E, dtype)
+    try:
+        compiled = compile_for_tpu(fns["all"], *args, generation=generation)
+    except Exception:  # name the kernel that does not compile
+        failing = []
+        for kernel in ("forward", "dQ", "dK/dV"):
+            try:
+                compile_for_tpu(fns[kernel], *args, generation=generation)
+            except Exception as e:
+                failing.append(f"{kernel}: {first_line(e)}")
+        raise RuntimeError("; ".join(failing) or "fails only when the three kernels compile together") from None
+    return _kernels_in(compiled, expected=3)
+
+
+def attention_cases(generations, seqs, head_dims, dtypes) -> list[Case]:
+    cases = []
+    for generation in generations:
+        for T in seqs:
+            masks = {**attention_masks(1, T), TRACED_DOCUMENT: None}
+            for E in head_dims:
+                for dtype in dtypes:
+                    for name, mask in masks.items():
+                        cases.append(
+                            Case(
+                                "attention",
+                                f"{generation}, T {T}, {name}, head dim {E}, {dtype}",
+                                lambda g=generation, m=mask, T=T, E=E, d=dtype: _compile_attention(g, m, T, E, d),
+                            )
+                        )
+    return cases
+
+
+def _compile_matmul(generation: str, spec) -> str:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.quantized_matmul import scaled_matmul
+    from pallas_kernels.targets import compile_for_tpu
+
+    x_dtype, xs, w_dtype, ws, k_block = spec
+    X, C, Y = MATMUL_SHAPE
+    args = (
+        jax.ShapeDtypeStruct((X, C), jnp.dtype(x_dtype)),
+        None if xs is None else jax.ShapeDtypeStruct(_scale_shape(xs, X, C, Y, k_block, "x"), jnp.float32),
+        jax.ShapeDtypeStruct((C, Y), jnp.dtype(w_dtype)),
+        jax.ShapeDtypeStruct(_scale_shape(ws, X, C, Y, k_block, "w"), jnp.float32),
+    )
+
+    def matmul(x, x_scale, w, w_scale):
+        return scaled_matmul(x, x_scale, w, w_scale, k_block=k_block, impl="pallas", out_dtype=jnp.bfloat16)
+
+    return _kernels_in(compile_for_tpu(matmul, *args, generation=generation), expected=1)
+
+
+def matmul_cases(generations) -> list[Case]:
+    return [
+        Case("matmul", f"{generation}, {name}", lambda g=generation, spec=spec: _compile_matmul(g, spec))
+        for generation in generations
+        for name, spec in MATMULS.items()
+    ]
+
+
+def _csv(kind, choices=None):
+    def parse(text):
+        items = [kind(x) for x in text.split(",") if x]
+        bad = [x for x in items if choices is not None and x not in choices]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(map(str, choices or ()))}")
+        return tuple(items)
+
+    return parse
+
+
+def main(argv=None) -> int:
+    from pallas_kernels import targets
+
+    p = argparse.ArgumentParser(prog="python -m experiments.tpu_compile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--generations", type=_csv(str, tuple(targets.TPU_GENERATIONS)), default=GENERATIONS)
+    p.add_argument("--seqs", type=_csv(int), default=SEQS, help="sequence lengths (comma-separated)")
+    p.add_argument("--head-dims", type=_csv(int, HEAD_DIMS), default=HEAD_DIMS)
+    p.add_argument("--dtypes", type=_csv(str, DTYPES), default=DTYPES)
+    p.add_argument("--core", action="store_true", help="v5p, head dim 128, bfloat16, T 8192 and 32768 (the suite's)")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--no-install", action="store_true", help="fail instead of installing libtpu with pip")
+    args = p.parse_args(argv)
+    if args.core:
+        args.generations, args.seqs, args.head_dims, args.dtypes = ("v5p",), (8192, 32768), (128,), ("bfloat16",)
+    bad = [T for T in args.seqs if T < 1]
+    if bad:
+        p.error(f"--seqs: {bad[0]} is not a positive length")
+
+    try:
+        toolchain = targets.libtpu()
+        directory = targets.toolchain_dir(toolchain)
+        if not args.no_install:
+            directory = targets.install(toolchain, directory)
+        targets.enable(toolchain, directory)
+    except targets.TargetError as e:
+        print(f"tpu_compile: error: {e}", file=sys.stderr)
+        return 2
+    print(f"tpu_compile: compiling for TPU {', '.join(args.generations)}, libtpu {directory}")
+    cases = attention_cases(args.generations, args.seqs, args.head_dims, args.dtypes) + matmul_cases(args.generations)
+    rows = run(cases)
+    failed = [r for r in rows if not r["ok"]]
+    print(f"tpu_compile: {len(rows) - len(failed)} of {len(rows)} compile for TPU {', '.join(args.generations)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "failed": len(failed)}, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    exit_with(main())

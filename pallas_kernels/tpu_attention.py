@@ -1,0 +1,430 @@
+"""Block-sparse flash attention for TPUs: forward, dQ and dK/dV as Mosaic kernels that hold only the current blocks.
+
+The GPU kernels (``pallas_attention``) keep a head's whole K and V (or, for dK/dV, the group's whole Q and dO) in
+the kernel's view and slice tiles out of it. Triton reads those slices from HBM; Mosaic copies the whole view into
+VMEM, which on a v5p overflowed at T = 8192 (dK/dV: 96 of 64 MiB) and on every generation at T = 32768. Here the
+grid walks the block lists instead, as JAX's splash attention does: each program of the last grid axis is one entry
+of its row's list, the lists are scalar-prefetched into SMEM, and the index maps read them, so the pipeline DMAs
+exactly the next non-empty block into VMEM and nothing else. Entries past a row's count repeat its last block (the
+lists are padded that way), which Pallas does not fetch again, and their body is skipped. Running statistics live in
+VMEM scratch across the row's programs.
+
+Log-sum-exp and delta are stored lane-dense, [B, H, 1, Tp]: a [T, 1] column pads to 128 lanes (32 MiB per head
+group at T = 8192). The backward kernels therefore compute in the transposed orientation, scores as [kv, q] tiles,
+so the row of lse / delta broadcasts along lanes without a transpose.
+
+Tiles: the TPU's own (``tpu_tiles``: 512 by default, larger when the lists would not fit SMEM), at least the block
+mask's blocks; the mask is read at that granularity through ``block_mask.coarsen``.
+
+Shape suffixes follow the legend in docs/architecture.md; Tp and Sp are T and S padded to whole tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .block_mask import BlockMask, coarsen
+from .kernel_inputs import AttentionStatic, check_attention_inputs, list_arrays, pad_axis, segment_arrays
+from .kernel_mask import bind_documents, split_documents
+from .masks import ScoreMod
+
+LANES = 128  # a TPU vector register's lanes: tiles are multiples of it so ids and lse rows load lane-dense
+DEFAULT_TILE = 512  # q and kv tile side: what splash attention's tuned configs use at head dims 64-256
+SMEM_LIST_BYTES = 512 * 1024  # of a v5p's 1 MiB SMEM: the block lists a kernel prefetches must fit here
+MAX_TILE = 1024  # a 2048-square float32 tile at head dim 256 overflows the VMEM a kernel may scope (v5p, measured)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static(AttentionStatic):
+    """Everything a kernel is specialised on (hashable: the custom_vjp's non-differentiable argument)."""
+
+    groups: int  # query heads per kv head
+    mask_batched: bool  # list arrays have a batch dim of B (else 1)
+    docs_batched: tuple[bool, ...]  # per document slot
+    kv_width: int  # entries per q row of the kv lists (the forward's and dQ's last grid axis)
+    q_width: int  # entries per kv column of the q lists (dK/dV's, times the group)
+    interpret: bool
+
+
+def tpu_tiles(block_sizes, q_len: int, kv_len: int, batch: int = 1, tile: int = DEFAULT_TILE) -> tuple[int, int]:
+    """(q tile, kv tile): ``tile`` rounded to a multiple of the block and of LANES, no longer than the padded
+    sequence needs, doubled while the worst-case block lists ([batch, rows, columns] int32) exceed SMEM_LIST_BYTES
+    (from T = 131072 at batch 1), up to MAX_TILE; longer sequences are refused (context parallelism splits them)."""
+
+    def side(block, length, t):
+        unit = math.lcm(block, LANES)
+        return min(-(-t // unit) * unit, -(-length // unit) * unit)
+
+    while True:
+        tq, tkv = side(block_sizes.block_q, q_len, tile), side(block_sizes.block_kv, kv_len, tile)
+        nq, nkv = -(-q_len // tq), -(-kv_len // tkv)
+        if batch * nq * nkv * 4 <= SMEM_LIST_BYTES or (tq >= q_len and tkv >= kv_len):
+            return tq, tkv
+        if tile * 2 > MAX_TILE:
+            raise ValueError(
+                f"block_sparse_attention_tpu: {batch} x {q_len} queries x {kv_len} keys need block lists larger than "
+                f"a TPU's SMEM holds even in {tile}-tiles; split the sequence over devices (context parallelism) or "
+                f"the batch"
+            )
+        tile *= 2
+
+
+def block_sparse_attention_tpu(
+    q,
+    k,
+    v,
+    block_mask: BlockMask,
+    *,
+    scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    interpret: bool = False,
+    tiles: tuple[int, int] | None = None,
+):
+    """Attention over the non-empty tiles of ``block_mask``, as Mosaic TPU kernels; differentiable.
+
+    Same contract as ``pallas_kernels.block_sparse_attention`` (q [B, H, T, E], k/v [B, K, S, E]; returns out
+    [B, H, T, E] and lse [B, H, T] float32). ``interpret`` runs the kernels in the Pallas interpreter (CPU tests);
+    ``tiles`` overrides ``tpu_tiles`` (each a multiple of its block and of 128, or the whole padded sequence).
+    """
+    check_attention_inputs("block_sparse_attention_tpu", q, k, v, block_mask)
+    B, H, T, E = q.shape
+    _, K, S, _ = k.shape
+    template, docs = split_documents(block_mask.mask)
+    bs = block_mask.block_sizes
+    batch = B if block_mask.batch_shape else 1
+    tq, tkv = tpu_tiles(bs, T, S, batch) if tiles is None else tiles
+    if tq % bs.block_q or tkv % bs.block_kv:
+        raise ValueError(f"block_sparse_attention_tpu: tiles {tq}x{tkv} must be multiples of the blocks {bs}")
+    coarse = coarsen(block_mask, tq // bs.block_q, tkv // bs.block_kv)
+    Tp, Sp = coarse.padded_q_len, coarse.padded_kv_len
+    for name, t, n in (("q", tq, Tp), ("kv", tkv, Sp)):
+        if t % LANES and t != n:
+            raise ValueError(f"block_sparse_attention_tpu: the {name} tile {t} must be a multiple of {LANES}")
+    mask_arrays = list_arrays(coarse)
+    segments = [(pad_axis(qi, 1, Tp), pad_axis(ki, 1, Sp)) for qi, ki in segment_arrays("tpu", docs, coarse, B)]
+    static = _Static(
+        **AttentionStatic.shared(template, score_mod, scale, coarse, E),
+        groups=H // K,
+        mask_batched=mask_arrays[0].shape[0] == B and B > 1,
+        docs_batched=tuple(qi.shape[0] == B and B > 1 for qi, _ in segments),
+        kv_width=mask_arrays[0].shape[-1],
+        q_width=mask_arrays[3].shape[-1],
+        interpret=interpret,
+    )
+    qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
+    out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(segments))
+    return out[:, :, :T], lse[:, :, 0, :T]
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(static, q, k, v, mask_arrays, segments):
+    return _forward(static, q, k, v, mask_arrays, segments)
+
+
+def _attention_fwd(static, q, k, v, mask_arrays, segments):
+    out, lse = _forward(static, q, k, v, mask_arrays, segments)
+    return (out, lse), (q, k, v, out, lse, mask_arrays, segments)
+
+
+def _attention_bwd(static, residuals, cotangents):
+    q, k, v, out, lse, mask_arrays, segments = residuals
+    d_out, d_lse = cotangents
+    # d lse / d s = p, so a cotangent on lse enters every ds = p * (dp - delta) as -d_lse in delta.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None, :] - d_lse
+    dq = _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, segments)
+    dk, dv = _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, segments)
+    return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------------------- shared tile math
+
+
+def _dot(a, b, contract_a, contract_b):
+    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _iota(n, axis):
+    shape = (n, 1) if axis == 0 else (1, n)
+    return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def _masked_scores(static, s, q_pos, kv_pos, head, masked, doc_tiles, with_grad):
+    """Score-modded scores of one tile (any orientation: positions broadcast), -inf where masked; d mod / d s."""
+    d_mod = None
+    if static.score_mod is not None:
+
+        def mod(x):
+            return static.score_mod(x, q_pos, kv_pos, head)
+
+        if with_grad:  # score mods are elementwise in the score: a jvp with ones is the derivative
+            s, d_mod = jax.jvp(mod, (s,), (jnp.ones_like(s),))
+        else:
+            s = mod(s)
+    if masked:
+        keep = bind_documents(static.template, doc_tiles)(q_pos, kv_pos)
+        keep = keep & (q_pos < static.q_len) & (kv_pos < static.kv_len)
+        s = jnp.where(keep, s, -jnp.inf)
+    return s, d_mod
+
+
+def _entry(step, n_partial, n_total, j):
+    """Run step(masked) for list entry j: with the element mask for the PARTIAL entries, without for the FULL ones,
+    not at all past the row's count (those programs only hold the pipeline on the row's last block)."""
+    pl.when(j < n_partial)(lambda: step(True))
+    pl.when((j >= n_partial) & (j < n_total))(lambda: step(False))
+
+
+def _params(static, *semantics):
+    if static.interpret:
+        return None
+    return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+def _like(shape, dtype, like):
+    """An output type that varies over the same manual mesh axes as ``like`` (needed inside shard_map)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+
+
+def _row(x_BT):
+    """[B, T] ids -> [B, 1, T]: a row per tile, lane-dense."""
+    return x_BT[:, None, :]
+
+
+def _col(x_BT):
+    """[B, T] ids -> [B, T, 1]: a column per tile."""
+    return x_BT[:, :, None]
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_ref, *refs):
+    n_docs = len(static.docs_batched)
+    doc_refs, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = refs[: 2 * n_docs], refs[2 * n_docs :]
+    b, h, i, j = (pl.program_id(a) for a in range(4))
+    bm = b if static.mask_batched else 0
+    tq, tkv = q_ref.shape[0], k_ref.shape[0]
+
+    @pl.when(j == 0)
+    def _():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def step(masked):
+        q, k, v = q_ref[...], k_ref[...], v_ref[...]
+        q_pos = i * tq + _iota(tq, 0)
+        kv_pos = kv_idx_ref[bm, i, j] * tkv + _iota(tkv, 1)
+        doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
+        s, _ = _masked_scores(static, _dot(q, k, 1, 1) * static.scale, q_pos, kv_pos, h, masked, doc_tiles, False)
+        m_prev, l_prev = m_ref[...], l_ref[...]
+        m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet in this row
+        alpha = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(s - m_safe)
+        m_ref[...] = m_new
+        l_ref[...] = alpha * l_prev + p.sum(axis=-1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + _dot(p.astype(v.dtype), v, 1, 0)
+
+    _entry(step, kv_np_ref[bm, i], kv_cnt_ref[bm, i], j)
+
+    @pl.when(j == static.kv_width - 1)
+    def _():
+        l = l_ref[...]
+        seen = l > 0  # False only on padding rows (and, for traced masks, on rows that see nothing)
+        o_ref[...] = (acc_ref[...] / jnp.where(seen, l, 1.0)).astype(o_ref.dtype)
+        # +inf makes the backward's p = exp(s - lse) zero on such rows
+        lse_col = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+        lse_ref[...] = jnp.transpose(jnp.broadcast_to(lse_col, (tq, LANES)))[:1]
+
+
+def _forward(static, q, k, v, mask_arrays, segments):
+    B, H, Tp, E = q.shape
+    G, nq = static.groups, mask_arrays[0].shape[1]
+    tq, tkv = Tp // nq, k.shape[2] // mask_arrays[3].shape[1]
+    b_of = lambda b: b if static.mask_batched else 0
+    q_spec = pl.BlockSpec((None, None, tq, E), lambda b, h, i, j, idx, *_: (b, h, i, 0))
+    kv_spec = pl.BlockSpec((None, None, tkv, E), lambda b, h, i, j, idx, *_: (b, h // G, idx[b_of(b), i, j], 0))
+    doc_specs, doc_args = [], []
+    for batched, (q_ids, kv_ids) in zip(static.docs_batched, segments):
+        db = (lambda b: b) if batched else (lambda b: 0)
+        doc_specs += [
+            pl.BlockSpec((None, tq, 1), lambda b, h, i, j, idx, *_, db=db: (db(b), i, 0)),
+            pl.BlockSpec((None, 1, tkv), lambda b, h, i, j, idx, *_, db=db: (db(b), 0, idx[b_of(b), i, j])),
+        ]
+        doc_args += [_col(q_ids), _row(kv_ids)]
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, static),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(B, H, nq, static.kv_width),
+            in_specs=[q_spec, kv_spec, kv_spec, *doc_specs],
+            out_specs=[q_spec, pl.BlockSpec((None, None, 1, tq), lambda b, h, i, j, *_: (b, h, 0, i))],
+            scratch_shapes=[
+                pltpu.VMEM((tq, 1), jnp.float32),
+                pltpu.VMEM((tq, 1), jnp.float32),
+                pltpu.VMEM((tq, E), jnp.float32),
+            ],
+        ),
+        out_shape=[_like(q.shape, q.dtype, q), _like((B, H, 1, Tp), jnp.float32, q)],
+        interpret=static.interpret,
+        compiler_params=_params(static, "parallel", "parallel", "parallel", "arbitrary"),
+        name="block_sparse_attention_fwd_tpu",
+    )(*mask_arrays[:3], q, k, v, *doc_args)
+
+
+# ----------------------------------------------------------------------------- backward: dQ
+
+
+def _transposed_step(static, q, k, v, do, lse, delta, q_pos, kv_pos, head, masked, doc_tiles):
+    """One tile of the backward in the [kv, q] orientation: (p^T, ds^T), both [tkv, tq] float32."""
+    s, d_mod = _masked_scores(static, _dot(k, q, 1, 1) * static.scale, q_pos, kv_pos, head, masked, doc_tiles, True)
+    p = jnp.exp(s - lse)
+    ds = p * (_dot(v, do, 1, 1) - delta)
+    if d_mod is not None:
+        ds = ds * d_mod
+    return p, ds
+
+
+def _dq_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
+    n_docs = len(static.docs_batched)
+    doc_refs, (dq_ref, acc_ref) = refs[: 2 * n_docs], refs[2 * n_docs :]
+    b, h, i, j = (pl.program_id(a) for a in range(4))
+    bm = b if static.mask_batched else 0
+    tq, tkv = q_ref.shape[0], k_ref.shape[0]
+
+    @pl.when(j == 0)
+    def _():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    def step(masked):
+        k = k_ref[...]
+        q_pos = i * tq + _iota(tq, 1)
+        kv_pos = kv_idx_ref[bm, i, j] * tkv + _iota(tkv, 0)
+        doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
+        args = q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+        _, ds = _transposed_step(static, *args, q_pos, kv_pos, h, masked, doc_tiles)
+        acc_ref[...] += _dot(ds.astype(k.dtype), k, 0, 0)
+
+    _entry(step, kv_np_ref[bm, i], kv_cnt_ref[bm, i], j)
+
+    @pl.when(j == static.kv_width - 1)
+    def _():
+        dq_ref[...] = (acc_ref[...] * static.scale).astype(dq_ref.dtype)
+
+
+def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, segments):
+    B, H, Tp, E = q.shape
+    G, nq = static.groups, mask_arrays[0].shape[1]
+    tq, tkv = Tp // nq, k.shape[2] // mask_arrays[3].shape[1]
+    b_of = lambda b: b if static.mask_batched else 0
+    q_spec = pl.BlockSpec((None, None, tq, E), lambda b, h, i, j, *_: (b, h, i, 0))
+    row_spec = pl.BlockSpec((None, None, 1, tq), lambda b, h, i, j, *_: (b, h, 0, i))
+    kv_spec = pl.BlockSpec((None, None, tkv, E), lambda b, h, i, j, idx, *_: (b, h // G, idx[b_of(b), i, j], 0))
+    doc_specs, doc_args = [], []
+    for batched, (q_ids, kv_ids) in zip(static.docs_batched, segments):
+        db = (lambda b: b) if batched else (lambda b: 0)
+        doc_specs += [
+            pl.BlockSpec((None, 1, tq), lambda b, h, i, j, idx, *_, db=db: (db(b), 0, i)),
+            pl.BlockSpec((None, tkv, 1), lambda b, h, i, j, idx, *_, db=db: (db(b), idx[b_of(b), i, j], 0)),
+        ]
+        doc_args += [_row(q_ids), _col(kv_ids)]
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, static),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(B, H, nq, static.kv_width),
+            in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *doc_specs],
+            out_specs=q_spec,
+            scratch_shapes=[pltpu.VMEM((tq, E), jnp.float32)],
+        ),
+        out_shape=_like(q.shape, q.dtype, q),
+        interpret=static.interpret,
+        compiler_params=_params(static, "parallel", "parallel", "parallel", "arbitrary"),
+        name="block_sparse_attention_dq_tpu",
+    )(*mask_arrays[:3], q, k, v, d_out, lse, delta, *doc_args)
+
+
+# ----------------------------------------------------------------------------- backward: dK, dV
+
+
+def _dkv_kernel(static, q_idx_ref, q_np_ref, q_cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
+    n_docs = len(static.docs_batched)
+    doc_refs, (dk_ref, dv_ref, dk_acc, dv_acc) = refs[: 2 * n_docs], refs[2 * n_docs : 2 * n_docs + 4]
+    b, hk, c, t = (pl.program_id(a) for a in range(4))
+    bm = b if static.mask_batched else 0
+    g, slot = t // static.q_width, t % static.q_width  # the grid's last axis walks (query head of the group, entry)
+    tq, tkv = q_ref.shape[0], k_ref.shape[0]
+
+    @pl.when(t == 0)
+    def _():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    def step(masked):
+        q, do = q_ref[...], do_ref[...]
+        q_pos = q_idx_ref[bm, c, slot] * tq + _iota(tq, 1)
+        kv_pos = c * tkv + _iota(tkv, 0)
+        doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
+        head = hk * static.groups + g
+        p, ds = _transposed_step(static, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], q_pos, kv_pos,
+                                 head, masked, doc_tiles)  # fmt: skip
+        dv_acc[...] += _dot(p.astype(do.dtype), do, 1, 0)
+        dk_acc[...] += _dot(ds.astype(q.dtype), q, 1, 0)
+
+    _entry(step, q_np_ref[bm, c], q_cnt_ref[bm, c], slot)
+
+    @pl.when(t == static.groups * static.q_width - 1)
+    def _():
+        dk_ref[...] = (dk_acc[...] * static.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, segments):
+    B, H, Tp, E = q.shape
+    K, Sp = k.shape[1], k.shape[2]
+    G, W, nkv = static.groups, static.q_width, mask_arrays[3].shape[1]
+    tq, tkv = Tp // mask_arrays[0].shape[1], Sp // nkv
+    b_of = lambda b: b if static.mask_batched else 0
+    entry = lambda b, c, t, idx: idx[b_of(b), c, t % W]  # the q block of list entry t % W, for query head t // W
+    q_spec = pl.BlockSpec((None, None, tq, E), lambda b, h, c, t, idx, *_: (b, h * G + t // W, entry(b, c, t, idx), 0))
+    row_spec = pl.BlockSpec(
+        (None, None, 1, tq), lambda b, h, c, t, idx, *_: (b, h * G + t // W, 0, entry(b, c, t, idx))
+    )
+    kv_spec = pl.BlockSpec((None, None, tkv, E), lambda b, h, c, t, *_: (b, h, c, 0))
+    doc_specs, doc_args = [], []
+    for batched, (q_ids, kv_ids) in zip(static.docs_batched, segments):
+        db = (lambda b: b) if batched else (lambda b: 0)
+        doc_specs += [
+            pl.BlockSpec((None, 1, tq), lambda b, h, c, t, idx, *_, db=db: (db(b), 0, entry(b, c, t, idx))),
+            pl.BlockSpec((None, tkv, 1), lambda b, h, c, t, idx, *_, db=db: (db(b), c, 0)),
+        ]
+        doc_args += [_row(q_ids), _col(kv_ids)]
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, static),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(B, K, nkv, G * W),
+            in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *doc_specs],
+            out_specs=[kv_spec, kv_spec],
+            scratch_shapes=[pltpu.VMEM((tkv, E), jnp.float32), pltpu.VMEM((tkv, E), jnp.float32)],
+        ),
+        out_shape=[_like(k.shape, k.dtype, k), _like(v.shape, v.dtype, v)],
+        interpret=static.interpret,
+        compiler_params=_params(static, "parallel", "parallel", "parallel", "arbitrary"),
+        name="block_sparse_attention_dkv_tpu",
+    )(*mask_arrays[3:], q, k, v, d_out, lse, delta, *doc_args)
