@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.timing import best_time
+from sharding.hlo import computation_runs
 
 _DTYPES = {
     "f32": jnp.float32,
@@ -30,8 +31,6 @@ _DTYPES = {
     "s8": jnp.int8,
     "s32": jnp.int32,
 }
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*?^}$", re.M | re.S)
-_CALLS = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\](\{[\d,]*\})? (\S+?)\((.*)$", re.M)
 
 
@@ -78,22 +77,9 @@ def _is_row_major(dims: str, layout: str | None) -> bool:
 
 
 def products(hlo_text: str) -> dict[Product, int]:
-    """Every dot in an optimized HLO module -> how many times one run of the program executes it.
-
-    A computation runs as often as its callers do; a while loop's body `known_trip_count` times more (a loop
-    whose count XLA does not know counts once, so the sum is then a lower bound)."""
-    computations = {m.group(1): m.group(0) for m in _COMPUTATION.finditer(hlo_text)}
-    entry = re.search(r"^ENTRY %([\w.\-]+)", hlo_text, re.M)
-    if entry is None:
-        raise ValueError("products: no ENTRY computation in this HLO text")
-    runs = {name: 0 for name in computations}
-    runs[entry.group(1)] = 1
-    for name in _callee_order(computations, entry.group(1)):
-        for line in computations[name].splitlines():
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-            for key, callee in _callees(line):
-                if callee in runs:
-                    runs[callee] += runs[name] * (int(trips.group(1)) if key == "body" and trips else 1)
+    """Every dot in an optimized HLO module -> how many times one run of the program executes it (a loop body's
+    ``known_trip_count`` times per run of the loop: sharding.hlo.computation_runs)."""
+    computations, runs = computation_runs(hlo_text)
     counts: dict[Product, int] = {}
     for name, text in computations.items():
         shapes = {m.group(1): (m.group(2), m.group(3), m.group(4)) for m in _INSTRUCTION.finditer(text)}
@@ -116,31 +102,6 @@ def products(hlo_text: str) -> dict[Product, int]:
             )
             counts[product] = counts.get(product, 0) + runs[name]
     return counts
-
-
-def _callees(text: str) -> list[tuple[str, str]]:
-    """(attribute, computation name) for each computation the HLO text calls."""
-    found = _CALLS.findall(text)
-    for group in re.findall(r"branch_computations=\{([^}]*)\}", text):
-        found += [("branch_computations", callee) for callee in re.findall(r"%([\w.\-]+)", group)]
-    return found
-
-
-def _callee_order(computations: dict[str, str], entry: str) -> list[str]:
-    """Computations with every caller before its callees (the call graph of an HLO module is acyclic)."""
-    callees = {name: {callee for _, callee in _callees(text)} for name, text in computations.items()}
-    order, seen = [], set()
-
-    def visit(name):
-        if name in seen or name not in computations:
-            return
-        seen.add(name)
-        for callee in callees[name]:
-            visit(callee)
-        order.append(name)
-
-    visit(entry)
-    return order[::-1]
 
 
 def time_product(product: Product, repeats: int = 5) -> float:

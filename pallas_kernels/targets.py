@@ -194,12 +194,23 @@ H100_MEMORY = 84942979072  # bytes of HBM3 (device_memory_size above)
 
 
 @functools.cache
-def h100_mesh() -> jax.sharding.Mesh:
-    """A one-device mesh (axis "data") on an H100 described by H100_SXM."""
+def h100_devices(count: int = 1) -> tuple:
+    """``count`` deviceless H100s described by H100_SXM, 8 to a host (topology slices x hosts x GPUs per host)."""
     from jax.experimental import topologies
 
-    topology = topologies.get_topology_desc(platform="cuda", target_config=H100_SXM, topology="1x1x1")
-    return jax.sharding.Mesh(topology.devices, ("data",))
+    hosts, per_host = (1, count) if count <= 8 else (count // 8, 8)
+    if hosts * per_host != count:
+        raise TargetError(f"{count} H100s: give a multiple of 8 (8 to a host), or 1-8")
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=H100_SXM, topology=f"1x{hosts}x{per_host}"
+    )
+    return tuple(topology.devices)
+
+
+@functools.cache
+def h100_mesh() -> jax.sharding.Mesh:
+    """A one-device mesh (axis "data") on an H100 described by H100_SXM."""
+    return jax.sharding.Mesh(np.array(h100_devices(1)), ("data",))
 
 
 def on_h100(x: jax.ShapeDtypeStruct, mesh: jax.sharding.Mesh | None = None) -> jax.ShapeDtypeStruct:

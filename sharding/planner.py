@@ -62,10 +62,18 @@ class ModelShape:
 
 
 _LLAMA = dict(vocab_size=32000, tie_embeddings=False, dtype="bfloat16", attention_impl="pallas")
+_LLAMA3 = dict(_LLAMA, vocab_size=128256, remat="full")
 MODEL_PRESETS = {  # Llama-2 shapes; bf16 compute with flash attention (no T x T residuals), as one trains them
     "7b": ModelShape(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, mlp_dim=11008, **_LLAMA),
     "13b": ModelShape(d_model=5120, num_layers=40, num_heads=40, num_kv_heads=40, mlp_dim=13824, **_LLAMA),
     "70b": ModelShape(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, mlp_dim=28672, **_LLAMA),
+    # Llama 3 shapes (3.2 1B, 3.1 8B / 70B / 405B): a 128,256-token vocabulary, 8 kv heads
+    "llama3-1b": ModelShape(
+        d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8, mlp_dim=8192, **{**_LLAMA3, "tie_embeddings": True}
+    ),
+    "llama3-8b": ModelShape(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, mlp_dim=14336, **_LLAMA3),
+    "llama3-70b": ModelShape(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, mlp_dim=28672, **_LLAMA3),
+    "llama3-405b": ModelShape(d_model=16384, num_layers=126, num_heads=128, num_kv_heads=8, mlp_dim=53248, **_LLAMA3),
 }
 
 

@@ -1,0 +1,266 @@
+"""Check a model on a cluster before renting it: compile the real train step for H100 clusters and TPU pods on this
+machine, and report what XLA says of each layout: per-device memory against the device's, the planner's estimate
+beside it, compile time, the custom kernels and the collectives of one step.
+
+    python -m experiments.compile_at_scale --model llama3-8b --cluster v5p-128 --seq 8192
+    python -m experiments.compile_at_scale --model llama3-70b --cluster h100x256 --layout auto:3
+    python -m experiments.compile_at_scale --model runs/my/config.json --cluster h100x64 --layout my_layout.py
+    python -m experiments.compile_at_scale --model llama3-8b,llama3-70b --cluster h100x64,v5px64 --out runs/matrix
+
+Models: a preset (sharding.planner.MODEL_PRESETS: llama3-1b / 8b / 70b / 405b, Llama 2's 7b / 13b / 70b) or a
+run's config file (.py or config.json). Clusters: h100xN, v5pxN / v5exN / v6exN (chips), or Google's names v5p-128
+(TensorCores: 64 chips) / v6e-256. Layouts: a layout file, or auto[:N] (the planner's top N, default 3). The batch
+is --batch-tokens per step (default one sequence per device). Attention defaults to the Pallas kernels, remat to
+full (--set overrides either). Writes a Markdown report and a JSON file (--out PREFIX; default
+docs/results/scale-DATE), refusing to overwrite one. Exit 0 when some layout of every model x cluster fits, 1 when
+none does, 2 on bad input (before anything compiles). Compiles take seconds to minutes each on 2 cores; a line per
+layout shows progress.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+from experiments.cli import UsageError, _Parser, exit_with
+
+PROG = "compile_at_scale"
+GiB = 2**30
+
+
+def build_parser():
+    p = _Parser(prog=f"python -m experiments.{PROG}", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="presets or config files, comma-separated")
+    p.add_argument("--cluster", required=True, help="e.g. h100x64, v5p-128, v6e-256; comma-separated")
+    p.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192)")
+    p.add_argument("--batch-tokens", type=int, default=0, help="tokens per step (default: one sequence per device)")
+    p.add_argument("--layout", default="auto", help="a layout file, or auto[:N] (the planner's top N; default 3)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    p.add_argument("--out", help="report path prefix: writes PREFIX.md and PREFIX.json (default docs/results/scale-DATE)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing report")
+    p.add_argument("--no-install", action="store_true", help="fail instead of installing the toolchains with pip")
+    return p
+
+
+@dataclasses.dataclass
+class Job:
+    model: str
+    cluster: object  # sharding.clusters.Cluster
+    cfg: object  # jaxlm.config.TrainConfig (batch and microbatches per layout)
+    layouts: list  # [(MeshLayout, microbatches or 0)]
+
+
+def model_config(spec: str, seq: int, batch: int, sets: list[str]):
+    """A preset's shape as a TrainConfig (bf16, Pallas attention, full remat, scanned layers), or a config file;
+    then --set. The sequence and batch are this command's."""
+    from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, apply_overrides, load_config
+    from sharding.planner import MODEL_PRESETS
+
+    if spec in MODEL_PRESETS:
+        shape = dataclasses.asdict(MODEL_PRESETS[spec])
+        model = ModelConfig(**shape, max_seq_len=seq, scan_layers=True, rope_theta=500_000.0)
+        cfg = TrainConfig(model=model, optim=OptimConfig(warmup_steps=100), data=DataConfig(), steps=10_000)
+    elif spec.endswith((".py", ".json")) or Path(spec).exists():
+        cfg = load_config(spec)
+    else:
+        raise UsageError(f"unknown model {spec!r}: a config file (.py / .json) or a preset ({', '.join(MODEL_PRESETS)})")
+    if cfg.model.vocab_size == 0:
+        raise UsageError(f"model {spec}: model.vocab_size is 0 (it follows the data); give one with --set")
+    model = dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, seq))
+    cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, seq_len=seq, batch_size=batch))
+    return apply_overrides(cfg, sets)
+
+
+def plan_jobs(args) -> list[Job]:
+    """Everything checked before a compile: models, clusters, sizes, layouts (the planner's or a file's)."""
+    from jaxlm.config import validate
+    from sharding.clusters import parse_cluster
+    from sharding.mesh import load_layout
+    from sharding.planner import ModelShape, plan
+
+    if args.seq < 1 or args.batch_tokens < 0:
+        raise UsageError(f"--seq {args.seq} / --batch-tokens {args.batch_tokens}: give positive token counts")
+    auto = args.layout.split(":", 1)
+    if auto[0] == "auto":
+        if len(auto) == 2 and not (auto[1].isdigit() and int(auto[1]) > 0):
+            raise UsageError(f"--layout {args.layout}: write auto or auto:N with N a positive count")
+        top = int(auto[1]) if len(auto) == 2 else 3
+    clusters = [parse_cluster(c) for c in args.cluster.split(",") if c]
+    jobs = []
+    for spec in [m for m in args.model.split(",") if m]:
+        for cluster in clusters:
+            batch_tokens = args.batch_tokens or args.seq * cluster.chips
+            if batch_tokens % args.seq:
+                raise UsageError(f"--batch-tokens {batch_tokens} is not a multiple of --seq {args.seq}")
+            cfg = model_config(spec, args.seq, batch_tokens // args.seq, args.set)
+            validate(cfg)
+            if auto[0] == "auto":
+                shape = ModelShape.from_config(cfg.model)
+                p = plan(shape, cluster.chips, batch_tokens, args.seq, cluster.hardware, cfg.model.remat)
+                layouts = [(e.layout, e.accumulation) for e in p.estimates[:top]]
+            else:
+                layouts = [(load_layout(args.layout, cluster.chips), 0)]
+            jobs.append(Job(spec, cluster, cfg, layouts))
+    return jobs
+
+
+def run_job(job: Job, progress) -> list[dict]:
+    from jaxlm.deviceless import compile_train_step
+    from pallas_kernels.targets import first_line
+    from sharding.planner import describe
+
+    rows = []
+    for i, (layout, accumulation) in enumerate(job.layouts, 1):
+        cfg = job.cfg
+        if accumulation:
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, microbatches=accumulation))
+        name = describe(layout, max(1, accumulation or cfg.data.microbatches))
+        progress(f"[{i}/{len(job.layouts)}] {job.model} on {job.cluster}: {name}: compiling ...")
+        r = compile_train_step(cfg, layout, job.cluster, first_line=first_line)
+        row = row_of(job, name, r)
+        rows.append(row)
+        progress(f"    {summary(row)}")
+    return rows
+
+
+def row_of(job: Job, layout_name: str, r) -> dict:
+    hbm = job.cluster.hbm_bytes
+    return {
+        "model": job.model,
+        "cluster": job.cluster.name,
+        "chips": job.cluster.chips,
+        "seq": job.cfg.data.seq_len,
+        "batch_tokens": job.cfg.data.batch_size * job.cfg.data.seq_len,
+        "attention": job.cfg.model.attention_impl,
+        "layout": layout_name,
+        "microbatches": r.microbatches,
+        "compiled": r.compiled,
+        "error": r.error,
+        "fits": r.compiled and r.total_bytes <= hbm,
+        "hbm_gib": hbm / GiB,
+        "xla_gib": {
+            "arguments": r.argument_bytes / GiB,
+            "temporaries": r.temp_bytes / GiB,
+            "outputs_not_donated": (r.output_bytes - r.alias_bytes) / GiB,
+            "total": r.total_bytes / GiB,
+        },
+        "planner_gib": r.planner_bytes / GiB,
+        "planner_over_xla": r.planner_bytes / r.total_bytes if r.compiled and r.total_bytes else None,
+        "planner_step_s": r.planner_step_s,
+        "planner_mfu": r.planner_mfu,
+        "compile_s": r.compile_s,
+        "kernels": dict(r.kernels),
+        "collectives": [dataclasses.asdict(c) for c in r.collectives],
+    }
+
+
+def summary(row: dict) -> str:
+    if not row["compiled"]:
+        return f"does not compile ({row['compile_s']:.0f} s): {row['error']}"
+    x = row["xla_gib"]
+    fits = "fits" if row["fits"] else "DOES NOT FIT"
+    ratio = f" = {row['planner_over_xla']:.2f}x" if row["planner_over_xla"] else ""
+    return (
+        f"{fits}: {x['total']:.1f} of {row['hbm_gib']:.0f} GiB (planner {row['planner_gib']:.1f}{ratio}), "
+        f"compiled in {row['compile_s']:.0f} s"
+    )
+
+
+def _collectives_text(row: dict) -> str:
+    parts = []
+    for c in row["collectives"][:4]:
+        over = f"/{c['group']}" if c["group"] else ""
+        parts.append(f"{c['kind']}{over} x{c['count']} {c['bytes'] / GiB:.2f} GiB")
+    return "; ".join(parts) or "none"
+
+
+def markdown(rows: list[dict], command: str, machine: str, date: str) -> str:
+    head = (
+        "| model | cluster | seq | layout | fits | XLA GiB (args + temp) | of HBM | planner GiB | planner / XLA "
+        "| compile s | kernels | collectives per step (kind/group, count, bytes) | planner step s, MFU |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        if not r["compiled"]:
+            lines.append(
+                f"| {r['model']} | {r['cluster']} | {r['seq']} | {r['layout']} | no: {r['error']} | | "
+                f"{r['hbm_gib']:.0f} | {r['planner_gib']:.1f} | | {r['compile_s']:.0f} | | | |"
+            )
+            continue
+        x = r["xla_gib"]
+        kernels = ", ".join(f"{k} x{n}" for k, n in r["kernels"].items()) or "none"
+        lines.append(
+            f"| {r['model']} | {r['cluster']} | {r['seq']} | {r['layout']} | {'yes' if r['fits'] else 'NO'} "
+            f"| {x['total']:.1f} ({x['arguments']:.1f} + {x['temporaries']:.1f}) | {r['hbm_gib']:.0f} "
+            f"| {r['planner_gib']:.1f} | {r['planner_over_xla']:.2f} | {r['compile_s']:.0f} | {kernels} "
+            f"| {_collectives_text(r)} | {r['planner_step_s']:.2f}, {r['planner_mfu']:.2f} |"
+        )
+    return (
+        f"# Compiled at scale, {date}\n\n"
+        f"`{command}`\n\nMachine: {machine}. Memory is XLA's `memory_analysis()` per device (GiB = 2^30 bytes); "
+        "the planner's estimate (sharding.planner) beside it; step time and MFU are the planner's model, not a "
+        "measurement (nothing ran). Collective bytes are each array's size per device per step.\n\n"
+        + head
+        + "\n".join(lines)
+        + "\n"
+    )
+
+
+def machine_name() -> str:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    import os
+
+    return f"{cpu or platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
+
+
+def main(argv=None) -> int:
+    args_list = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(args_list)
+        date = datetime.date.today().isoformat()
+        prefix = Path(args.out or f"docs/results/scale-{date}")
+        md, js = prefix.with_name(prefix.name + ".md"), prefix.with_name(prefix.name + ".json")
+        existing = [str(p) for p in (md, js) if p.exists()]
+        if existing and not args.overwrite:
+            raise UsageError(f"{existing[0]} exists; give another --out or --overwrite to replace it")
+        jobs = plan_jobs(args)
+    except ValueError as e:  # UsageError, LayoutError, ConfigError: one line, before anything compiles
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    from pallas_kernels import targets
+
+    try:
+        for toolchain in {job.cluster.toolchain for job in jobs}:
+            directory = targets.toolchain_dir(toolchain)
+            targets.enable(toolchain, directory if args.no_install else targets.install(toolchain, directory))
+    except targets.TargetError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    rows = []
+    for job in jobs:
+        rows += run_job(job, lambda line: print(line, flush=True))
+    command = "python -m experiments.compile_at_scale " + " ".join(args_list)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(markdown(rows, command, machine_name(), date))
+    js.write_text(json.dumps({"command": command, "machine": machine_name(), "date": date, "rows": rows}, indent=1))
+    fitting = {(r["model"], r["cluster"]) for r in rows if r["fits"]}
+    missing = [f"{j.model} on {j.cluster.name}" for j in jobs if (j.model, j.cluster.name) not in fitting]
+    print(f"{PROG}: wrote {md} and {js}; {sum(r['fits'] for r in rows)} of {len(rows)} layouts fit")
+    if missing:
+        print(f"{PROG}: nothing fits for {', '.join(missing)}")
+    print(json.dumps({"layouts": len(rows), "fit": sum(r["fits"] for r in rows), "nothing_fits": missing}))
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    exit_with(main())

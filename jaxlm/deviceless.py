@@ -1,0 +1,108 @@
+"""A run's train step compiled for a cluster this machine does not have, and what XLA says of it.
+
+XLA compiles for GPUs and TPUs that are absent (pallas_kernels.targets): the real compiler, kernels included, checks
+that the program compiles and fits each device's memory, and its optimized HLO shows the collectives it will send.
+That is what a user needs to know before renting 256 GPUs. What it cannot say is how fast the step runs: the
+planner's step time and MFU stand beside it as a model, not a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+
+from jaxlm.config import TrainConfig, validate
+from jaxlm.train import Program, step_microbatches
+from pallas_kernels.kernel_inputs import compile_target
+from sharding import MeshLayout, build_mesh
+from sharding.clusters import Cluster, cluster_devices
+from sharding.hlo import Collective, collectives, custom_kernels
+from sharding.planner import ModelShape, evaluate
+
+
+@dataclasses.dataclass
+class StepCompile:
+    """One layout's compile: XLA's per-device memory (bytes), the planner's, the program's kernels and collectives.
+    ``error`` is XLA's first line when it did not compile."""
+
+    layout: MeshLayout
+    microbatches: int
+    compile_s: float
+    error: str = ""
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    planner_bytes: float = 0.0
+    planner_step_s: float = 0.0
+    planner_mfu: float = 0.0
+    kernels: Counter = dataclasses.field(default_factory=Counter)
+    collectives: list[Collective] = dataclasses.field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        """What one device holds at the peak: arguments and temporaries, outputs not donated into the arguments."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def compiled(self) -> bool:
+        return not self.error
+
+
+def batch_specs(program: Program, cfg: TrainConfig) -> dict:
+    """The train step's batch as ShapeDtypeStructs on the program's mesh (with segment ids when the mask reads
+    them)."""
+    B, T = cfg.data.batch_size, cfg.data.seq_len
+    fields = [("inputs", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32)]
+    if "document" in cfg.model.attention_mask:
+        fields.append(("segment_ids", jnp.int32))
+    return {name: jax.ShapeDtypeStruct((B, T), dtype, sharding=program.batch_sharding) for name, dtype in fields}
+
+
+def compile_train_step(cfg: TrainConfig, layout: MeshLayout, cluster: Cluster, first_line=str) -> StepCompile:
+    """Compile ``cfg``'s train step under ``layout`` for ``cluster`` (its toolchain enabled in this process).
+    A program that does not compile (too big for a device's memory, a kernel that does not fit) is returned with
+    ``error`` set to ``first_line(exception)``; bad configs and layouts raise as they would in a run."""
+    validate(cfg)
+    mesh = build_mesh(layout, devices=cluster_devices(cluster))
+    program = Program(cfg, mesh, layout)
+    report = StepCompile(layout, program.microbatches, 0.0)
+    _planner_figures(report, cfg, layout, cluster)
+    t0 = time.perf_counter()
+    try:
+        with compile_target(cluster.platform), jax.set_mesh(mesh):
+            compiled = program.train_step.lower(program.abstract_with_shardings(), batch_specs(program, cfg)).compile()
+    except Exception as e:  # XLA's RESOURCE_EXHAUSTED and friends: the row says why
+        report.compile_s, report.error = time.perf_counter() - t0, first_line(e)
+        return report
+    report.compile_s = time.perf_counter() - t0
+    memory = compiled.memory_analysis()
+    report.argument_bytes = memory.argument_size_in_bytes
+    report.output_bytes = memory.output_size_in_bytes
+    report.alias_bytes = memory.alias_size_in_bytes
+    report.temp_bytes = memory.temp_size_in_bytes
+    text = compiled.as_text()
+    report.kernels, report.collectives = custom_kernels(text), collectives(text)
+    return report
+
+
+def _planner_figures(report: StepCompile, cfg: TrainConfig, layout: MeshLayout, cluster: Cluster) -> None:
+    """The planner's memory, step time and MFU for the same step (microbatches as the program resolved them)."""
+    d = cfg.data
+    try:
+        e = evaluate(
+            ModelShape.from_config(cfg.model),
+            layout,
+            cluster.hardware,
+            d.batch_size * d.seq_len,
+            d.seq_len,
+            cfg.model.remat,
+            step_microbatches(cfg, layout, cluster.platform),
+        )
+    except (ArithmeticError, ValueError):  # a layout the planner does not model
+        return
+    report.planner_bytes, report.planner_step_s, report.planner_mfu = e.memory.total, e.step_s, e.mfu

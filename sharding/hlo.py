@@ -1,0 +1,160 @@
+"""What a compiled program does per step, read from its optimized HLO text: how often each computation runs, the
+collectives it issues (kind, count, bytes, group size) and the custom kernels it calls (Pallas / Mosaic, cuDNN).
+
+Why from the HLO: the collectives are XLA's decision, not the planner's, and checking a layout before renting a
+cluster means seeing what XLA will actually send. A loop body's instructions run ``known_trip_count`` times per run
+of the loop (a scanned stack of layers: once per layer), so per-step counts multiply along the call graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*?^}$", re.M | re.S)
+_CALLS = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT )?%[\w.\-]+ = (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|ragged-all-to-all"
+    r"|collective-permute|collective-broadcast)(-start)?\((.*)$",
+    re.M,
+)
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+_ITEMSIZE = {"pred": 1, "bf16": 2, "f16": 2, "f32": 4, "f64": 8}
+
+#: custom-call targets -> what a report calls them
+KERNELS = {
+    "tpu_custom_call": "Mosaic (Pallas TPU)",
+    "__gpu$xla.gpu.triton": "Triton (Pallas GPU)",
+    "mosaic_gpu": "Mosaic GPU (Pallas)",
+    "mosaic_gpu_v2": "Mosaic GPU (Pallas)",
+    "__cudnn$fmhaSoftmax": "cuDNN attention",
+    "__cudnn$fmhaSoftmaxBackward": "cuDNN attention",
+}
+
+
+def computation_runs(hlo_text: str) -> tuple[dict[str, str], dict[str, int]]:
+    """(computation name -> its text, computation name -> runs per run of the program).
+
+    A computation runs as often as its callers do; a while loop's body ``known_trip_count`` times more, or where XLA
+    does not annotate it (TPU), the bound its condition compares a counter with (``i < N``: a scan from 0). A loop
+    whose count neither says counts once, so counts are then lower bounds."""
+    computations = {m.group(1): m.group(0) for m in _COMPUTATION.finditer(hlo_text)}
+    entry = re.search(r"^ENTRY %([\w.\-]+)", hlo_text, re.M)
+    if entry is None:
+        raise ValueError("no ENTRY computation in this HLO text")
+    runs = {name: 0 for name in computations}
+    runs[entry.group(1)] = 1
+    for name in _callee_order(computations, entry.group(1)):
+        for line in computations[name].splitlines():
+            trips = _trip_count(line, computations)
+            for key, callee in callees(line):
+                if callee in runs:
+                    runs[callee] += runs[name] * (trips if key == "body" else 1)
+    return computations, runs
+
+
+def _trip_count(line: str, computations: dict[str, str]) -> int:
+    known = _TRIP_COUNT.search(line)
+    if known:
+        return int(known.group(1))
+    condition = re.search(r"\bcondition=%([\w.\-]+)", line)
+    if not condition or condition.group(1) not in computations:
+        return 1
+    text = computations[condition.group(1)]
+    root = re.search(r"ROOT %[\w.\-]+ = pred\[\]\S* compare\(%[\w.\-]+, %([\w.\-]+)\), direction=LT", text)
+    bound = root and re.search(rf"%{re.escape(root.group(1))} = s32\[\]\S* constant\((\d+)\)", text)
+    return int(bound.group(1)) if bound else 1
+
+
+def callees(text: str) -> list[tuple[str, str]]:
+    """(attribute, computation name) for each computation the HLO text calls."""
+    found = _CALLS.findall(text)
+    for group in re.findall(r"branch_computations=\{([^}]*)\}", text):
+        found += [("branch_computations", callee) for callee in re.findall(r"%([\w.\-]+)", group)]
+    return found
+
+
+def _callee_order(computations: dict[str, str], entry: str) -> list[str]:
+    """Computations with every caller before its callees (the call graph of an HLO module is acyclic)."""
+    edges = {name: {callee for _, callee in callees(text)} for name, text in computations.items()}
+    order, seen = [], set()
+
+    def visit(name):
+        if name in seen or name not in computations:
+            return
+        seen.add(name)
+        for callee in edges[name]:
+            visit(callee)
+        order.append(name)
+
+    visit(entry)
+    return order[::-1]
+
+
+def _bytes(dtype: str, dims: str) -> int:
+    size = _ITEMSIZE.get(dtype) or max(1, int(re.sub(r"\D", "", dtype)[:2] or 8) // 8)
+    return size * math.prod(int(d) for d in dims.split(",") if d)
+
+
+def _group_size(attrs: str) -> int:
+    """Devices in one replica group: ``replica_groups=[G,S]<=[N]`` (iota form) or ``{{0,1},{2,3}}``."""
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
+    if iota:
+        return int(iota.group(2))
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)  # TPU: the mesh and the axes it spans
+    if mesh:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes.get(axis, 1)) for axis in re.findall(r"'(\w+)'", mesh.group(2)))
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+    if listed:
+        return len(listed.group(1).split(","))
+    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}?", attrs)
+    return 2 if pairs else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One kind of collective over one group size: how many a step issues and the bytes of their arrays (an
+    all-gather's output, a reduce-scatter's input, an all-reduce's operand, an all-to-all's or a permute's buffer),
+    per device per step."""
+
+    kind: str
+    group: int  # devices in one group (0: not stated)
+    count: int
+    bytes: int
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of one run of the program, summed by (kind, group size), largest traffic first."""
+    computations, runs = computation_runs(hlo_text)
+    totals: dict[tuple[str, int], list[int]] = {}
+    for name, text in computations.items():
+        if not runs.get(name):
+            continue
+        for m in _COLLECTIVE.finditer(text):
+            result_type, kind, start, attrs = m.groups()
+            arrays = _ARRAY.findall(result_type)
+            if not arrays:
+                continue
+            group = _group_size(attrs)
+            scale = group if kind == "reduce-scatter" and group else 1  # its result is the scattered shard
+            if start and kind in ("all-gather", "reduce-scatter"):  # ((operands...), (outputs...))
+                half = len(arrays) // 2
+                arrays, scale = (arrays[half:] if kind == "all-gather" else arrays[:half]), 1
+            elif start and kind == "collective-permute":  # (operand, output, contexts...)
+                arrays = arrays[1:2]
+            nbytes = scale * sum(_bytes(dtype, dims) for dtype, dims in arrays)  # a tuple: several arrays at once
+            entry = totals.setdefault((kind, group), [0, 0])
+            entry[0] += runs[name]
+            entry[1] += runs[name] * nbytes
+    rows = [Collective(kind, group, count, nbytes) for (kind, group), (count, nbytes) in totals.items()]
+    return sorted(rows, key=lambda c: -c.bytes)
+
+
+def custom_kernels(hlo_text: str) -> Counter:
+    """The kernels ``KERNELS`` names, counted once per call site (XLA's own custom calls are left out)."""
+    return Counter(KERNELS[target] for target in _CUSTOM_CALL.findall(hlo_text) if target in KERNELS)

@@ -1,0 +1,94 @@
+"""experiments.compile_at_scale: a ~1B Llama's real train step compiled for 64 TPU v5p chips and 64 H100s on this
+CPU machine, fitting, with its kernels and collectives read from the program; every bad input refused in one line
+before anything compiles. The 8B-405B matrix runs as a slow test."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments import compile_at_scale
+
+
+def _run(args, timeout=900):
+    env = dict(os.environ)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.pop("JAX_PLATFORMS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.compile_at_scale", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_a_1b_llama_step_compiles_and_fits_on_64_v5p_chips_and_64_h100s(tmp_path):
+    layout = tmp_path / "half_fsdp.py"
+    layout.write_text("from sharding import MeshLayout\n\nlayout = lambda n: MeshLayout(data=2, fsdp=n // 2)\n")
+    out = tmp_path / "scale"
+    args = ["--model", "llama3-1b", "--cluster", "v5p-128,h100x64", "--seq", "2048", "--layout", str(layout)]
+    proc = _run([*args, "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tpu, gpu = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert (tpu["cluster"], tpu["chips"], gpu["chips"]) == ("v5p-128", 64, 64)  # Google's name counts TensorCores
+    for row, kernel in ((tpu, "Mosaic (Pallas TPU)"), (gpu, "Triton (Pallas GPU)")):
+        assert row["compiled"] and row["fits"] and row["layout"] == "d2 f32 t1 p1"
+        assert 1 < row["xla_gib"]["total"] < row["hbm_gib"]
+        assert row["kernels"][kernel] >= 3  # the attention forward, dQ and dK/dV: nothing fell back
+        # the FSDP gathers: over 32 devices, once per layer and step at least (16 layers)
+        assert any(c["group"] == 32 and c["count"] >= 16 for c in row["collectives"]), row["collectives"]
+        assert 0.3 < row["planner_over_xla"] < 3 and row["planner_mfu"] > 0
+    report = out.with_suffix(".md").read_text()
+    assert "| llama3-1b | v5p-128 | 2048 | d2 f32 t1 p1 | yes |" in report and "h100x64" in report
+    assert proc.stdout.strip().splitlines()[-1] == '{"layouts": 2, "fit": 2, "nothing_fits": []}'
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--cluster", "a100x8"], "unknown cluster 'a100x8': write hardware and count, e.g. h100x64"),
+        (["--cluster", "v5p-127"], "a v5p name counts TensorCores, 2 per chip"),
+        (["--cluster", "v5e-512"], "TPU v5e: 512 chips is not a slice libtpu describes"),
+        (["--cluster", "h100x12"], "H100s come 8 to a host"),
+        (["--model", "llama9"], "unknown model 'llama9': a config file (.py / .json) or a preset (7b, 13b, 70b"),
+        (["--layout", "auto:x"], "write auto or auto:N with N a positive count"),
+        (["--seq", "0"], "give positive token counts"),
+        (["--batch-tokens", "1000"], "--batch-tokens 1000 is not a multiple of --seq 8192"),
+        (["--set", "model.num_layerz=2"], "num_layerz"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_compiling(tmp_path, capsys, args, message):
+    base = {"--model": "llama3-1b", "--cluster": "h100x64"}
+    flags = [x for k, v in base.items() if k not in args for x in (k, v)] + args
+    assert compile_at_scale.main([*flags, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("compile_at_scale: error: ") and message in err and "\n" not in err, err
+
+
+def test_a_layout_for_another_device_count_is_refused(tmp_path, capsys):
+    layout = tmp_path / "l.py"
+    layout.write_text("from sharding import MeshLayout\nlayout = MeshLayout(fsdp=8)\n")
+    argv = ["--model", "llama3-1b", "--cluster", "h100x64", "--layout", str(layout), "--out", str(tmp_path / "r")]
+    assert compile_at_scale.main(argv) == 2
+    assert "8" in capsys.readouterr().err and not (tmp_path / "r.md").exists()
+
+
+def test_an_existing_report_is_not_overwritten(tmp_path, capsys):
+    (tmp_path / "r.md").write_text("last week's matrix")
+    assert compile_at_scale.main(["--model", "llama3-1b", "--cluster", "h100x64", "--out", str(tmp_path / "r")]) == 2
+    assert "exists; give another --out or --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "r.md").read_text() == "last week's matrix"
+
+
+@pytest.mark.slow
+def test_the_matrix_of_llama3_8b_70b_405b_on_h100_and_v5p_clusters(tmp_path):
+    """docs/results/scale-*.md's matrix: each model on each cluster, the planner's best layout, fits."""
+    out = tmp_path / "matrix"
+    args = ["--model", "llama3-8b,llama3-70b,llama3-405b", "--cluster", "h100x256,v5px256", "--layout", "auto:1"]
+    proc = _run([*args, "--out", str(out)], timeout=7200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert len(rows) == 6 and all(r["fits"] for r in rows)
