@@ -40,7 +40,7 @@ def build_parser():
     p.add_argument("--batch-tokens", type=int, default=0, help="tokens per step (default: one sequence per device)")
     p.add_argument("--layout", default="auto", help="a layout file, or auto[:N] (the planner's top N; default 3)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
-    p.add_argument("--out", help="report path prefix: writes PREFIX.md and PREFIX.json (default docs/results/scale-DATE)")
+    p.add_argument("--out", help="report prefix: writes PREFIX.md and PREFIX.json (default docs/results/scale-DATE)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing report")
     p.add_argument("--no-install", action="store_true", help="fail instead of installing the toolchains with pip")
     return p
@@ -67,7 +67,8 @@ def model_config(spec: str, seq: int, batch: int, sets: list[str]):
     elif spec.endswith((".py", ".json")) or Path(spec).exists():
         cfg = load_config(spec)
     else:
-        raise UsageError(f"unknown model {spec!r}: a config file (.py / .json) or a preset ({', '.join(MODEL_PRESETS)})")
+        presets = ", ".join(MODEL_PRESETS)
+        raise UsageError(f"unknown model {spec!r}: a config file (.py / .json) or a preset ({presets})")
     if cfg.model.vocab_size == 0:
         raise UsageError(f"model {spec}: model.vocab_size is 0 (it follows the data); give one with --set")
     model = dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, seq))

@@ -15,9 +15,9 @@ LOOP = """HloModule m
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %p = (s32[], f32[8]) parameter(0)
   %x = f32[8]{0} get-tuple-element(%p), index=1
-  %ag = bf16[64,256]{1,0:T(8,128)(2,1)} all-reduce(%x), channel_id=1, replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, to_apply=%add
+  %ag = bf16[64,256]{1,0:T(8,128)(2,1)} all-reduce(%x), replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}
   %g = (bf16[8,16]{1,0}, bf16[64,16]{1,0}) all-gather-start(%x), replica_groups=[2,8]<=[16], dimensions={0}
-  %rs = ((f32[64]{0}, f32[128]{0}), (f32[8]{0}, f32[16]{0})) reduce-scatter-start(%x, %x), replica_groups={{0,1,2,3,4,5,6,7}}
+  %rs = ((f32[64], f32[128]), (f32[8], f32[16])) reduce-scatter-start(%x), replica_groups={{0,1,2,3,4,5,6,7}}
   %k = f32[8]{0} custom-call(%x), custom_call_target="tpu_custom_call"
   ROOT %t = (s32[], f32[8]) tuple(%i, %x)
 }
