@@ -201,9 +201,7 @@ def h100_devices(count: int = 1) -> tuple:
     hosts, per_host = (1, count) if count <= 8 else (count // 8, 8)
     if hosts * per_host != count:
         raise TargetError(f"{count} H100s: give a multiple of 8 (8 to a host), or 1-8")
-    topology = topologies.get_topology_desc(
-        platform="cuda", target_config=H100_SXM, topology=f"1x{hosts}x{per_host}"
-    )
+    topology = topologies.get_topology_desc(platform="cuda", target_config=H100_SXM, topology=f"1x{hosts}x{per_host}")
     return tuple(topology.devices)
 
 
