@@ -69,11 +69,12 @@ def model_config(spec: str, seq: int, batch: int, sets: list[str]):
     else:
         presets = ", ".join(MODEL_PRESETS)
         raise UsageError(f"unknown model {spec!r}: a config file (.py / .json) or a preset ({presets})")
-    if cfg.model.vocab_size == 0:
-        raise UsageError(f"model {spec}: model.vocab_size is 0 (it follows the data); give one with --set")
     model = dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, seq))
     cfg = dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, seq_len=seq, batch_size=batch))
-    return apply_overrides(cfg, sets)
+    cfg = apply_overrides(cfg, sets)
+    if cfg.model.vocab_size == 0:
+        raise UsageError(f"model {spec}: model.vocab_size is 0 (it follows the data); give one with --set")
+    return cfg
 
 
 def plan_jobs(args) -> list[Job]:

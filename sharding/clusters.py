@@ -79,6 +79,16 @@ def parse_cluster(spec: str) -> Cluster:
     return Cluster(spec, kind, n)
 
 
+def cluster_for(hardware: str, devices: int) -> Cluster:
+    """The cluster of ``devices`` devices of a planner hardware preset (``h100-sxm`` -> ``h100x64``)."""
+    kinds = {preset: kind for kind, preset in _HARDWARE.items()}
+    if hardware not in kinds:
+        raise LayoutError(
+            f"hardware {hardware!r} has no compiler description to check against; one of {', '.join(kinds)}"
+        )
+    return parse_cluster(f"{kinds[hardware]}x{devices}")
+
+
 def cluster_devices(cluster: Cluster) -> list:
     """The cluster's deviceless devices, in mesh order (its toolchain must be enabled in this process)."""
     if cluster.platform == "tpu":

@@ -6,6 +6,10 @@
 
 Prints the ranked table and notes, then the best layout as a mesh layout file (written to --out when given),
 and as its last line one JSON object with the key figures. Bad inputs: one line `plan: error: ...`, exit 2.
+
+`--verify N` compiles the top N layouts' real train step for the hardware (deviceless: H100 and TPU presets) and
+prints XLA's memory per device beside the planner's. It runs `python -m experiments.compile_at_scale` in a child
+process: the planner imports nothing of jaxlm, and the compile needs the model.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import argparse
 import dataclasses
 import json
 import shlex
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from sharding.hardware import PRESETS, get_hardware
@@ -40,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the best layout to this mesh layout file")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--remat", choices=REMAT_CHOICES, help="default: the model config's (presets: none)")
+    p.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compile the top N layouts for the hardware (deviceless) and print XLA's memory beside the estimate",
+    )
     p.add_argument(
         "--vocab-size",
         type=int,
@@ -196,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         remat = args.remat or ("full" if cfg.remat == "full" else "none")
         result = plan(cfg, args.devices, args.global_batch_tokens, args.seq, get_hardware(args.hardware), remat)
+        if args.verify < 0:
+            raise LayoutError(f"--verify {args.verify}: give how many layouts to compile (1 or more)")
+        if args.verify:
+            from sharding.clusters import cluster_for
+
+            cluster = cluster_for(args.hardware, args.devices)
     except (LayoutError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
@@ -215,8 +234,45 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbest layout written to {args.out}")
     else:
         print(f"\nbest layout (pass --out PATH.py to write it):\n\n{text}")
-    print(json.dumps(key_figures(result, name)))
+    figures = key_figures(result, name)
+    if args.verify:
+        verified = verify(args, remat, cluster.name)
+        if verified is None:
+            return 1
+        figures["verified"] = verified
+    print(json.dumps(figures))
     return 0
+
+
+def verify(args, remat: str, cluster: str) -> list[dict] | None:
+    """The top layouts compiled by experiments.compile_at_scale (a child process; its progress passes through):
+    per layout the planner's and XLA's GB per device. None when the child failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "experiments.compile_at_scale", "--model", args.model, "--cluster", cluster]
+        cmd += ["--seq", str(args.seq), "--batch-tokens", str(args.global_batch_tokens)]
+        cmd += ["--layout", f"auto:{args.verify}", "--out", f"{tmp}/verify", "--set", f"model.remat={remat}"]
+        if args.vocab_size:
+            cmd += ["--set", f"model.vocab_size={args.vocab_size}"]
+        print(f"\nverifying the top {args.verify} with XLA: {shlex.join(cmd[1:])}", flush=True)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        lines = proc.stdout.splitlines()
+        print("\n".join(line for line in lines[:-1] if not line.startswith("compile_at_scale: wrote")))
+        report = Path(tmp) / "verify.json"
+        if not report.exists():
+            print(f"{PROG}: error: the compile did not finish (exit {proc.returncode})", file=sys.stderr)
+            return None
+        rows = json.loads(report.read_text())["rows"]
+    out = []
+    print(f"\n{'layout':<28}{'planner GB':>12}{'XLA GB':>10}{'planner/XLA':>13}  fits")
+    for r in rows:
+        planner_gb, xla_gb = r["planner_gib"] * 2**30 / 1e9, r["xla_gib"]["total"] * 2**30 / 1e9
+        ratio = f"{r['planner_over_xla']:.2f}" if r["planner_over_xla"] else "-"
+        fits = "yes" if r["fits"] else (f"no: {r['error']}" if r["error"] else "NO")
+        xla = f"{xla_gb:.1f}" if r["compiled"] else "-"
+        print(f"{r['layout']:<28}{planner_gb:>12.1f}{xla:>10}{ratio:>13}  {fits}")
+        out.append({"layout": r["layout"], "planner_gb": round(planner_gb, 2), "xla_gb": round(xla_gb, 2)})
+        out[-1]["fits"] = r["fits"]
+    return out
 
 
 if __name__ == "__main__":

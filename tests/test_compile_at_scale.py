@@ -92,3 +92,23 @@ def test_the_matrix_of_llama3_8b_70b_405b_on_h100_and_v5p_clusters(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert len(rows) == 6 and all(r["fits"] for r in rows)
+
+
+def test_plan_verify_compiles_the_planner_s_best_layout_and_prints_xla_s_memory_beside_it():
+    args = ["--model", "experiments/configs/tiny_lm.py", "--vocab-size", "4096", "--devices", "8"]
+    args += ["--global-batch-tokens", "4096", "--seq", "256", "--hardware", "h100-sxm", "--verify", "1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, "-m", "sharding.plan", *args], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    (row,) = figures["verified"]
+    assert row["fits"] and 0 < row["xla_gb"] < row["planner_gb"] * 3 and row["planner_gb"] == figures["memory_gb"]
+    assert "planner GB    XLA GB  planner/XLA  fits" in proc.stdout
+
+
+def test_plan_verify_names_hardware_it_cannot_compile_for(capsys):
+    from sharding import plan
+
+    argv = ["--model", "llama3-8b", "--devices", "8", "--global-batch-tokens", "65536", "--seq", "8192"]
+    assert plan.main([*argv, "--hardware", "a100", "--verify", "1"]) == 2
+    assert "hardware 'a100' has no compiler description to check against" in capsys.readouterr().err
