@@ -232,12 +232,14 @@ def compile_for_gpu(fn, *args):
 
 @dataclasses.dataclass(frozen=True)
 class TpuGeneration:
-    """A TPU generation as libtpu's topology descriptions name it, and what a chip holds (Google's published specs)."""
+    """A TPU generation as libtpu's topology descriptions name it; a device's HBM as XLA's TPU compiler reports it
+    available (its RESOURCE_EXHAUSTED message, 2026-11-25: a v4 device is one of a chip's two TensorCores), and a
+    chip's dense bf16 peak (Google's published specs)."""
 
     name: str  # v5p
     dims: int  # 3 for 3D tori (v4, v5p), 2 for 2D (v5e, v6e)
     max_chips: int  # one slice
-    hbm_bytes: int  # per chip
+    hbm_bytes: int  # per device, as XLA makes it available
     peak_flops: float  # dense bf16 FLOP/s per chip
 
     def topology(self, chips: int) -> str:
@@ -256,10 +258,10 @@ class TpuGeneration:
 
 GiB = 1 << 30
 TPU_GENERATIONS = {
-    "v4": TpuGeneration("v4", 3, 4096, 32 * GiB, 275e12),
-    "v5e": TpuGeneration("v5e", 2, 256, 16 * GiB, 197e12),
-    "v5p": TpuGeneration("v5p", 3, 8960, 95 * GiB, 459e12),
-    "v6e": TpuGeneration("v6e", 2, 256, 32 * GiB, 918e12),
+    "v4": TpuGeneration("v4", 3, 4096, int(15.25 * GiB), 275e12),
+    "v5e": TpuGeneration("v5e", 2, 256, int(15.75 * GiB), 197e12),
+    "v5p": TpuGeneration("v5p", 3, 8960, int(95.74 * GiB), 459e12),
+    "v6e": TpuGeneration("v6e", 2, 256, int(31.25 * GiB), 918e12),
 }
 
 
