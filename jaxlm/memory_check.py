@@ -35,9 +35,10 @@ def device_memory_bytes() -> tuple[float, str] | None:
 
 def estimated_step_bytes(cfg: TrainConfig, layout: MeshLayout) -> float:
     d = cfg.data
-    microbatches = step_microbatches(cfg, layout, jax.devices()[0].platform)
+    platform = jax.devices()[0].platform
+    microbatches = step_microbatches(cfg, layout, platform)
     memory = memory_per_device(
-        ModelShape.from_config(cfg.model), layout, d.batch_size, d.seq_len, cfg.model.remat, microbatches
+        ModelShape.from_config(cfg.model), layout, d.batch_size, d.seq_len, cfg.model.remat, microbatches, platform
     )
     return memory.total
 

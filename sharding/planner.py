@@ -5,7 +5,9 @@ Formulas, not profiling, so each number can be checked by hand:
 * memory: fp32 params, fp32 grads and AdamW's two fp32 moments (16 bytes per param), each sharded as the
   logical-axis rules say; the activations reverse-mode autodiff keeps per layer (`layer_residual_bytes`), for the
   microbatches a pipeline schedule keeps live; fp32 logits; one layer's backward working set. Each layout gets the
-  fewest gradient-accumulation microbatches that make it fit.
+  fewest gradient-accumulation microbatches that make it fit. The loss's and a layer's working sets follow the XLA
+  program of the hardware's platform where they differ (GPU: measured against deviceless H100 compiles,
+  docs/scale.md); CPU's rules serve TPU too until TPU's are measured.
 * compute: (6 N + attention) FLOPs per token / (devices x achievable FLOP/s), x 4/3 where the forward is recomputed,
   / (1 - bubble) with pipelining: bubble = (S - 1) / (M + S - 1) for S stages and M microbatches.
 * communication, ring collectives (bandwidth terms, in the compute dtype) at the bandwidth of the link the axis
@@ -232,7 +234,13 @@ class Memory:
 
 
 def memory_per_device(
-    cfg: ModelShape, layout: MeshLayout, batch_sequences: int, seq_len: int, remat: str = "none", accumulation: int = 1
+    cfg: ModelShape,
+    layout: MeshLayout,
+    batch_sequences: int,
+    seq_len: int,
+    remat: str = "none",
+    accumulation: int = 1,
+    platform: str = "cpu",
 ) -> Memory:
     """Peak bytes per device of one train step of `accumulation` gradient-accumulation microbatches (each split
     into the layout's pipeline microbatches). Rule for scans (layers, pipeline ticks, accumulation): the forward
@@ -241,6 +249,12 @@ def memory_per_device(
 
     Not counted: the cotangents formed inside one layer's backward (on CPU, XLA's peak runs 0.1-0.4 of a layer's
     residuals above this estimate; more under remat), XLA's scratch and the runtime's own memory.
+
+    ``platform`` "gpu" follows XLA's GPU program (Llama 3 8B / 70B / 405B on 64-1024 H100s, seq 8k-128k: 0.95-1.00x
+    of its memory but two 405B rows, 2026-11-25): it keeps the logits once in fp32 and once in the compute dtype,
+    gathers the head and each layer's weights in the compute dtype and reduce-scatters their gradients in it, and
+    keeps no sharded compute-dtype copy of the weights. "cpu" (and, for now, "tpu") keep two fp32 logits, fp32
+    gradients of the gathered weights and that copy.
     """
     cb = dtype_bytes(cfg)
     n_params = params_per_device(cfg, layout)
@@ -255,11 +269,17 @@ def memory_per_device(
     other = 12 * tokens * M * accumulation  # inputs, targets, loss_mask
     if accumulation > 1:  # train_step's scan over microbatches: the accumulated grads beside this microbatch's
         other += 4 * n_params
-    if cb != 4:  # the compute-dtype copy of every weight, kept for the backward
+    if cb != 4 and platform != "gpu":  # the compute-dtype copy of every weight, kept for the backward
         other += n_params * cb
     # FSDP: the weights in use all-gathered (compute dtype) and their gradient before the reduce-scatter (fp32)
-    layer_phase = residuals + fsdp_gathered_params(cfg, layout, "layers") / layers * (cb + 4)
-    loss_phase = 2 * logits + fsdp_gathered_params(cfg, layout, "head") * (cb + 4)  # logits and their cotangent
+    gathered_grad = cb if platform == "gpu" else 4
+    layer_phase = residuals + fsdp_gathered_params(cfg, layout, "layers") / layers * (cb + gathered_grad)
+    if platform == "gpu":
+        # XLA's GPU program: the logits in the compute dtype and in fp32 (the loss's and its cotangent's buffers
+        # shared), the gathered head in the compute dtype; its gradient reduce-scattered as it is formed
+        loss_phase = logits / 4 * (4 + cb) + fsdp_gathered_params(cfg, layout, "head") * cb
+    else:
+        loss_phase = 2 * logits + fsdp_gathered_params(cfg, layout, "head") * (cb + 4)  # logits and their cotangent
     if S == 1:
         activations = layers * kept
     else:
@@ -398,7 +418,7 @@ def evaluate(
     tp = layers * (6 if recompute else 4) * ring_all_reduce_seconds(shard_activation_bytes, layout.tensor, bw["tensor"])
     pp = 2 * shard_activation_bytes / bw["pipeline"] if S > 1 else 0.0  # activations forward, gradients back
     step = max(compute, fsdp + dp) + tp + pp
-    memory = memory_per_device(cfg, layout, batch_tokens // seq_len, seq_len, remat, accumulation)
+    memory = memory_per_device(cfg, layout, batch_tokens // seq_len, seq_len, remat, accumulation, hw.platform)
     mfu = (6 * n_params + attn) * batch_tokens / (step * devices * hw.peak_flops)
     return Estimate(
         layout,

@@ -40,7 +40,9 @@ def test_a_1b_llama_step_compiles_and_fits_on_64_v5p_chips_and_64_h100s(tmp_path
         assert row["kernels"][kernel] >= 3  # the attention forward, dQ and dK/dV: nothing fell back
         # the FSDP gathers: over 32 devices, once per layer and step at least (16 layers)
         assert any(c["group"] == 32 and c["count"] >= 16 for c in row["collectives"]), row["collectives"]
-        assert 0.3 < row["planner_over_xla"] < 3 and row["planner_mfu"] > 0
+        assert row["planner_mfu"] > 0
+    # the planner's memory follows XLA's GPU program (within 10% at 1B-405B); TPU's terms are not measured yet
+    assert 0.9 <= gpu["planner_over_xla"] <= 1.1 and 0.75 <= tpu["planner_over_xla"] <= 1.25
     report = out.with_suffix(".md").read_text()
     assert "| llama3-1b | v5p-128 | 2048 | d2 f32 t1 p1 | yes |" in report and "h100x64" in report
     assert proc.stdout.strip().splitlines()[-1] == '{"layouts": 2, "fit": 2, "nothing_fits": []}'
