@@ -21,7 +21,6 @@ from pallas_kernels import BlockSizes, Mask, full, soft_cap
 from pallas_kernels.kernel_mask import DocumentSlot
 from pallas_kernels.mask_spec import parse_mask
 from pallas_kernels.masks import And, Or
-from sharding.embedding import sharded_take
 from sharding.rules import LOGICAL_AXES_KEY as LOGICAL_AXES
 from sharding.rules import constrain
 
@@ -334,9 +333,10 @@ class Transformer(nnx.Module):
     # the layers (split over stages by `apply_layers`), the head after the last one.
 
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
-        # Per shard of the table (sharding.embedding): XLA's own split of this lookup gathers the fp32 table whole
-        # on every device and forms its gradient whole.
-        x_BTD = sharded_take(self.embed[...], tokens_BT).astype(jnp.dtype(self.cfg.dtype))
+        # The lookup reads a whole (all-gathered) table, so it splits like the token ids, over the batch; from a
+        # table sharded over vocab and embed XLA can only replicate the gather's result.
+        table_VD = constrain(self.embed[...], (None, None))
+        x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(jnp.dtype(self.cfg.dtype))
         return constrain(x_BTD, ACTIVATION_AXES)
 
     def head_params(self) -> dict[str, jax.Array]:
