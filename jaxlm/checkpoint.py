@@ -20,6 +20,7 @@ import logging
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -157,6 +158,10 @@ def _quiet_orbax_failures() -> None:
     """Installs the filters above once per process, so a failed save ends with one line, the caller's."""
     for name in ("absl", "asyncio"):
         logging.getLogger(name).addFilter(_ONE_LINE)
+    # A failed save's write coroutines, never awaited, warn when collected, possibly at exit after the one line
+    # ("coroutine ... was never awaited" and "Enable tracemalloc ..."): seen as the last line of a disk-full exit.
+    # jaxlm runs no coroutines of its own, so these are Orbax's.
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
     if getattr(sys.unraisablehook, "jaxlm_quiet", False):
         return
     atexit.register(_ONE_LINE.print_unreported)
