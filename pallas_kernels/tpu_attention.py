@@ -39,7 +39,11 @@ from .masks import ScoreMod
 LANES = 128  # a TPU vector register's lanes: tiles are multiples of it so ids and lse rows load lane-dense
 DEFAULT_TILE = 512  # q and kv tile side: what splash attention's tuned configs use at head dims 64-256
 SMEM_LIST_BYTES = 512 * 1024  # of a v5p's 1 MiB SMEM: the block lists a kernel prefetches must fit here
-MAX_TILE = 1024  # a 2048-square float32 tile at head dim 256 overflows the VMEM a kernel may scope (v5p, measured)
+# The largest tile: 1024-square tiles compile for v5e and v5p at head dims 64-256 in bf16 and 64-128 in f32 (fwd +
+# bwd, 2026-11-25), not at f32 x 256 (scoped VMEM; v6e takes it), which stays at 512 (MAX_ROW_BYTES); 2048 at f32 x
+# 256 overflows v5p too.
+MAX_TILE = 1024
+MAX_ROW_BYTES = 512  # head dim x itemsize above which the tile stays DEFAULT_TILE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +58,14 @@ class _Static(AttentionStatic):
     interpret: bool
 
 
-def tpu_tiles(block_sizes, q_len: int, kv_len: int, batch: int = 1, tile: int = DEFAULT_TILE) -> tuple[int, int]:
+def tpu_tiles(
+    block_sizes, q_len: int, kv_len: int, batch: int = 1, tile: int = DEFAULT_TILE, row_bytes: int = 256
+) -> tuple[int, int]:
     """(q tile, kv tile): ``tile`` rounded to a multiple of the block and of LANES, no longer than the padded
     sequence needs, doubled while the worst-case block lists ([batch, rows, columns] int32) exceed SMEM_LIST_BYTES
-    (from T = 131072 at batch 1), up to MAX_TILE; longer sequences are refused (context parallelism splits them)."""
+    (from T = 131072 at batch 1), up to MAX_TILE (DEFAULT_TILE when a q row, head dim x itemsize ``row_bytes``, is
+    wider than MAX_ROW_BYTES); longer sequences are refused (context parallelism splits them)."""
+    largest = MAX_TILE if row_bytes <= MAX_ROW_BYTES else DEFAULT_TILE
 
     def side(block, length, t):
         unit = math.lcm(block, LANES)
@@ -68,7 +76,7 @@ def tpu_tiles(block_sizes, q_len: int, kv_len: int, batch: int = 1, tile: int = 
         nq, nkv = -(-q_len // tq), -(-kv_len // tkv)
         if batch * nq * nkv * 4 <= SMEM_LIST_BYTES or (tq >= q_len and tkv >= kv_len):
             return tq, tkv
-        if tile * 2 > MAX_TILE:
+        if tile * 2 > largest:
             raise ValueError(
                 f"block_sparse_attention_tpu: {batch} x {q_len} queries x {kv_len} keys need block lists larger than "
                 f"a TPU's SMEM holds even in {tile}-tiles; split the sequence over devices (context parallelism) or "
@@ -100,7 +108,8 @@ def block_sparse_attention_tpu(
     template, docs = split_documents(block_mask.mask)
     bs = block_mask.block_sizes
     batch = B if block_mask.batch_shape else 1
-    tq, tkv = tpu_tiles(bs, T, S, batch) if tiles is None else tiles
+    row_bytes = E * jnp.dtype(q.dtype).itemsize
+    tq, tkv = tpu_tiles(bs, T, S, batch, row_bytes=row_bytes) if tiles is None else tiles
     if tq % bs.block_q or tkv % bs.block_kv:
         raise ValueError(f"block_sparse_attention_tpu: tiles {tq}x{tkv} must be multiples of the blocks {bs}")
     coarse = coarsen(block_mask, tq // bs.block_q, tkv // bs.block_kv)

@@ -178,6 +178,13 @@ def test_tiles_are_lane_multiples_of_the_blocks_and_their_lists_fit_smem(T, batc
         assert tq == 512 or T * batch > 131072  # the default tile until the lists outgrow SMEM
 
 
+def test_float32_at_head_dim_256_keeps_512_tiles_and_is_refused_sooner():
+    """1024-square tiles of float32 x 256 overflow the VMEM a kernel may scope on v5e / v5p (measured)."""
+    assert tpu_tiles(BlockSizes(128, 128), 262144, 262144, 1, row_bytes=128 * 2) == (1024, 1024)
+    with pytest.raises(ValueError, match="even in 512-tiles"):
+        tpu_tiles(BlockSizes(128, 128), 262144, 262144, 1, row_bytes=256 * 4)
+
+
 def test_a_document_mask_is_exact_at_tile_boundaries():
     """Documents whose edges fall inside and on tile edges (129, 255, 256) with the kernel's coarse PARTIAL tiles."""
     ids = np.zeros((1, 400), np.int32)
