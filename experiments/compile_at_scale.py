@@ -7,7 +7,7 @@ beside it, compile time, the custom kernels and the collectives of one step.
     python -m experiments.compile_at_scale --model runs/my/config.json --cluster h100x64 --layout my_layout.py
     python -m experiments.compile_at_scale --model llama3-8b,llama3-70b --cluster h100x64,v5px64 --out runs/matrix
 
-Models: a preset (sharding.planner.MODEL_PRESETS: llama3-1b / 8b / 70b / 405b, Llama 2's 7b / 13b / 70b) or a
+Models: a preset (sharding.model_shape.MODEL_PRESETS: llama3-1b / 8b / 70b / 405b, Llama 2's 7b / 13b / 70b) or a
 run's config file (.py or config.json). Clusters: h100xN, v5pxN / v5exN / v6exN (chips), or Google's names v5p-128
 (TensorCores: 64 chips) / v6e-256. Layouts: a layout file, or auto[:N] (the planner's top N, default 3). The batch
 is --batch-tokens per step (default one sequence per device). Attention defaults to the Pallas kernels, remat to
@@ -58,7 +58,7 @@ def model_config(spec: str, seq: int, batch: int, sets: list[str]):
     """A preset's shape as a TrainConfig (bf16, Pallas attention, full remat, scanned layers), or a config file;
     then --set. The sequence and batch are this command's."""
     from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, apply_overrides, load_config
-    from sharding.planner import MODEL_PRESETS
+    from sharding.model_shape import MODEL_PRESETS
 
     if spec in MODEL_PRESETS:
         shape = dataclasses.asdict(MODEL_PRESETS[spec])
@@ -82,7 +82,8 @@ def plan_jobs(args) -> list[Job]:
     from jaxlm.config import validate
     from sharding.clusters import parse_cluster
     from sharding.mesh import load_layout
-    from sharding.planner import ModelShape, plan
+    from sharding.model_shape import ModelShape
+    from sharding.planner import plan
 
     if args.seq < 1 or args.batch_tokens < 0:
         raise UsageError(f"--seq {args.seq} / --batch-tokens {args.batch_tokens}: give positive token counts")

@@ -21,7 +21,8 @@ from pallas_kernels.kernel_inputs import compile_target
 from sharding import MeshLayout, build_mesh
 from sharding.clusters import Cluster, cluster_devices
 from sharding.hlo import Collective, collectives, custom_kernels
-from sharding.planner import ModelShape, evaluate
+from sharding.model_shape import ModelShape
+from sharding.planner import evaluate
 
 
 @dataclasses.dataclass

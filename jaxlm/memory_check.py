@@ -1,6 +1,6 @@
 """Memory before compiling: a step that cannot fit is refused in one line, not after minutes of compiling.
 
-The estimate is the planner's (`sharding.planner.memory_per_device`): params, grads and optimizer state, the
+The estimate is the planner's (`sharding.memory_model.memory_per_device`): params, grads and optimizer state, the
 activations kept for the backward, the logits, per device under the run's layout. It leaves out XLA's scratch, so
 it errs low: a refusal is never a false alarm. What a device has: its allocator's limit on an accelerator; on CPU,
 where every simulated device shares the host, the host's available RAM divided among the local devices.
@@ -12,8 +12,9 @@ import jax
 
 from jaxlm.config import ConfigError, TrainConfig
 from jaxlm.train import step_microbatches
+from sharding.memory_model import memory_per_device
 from sharding.mesh import MeshLayout
-from sharding.planner import ModelShape, memory_per_device
+from sharding.model_shape import ModelShape
 
 
 def device_memory_bytes() -> tuple[float, str] | None:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from sharding.hardware import PRESETS, get_hardware
 from sharding.mesh import LayoutError
-from sharding.planner import MODEL_PRESETS, REMAT_CHOICES, ModelShape, Plan, count_params, describe, plan
+from sharding.model_shape import MODEL_PRESETS, ModelShape, count_params
+from sharding.planner import REMAT_CHOICES, Plan, describe, plan
 from sharding.user_file import call_user_function, exec_python_file
 
 PROG = "plan"

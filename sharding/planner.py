@@ -2,12 +2,12 @@
 
 Formulas, not profiling, so each number can be checked by hand:
 
-* memory: fp32 params, fp32 grads and AdamW's two fp32 moments (16 bytes per param), each sharded as the
-  logical-axis rules say; the activations reverse-mode autodiff keeps per layer (`layer_residual_bytes`), for the
-  microbatches a pipeline schedule keeps live; fp32 logits; one layer's backward working set. Each layout gets the
-  fewest gradient-accumulation microbatches that make it fit. The loss's and a layer's working sets follow the XLA
-  program of the hardware's platform where they differ (GPU: measured against deviceless H100 compiles,
-  docs/scale.md); CPU's rules serve TPU too until TPU's are measured.
+* memory (`sharding.memory_model`, over `sharding.model_shape`'s parameter counts): fp32 params, fp32 grads and
+  AdamW's two fp32 moments (16 bytes per param), each sharded as the logical-axis rules say; the activations
+  reverse-mode autodiff keeps per layer, for the microbatches a pipeline schedule keeps live; fp32 logits; one
+  layer's backward working set. Each layout gets the fewest gradient-accumulation microbatches that make it fit. The
+  loss's and a layer's working sets follow the XLA program of the hardware's platform where they differ (GPU:
+  measured against deviceless H100 compiles, docs/scale.md); CPU's rules serve TPU too until TPU's are measured.
 * compute: (6 N + attention) FLOPs per token / (devices x achievable FLOP/s), x 4/3 where the forward is recomputed,
   / (1 - bubble) with pipelining: bubble = (S - 1) / (M + S - 1) for S stages and M microbatches.
 * communication, ring collectives (bandwidth terms, in the compute dtype) at the bandwidth of the link the axis
@@ -21,291 +21,22 @@ overlap, kernel efficiency changing with microbatch size (all absorbed into the 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from sharding.hardware import Hardware
+from sharding.memory_model import Memory, dtype_bytes, memory_per_device
 from sharding.mesh import LayoutError, MeshLayout
-from sharding.pipeline import bubble_fraction, stash_slots
-from sharding.rules import logical_spec
+from sharding.model_shape import (
+    ModelShape,
+    count_params,
+    fsdp_gathered_params,
+    params_per_device,
+)
+from sharding.pipeline import bubble_fraction
 
 FSDP_COLLECTIVES = 3  # all-gather for the forward, again for the backward, reduce-scatter of the gradients
 REMAT_CHOICES = ("none", "full")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the planner needs to know of a model. `jaxlm.config.ModelConfig` has these fields too, so either is
-    accepted wherever a ModelShape is; `from_config` copies them from any object that has them."""
-
-    vocab_size: int
-    d_model: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    mlp_dim: int
-    head_dim: int = 0  # 0 -> d_model // num_heads
-    tie_embeddings: bool = True
-    dtype: str = "float32"  # the compute dtype: float32 | bfloat16
-    attention_impl: str = "reference"  # reference / jax keep T x T residuals; the block-sparse ones do not
-    remat: str = "none"
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim or self.d_model // self.num_heads
-
-    @classmethod
-    def from_config(cls, model) -> "ModelShape":
-        missing = [f.name for f in dataclasses.fields(cls) if not hasattr(model, f.name)]
-        if missing:
-            raise LayoutError(f"a {type(model).__name__} is not a model config: it has no {', '.join(missing)}")
-        return cls(**{f.name: getattr(model, f.name) for f in dataclasses.fields(cls)})
-
-
-_LLAMA = dict(vocab_size=32000, tie_embeddings=False, dtype="bfloat16", attention_impl="pallas")
-_LLAMA3 = dict(_LLAMA, vocab_size=128256, remat="full")
-MODEL_PRESETS = {  # Llama-2 shapes; bf16 compute with flash attention (no T x T residuals), as one trains them
-    "7b": ModelShape(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, mlp_dim=11008, **_LLAMA),
-    "13b": ModelShape(d_model=5120, num_layers=40, num_heads=40, num_kv_heads=40, mlp_dim=13824, **_LLAMA),
-    "70b": ModelShape(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, mlp_dim=28672, **_LLAMA),
-    # Llama 3 shapes (3.2 1B, 3.1 8B / 70B / 405B): a 128,256-token vocabulary, 8 kv heads
-    "llama3-1b": ModelShape(
-        d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8, mlp_dim=8192, **{**_LLAMA3, "tie_embeddings": True}
-    ),
-    "llama3-8b": ModelShape(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, mlp_dim=14336, **_LLAMA3),
-    "llama3-70b": ModelShape(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, mlp_dim=28672, **_LLAMA3),
-    "llama3-405b": ModelShape(d_model=16384, num_layers=126, num_heads=128, num_kv_heads=8, mlp_dim=53248, **_LLAMA3),
-}
-
-
-# ----------------------------------------------------------------------------- parameters
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    name: str
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]  # logical axis names, as jaxlm.model tags them
-
-
-def param_specs(cfg: ModelShape) -> list[ParamSpec]:
-    """jaxlm.model's parameters: fused wqkv [D, K, G+2, E], wo [H, E, D], SwiGLU w_in [D, 2, F] and w_out [F, D],
-    RMSNorm scales, stacked over a leading `layers` axis; embedding [V, D]; lm_head [D, V] unless tied."""
-    D, V, L, H, K, F, E = (
-        cfg.d_model,
-        cfg.vocab_size,
-        cfg.num_layers,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.mlp_dim,
-        cfg.resolved_head_dim,
-    )
-    specs = [
-        ParamSpec("embed", (V, D), ("vocab", "embed")),
-        ParamSpec("blocks.attn_norm.scale", (L, D), ("layers", "embed")),
-        ParamSpec("blocks.attn.wqkv", (L, D, K, H // K + 2, E), ("layers", "embed", "kv_heads", None, "head_dim")),
-        ParamSpec("blocks.attn.wo", (L, H, E, D), ("layers", "heads", "head_dim", "embed")),
-        ParamSpec("blocks.mlp_norm.scale", (L, D), ("layers", "embed")),
-        ParamSpec("blocks.mlp.w_in", (L, D, 2, F), ("layers", "embed", None, "mlp")),
-        ParamSpec("blocks.mlp.w_out", (L, F, D), ("layers", "mlp", "embed")),
-        ParamSpec("final_norm.scale", (D,), ("embed",)),
-    ]
-    if not cfg.tie_embeddings:
-        specs.append(ParamSpec("lm_head", (D, V), ("embed", "vocab")))
-    return specs
-
-
-def count_params(cfg: ModelShape) -> int:
-    return sum(math.prod(p.shape) for p in param_specs(cfg))
-
-
-def _mesh_axes(target) -> tuple[str, ...]:
-    """A PartitionSpec entry (None, an axis, or a tuple of axes) -> its mesh axes."""
-    return tuple(a for a in (target if isinstance(target, tuple) else (target,)) if a)
-
-
-def _shards(logical: str, layout: MeshLayout) -> int:
-    """Ways the layout's rules split a dimension named `logical` (sharding.rules.logical_spec decides)."""
-    return math.prod(layout.axis_sizes[a] for a in _mesh_axes(logical_spec((logical,), layout.rules)[0]))
-
-
-def _local_size(spec: ParamSpec, layout: MeshLayout, skip: str | None = None) -> int:
-    """Elements of `spec` on one device (ignoring mesh axis `skip`, e.g. 'fsdp' for the all-gathered size)."""
-    sizes = {**layout.axis_sizes, **({skip: 1} if skip else {})}
-    return math.prod(
-        -(-n // math.prod(sizes[a] for a in _mesh_axes(t)))
-        for n, t in zip(spec.shape, logical_spec(spec.axes, layout.rules))
-    )
-
-
-def _in_group(spec: ParamSpec, cfg: ModelShape, group: str | None) -> bool:
-    """group None: every param; "layers": the stacked layers; "head": what the loss head reads (final norm and
-    lm_head, or the embedding when tied)."""
-    if group == "layers":
-        return "layers" in spec.axes
-    if group == "head":
-        return spec.name in ("final_norm.scale", "lm_head") or (cfg.tie_embeddings and spec.name == "embed")
-    return True
-
-
-def params_per_device(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
-    return sum(_local_size(p, layout) for p in param_specs(cfg) if _in_group(p, cfg, group))
-
-
-def _on_mesh_axis(spec: ParamSpec, layout: MeshLayout, mesh_axis: str) -> bool:
-    return any(mesh_axis in _mesh_axes(t) for t in logical_spec(spec.axes, layout.rules))
-
-
-def fsdp_gathered_params(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
-    """Params one device all-gathers over its FSDP ring: its tensor/pipeline slice of every FSDP-sharded array."""
-    if layout.fsdp == 1:
-        return 0
-    return sum(
-        _local_size(p, layout, skip="fsdp")
-        for p in param_specs(cfg)
-        if _on_mesh_axis(p, layout, "fsdp") and _in_group(p, cfg, group)
-    )
-
-
-# ----------------------------------------------------------------------------- memory
-
-
-def dtype_bytes(cfg: ModelShape) -> int:
-    return {"float32": 4, "bfloat16": 2}[cfg.dtype]
-
-
-def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1) -> float:
-    """Bytes per token one transformer layer keeps from its forward for its backward (no remat), on one device of
-    a `tensor`-way split: what jax's reverse mode saves for this block (`jax.ad_checkpoint.print_saved_residuals`),
-    minus what no backward rule reads (the masked scores, the boolean mask), which XLA drops.
-
-    - each RMSNorm: its input and the normalised x in fp32, its output (compute dtype), rsqrt and mean (fp32)
-    - dense attention (reference / jax): q, k, v and the attention output, the fp32 exp and the (compute dtype)
-      probabilities of every query x key pair, the softmax max and sum; flash-style kernels (xla_blocksparse /
-      pallas): q, k, v and the output in the kernel's [B, H, T, E] layout, the log-sum-exp, and the output again as
-      the output projection's input
-    - SwiGLU: the gate and up halves, sigmoid and silu of the gate (silu's derivative), silu(gate) * up
-    Heads and the MLP hidden size split over `tensor`; d_model-sized tensors are replicated across it.
-    """
-    cb = dtype_bytes(cfg)
-    D, E = cfg.d_model, cfg.resolved_head_dim
-    h, k, f = cfg.num_heads / tensor, cfg.num_kv_heads / tensor, cfg.mlp_dim / tensor
-    norms = 2 * (D * (4 + 4 + cb) + 2 * 4)
-    if cfg.attention_impl in ("reference", "jax"):
-        attention = (2 * h + 2 * k) * E * cb + h * seq_len * (4 + cb) + 2 * h * 4
-    else:
-        attention = (3 * h + 2 * k) * E * cb + h * 4
-    mlp = 6 * f * cb
-    return norms + attention + mlp
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Peak bytes on one device (a pipeline's last stage: it also holds the logits).
-
-    The step has two high-water marks on top of the state, the grads and the kept activations: the loss (fp32
-    logits and their cotangent) and the backward of one layer (its residuals, sliced out of the scan's stack or
-    recomputed, while its cotangents are formed); the peak is the larger of the two.
-    """
-
-    params: float
-    grads: float
-    optimizer: float
-    activations: float  # residuals kept for the backward, over the layers and microbatches live at once
-    loss_phase: float  # fp32 logits and their cotangent for one microbatch, the FSDP-gathered head and its grads
-    layer_phase: float  # one layer's backward: its residuals, plus its FSDP-gathered weights and full-size grads
-    other: float  # the batch, compute-dtype weight copies, gradient accumulators, pipeline buffers
-
-    @property
-    def state(self) -> float:
-        return self.params + self.optimizer
-
-    @property
-    def total(self) -> float:
-        return (
-            self.params
-            + self.grads
-            + self.optimizer
-            + self.activations
-            + self.other
-            + max(self.loss_phase, self.layer_phase)
-        )
-
-
-def memory_per_device(
-    cfg: ModelShape,
-    layout: MeshLayout,
-    batch_sequences: int,
-    seq_len: int,
-    remat: str = "none",
-    accumulation: int = 1,
-    platform: str = "cpu",
-) -> Memory:
-    """Peak bytes per device of one train step of `accumulation` gradient-accumulation microbatches (each split
-    into the layout's pipeline microbatches). Rule for scans (layers, pipeline ticks, accumulation): the forward
-    stacks every step's residuals, the backward of a step holds that step's residuals sliced out of the stack, and
-    the gradient of a loop constant (params) is formed per step, then added to an accumulator.
-
-    Not counted: the cotangents formed inside one layer's backward (on CPU, XLA's peak runs 0.1-0.4 of a layer's
-    residuals above this estimate; more under remat), XLA's scratch and the runtime's own memory.
-
-    ``platform`` "gpu" follows XLA's GPU program (Llama 3 8B / 70B / 405B on 64-1024 H100s, seq 8k-128k: 0.95-1.00x
-    of its memory but two 405B rows, 2026-11-25): it keeps the logits once in fp32 and once in the compute dtype,
-    gathers the head and each layer's weights in the compute dtype and reduce-scatters their gradients in it, and
-    keeps no sharded compute-dtype copy of the weights. "cpu" (and, for now, "tpu") keep two fp32 logits, fp32
-    gradients of the gathered weights and that copy.
-    """
-    cb = dtype_bytes(cfg)
-    n_params = params_per_device(cfg, layout)
-    S, M = layout.pipeline, layout.num_microbatches
-    rows = batch_sequences // (_shards("batch", layout) * accumulation * M)  # per device per microbatch
-    tokens = rows * seq_len
-    layers = cfg.num_layers // S  # sharding.pipeline runs L/S layers per stage, whatever the `layers` rule
-    residuals = layer_residual_bytes(cfg, seq_len, _shards("heads", layout)) * tokens  # one layer, no remat
-    layer_input = cfg.d_model * cb * tokens
-    kept = layer_input if remat == "full" else residuals  # what a layer keeps per microbatch for the backward
-    logits = tokens * cfg.vocab_size / _shards("vocab", layout) * 4
-    other = 12 * tokens * M * accumulation  # inputs, targets, loss_mask
-    if accumulation > 1:  # train_step's scan over microbatches: the accumulated grads beside this microbatch's
-        other += 4 * n_params
-    if cb != 4 and platform != "gpu":  # the compute-dtype copy of every weight, kept for the backward
-        other += n_params * cb
-    # FSDP: the weights in use all-gathered (compute dtype) and their gradient before the reduce-scatter (fp32)
-    gathered_grad = cb if platform == "gpu" else 4
-    layer_phase = residuals + fsdp_gathered_params(cfg, layout, "layers") / layers * (cb + gathered_grad)
-    if platform == "gpu":
-        # XLA's GPU program: the logits in the compute dtype and in fp32 (the loss's and its cotangent's buffers
-        # shared), the gathered head in the compute dtype; its gradient reduce-scattered as it is formed
-        loss_phase = logits / 4 * (4 + cb) + fsdp_gathered_params(cfg, layout, "head") * cb
-    else:
-        loss_phase = 2 * logits + fsdp_gathered_params(cfg, layout, "head") * (cb + 4)  # logits and their cotangent
-    if S == 1:
-        activations = layers * kept
-    else:
-        # sharding.pipeline: the embedded inputs of all M microbatches and their gradient sit on every stage. The
-        # stage and head params are constants of the schedule's loops, so each microbatch's gradient of them is
-        # formed, then added to an accumulator: a second fp32 copy of those grads.
-        loop_params = params_per_device(cfg, layout, "layers") + params_per_device(cfg, layout, "head")
-        other += 2 * M * layer_input + 4 * loop_params
-        if layout.pipeline_schedule == "gpipe":
-            # Autodiff of the tick loop keeps every tick's stage residuals (idle ticks too) and its backward holds
-            # one tick's; the last stage's outputs, their cotangents and every microbatch's fp32 logits wait too.
-            activations = (M + S - 1) * layers * kept
-            layer_phase += layers * kept
-            other += 2 * M * layer_input + M * logits
-        else:
-            # 1F1B: a ring of stashed stage inputs; each backward recomputes one microbatch's stage forward.
-            activations = stash_slots(S) * layer_input + layers * kept
-    return Memory(
-        params=4 * n_params,
-        grads=4 * n_params,
-        optimizer=8 * n_params,
-        activations=activations,
-        loss_phase=loss_phase,
-        layer_phase=layer_phase,
-        other=other,
-    )
 
 
 # ----------------------------------------------------------------------------- time

@@ -18,16 +18,14 @@ from jaxlm.model import count_params as model_count_params
 from sharding import LayoutError, MeshLayout, build_mesh, load_layout
 from sharding import plan as plan_cli
 from sharding.hardware import Hardware, get_hardware
+from sharding.memory_model import memory_per_device
+from sharding.model_shape import MODEL_PRESETS, count_params, param_specs
 from sharding.planner import (
-    MODEL_PRESETS,
     axis_spans,
     compute_seconds,
-    count_params,
     evaluate,
     fsdp_comm_seconds,
     fsdp_crossover_devices,
-    memory_per_device,
-    param_specs,
     plan,
 )
 

@@ -1,0 +1,148 @@
+"""Peak memory of one train step per device: the state, the activations kept for the backward, and the larger of
+the loss's and one layer's working sets, as XLA's program on each platform holds them (`memory_per_device`).
+The planner ranks layouts with it; jaxlm.memory_check refuses a step too big before compiling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sharding.mesh import MeshLayout
+from sharding.model_shape import ModelShape, fsdp_gathered_params, logical_shards, params_per_device
+from sharding.pipeline import stash_slots
+
+
+def dtype_bytes(cfg: ModelShape) -> int:
+    return {"float32": 4, "bfloat16": 2}[cfg.dtype]
+
+
+def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1) -> float:
+    """Bytes per token one transformer layer keeps from its forward for its backward (no remat), on one device of
+    a `tensor`-way split: what jax's reverse mode saves for this block (`jax.ad_checkpoint.print_saved_residuals`),
+    minus what no backward rule reads (the masked scores, the boolean mask), which XLA drops.
+
+    - each RMSNorm: its input and the normalised x in fp32, its output (compute dtype), rsqrt and mean (fp32)
+    - dense attention (reference / jax): q, k, v and the attention output, the fp32 exp and the (compute dtype)
+      probabilities of every query x key pair, the softmax max and sum; flash-style kernels (xla_blocksparse /
+      pallas): q, k, v and the output in the kernel's [B, H, T, E] layout, the log-sum-exp, and the output again as
+      the output projection's input
+    - SwiGLU: the gate and up halves, sigmoid and silu of the gate (silu's derivative), silu(gate) * up
+    Heads and the MLP hidden size split over `tensor`; d_model-sized tensors are replicated across it.
+    """
+    cb = dtype_bytes(cfg)
+    D, E = cfg.d_model, cfg.resolved_head_dim
+    h, k, f = cfg.num_heads / tensor, cfg.num_kv_heads / tensor, cfg.mlp_dim / tensor
+    norms = 2 * (D * (4 + 4 + cb) + 2 * 4)
+    if cfg.attention_impl in ("reference", "jax"):
+        attention = (2 * h + 2 * k) * E * cb + h * seq_len * (4 + cb) + 2 * h * 4
+    else:
+        attention = (3 * h + 2 * k) * E * cb + h * 4
+    mlp = 6 * f * cb
+    return norms + attention + mlp
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Peak bytes on one device (a pipeline's last stage: it also holds the logits).
+
+    The step has two high-water marks on top of the state, the grads and the kept activations: the loss (fp32
+    logits and their cotangent) and the backward of one layer (its residuals, sliced out of the scan's stack or
+    recomputed, while its cotangents are formed); the peak is the larger of the two.
+    """
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # residuals kept for the backward, over the layers and microbatches live at once
+    loss_phase: float  # fp32 logits and their cotangent for one microbatch, the FSDP-gathered head and its grads
+    layer_phase: float  # one layer's backward: its residuals, plus its FSDP-gathered weights and full-size grads
+    other: float  # the batch, compute-dtype weight copies, gradient accumulators, pipeline buffers
+
+    @property
+    def state(self) -> float:
+        return self.params + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.other
+            + max(self.loss_phase, self.layer_phase)
+        )
+
+
+def memory_per_device(
+    cfg: ModelShape,
+    layout: MeshLayout,
+    batch_sequences: int,
+    seq_len: int,
+    remat: str = "none",
+    accumulation: int = 1,
+    platform: str = "cpu",
+) -> Memory:
+    """Peak bytes per device of one train step of `accumulation` gradient-accumulation microbatches (each split
+    into the layout's pipeline microbatches). Rule for scans (layers, pipeline ticks, accumulation): the forward
+    stacks every step's residuals, the backward of a step holds that step's residuals sliced out of the stack, and
+    the gradient of a loop constant (params) is formed per step, then added to an accumulator.
+
+    Not counted: the cotangents formed inside one layer's backward (on CPU, XLA's peak runs 0.1-0.4 of a layer's
+    residuals above this estimate; more under remat), XLA's scratch and the runtime's own memory.
+
+    ``platform`` "gpu" follows XLA's GPU program (Llama 3 8B / 70B / 405B on 64-1024 H100s, seq 8k-128k: 0.95-1.00x
+    of its memory but two 405B rows, 2026-11-25): it keeps the logits once in fp32 and once in the compute dtype,
+    gathers the head and each layer's weights in the compute dtype and reduce-scatters their gradients in it, and
+    keeps no sharded compute-dtype copy of the weights. "cpu" (and, for now, "tpu") keep two fp32 logits, fp32
+    gradients of the gathered weights and that copy.
+    """
+    cb = dtype_bytes(cfg)
+    n_params = params_per_device(cfg, layout)
+    S, M = layout.pipeline, layout.num_microbatches
+    rows = batch_sequences // (logical_shards("batch", layout) * accumulation * M)  # per device per microbatch
+    tokens = rows * seq_len
+    layers = cfg.num_layers // S  # sharding.pipeline runs L/S layers per stage, whatever the `layers` rule
+    residuals = layer_residual_bytes(cfg, seq_len, logical_shards("heads", layout)) * tokens  # one layer, no remat
+    layer_input = cfg.d_model * cb * tokens
+    kept = layer_input if remat == "full" else residuals  # what a layer keeps per microbatch for the backward
+    logits = tokens * cfg.vocab_size / logical_shards("vocab", layout) * 4
+    other = 12 * tokens * M * accumulation  # inputs, targets, loss_mask
+    if accumulation > 1:  # train_step's scan over microbatches: the accumulated grads beside this microbatch's
+        other += 4 * n_params
+    if cb != 4 and platform != "gpu":  # the compute-dtype copy of every weight, kept for the backward
+        other += n_params * cb
+    # FSDP: the weights in use all-gathered (compute dtype) and their gradient before the reduce-scatter (fp32)
+    gathered_grad = cb if platform == "gpu" else 4
+    layer_phase = residuals + fsdp_gathered_params(cfg, layout, "layers") / layers * (cb + gathered_grad)
+    if platform == "gpu":
+        # XLA's GPU program: the logits in the compute dtype and in fp32 (the loss's and its cotangent's buffers
+        # shared), the gathered head in the compute dtype; its gradient reduce-scattered as it is formed
+        loss_phase = logits / 4 * (4 + cb) + fsdp_gathered_params(cfg, layout, "head") * cb
+    else:
+        loss_phase = 2 * logits + fsdp_gathered_params(cfg, layout, "head") * (cb + 4)  # logits and their cotangent
+    if S == 1:
+        activations = layers * kept
+    else:
+        # sharding.pipeline: the embedded inputs of all M microbatches and their gradient sit on every stage. The
+        # stage and head params are constants of the schedule's loops, so each microbatch's gradient of them is
+        # formed, then added to an accumulator: a second fp32 copy of those grads.
+        loop_params = params_per_device(cfg, layout, "layers") + params_per_device(cfg, layout, "head")
+        other += 2 * M * layer_input + 4 * loop_params
+        if layout.pipeline_schedule == "gpipe":
+            # Autodiff of the tick loop keeps every tick's stage residuals (idle ticks too) and its backward holds
+            # one tick's; the last stage's outputs, their cotangents and every microbatch's fp32 logits wait too.
+            activations = (M + S - 1) * layers * kept
+            layer_phase += layers * kept
+            other += 2 * M * layer_input + M * logits
+        else:
+            # 1F1B: a ring of stashed stage inputs; each backward recomputes one microbatch's stage forward.
+            activations = stash_slots(S) * layer_input + layers * kept
+    return Memory(
+        params=4 * n_params,
+        grads=4 * n_params,
+        optimizer=8 * n_params,
+        activations=activations,
+        loss_phase=loss_phase,
+        layer_phase=layer_phase,
+        other=other,
+    )

@@ -1,0 +1,146 @@
+"""What the planner knows of a model: its shape (ModelShape, the Llama presets), its parameters with their logical
+axes, and how many of them one device holds under a layout's rules (sharded, or FSDP-gathered). The memory model
+and the planner both count from here."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from sharding.mesh import LayoutError, MeshLayout
+from sharding.rules import logical_spec
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know of a model. `jaxlm.config.ModelConfig` has these fields too, so either is
+    accepted wherever a ModelShape is; `from_config` copies them from any object that has them."""
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    mlp_dim: int
+    head_dim: int = 0  # 0 -> d_model // num_heads
+    tie_embeddings: bool = True
+    dtype: str = "float32"  # the compute dtype: float32 | bfloat16
+    attention_impl: str = "reference"  # reference / jax keep T x T residuals; the block-sparse ones do not
+    remat: str = "none"
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @classmethod
+    def from_config(cls, model) -> "ModelShape":
+        missing = [f.name for f in dataclasses.fields(cls) if not hasattr(model, f.name)]
+        if missing:
+            raise LayoutError(f"a {type(model).__name__} is not a model config: it has no {', '.join(missing)}")
+        return cls(**{f.name: getattr(model, f.name) for f in dataclasses.fields(cls)})
+
+
+_LLAMA = dict(vocab_size=32000, tie_embeddings=False, dtype="bfloat16", attention_impl="pallas")
+_LLAMA3 = dict(_LLAMA, vocab_size=128256, remat="full")
+MODEL_PRESETS = {  # Llama-2 shapes; bf16 compute with flash attention (no T x T residuals), as one trains them
+    "7b": ModelShape(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, mlp_dim=11008, **_LLAMA),
+    "13b": ModelShape(d_model=5120, num_layers=40, num_heads=40, num_kv_heads=40, mlp_dim=13824, **_LLAMA),
+    "70b": ModelShape(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, mlp_dim=28672, **_LLAMA),
+    # Llama 3 shapes (3.2 1B, 3.1 8B / 70B / 405B): a 128,256-token vocabulary, 8 kv heads
+    "llama3-1b": ModelShape(
+        d_model=2048, num_layers=16, num_heads=32, num_kv_heads=8, mlp_dim=8192, **{**_LLAMA3, "tie_embeddings": True}
+    ),
+    "llama3-8b": ModelShape(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, mlp_dim=14336, **_LLAMA3),
+    "llama3-70b": ModelShape(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, mlp_dim=28672, **_LLAMA3),
+    "llama3-405b": ModelShape(d_model=16384, num_layers=126, num_heads=128, num_kv_heads=8, mlp_dim=53248, **_LLAMA3),
+}
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]  # logical axis names, as jaxlm.model tags them
+
+
+def param_specs(cfg: ModelShape) -> list[ParamSpec]:
+    """jaxlm.model's parameters: fused wqkv [D, K, G+2, E], wo [H, E, D], SwiGLU w_in [D, 2, F] and w_out [F, D],
+    RMSNorm scales, stacked over a leading `layers` axis; embedding [V, D]; lm_head [D, V] unless tied."""
+    D, V, L, H, K, F, E = (
+        cfg.d_model,
+        cfg.vocab_size,
+        cfg.num_layers,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.mlp_dim,
+        cfg.resolved_head_dim,
+    )
+    specs = [
+        ParamSpec("embed", (V, D), ("vocab", "embed")),
+        ParamSpec("blocks.attn_norm.scale", (L, D), ("layers", "embed")),
+        ParamSpec("blocks.attn.wqkv", (L, D, K, H // K + 2, E), ("layers", "embed", "kv_heads", None, "head_dim")),
+        ParamSpec("blocks.attn.wo", (L, H, E, D), ("layers", "heads", "head_dim", "embed")),
+        ParamSpec("blocks.mlp_norm.scale", (L, D), ("layers", "embed")),
+        ParamSpec("blocks.mlp.w_in", (L, D, 2, F), ("layers", "embed", None, "mlp")),
+        ParamSpec("blocks.mlp.w_out", (L, F, D), ("layers", "mlp", "embed")),
+        ParamSpec("final_norm.scale", (D,), ("embed",)),
+    ]
+    if not cfg.tie_embeddings:
+        specs.append(ParamSpec("lm_head", (D, V), ("embed", "vocab")))
+    return specs
+
+
+def count_params(cfg: ModelShape) -> int:
+    return sum(math.prod(p.shape) for p in param_specs(cfg))
+
+
+def _mesh_axes(target) -> tuple[str, ...]:
+    """A PartitionSpec entry (None, an axis, or a tuple of axes) -> its mesh axes."""
+    return tuple(a for a in (target if isinstance(target, tuple) else (target,)) if a)
+
+
+def logical_shards(logical: str, layout: MeshLayout) -> int:
+    """Ways the layout's rules split a dimension named `logical` (sharding.rules.logical_spec decides)."""
+    return math.prod(layout.axis_sizes[a] for a in _mesh_axes(logical_spec((logical,), layout.rules)[0]))
+
+
+def _local_size(spec: ParamSpec, layout: MeshLayout, skip: str | None = None) -> int:
+    """Elements of `spec` on one device (ignoring mesh axis `skip`, e.g. 'fsdp' for the all-gathered size)."""
+    sizes = {**layout.axis_sizes, **({skip: 1} if skip else {})}
+    return math.prod(
+        -(-n // math.prod(sizes[a] for a in _mesh_axes(t)))
+        for n, t in zip(spec.shape, logical_spec(spec.axes, layout.rules))
+    )
+
+
+def _in_group(spec: ParamSpec, cfg: ModelShape, group: str | None) -> bool:
+    """group None: every param; "layers": the stacked layers; "head": what the loss head reads (final norm and
+    lm_head, or the embedding when tied)."""
+    if group == "layers":
+        return "layers" in spec.axes
+    if group == "head":
+        return spec.name in ("final_norm.scale", "lm_head") or (cfg.tie_embeddings and spec.name == "embed")
+    return True
+
+
+def params_per_device(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
+    return sum(_local_size(p, layout) for p in param_specs(cfg) if _in_group(p, cfg, group))
+
+
+def _on_mesh_axis(spec: ParamSpec, layout: MeshLayout, mesh_axis: str) -> bool:
+    return any(mesh_axis in _mesh_axes(t) for t in logical_spec(spec.axes, layout.rules))
+
+
+def fsdp_gathered_params(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
+    """Params one device all-gathers over its FSDP ring: its tensor/pipeline slice of every FSDP-sharded array."""
+    if layout.fsdp == 1:
+        return 0
+    return sum(
+        _local_size(p, layout, skip="fsdp")
+        for p in param_specs(cfg)
+        if _on_mesh_axis(p, layout, "fsdp") and _in_group(p, cfg, group)
+    )
