@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from .block_mask import BlockMask
+from .kernel_mask import bind_documents
 from .masks import Document, Mask, ScoreMod
 
 
@@ -44,6 +45,26 @@ class AttentionStatic:
             q_len=block_mask.q_len,
             kv_len=block_mask.kv_len,
         )
+
+    def mod_scores(self, s, q_pos, kv_pos, head, with_grad: bool = False):
+        """(the score mod applied to scores ``s``, d mod / d s when ``with_grad``), positions and head broadcasting
+        against ``s``; (s, None) without a score mod. Score mods are elementwise in the score, so a jvp with ones is
+        the derivative."""
+        if self.score_mod is None:
+            return s, None
+
+        def mod(x):
+            return self.score_mod(x, q_pos, kv_pos, head)
+
+        if with_grad:
+            return jax.jvp(mod, (s,), (jnp.ones_like(s),))
+        return mod(s), None
+
+    def keep(self, doc_tiles, q_pos, kv_pos):
+        """The element mask of a tile: the template with its document slots bound to the loaded id tiles
+        ``doc_tiles``, within the real (unpadded) lengths."""
+        keep = jnp.asarray(bind_documents(self.template, doc_tiles)(q_pos, kv_pos), dtype=bool)
+        return keep & (q_pos < self.q_len) & (kv_pos < self.kv_len)
 
 
 def check_attention_inputs(name: str, q, k, v, block_mask: BlockMask) -> None:

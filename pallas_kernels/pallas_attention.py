@@ -36,8 +36,9 @@ from .kernel_inputs import (
     resolve_backend,
     segment_arrays,
 )
-from .kernel_mask import bind_documents, split_documents
+from .kernel_mask import split_documents
 from .masks import ScoreMod
+from .tile_math import dot, iota, masked_scores
 from .tpu_attention import block_sparse_attention_tpu
 
 
@@ -209,33 +210,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # ----------------------------------------------------------------------------- shared tile math
 
 
-def _dot(a, b, contract_a, contract_b):
-    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def _scores(static, q, k, q_pos, kv_pos, head, masked, doc_tiles, with_grad=False):
-    """Scaled, score-modded scores of one tile [bq, bkv] (float32), -inf where masked; optionally d mod / d s."""
-    s = _dot(q, k, 1, 1) * static.scale
-    d_mod = None
-    if static.score_mod is not None:
-
-        def mod(x):
-            return static.score_mod(x, q_pos, kv_pos, head)
-
-        if with_grad:  # score mods are elementwise in the score: a jvp with ones is the derivative
-            s, d_mod = jax.jvp(mod, (s,), (jnp.ones_like(s),))
-        else:
-            s = mod(s)
-    if masked:
-        keep = bind_documents(static.template, doc_tiles)(q_pos, kv_pos)
-        keep = keep & (q_pos < static.q_len) & (kv_pos < static.kv_len)
-        s = jnp.where(keep, s, -jnp.inf)
-    return s, d_mod
-
-
-def _iota(n, axis):
-    shape = (n, 1) if axis == 0 else (1, n)
-    return lax.broadcasted_iota(jnp.int32, shape, axis)
+    """Scaled scores of q against k, one tile [bq, bkv] (float32), score-modded and masked (tile_math)."""
+    return masked_scores(static, dot(q, k, 1, 1) * static.scale, q_pos, kv_pos, head, masked, doc_tiles, with_grad)
 
 
 def _two_loops(body, n_partial, n_total, carry):
@@ -263,7 +240,7 @@ def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_r
     tq, tkv = static.tiles.forward.rows, static.tiles.forward.loop
     row = i * tq // static.block_q  # the block-mask row this program's tile lies in
     q = q_ref[...]
-    q_pos = i * tq + _iota(tq, 0)
+    q_pos = i * tq + iota(tq, 0)
     q_segs = [r[...] for r in doc_refs[0::2]]
 
     def body(j, carry, masked):
@@ -272,13 +249,13 @@ def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_r
             k = k_ref[pl.ds(start, tkv), :]
             v = v_ref[pl.ds(start, tkv), :]
             tiles = [(qs, r[:, pl.ds(start, tkv)]) for qs, r in zip(q_segs, doc_refs[1::2])]
-            s, _ = _scores(static, q, k, q_pos, start + _iota(tkv, 1), h, masked, tiles)
+            s, _ = _scores(static, q, k, q_pos, start + iota(tkv, 1), h, masked, tiles)
             m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet in this row
             alpha = jnp.exp(m_prev - m_safe)
             p = jnp.exp(s - m_safe)
             l_new = alpha * l_prev + p.sum(axis=-1, keepdims=True)
-            acc_new = alpha * acc_prev + _dot(p.astype(v.dtype), v, 1, 0)
+            acc_new = alpha * acc_prev + dot(p.astype(v.dtype), v, 1, 0)
             return m_new, l_new, acc_new
 
         return _tiles_of_block(tile, kv_idx_ref[bm, row, j] * static.block_kv, static.block_kv, tkv, carry)
@@ -324,7 +301,7 @@ def _dq_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_idx_r
     tq, tkv = static.tiles.dq.rows, static.tiles.dq.loop
     row = i * tq // static.block_q
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    q_pos = i * tq + _iota(tq, 0)
+    q_pos = i * tq + iota(tq, 0)
     q_segs = [r[...] for r in doc_refs[0::2]]
 
     def body(j, dq, masked):
@@ -332,12 +309,12 @@ def _dq_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_idx_r
             k = k_ref[pl.ds(start, tkv), :]
             v = v_ref[pl.ds(start, tkv), :]
             tiles = [(qs, r[:, pl.ds(start, tkv)]) for qs, r in zip(q_segs, doc_refs[1::2])]
-            s, d_mod = _scores(static, q, k, q_pos, start + _iota(tkv, 1), h, masked, tiles, with_grad=True)
+            s, d_mod = _scores(static, q, k, q_pos, start + iota(tkv, 1), h, masked, tiles, with_grad=True)
             p = jnp.exp(s - lse)
-            ds = p * (_dot(do, v, 1, 1) - delta)
+            ds = p * (dot(do, v, 1, 1) - delta)
             if d_mod is not None:
                 ds = ds * d_mod
-            return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+            return dq + dot(ds.astype(k.dtype), k, 1, 0)
 
         return _tiles_of_block(tile, kv_idx_ref[bm, row, j] * static.block_kv, static.block_kv, tkv, dq)
 
@@ -375,7 +352,7 @@ def _dkv_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_r
     tkv, tq = static.tiles.dkv.rows, static.tiles.dkv.loop
     col = j * tkv // static.block_kv  # the block-mask column this program's tile lies in
     k, v = k_ref[...], v_ref[...]
-    kv_pos = j * tkv + _iota(tkv, 1)
+    kv_pos = j * tkv + iota(tkv, 1)
     kv_segs = [r[...] for r in doc_refs[1::2]]
 
     def per_head(g, carry):
@@ -389,14 +366,14 @@ def _dkv_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_r
                 lse = lse_ref[g, pl.ds(start, tq), :]
                 delta = delta_ref[g, pl.ds(start, tq), :]
                 tiles = [(r[pl.ds(start, tq), :], ks) for r, ks in zip(doc_refs[0::2], kv_segs)]
-                s, d_mod = _scores(static, q, k, start + _iota(tq, 0), kv_pos, head, masked, tiles, with_grad=True)
+                s, d_mod = _scores(static, q, k, start + iota(tq, 0), kv_pos, head, masked, tiles, with_grad=True)
                 p = jnp.exp(s - lse)
                 # p stays float32 here: dV sums p over every query of the column and has the tightest error budget
-                dv = dv + _dot(p, do.astype(jnp.float32), 0, 0)
-                ds = p * (_dot(do, v, 1, 1) - delta)
+                dv = dv + dot(p, do.astype(jnp.float32), 0, 0)
+                ds = p * (dot(do, v, 1, 1) - delta)
                 if d_mod is not None:
                     ds = ds * d_mod
-                return dk + _dot(ds.astype(q.dtype), q, 0, 0), dv
+                return dk + dot(ds.astype(q.dtype), q, 0, 0), dv
 
             return _tiles_of_block(tile, q_idx_ref[bm, col, t] * static.block_q, static.block_q, tq, carry)
 

@@ -27,14 +27,14 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .block_mask import BlockMask, coarsen
 from .kernel_inputs import AttentionStatic, check_attention_inputs, list_arrays, pad_axis, segment_arrays
-from .kernel_mask import bind_documents, split_documents
+from .kernel_mask import split_documents
 from .masks import ScoreMod
+from .tile_math import dot, iota, masked_scores
 
 LANES = 128  # a TPU vector register's lanes: tiles are multiples of it so ids and lse rows load lane-dense
 DEFAULT_TILE = 512  # q and kv tile side: what splash attention's tuned configs use at head dims 64-256
@@ -162,34 +162,6 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # ----------------------------------------------------------------------------- shared tile math
 
 
-def _dot(a, b, contract_a, contract_b):
-    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _iota(n, axis):
-    shape = (n, 1) if axis == 0 else (1, n)
-    return lax.broadcasted_iota(jnp.int32, shape, axis)
-
-
-def _masked_scores(static, s, q_pos, kv_pos, head, masked, doc_tiles, with_grad):
-    """Score-modded scores of one tile (any orientation: positions broadcast), -inf where masked; d mod / d s."""
-    d_mod = None
-    if static.score_mod is not None:
-
-        def mod(x):
-            return static.score_mod(x, q_pos, kv_pos, head)
-
-        if with_grad:  # score mods are elementwise in the score: a jvp with ones is the derivative
-            s, d_mod = jax.jvp(mod, (s,), (jnp.ones_like(s),))
-        else:
-            s = mod(s)
-    if masked:
-        keep = bind_documents(static.template, doc_tiles)(q_pos, kv_pos)
-        keep = keep & (q_pos < static.q_len) & (kv_pos < static.kv_len)
-        s = jnp.where(keep, s, -jnp.inf)
-    return s, d_mod
-
-
 def _entry(step, n_partial, n_total, j):
     """Run step(masked) for list entry j: with the element mask for the PARTIAL entries, without for the FULL ones,
     not at all past the row's count (those programs only hold the pipeline on the row's last block)."""
@@ -236,10 +208,10 @@ def _forward_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_r
 
     def step(masked):
         q, k, v = q_ref[...], k_ref[...], v_ref[...]
-        q_pos = i * tq + _iota(tq, 0)
-        kv_pos = kv_idx_ref[bm, i, j] * tkv + _iota(tkv, 1)
+        q_pos = i * tq + iota(tq, 0)
+        kv_pos = kv_idx_ref[bm, i, j] * tkv + iota(tkv, 1)
         doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
-        s, _ = _masked_scores(static, _dot(q, k, 1, 1) * static.scale, q_pos, kv_pos, h, masked, doc_tiles, False)
+        s, _ = masked_scores(static, dot(q, k, 1, 1) * static.scale, q_pos, kv_pos, h, masked, doc_tiles, False)
         m_prev, l_prev = m_ref[...], l_ref[...]
         m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet in this row
@@ -247,7 +219,7 @@ def _forward_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_r
         p = jnp.exp(s - m_safe)
         m_ref[...] = m_new
         l_ref[...] = alpha * l_prev + p.sum(axis=-1, keepdims=True)
-        acc_ref[...] = alpha * acc_ref[...] + _dot(p.astype(v.dtype), v, 1, 0)
+        acc_ref[...] = alpha * acc_ref[...] + dot(p.astype(v.dtype), v, 1, 0)
 
     _entry(step, kv_np_ref[bm, i], kv_cnt_ref[bm, i], j)
 
@@ -301,9 +273,9 @@ def _forward(static, q, k, v, mask_arrays, segments):
 
 def _transposed_step(static, q, k, v, do, lse, delta, q_pos, kv_pos, head, masked, doc_tiles):
     """One tile of the backward in the [kv, q] orientation: (p^T, ds^T), both [tkv, tq] float32."""
-    s, d_mod = _masked_scores(static, _dot(k, q, 1, 1) * static.scale, q_pos, kv_pos, head, masked, doc_tiles, True)
+    s, d_mod = masked_scores(static, dot(k, q, 1, 1) * static.scale, q_pos, kv_pos, head, masked, doc_tiles, True)
     p = jnp.exp(s - lse)
-    ds = p * (_dot(v, do, 1, 1) - delta)
+    ds = p * (dot(v, do, 1, 1) - delta)
     if d_mod is not None:
         ds = ds * d_mod
     return p, ds
@@ -322,12 +294,12 @@ def _dq_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_ref, d
 
     def step(masked):
         k = k_ref[...]
-        q_pos = i * tq + _iota(tq, 1)
-        kv_pos = kv_idx_ref[bm, i, j] * tkv + _iota(tkv, 0)
+        q_pos = i * tq + iota(tq, 1)
+        kv_pos = kv_idx_ref[bm, i, j] * tkv + iota(tkv, 0)
         doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
         args = q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
         _, ds = _transposed_step(static, *args, q_pos, kv_pos, h, masked, doc_tiles)
-        acc_ref[...] += _dot(ds.astype(k.dtype), k, 0, 0)
+        acc_ref[...] += dot(ds.astype(k.dtype), k, 0, 0)
 
     _entry(step, kv_np_ref[bm, i], kv_cnt_ref[bm, i], j)
 
@@ -386,14 +358,14 @@ def _dkv_kernel(static, q_idx_ref, q_np_ref, q_cnt_ref, q_ref, k_ref, v_ref, do_
 
     def step(masked):
         q, do = q_ref[...], do_ref[...]
-        q_pos = q_idx_ref[bm, c, slot] * tq + _iota(tq, 1)
-        kv_pos = c * tkv + _iota(tkv, 0)
+        q_pos = q_idx_ref[bm, c, slot] * tq + iota(tq, 1)
+        kv_pos = c * tkv + iota(tkv, 0)
         doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
         head = hk * static.groups + g
         p, ds = _transposed_step(static, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], q_pos, kv_pos,
                                  head, masked, doc_tiles)  # fmt: skip
-        dv_acc[...] += _dot(p.astype(do.dtype), do, 1, 0)
-        dk_acc[...] += _dot(ds.astype(q.dtype), q, 1, 0)
+        dv_acc[...] += dot(p.astype(do.dtype), do, 1, 0)
+        dk_acc[...] += dot(ds.astype(q.dtype), q, 1, 0)
 
     _entry(step, q_np_ref[bm, c], q_cnt_ref[bm, c], slot)
 

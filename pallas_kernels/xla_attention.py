@@ -36,7 +36,7 @@ from jax import lax
 
 from .block_mask import EMPTY, BlockMask
 from .kernel_inputs import AttentionStatic, check_attention_inputs, list_arrays, pad_axis, segment_arrays
-from .kernel_mask import bind_documents, split_documents
+from .kernel_mask import split_documents
 from .masks import ScoreMod
 from .xla_tiled_attention import plan_block_mask, tiled_attention_xla
 
@@ -144,21 +144,10 @@ def _kv_blocks(static, x_KSE):
 def _scores(static, q_NKGQE, k_NKWE, q_pos_NQ1, kv_pos_N1W, live, masked, doc_tiles, with_grad=False):
     """Scaled, score-modded scores [N, K, G, Q, W], -inf outside the mask; optionally d mod / d s."""
     s = jnp.einsum("nkgqe,nkwe->nkgqw", q_NKGQE, k_NKWE) * static.scale
-    d_mod = None
-    if static.score_mod is not None:
-        K, G = q_NKGQE.shape[1], q_NKGQE.shape[2]
-        head = jnp.arange(K * G, dtype=jnp.int32).reshape(1, K, G, 1, 1)
-        q_pos, kv_pos = q_pos_NQ1[:, None, None], kv_pos_N1W[:, None, None]
-
-        def mod(x):
-            return static.score_mod(x, q_pos, kv_pos, head)
-
-        if with_grad:  # score mods are elementwise in the score: a jvp with ones is the derivative
-            s, d_mod = jax.jvp(mod, (s,), (jnp.ones_like(s),))
-        else:
-            s = mod(s)
-    elem = jnp.asarray(bind_documents(static.template, doc_tiles)(q_pos_NQ1, kv_pos_N1W), dtype=bool)
-    elem = elem & (q_pos_NQ1 < static.q_len) & (kv_pos_N1W < static.kv_len)
+    K, G = q_NKGQE.shape[1], q_NKGQE.shape[2]
+    head = jnp.arange(K * G, dtype=jnp.int32).reshape(1, K, G, 1, 1)
+    s, d_mod = static.mod_scores(s, q_pos_NQ1[:, None, None], kv_pos_N1W[:, None, None], head, with_grad)
+    elem = static.keep(doc_tiles, q_pos_NQ1, kv_pos_N1W)
     keep = live[:, None, None] & (~masked[:, None, None] | elem)  # [N, Q, W]
     return jnp.where(keep[:, None, None], s, -jnp.inf), d_mod
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from .block_mask import EMPTY, FULL, PARTIAL, BlockMask
 from .kernel_inputs import AttentionStatic, check_attention_inputs, pad_axis, segment_arrays
-from .kernel_mask import bind_documents, split_documents
+from .kernel_mask import split_documents
 from .masks import ScoreMod
 
 #: Largest piece side, in positions: bigger squares are split (a score tile stays <= 16 MiB per head; 4096-wide
@@ -314,24 +314,13 @@ def _mask_and_mod(static, group, s, B, doc_arrays, transposed=False, with_grad=F
     q_pos, kv_pos = (q_pos[:, None, :], kv_pos[:, :, None]) if transposed else (q_pos[:, :, None], kv_pos[:, None])
     shape = s.shape
     s = s.reshape(B, -1, *shape[1:])  # [B, H, N, ., .]
-    d_mod = None
-    if static.score_mod is not None:
-        head = jnp.arange(s.shape[1], dtype=jnp.int32).reshape(1, -1, 1, 1, 1)
-        qp, kvp = jnp.asarray(q_pos), jnp.asarray(kv_pos)
-
-        def mod(x):
-            return static.score_mod(x, qp, kvp, head)
-
-        if with_grad:  # score mods are elementwise in the score: a jvp with ones is the derivative
-            s, d_mod = jax.jvp(mod, (s,), (jnp.ones_like(s),))
-            d_mod = d_mod.reshape(shape)
-        else:
-            s = mod(s)
+    head = jnp.arange(s.shape[1], dtype=jnp.int32).reshape(1, -1, 1, 1, 1)
+    s, d_mod = static.mod_scores(s, jnp.asarray(q_pos), jnp.asarray(kv_pos), head, with_grad)
+    d_mod = None if d_mod is None else d_mod.reshape(shape)
     if group.masked:
         qp, kvp = jnp.asarray(q_pos), jnp.asarray(kv_pos)
         tiles = [(q_ids[:, qp], kv_ids[:, kvp]) for q_ids, kv_ids in zip(doc_arrays[0::2], doc_arrays[1::2])]
-        keep = jnp.asarray(bind_documents(static.template, tiles)(qp, kvp), dtype=bool)
-        keep = keep & (qp < static.q_len) & (kvp < static.kv_len)  # [(B,) N, ., .]
+        keep = static.keep(tiles, qp, kvp)  # [(B,) N, ., .]
         s = jnp.where(keep[:, None] if keep.ndim == 4 else keep, s, -jnp.inf)
     return s.reshape(shape), d_mod
 

@@ -1,0 +1,29 @@
+"""The math the Pallas attention kernels (GPU / interpreter and TPU) do on one tile, written once: float32-accumulated
+products, position iotas, and scores score-modded and masked.
+
+Shape suffixes follow the legend in docs/architecture.md."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def dot(a, b, contract_a: int, contract_b: int):
+    """a . b contracting one dim of each, accumulated in float32 (any orientation: 0 / 1 per operand)."""
+    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def iota(n: int, axis: int):
+    """Positions 0..n-1 as a column [n, 1] (axis 0) or a row [1, n] (axis 1)."""
+    shape = (n, 1) if axis == 0 else (1, n)
+    return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def masked_scores(static, s, q_pos, kv_pos, head, masked: bool, doc_tiles, with_grad: bool = False):
+    """Scaled scores ``s`` of one tile (either orientation: the positions broadcast) -> score-modded, -inf outside
+    the mask where ``masked`` (a PARTIAL tile); and d mod / d s when ``with_grad`` (None without a score mod)."""
+    s, d_mod = static.mod_scores(s, q_pos, kv_pos, head, with_grad)
+    if masked:
+        s = jnp.where(static.keep(doc_tiles, q_pos, kv_pos), s, -jnp.inf)
+    return s, d_mod
