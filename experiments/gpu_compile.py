@@ -153,12 +153,13 @@ def _scale_shape(kind, X, C, Y, k_block, side):
     }[kind]
 
 
-def _compile_matmul(spec) -> str:
+def matmul_program(spec):
+    """(the Pallas scaled matmul of one MATMULS entry, its argument specs at MATMUL_SHAPE): what gpu_compile and
+    tpu_compile compile."""
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels.quantized_matmul import scaled_matmul
-    from pallas_kernels.targets import compile_for_gpu
 
     x_dtype, xs, w_dtype, ws, k_block = spec
     X, C, Y = MATMUL_SHAPE
@@ -172,6 +173,13 @@ def _compile_matmul(spec) -> str:
     def matmul(x, x_scale, w, w_scale):
         return scaled_matmul(x, x_scale, w, w_scale, k_block=k_block, impl="pallas", out_dtype=jnp.bfloat16)
 
+    return matmul, args
+
+
+def _compile_matmul(spec) -> str:
+    from pallas_kernels.targets import compile_for_gpu
+
+    matmul, args = matmul_program(spec)
     return _kernels_in(compile_for_gpu(matmul, *args), expected=1)
 
 

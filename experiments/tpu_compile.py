@@ -20,7 +20,7 @@ import json
 import sys
 
 from experiments.cli import exit_with
-from experiments.gpu_compile import MATMUL_SHAPE, MATMULS, Case, _scale_shape, attention_masks, run
+from experiments.gpu_compile import MATMULS, Case, attention_masks, matmul_program, run
 
 TPU_CALL = "tpu_custom_call"
 GENERATIONS = ("v5e", "v5p", "v6e")
@@ -105,24 +105,9 @@ def attention_cases(generations, seqs, head_dims, dtypes) -> list[Case]:
 
 
 def _compile_matmul(generation: str, spec) -> str:
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels.quantized_matmul import scaled_matmul
     from pallas_kernels.targets import compile_for_tpu
 
-    x_dtype, xs, w_dtype, ws, k_block = spec
-    X, C, Y = MATMUL_SHAPE
-    args = (
-        jax.ShapeDtypeStruct((X, C), jnp.dtype(x_dtype)),
-        None if xs is None else jax.ShapeDtypeStruct(_scale_shape(xs, X, C, Y, k_block, "x"), jnp.float32),
-        jax.ShapeDtypeStruct((C, Y), jnp.dtype(w_dtype)),
-        jax.ShapeDtypeStruct(_scale_shape(ws, X, C, Y, k_block, "w"), jnp.float32),
-    )
-
-    def matmul(x, x_scale, w, w_scale):
-        return scaled_matmul(x, x_scale, w, w_scale, k_block=k_block, impl="pallas", out_dtype=jnp.bfloat16)
-
+    matmul, args = matmul_program(spec)
     return _kernels_in(compile_for_tpu(matmul, *args, generation=generation), expected=1)
 
 
