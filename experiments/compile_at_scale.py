@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -113,7 +114,6 @@ def plan_jobs(args) -> list[Job]:
 
 def run_job(job: Job, progress) -> list[dict]:
     from jaxlm.deviceless import compile_train_step
-    from pallas_kernels.targets import first_line
     from sharding.planner import describe
 
     rows = []
@@ -123,7 +123,7 @@ def run_job(job: Job, progress) -> list[dict]:
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, microbatches=accumulation))
         name = describe(layout, max(1, accumulation or cfg.data.microbatches))
         progress(f"[{i}/{len(job.layouts)}] {job.model} on {job.cluster}: {name}: compiling ...")
-        r = compile_train_step(cfg, layout, job.cluster, first_line=first_line)
+        r = compile_train_step(cfg, layout, job.cluster)
         row = row_of(job, name, r)
         rows.append(row)
         progress(f"    {summary(row)}")
@@ -221,8 +221,6 @@ def machine_name() -> str:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         pass
-    import os
-
     return f"{cpu or platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
 
 

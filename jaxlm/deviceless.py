@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jaxlm.config import TrainConfig, validate
 from jaxlm.train import Program, step_microbatches
 from pallas_kernels.kernel_inputs import compile_target
+from pallas_kernels.mask_spec import parse_mask, uses_documents
+from pallas_kernels.targets import first_line
 from sharding import MeshLayout, build_mesh
 from sharding.clusters import Cluster, cluster_devices
 from sharding.hlo import Collective, collectives, custom_kernels
@@ -59,15 +61,15 @@ def batch_specs(program: Program, cfg: TrainConfig) -> dict:
     them)."""
     B, T = cfg.data.batch_size, cfg.data.seq_len
     fields = [("inputs", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32)]
-    if "document" in cfg.model.attention_mask:
+    if uses_documents(parse_mask(cfg.model.attention_mask)):
         fields.append(("segment_ids", jnp.int32))
     return {name: jax.ShapeDtypeStruct((B, T), dtype, sharding=program.batch_sharding) for name, dtype in fields}
 
 
-def compile_train_step(cfg: TrainConfig, layout: MeshLayout, cluster: Cluster, first_line=str) -> StepCompile:
+def compile_train_step(cfg: TrainConfig, layout: MeshLayout, cluster: Cluster) -> StepCompile:
     """Compile ``cfg``'s train step under ``layout`` for ``cluster`` (its toolchain enabled in this process).
     A program that does not compile (too big for a device's memory, a kernel that does not fit) is returned with
-    ``error`` set to ``first_line(exception)``; bad configs and layouts raise as they would in a run."""
+    ``error`` set to XLA's first line; bad configs and layouts raise as they would in a run."""
     validate(cfg)
     mesh = build_mesh(layout, devices=cluster_devices(cluster))
     program = Program(cfg, mesh, layout)
