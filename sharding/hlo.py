@@ -96,7 +96,8 @@ def _callee_order(computations: dict[str, str], entry: str) -> list[str]:
 
 
 def _bytes(dtype: str, dims: str) -> int:
-    size = _ITEMSIZE.get(dtype) or max(1, int(re.sub(r"\D", "", dtype)[:2] or 8) // 8)
+    bits = re.match(r"[a-z]+(\d+)", dtype)  # s32, u8, f8e4m3fn: the width follows the kind letters
+    size = _ITEMSIZE.get(dtype) or max(1, int(bits.group(1)) // 8 if bits else 1)
     return size * math.prod(int(d) for d in dims.split(",") if d)
 
 

@@ -52,5 +52,10 @@ def test_collectives_are_counted_per_step_with_the_bytes_of_their_arrays():
     assert got["collective-permute", 2] == Collective("collective-permute", 2, 1, 8 * 4)
 
 
+def test_fp8_and_integer_arrays_count_their_own_width():
+    text = LOOP.replace("bf16[64,256]{1,0:T(8,128)(2,1)} all-reduce", "f8e4m3fn[64,256]{1,0} all-reduce")
+    assert {(c.kind, c.group): c for c in collectives(text)}["all-reduce", 4].bytes == 12 * 64 * 256
+
+
 def test_kernels_are_named_and_xla_s_own_custom_calls_left_out():
     assert custom_kernels(LOOP) == {"Mosaic (Pallas TPU)": 1, "Triton (Pallas GPU)": 1}
