@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import glob
 import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
+
+from data.command_signals import signals_deferred
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +98,10 @@ class DirKind:
         self._move_into_place(built, out_dir, overwrite)
 
     def _move_into_place(self, tmp: Path, out_dir: Path, overwrite: bool) -> None:
+        with signals_deferred():  # a stop between the two renames would leave neither the old nor the new in place
+            self._swap(tmp, out_dir, overwrite)
+
+    def _swap(self, tmp: Path, out_dir: Path, overwrite: bool) -> None:
         old = None
         if out_dir.exists() and any(out_dir.iterdir()):
             self.check_writable(out_dir, overwrite)  # may have appeared while we were writing
@@ -107,3 +116,75 @@ class DirKind:
         finally:
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this host; a zombie (killed, not yet reaped) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] != "Z"
+    except (OSError, ValueError, IndexError):
+        return True
+
+
+def scratch_path(target: Path, tag: str) -> Path:
+    """Where a command builds `target` before renaming it into place: beside it, hidden, named by host and pid so
+    that a later run can tell an abandoned one (its writer gone) from a live one."""
+    target = Path(os.path.abspath(target))
+    return target.parent / f".{target.name}.{tag}-{socket.gethostname()}-{os.getpid()}"
+
+
+def remove_abandoned(target: Path, tag: str) -> list[Path]:
+    """Removes the scratch copies of `target` left by writers of this host that are gone (killed, or stopped
+    past their grace period); returns them."""
+    target = Path(os.path.abspath(target))
+    prefix = f".{target.name}.{tag}-{socket.gethostname()}-"
+    removed = []
+    if not target.parent.is_dir():
+        return removed
+    for p in target.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = p.name[len(prefix) :]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk, a quota, a file-size limit
+
+
+def rust_os_error(e: BaseException, path: Path) -> OSError | None:
+    """The OSError behind a Rust library's error (tokenizers, safetensors: "... (os error 28)"), so that a full
+    disk reads the same whichever library wrote; None if `e` is not one."""
+    code = re.search(r"os error (\d+)", str(e))
+    return OSError(int(code[1]), os.strerror(int(code[1])), str(path)) if code else None
+
+
+def no_space(e: BaseException, where: Path, needed_bytes: int | None = None, name=None) -> str | None:
+    """One line for a write that failed for want of space (None for any other error): the output (`name`, else
+    the file that failed), the reason, and how much the output needs against what is free where it is written."""
+    if not isinstance(e, OSError) or e.errno not in NO_SPACE:
+        return None
+    return space_line(name or e.filename or where, e.strerror, where, needed_bytes)
+
+
+NO_SPACE_TEXT = ("No space left on device", "File too large", "Disk quota exceeded")  # as strerror words them
+
+
+def space_line(path, reason: str, where: Path, needed_bytes: int | None = None) -> str:
+    """ "cannot write PATH: REASON (it needs about N; M free on ...'s filesystem)"."""
+    where = Path(os.path.abspath(where))
+    existing = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
+    free = shutil.disk_usage(existing).free
+    need = f"it needs about {_size(needed_bytes)}; " if needed_bytes else ""
+    return f"cannot write {path}: {reason} ({need}{_size(free)} free on {existing}'s filesystem)"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -11,18 +11,26 @@ half a dataset; a killed run, rerun with the same command, keeps the shards it c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import queue
 import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from data.atomic_dir import no_space
+from data.command_signals import CommandSignals, Stopped, exit_code
+from data.ownership import DATASET, OwnershipError, check_target
 from data.shard_worker import Unit, completed_stats, init_worker, tokenize_unit
 from data.text_sources import ReadOptions, TextSourceError, find_inputs, plan_pieces
 from data.text_tokenizer import TextTokenizer, TokenizerError, load_tokenizer
@@ -37,6 +45,14 @@ _LISTED_SOURCES = 20  # the manifest names this many input files, then counts th
 
 class PrepareError(Exception):
     """A user error: reported as one line, exit code 2."""
+
+    code = 2
+
+
+class NoSpaceError(PrepareError):
+    """The disk (or a quota, or a file-size limit) filled while shards were written: one line, exit code 4."""
+
+    code = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +109,16 @@ def prepare(job: Job, output: Path, *, workers: int = 1, overwrite: bool = False
     except (TextSourceError, TokenizerError):
         shutil.rmtree(build, ignore_errors=True)  # bad input: the fixed input is another job anyway
         raise
+    except OSError as e:
+        # At most a token per input byte (byte-level; BPE writes fewer), plus the finished shards' copy on publish.
+        full = no_space(e, build, sum(u.size for u in pending) * np.dtype(dtype).itemsize)
+        if full is None:
+            raise
+        kept = sum(completed_stats(build, u.index, dtype) is not None for u in units)
+        raise NoSpaceError(
+            f"{full}; free space and rerun the same command: the {kept} finished shards in {build} are kept and "
+            f"nothing was written to {output}"
+        ) from None
     stats = [done[u.index] for u in units]
     if not sum(s["num_tokens"] for s in stats):
         shutil.rmtree(build, ignore_errors=True)
@@ -160,7 +186,9 @@ def _run_pool(job: Job, units: list[Unit], build: Path, dtype: str, workers: int
     ctx = multiprocessing.get_context("spawn")  # a fork after the tokenizer's threads started could deadlock
     sink = ctx.Queue()
     results = {}
-    with ctx.Pool(workers, initializer=init_worker, initargs=(job.tokenizer, job.options, dtype, sink)) as pool:
+    with _ignoring_ctrl_c():  # inherited through exec: a Ctrl-C while a worker still starts is not its traceback
+        pool = ctx.Pool(workers, initializer=init_worker, initargs=(job.tokenizer, job.options, dtype, sink))
+    with pool:
         pending = {u.index: pool.apply_async(tokenize_unit, (u, str(build))) for u in units}
         while pending:
             try:
@@ -173,6 +201,15 @@ def _run_pool(job: Job, units: list[Unit], build: Path, dtype: str, workers: int
                     results[index] = result.get()  # re-raises a worker's error here
                     del pending[index]
     return results
+
+
+@contextlib.contextmanager
+def _ignoring_ctrl_c():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _finish(job: Job, build: Path, stats: list[dict], dtype: str) -> None:
@@ -209,8 +246,13 @@ def _finish(job: Job, build: Path, stats: list[dict], dtype: str) -> None:
     (build / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage + error
+        raise PrepareError(message)
+
+
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories")
     parser.add_argument("--output", required=True, metavar="DIR", help="token data directory to write")
     parser.add_argument(
@@ -232,22 +274,39 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """Exit codes: 0 written, 2 bad input, 4 the disk filled, 130 / 143 stopped by SIGINT / SIGTERM (the finished
+    shards are kept for the rerun)."""
     try:
-        if args.workers < 1 or args.shard_mb <= 0:
-            raise PrepareError(f"--workers must be >= 1 and --shard-mb > 0, got {args.workers} and {args.shard_mb}")
+        with CommandSignals(PROG):
+            return _main(argv)
+    except KeyboardInterrupt as e:  # Stopped by a signal, or a KeyboardInterrupt raised in-process
+        name = e.signal_name if isinstance(e, Stopped) else "SIGINT"
+        print(
+            f"{PROG}: stopped by {name}: nothing was written to the output; rerun the same command to "
+            f"continue from the finished shards",
+            file=sys.stderr,
+        )
+        return exit_code(name)
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
+        args = parse_args(argv)
+        if args.workers < 1:
+            raise PrepareError(f"--workers must be >= 1, got {args.workers}")
+        if not 0 < args.shard_mb < math.inf:  # inf: int(inf) raised OverflowError
+            raise PrepareError(f"--shard-mb must be a finite number > 0 (input MB per shard), got {args.shard_mb}")
         tok = load_tokenizer(args.tokenizer, eos_token=args.eos_token, bos_token=args.bos_token, add_bos=args.add_bos)
         options = ReadOptions(args.text_field, args.separator, args.utf8_errors, args.skip_bad)
         files = find_inputs(args.input, args.pattern or ["*.txt"])
+        output = Path(args.output)
+        check_target(output, DATASET, "--output")
         job = Job(files, tok, options, int(args.shard_mb * 2**20))
         show = not args.no_progress and sys.stderr.isatty()
-        data = prepare(job, Path(args.output), workers=args.workers, overwrite=args.overwrite, progress=show)
-    except (PrepareError, TextSourceError, TokenizerError, TokenFileError) as e:
+        data = prepare(job, output, workers=args.workers, overwrite=args.overwrite, progress=show)
+    except (PrepareError, TextSourceError, TokenizerError, TokenFileError, OwnershipError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; rerun the same command to continue from the completed shards", file=sys.stderr)
-        return 130
+        return getattr(e, "code", 2)
     m = data.meta
     print(
         f"wrote {m['num_documents']} documents, {m['num_tokens']} tokens in {len(m['shards'])} shards to {data.path}"

@@ -8,10 +8,18 @@ needs as arguments, so this package imports nothing of jaxlm.
 
 from __future__ import annotations
 
+import os
+import shlex
+from pathlib import Path
+
 from data.corpus import default_corpus
 from data.iterator import SeededBatchIterator, eval_batches, num_windows, split_train_val
 from data.sources import ThrottledSource, TokenWindowSource
+from data.token_file import TokenFileError
 from data.token_shards import open_tokens
+
+# data.prepare's input formats, as --pattern globs (it reads *.txt unless told)
+TEXT_GLOBS = ("*.txt", "*.jsonl", "*.jsonl.gz", "*.ndjson", "*.ndjson.gz", "*.parquet")
 
 
 def data_path(d) -> str:
@@ -19,14 +27,76 @@ def data_path(d) -> str:
     return d.path or str(default_corpus(tokenizer=d.corpus_tokenizer))
 
 
+def open_data_path(d):
+    """The token data data section `d` reads (`open_tokens`); a TokenFileError naming data.path otherwise, which
+    says how to prepare it when it is a directory of text."""
+    from data.ownership import DATASET, kind_of
+
+    path = data_path(d)
+    try:
+        return open_tokens(path)
+    except TokenFileError:
+        kind = kind_of(Path(path))
+        if kind is not None and kind is not DATASET:
+            raise TokenFileError(
+                f"data.path {path} is {kind} ({kind.written_by}), not a token dataset; give a directory that "
+                f"python -m data.prepare wrote"
+            ) from None
+        globs = text_globs(path)
+        if not globs:
+            raise
+        out = tokens_dir_for(path)
+        raise TokenFileError(
+            f"data.path {path} holds text files ({', '.join(globs)}), not a token dataset; prepare it first: "
+            f"{prepare_command(path, out, globs)}, then --set data.path={shlex.quote(str(out))}"
+        ) from None
+
+
+def text_globs(path, limit: int = 10_000) -> list[str]:
+    """Which of TEXT_GLOBS files under directory `path` match (of its first `limit` files, recursively, as
+    data.prepare walks it); [] when it is no directory, or one a command wrote (a training workdir's
+    metrics.jsonl is no text to train on)."""
+    import fnmatch
+
+    from data.ownership import kind_of
+
+    if not os.path.isdir(path) or kind_of(Path(path)) is not None:
+        return []
+    found, seen = set(), 0
+    for _, _, names in os.walk(path):
+        for name in names:
+            found.update(g for g in TEXT_GLOBS if fnmatch.fnmatch(name.lower(), g))
+            seen += 1
+            if seen >= limit:
+                break
+        if seen >= limit:
+            break
+    return [g for g in TEXT_GLOBS if g in found]
+
+
+def tokens_dir_for(path) -> Path:
+    """Where to suggest writing the token data of text directory `path`: beside it (never inside it, where the
+    next prepare would read the dataset as text)."""
+    p = Path(path)
+    if p.name in ("", ".", ".."):
+        p = Path(os.path.abspath(p))
+    return p.parent / f"{p.name or 'text'}-tokens"
+
+
+def prepare_command(path, out, globs: list[str]) -> str:
+    """The data.prepare command line that tokenizes the `globs` files of text directory `path` into `out`."""
+    patterns = [] if globs == ["*.txt"] else [a for g in globs for a in ("--pattern", g)]
+    return shlex.join(["python", "-m", "data.prepare", "--input", str(path), "--output", str(out), *patterns])
+
+
 def data_vocab_size(d) -> int:
     """The vocabulary of the tokenizer the token data data section `d` reads was written with (its metadata)."""
-    return open_tokens(data_path(d)).vocab_size
+    return open_data_path(d).vocab_size
 
 
 def data_fingerprint(d) -> dict:
     """The fingerprint (TokenFile / TokenShards.fingerprint) of the token data data section `d` reads."""
-    return open_tokens(data_path(d)).fingerprint()
+    return open_data_path(d).fingerprint()
 
 
 def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None, partitions: int = 0):
@@ -34,7 +104,7 @@ def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None
 
     `document_mask`: the attention mask spec, when it needs document boundaries (batches then carry segment ids,
     found at the token file's eos_id); `partitions` > 0: each of that many replicas reads its own slice."""
-    token_file = open_tokens(data_path(d))  # a token file or token shards: one interface
+    token_file = open_data_path(d)  # a token file or token shards: one interface
     if token_file.vocab_size > vocab_size:
         raise ValueError(
             f"token file {token_file.path} has vocab_size {token_file.vocab_size} but "

@@ -12,10 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 
+from data.fault_points import pause_point
 from data.text_sources import Counts, Piece, ReadOptions, documents
 from data.token_shards import ShardWriter, file_sha256, shard_name
 
@@ -42,10 +46,26 @@ def init_worker(tokenizer, options: ReadOptions, dtype: str, progress=None) -> N
 
     Worker processes encode single-threaded (TOKENIZERS_PARALLELISM=false): parallelism comes from the processes,
     which also parallelise reading and parsing, and W processes x 2 Rust threads would oversubscribe the cores."""
-    if progress is not None and not callable(progress):
+    if progress is not None and not callable(progress):  # a worker process
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         progress = progress.put
+        _follow_parent()
     _state.update(tokenizer=tokenizer, options=options, dtype=dtype, progress=progress or (lambda item: None))
+
+
+def _follow_parent() -> None:
+    """A worker leaves the signals to its parent, which stops the pool (a Ctrl-C reaches the whole process group:
+    a traceback per worker otherwise), and ends when the parent is gone (killed with SIGKILL, say) instead of
+    writing on into a build nobody will finish."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="follow-parent", daemon=True).start()
 
 
 def stats_path(directory: Path, index: int) -> Path:
@@ -71,6 +91,8 @@ def tokenize_unit(unit: Unit, directory: str) -> dict:
     writer = ShardWriter(Path(directory) / shard_name(unit.index), _state["dtype"])
     counts, totals = Counts(), {"num_documents": 0, "skipped_empty": 0}
     try:
+        if unit.index == 1:
+            pause_point("prepare.shard")  # shard 0 done or under way, shard 1 begun
         for piece in unit.pieces:
             reported = 0  # characters reported for this piece, capped at its size in bytes
             batch, chars = [], 0

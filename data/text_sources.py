@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from data.ownership import kind_of
+
 TEXT, JSONL, JSONL_GZ, JSON, PARQUET = "txt", "jsonl", "jsonl.gz", "json", "parquet"
 _SUFFIXES = ((".jsonl.gz", JSONL_GZ), (".ndjson.gz", JSONL_GZ), (".jsonl", JSONL), (".ndjson", JSONL))
 _SUFFIXES += ((".json", JSON), (".parquet", PARQUET))
@@ -65,16 +67,22 @@ def format_of(path: str | os.PathLike) -> str:
 
 
 def find_inputs(inputs: list[str], patterns: list[str]) -> list[Path]:
-    """Files named, plus files under directories matching any pattern (recursive); sorted per directory, deduped."""
+    """Files named, plus files under directories matching any pattern (recursive); sorted per directory, deduped.
+
+    A walk never enters what a command wrote (a token dataset, an HF export, a training workdir, a hidden build
+    directory): an output kept beside its text is not read back as text by the next run."""
     found: dict[Path, None] = {}
     for raw in inputs:
         path = Path(raw)
         if path.is_file():
             found[path] = None
         elif path.is_dir():
+            kind = kind_of(path)
+            if kind is not None:
+                raise TextSourceError(f"input {path} is {kind} ({kind.written_by}), not text")
             matches = sorted(
                 Path(d) / name
-                for d, _, names in os.walk(path)
+                for d, _, names in _walk_text(path)
                 for name in names
                 if any(fnmatch.fnmatch(name, p) for p in patterns)
             )
@@ -84,6 +92,15 @@ def find_inputs(inputs: list[str], patterns: list[str]) -> list[Path]:
         else:
             raise TextSourceError(f"input not found: {path}")
     return list(found)
+
+
+def _walk_text(root: Path):
+    """os.walk, pruning the directories a command wrote and prepare's unfinished builds (`.NAME.partial`)."""
+    for d, dirs, names in os.walk(root):
+        dirs[:] = [
+            x for x in dirs if not (x.startswith(".") and x.endswith(".partial")) and kind_of(Path(d) / x) is None
+        ]
+        yield d, dirs, names
 
 
 def plan_pieces(path: Path, options: ReadOptions, target_bytes: int) -> list[Piece]:

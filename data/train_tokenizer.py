@@ -10,10 +10,15 @@ The same input and flags give the same tokenizer.json, byte for byte.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
 
+from data.atomic_dir import no_space, remove_abandoned, rust_os_error, scratch_path
+from data.command_signals import CommandSignals, Stopped
+from data.fault_points import pause_point
+from data.ownership import OwnershipError, check_target
 from data.text_sources import Counts, ReadOptions, TextSourceError, documents, find_inputs, plan_pieces
 from data.text_tokenizer import TOKENIZER_JSON, TokenizerError, load_tokenizer
 
@@ -56,6 +61,7 @@ def read_texts(files: list[Path], options: ReadOptions, *, max_bytes: int | None
             for text in documents(piece, options, counts):
                 if text:
                     yield text
+                    pause_point("train_tokenizer.read")
                     seen[0] += len(text)
                     if bar is not None:
                         bar.update(len(text))
@@ -69,7 +75,23 @@ def output_path(raw: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    """Exit codes: 0 written, 2 bad input, 4 the disk filled, 130 / 143 stopped by SIGINT / SIGTERM (nothing is
+    written; a rerun starts again)."""
+    try:
+        with CommandSignals(PROG, grace_s=2.0):  # BPE training in Rust never returns to Python's handler
+            return _main(argv)
+    except Stopped as e:
+        print(f"{PROG}: stopped by {e.signal_name}: nothing was written; rerun the same command", file=sys.stderr)
+        return e.code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage + error
+        raise TrainError(message)
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or directories")
     parser.add_argument("--pattern", action="append", metavar="GLOB", help="file glob, repeatable (default *.txt)")
     parser.add_argument("--output", required=True, metavar="PATH", help="tokenizer.json to write (or its directory)")
@@ -84,12 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-bad", action="store_true", help="skip jsonl/json records that are bad")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.json")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         out = output_path(args.output)
+        check_target(out, "a tokenizer", "--output")  # never a dataset's, an export's or a run's tokenizer.json
         specials = special_tokens(args.bos, args.pad)
         if args.vocab_size < BYTES + len(specials) + 1:
             raise TrainError(f"--vocab-size {args.vocab_size} leaves no merge: need > {BYTES} bytes + {specials}")
+        if args.min_frequency < 0:  # the Rust trainer's OverflowError otherwise
+            raise TrainError(f"--min-frequency must be >= 0 (a merge's least pair count), got {args.min_frequency}")
+        if args.max_mb is not None and not 0 < args.max_mb < math.inf:  # <= 0 read one document, inf raised
+            raise TrainError(
+                f"--max-mb must be a finite number > 0 (MB of text to train on; leave it out for all), "
+                f"got {args.max_mb}"
+            )
         if out.exists() and not args.overwrite:
             raise TrainError(f"{out} already exists (pass --overwrite to replace it)")
         options = ReadOptions(args.text_field, args.separator, args.utf8_errors, args.skip_bad)
@@ -99,9 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         if not chars:
             raise TrainError(f"no text: the {len(files)} input files hold no non-empty document")
         _save(tok, out)
-    except (TrainError, TextSourceError, TokenizerError) as e:
+    except (TrainError, TextSourceError, TokenizerError, OwnershipError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        full = no_space(e, out.parent, name=out)
+        if full is None:
+            raise
+        print(f"{PROG}: error: {full}; free space and rerun (nothing was written)", file=sys.stderr)
+        return 4
     print(f"trained a {tok.get_vocab_size()}-token byte-level BPE on {chars:,} characters -> {out}")
     return 0
 
@@ -109,9 +145,16 @@ def main(argv: list[str] | None = None) -> int:
 def _save(tok, out: Path) -> None:
     """Writes `out` whole or not at all, after checking it loads as prepare will load it."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    remove_abandoned(out, "tmp")
+    tmp = scratch_path(out, "tmp")
     try:
-        tok.save(str(tmp))
+        try:
+            tok.save(str(tmp))
+        except Exception as e:  # tokenizers' own error for I/O: an OSError again, so a full disk reads as one
+            os_error = rust_os_error(e, tmp)
+            if os_error is None:
+                raise
+            raise os_error from None
         load_tokenizer(tmp)  # it must load and have its EOS
         os.replace(tmp, out)
     finally:

@@ -45,6 +45,7 @@ def exit_with(code: int, grace_s: float | None = None) -> None:
     Orbax save or loader left behind can wait forever, and the command would hang after printing its error. A
     daemon watchdog ends the process after `grace_s` with the same code and a line naming what was still running.
     """
+    import signal
     import threading
 
     if grace_s is None:
@@ -60,6 +61,13 @@ def exit_with(code: int, grace_s: float | None = None) -> None:
         sys.stderr.flush()
         os._exit(code)
 
+    def stop_now(signum, frame):  # a signal while threads and exit handlers finish: one line, not a traceback
+        print(f"\n{Path(sys.argv[0]).stem}: {signal.Signals(signum).name}: exiting now", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, stop_now)
     watchdog = threading.Timer(grace_s, give_up)
     watchdog.daemon = True
     watchdog.start()
@@ -150,6 +158,13 @@ def build_parser(prog: str, default_workdir: str) -> argparse.ArgumentParser:
     mp.add_argument("--num-processes", type=int, metavar="N", help="number of processes in the run")
     mp.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
     mp.add_argument(
+        "--join-timeout",
+        type=float,
+        metavar="S",
+        help="give up with one line naming who is missing if the other processes have not all joined within S "
+        "seconds (default: $JAXLM_JOIN_TIMEOUT_S, else 300; at most 3000)",
+    )
+    mp.add_argument(
         "--replica-id",
         type=int,
         metavar="I",
@@ -175,6 +190,7 @@ def run_training(prog: str, default_config: Path, default_workdir: str, argv: li
                 value = getattr(args, flag)
                 if value is not None and not value.strip():
                     raise UsageError(f"--{flag.replace('_', '-')} is empty; give a path (or leave the flag out)")
+            check_compilation_cache(args.compilation_cache)
             *setup, lock = _prepare(prog, args, default_config)
     # UsageError, ConfigError, LayoutError, TokenFileError, an unreadable file, another run holding the workdir
     except (ValueError, OSError, WorkdirBusy) as e:
@@ -199,8 +215,9 @@ def _prepare(prog: str, args, default_config: Path):
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     from sharding.distributed import initialize
 
-    initialize(args.coordinator, args.num_processes, args.process_id)  # before anything queries devices
+    initialize(args.coordinator, args.num_processes, args.process_id, args.join_timeout)  # before any device query
 
+    from data.ownership import claim_workdir, mark_workdir
     from jaxlm import config as config_lib
     from jaxlm.diloco.config import for_this_process
     from jaxlm.memory_check import check_step_fits
@@ -218,7 +235,7 @@ def _prepare(prog: str, args, default_config: Path):
     }
     cfg = config_lib.apply_overrides(cfg, [f"{k}={v}" for k, v in flags.items() if v is not None] + args.set)
     cfg, args.workdir = for_this_process(cfg, args.workdir, args.replica_id)  # a DiLoCo replica's own process
-    config_lib.validate(cfg)
+    config_lib.validate_training(cfg)  # and what it asks to evaluate and sample can be
     cfg = resolve_vocab(cfg)  # model.vocab_size from the data's tokenizer, unless set
 
     num_devices = jax.device_count()
@@ -237,6 +254,7 @@ def _prepare(prog: str, args, default_config: Path):
     train_iter, eval_data = open_run_data(cfg)
     tokenizer = run_tokenizer(cfg)  # a TokenizerError (a ValueError) when its tokenizer.json changed
     workdir = Path(args.workdir)
+    claim_workdir(workdir)  # never a dataset, an HF export or a user's folder: nothing of theirs is overwritten
     check_writable_dir(workdir, "--workdir")
     # One run per workdir, taken before the run writes there. Process 0 holds it for all processes of its run (a
     # DiLoCo replica's processes, with their own sub-workdir, hold their own).
@@ -245,7 +263,33 @@ def _prepare(prog: str, args, default_config: Path):
         note = lock.acquire()
         if note:
             print(f"{prog}: note: {note}", file=sys.stderr)
+        mark_workdir(workdir)
     return cfg, layout, train_iter, eval_data, tokenizer, lock
+
+
+def check_compilation_cache(choice: str | None) -> None:
+    """--compilation-cache DIR must be a directory, or a path one can be made at, that can be written (JAX would
+    only warn and compile everything again); UsageError naming it otherwise. Writes nothing that stays."""
+    import tempfile
+
+    if choice is None or choice == "none":
+        return
+    path = Path(choice)
+    not_dir = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if not_dir is not None:
+        where = "is a file" if not_dir == path else f"is under {not_dir}, a file"
+        raise UsageError(
+            f"--compilation-cache {path} {where}, not a directory; give a directory (made if missing), or none "
+            f"to run without the cache"
+        )
+    nearest = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    try:
+        tempfile.TemporaryFile(dir=nearest).close()  # a real write: permission bits do not stop root
+    except OSError as e:
+        raise UsageError(
+            f"--compilation-cache {path} is not writable ({nearest}: {e.strerror}); give a writable directory, or "
+            f"none to run without the cache"
+        ) from None
 
 
 def use_compilation_cache(choice: str | None) -> None:

@@ -50,6 +50,18 @@ def check_args(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
     if args.max_tokens == 1:
         raise ValueError("--max-tokens 1 leaves nothing to score: the first token is context only; give >= 2")
+    if args.data:
+        import shlex
+
+        from data.setup import text_globs
+
+        globs = text_globs(args.data)
+        if globs:  # not token data but the text itself, which --text reads
+            patterns = [] if globs == ["*.txt"] else [a for g in globs for a in ("--pattern", g)]
+            raise ValueError(
+                f"--data {args.data} holds text files ({', '.join(globs)}), not token data; score them with "
+                f"{shlex.join(['--text', args.data, *patterns])}"
+            )
 
 
 def text_tokens(args, tokenizer):

@@ -34,10 +34,28 @@ def parse_args(argv):
     p.add_argument("--coordinator", metavar="HOST:PORT", help="multi-process: process 0's coordination service")
     p.add_argument("--num-processes", type=int, metavar="N", help="multi-process: number of processes")
     p.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's index")
+    p.add_argument(
+        "--join-timeout", type=float, metavar="S", help="multi-process: give up if the others have not joined in S s"
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 written, 2 bad input, 4 a write failed (a full disk), 130 / 143 stopped by SIGINT / SIGTERM
+    (nothing is left at --out; its scratch copy is removed, or by the next run if the process was cut short)."""
+    from data.command_signals import CommandSignals, Stopped
+
+    try:
+        with CommandSignals(PROG) as signals:
+            return _main(argv, signals)
+    except Stopped as e:
+        print(f"{PROG}: stopped by {e.signal_name}: nothing written to --out; rerun the same command", file=sys.stderr)
+        return e.code
+
+
+def _main(argv: list[str] | None, signals) -> int:
+    from data.atomic_dir import no_space
+
     try:
         args = parse_args(argv)
         if not args.workdir.strip() or not args.out.strip():
@@ -46,11 +64,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--max-shard-mb must be positive, got {args.max_shard_mb}")
         from sharding.distributed import initialize
 
-        initialize(args.coordinator, args.num_processes, args.process_id)
+        initialize(args.coordinator, args.num_processes, args.process_id, args.join_timeout)
         from jaxlm import hf_export
 
         out = Path(args.out)
         hf_export.check_out(out)
+        signals.cleanup = lambda: hf_export.remove_scratch(out)  # if stopping takes past its grace period
         source = hf_export.open_source(Path(args.workdir), args.step)
     except (ValueError, OSError) as e:  # HFError, DistributedError, a flag
         print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
@@ -60,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # HFError found reading the params (unreadable, checksum)
         print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk: nothing is left at --out, the scratch copy is removed
+        full = no_space(e, out.absolute().parent, hf_export.export_bytes(source, args.dtype), name=out)
+        if full is None:
+            raise
+        print(f"{PROG}: error: {full}; free space and rerun (nothing was written to --out)", file=sys.stderr)
+        return 4
     if summary:
         print(
             f"{PROG}: step {summary['step']} of {args.workdir}: {summary['tensors']} tensors "

@@ -34,6 +34,24 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 written, 2 bad input, 4 the disk filled, 130 / 143 stopped by SIGINT / SIGTERM (nothing is
+    left at --workdir; its scratch copy is removed, or by the next run if the process was cut short)."""
+    from data.command_signals import CommandSignals, Stopped
+
+    try:
+        with CommandSignals(PROG) as signals:
+            return _main(argv, signals)
+    except Stopped as e:
+        print(
+            f"{PROG}: stopped by {e.signal_name}: nothing written to --workdir; rerun the same command", file=sys.stderr
+        )
+        return e.code
+
+
+def _main(argv: list[str] | None, signals) -> int:
+    from data.atomic_dir import NO_SPACE_TEXT, no_space, space_line
+    from jaxlm.checkpoint import CheckpointSaveError
+
     try:
         args = parse_args(argv)
         if not args.hf.strip() or not args.workdir.strip() or (args.data is not None and not args.data.strip()):
@@ -42,12 +60,24 @@ def main(argv: list[str] | None = None) -> int:
 
         workdir = Path(args.workdir)
         hf_import.check_workdir(workdir)
+        signals.cleanup = lambda: hf_import.remove_scratch(workdir)  # if stopping takes past its grace period
         plan = hf_import.plan(Path(args.hf), data=args.data, overrides=args.set)
         params = hf_import.read_params(plan)
-        hf_import.write_workdir(plan, params, workdir)
     except (ValueError, OSError) as e:  # HFError, ConfigError, TokenFileError, a flag, an unreadable file
         print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
+    try:
+        hf_import.write_workdir(plan, params, workdir)
+    except (OSError, CheckpointSaveError) as e:
+        needed = sum(a.nbytes for a in _leaves(params)) * 3  # the params and the optimizer's two moments
+        if isinstance(e, CheckpointSaveError):
+            full = space_line(workdir, e.cause, workdir.absolute().parent, needed) if e.cause in NO_SPACE_TEXT else None
+        else:
+            full = no_space(e, workdir.absolute().parent, needed, name=workdir)
+        if full is None:
+            raise
+        print(f"{PROG}: error: {full}; free space and rerun (nothing was written to --workdir)", file=sys.stderr)
+        return 4
     m = plan.cfg.model
     if not args.data and not plan.tokenizer.is_byte:
         print(
@@ -62,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _leaves(tree):
+    """The arrays of a nested dict."""
+    for value in tree.values():
+        yield from _leaves(value) if isinstance(value, dict) else (value,)
 
 
 if __name__ == "__main__":

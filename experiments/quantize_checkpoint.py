@@ -14,9 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
+from data.atomic_dir import NO_SPACE_TEXT, no_space, remove_abandoned, scratch_path, space_line
+from data.fault_points import pause_point
 from experiments.cli import exit_with
 
 PROG = "quantize_checkpoint"
@@ -70,14 +74,50 @@ def load_run(workdir: Path):
 def check_out(out: Path) -> None:
     """--out must be a new or empty directory, or an earlier output of this tool (which it replaces), and
     writable: nothing else is ever overwritten."""
-    from experiments.cli import check_writable_dir
+    from data.ownership import QUANTIZED, check_target
 
+    check_target(out, QUANTIZED, "--out")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
         raise ValueError(f"--out {out} holds other files; give a new or empty directory")
-    check_writable_dir(out, "--out")
+    parent = next(p for p in out.absolute().parents if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {out}: {parent} is not a writable directory")
+
+
+SCRATCH_TAG = "quantize-tmp"  # the output is built in .OUT.quantize-tmp-HOST-PID beside --out, then renamed
+
+
+def replace_dir(build: Path, out: Path) -> None:
+    """Moves `build` to `out`, replacing an earlier output of this tool (checked by check_out): the old one is
+    moved aside first and deleted after, so a stop in between never leaves neither."""
+    from data.command_signals import signals_deferred
+
+    with signals_deferred():
+        old = None
+        if out.exists():
+            old = scratch_path(out, "old")
+            os.replace(out, old)
+        os.replace(build, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 written, 1 failed, 2 bad input, 4 the disk filled, 130 / 143 stopped by SIGINT / SIGTERM (an
+    earlier output at --out is kept whole; the scratch copy is removed, or by the next run if cut short)."""
+    from data.command_signals import CommandSignals, Stopped
+
+    try:
+        with CommandSignals(PROG) as signals:
+            return _main(argv, signals)
+    except Stopped as e:
+        print(f"{PROG}: stopped by {e.signal_name}: --out is as it was; rerun the same command", file=sys.stderr)
+        return e.code
+
+
+def _main(argv: list[str] | None, signals) -> int:
     try:
         args = parse_args(argv)
         workdir = Path(args.workdir)
@@ -87,12 +127,25 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--eval-batches must be >= 0, got {args.eval_batches}")
         out = Path(args.out) if args.out else workdir / "quantized_int8"
         check_out(out)
+        signals.cleanup = lambda: shutil.rmtree(scratch_path(out, SCRATCH_TAG), ignore_errors=True)
         cfg, checkpointer, step, saved_config = load_run(workdir)
     except (ValueError, OSError) as e:
         print(f"{PROG}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
+    from jaxlm.checkpoint import CheckpointSaveError
+
     try:
         return quantize(args, workdir, out, cfg, checkpointer, step, saved_config)
+    except (OSError, CheckpointSaveError) as e:
+        if isinstance(e, CheckpointSaveError):
+            full = space_line(out, e.cause, out.absolute().parent) if e.cause in NO_SPACE_TEXT else None
+        else:
+            full = no_space(e, out.absolute().parent, name=out)
+        if full is None:
+            print(f"{PROG}: error: cannot write {out}: {e}", file=sys.stderr)
+            return 1
+        print(f"{PROG}: error: {full}; free space and rerun (--out is as it was)", file=sys.stderr)
+        return 4
     except Exception as e:  # one line and the exit code, never a hang on a background thread
         print(f"{PROG}: error: {type(e).__name__}: {' '.join(str(e).splitlines())[:500]}", file=sys.stderr)
         return 1
@@ -101,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
 def quantize(args, workdir: Path, out: Path, cfg, checkpointer, step: int, saved_config: dict) -> int:
     import jax
     import numpy as np
-    import orbax.checkpoint as ocp
     from flax import nnx, traverse_util
 
+    from jaxlm.checkpoint import save_tree
     from jaxlm.quantized import quantize_weights
     from jaxlm.run_data import open_run_data
     from jaxlm.train import Program
@@ -153,10 +206,10 @@ def quantize(args, workdir: Path, out: Path, cfg, checkpointer, step: int, saved
         "float": {"/".join(map(str, k)): v for k, v in flat.items() if k not in quantized},
     }
     int8_bytes = sum(a.nbytes for a in jax.tree.leaves(artifact))
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save((out / "weights").absolute(), artifact, force=True)
-    checkpointer.wait_until_finished()
-    checkpointer.close()
+    for tag in (SCRATCH_TAG, "old"):  # what a killed run left
+        remove_abandoned(out, tag)
+    build = scratch_path(out, SCRATCH_TAG)
+    build.mkdir(parents=True)
     summary = {
         "workdir": str(workdir),
         "step": step,
@@ -169,7 +222,13 @@ def quantize(args, workdir: Path, out: Path, cfg, checkpointer, step: int, saved
         "quantized_tensors": sorted(keys),
         "eval_tokens": int(sum(np.sum(b["loss_mask"]) for b in eval_data)),
     }
-    (out / "manifest.json").write_text(json.dumps({**summary, "config": saved_config}, indent=2) + "\n")
+    try:
+        save_tree(build / "weights", artifact)
+        pause_point("quantize.weights")
+        (build / "manifest.json").write_text(json.dumps({**summary, "config": saved_config}, indent=2) + "\n")
+        replace_dir(build, out)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
     print(f"checkpoint step {step} of {workdir}: {len(keys)} weight tensors -> int8 per output channel")
     print(f"{'':<22}{'eval loss':>10}{'weight MB':>11}")
     print(f"{'float32':<22}{before:>10.4f}{float_bytes / 1e6:>11.2f}")

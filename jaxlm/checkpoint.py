@@ -42,7 +42,15 @@ class CheckpointCorrupt(CheckpointError):
 
 
 class CheckpointSaveError(CheckpointError):
-    pass
+    """A save that failed; `cause` is the storage problem, short (e.g. "No space left on device")."""
+
+    def __init__(self, message: str, cause: str = ""):
+        super().__init__(message)
+        self.cause = cause
+
+
+class NonFiniteState(CheckpointSaveError):
+    """A save refused because the state holds a non-finite value (the caller may add what made it so)."""
 
 
 # ----------------------------------------------------------------------------- integrity
@@ -216,9 +224,10 @@ class Checkpointer:
         digest = integrity(state)
         bad = [path for path, d in digest.items() if d["nonfinite"]]
         if bad:
-            raise CheckpointSaveError(
-                f"refusing to checkpoint step {step}: {len(bad)} leaves hold non-finite "
-                f"values (first: {bad[0]}); the previous checkpoints are kept"
+            kept = self.manager.latest_step()
+            raise NonFiniteState(
+                f"refusing to checkpoint step {step}: {len(bad)} leaves hold non-finite values (first: {bad[0]}); "
+                + ("there is no earlier checkpoint" if kept is None else f"the last checkpoint, step {kept}, is kept")
             )
         try:
             self.manager.save(
@@ -254,7 +263,8 @@ class Checkpointer:
         return CheckpointSaveError(
             f"checkpoint save of step {step} failed ({_storage_cause(error)}); the last "
             f"complete checkpoint is {'step ' + str(kept) if kept is not None else 'none'} "
-            f"in {self.directory}{orbax}"
+            f"in {self.directory}{orbax}",
+            cause=_storage_cause(error),
         )
 
     # ------------------------------------------------------------------------- restoring
@@ -362,6 +372,23 @@ _OS_PROBLEM = re.compile(
     r"No space left on device|File too large|Disk quota exceeded|Read-only file system|"
     r"Permission denied|Input/output error"
 )
+
+
+def save_tree(directory: Path, tree) -> None:
+    """Writes a pytree of arrays as one Orbax checkpoint at `directory`, synchronously (a quantized model's
+    weights); CheckpointSaveError naming the storage problem (a full disk, say) in one line, Orbax's own lines
+    held back."""
+    _quiet_orbax_failures()
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        checkpointer.save(Path(directory).absolute(), tree)
+        checkpointer.wait_until_finished()
+    except Exception as e:
+        gc.collect()  # orbax's abandoned write tasks report now, held back with the rest
+        _ONE_LINE.held_back()
+        raise CheckpointSaveError(f"saving {directory} failed ({_storage_cause(e)})", cause=_storage_cause(e)) from e
+    finally:
+        checkpointer.close()
 
 
 def _storage_cause(error: Exception) -> str:

@@ -35,6 +35,7 @@ __all__ = [
     "resume_changes",
     "to_dict",
     "validate",
+    "validate_training",
 ]
 
 
@@ -51,6 +52,7 @@ OPTIMIZERS = ("adamw", "sgd")
 ROPE_SCALINGS = ("none", "llama3")  # jaxlm.model.rope_frequencies
 LOADERS = ("clairvoyant", "simple")
 CPU_MICROBATCH_TOKENS = 1024  # data.microbatches=0 on CPU: tokens per microbatch and batch shard, at least
+FLOAT32_MAX = 3.4028234663852886e38  # what the optimizer's hyperparameters become on the device
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,10 @@ class ModelConfig(Section):
             model__quant_amax_history=m.quant_amax_history,
         )
         check_non_negative(model__head_dim=m.head_dim, model__attention_softcap=m.attention_softcap)
+        if m.rope_theta <= 0:  # rope_theta ** -x: 0 gives infinite frequencies, a negative one NaN
+            raise ConfigError(f"model.rope_theta must be positive (RoPE's base; 10000 is usual), got {m.rope_theta}")
+        if m.norm_eps < 0:  # rsqrt(mean(x^2) + eps) of a negative number is NaN
+            raise ConfigError(f"model.norm_eps must be >= 0 (RMSNorm's epsilon; 1e-5 is usual), got {m.norm_eps}")
         if m.head_dim == 0 and m.d_model % m.num_heads:
             raise ConfigError(
                 f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads}) or "
@@ -227,6 +233,19 @@ class OptimConfig(Section):
         )
         if o.learning_rate <= 0:
             raise ConfigError(f"optim.learning_rate must be positive, got {o.learning_rate}")
+        for key, usual in (("learning_rate", "1e-4 to 1e-2"), ("weight_decay", "0 to 0.1")):
+            if getattr(o, key) > FLOAT32_MAX:  # float32 inf: the first update makes every weight inf or NaN
+                raise ConfigError(
+                    f"optim.{key} {getattr(o, key):g} overflows float32 (largest {FLOAT32_MAX:.3g}), the precision "
+                    f"the optimizer computes in: the first update would make the weights infinite; {usual} is usual"
+                )
+        for key in ("b1", "b2"):
+            if not 0 <= getattr(o, key) < 1:  # b2 = 1: Adam's bias correction divides by 1 - b2**t = 0
+                raise ConfigError(f"optim.{key} must be in [0, 1) (Adam's moment decay), got {getattr(o, key)}")
+        if o.eps <= 0:
+            raise ConfigError(
+                f"optim.eps must be positive (Adam divides by sqrt(v) + eps, 0 where a gradient is 0), got {o.eps}"
+            )
         if not 0 <= o.min_lr_ratio <= 1:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
         check_choice("optim.optimizer", o.optimizer, OPTIMIZERS, how="comma")
@@ -369,6 +388,33 @@ class TrainConfig(Section):
         for section in self.sections().values():
             section.validate(self)
 
+    def check_evaluation(self) -> None:
+        """The evaluations and samples the run is asked for can happen: ConfigError naming the keys otherwise
+        (training would skip them silently). Not part of `validate`: a saved config a model is read from for
+        generation or export need not pass it."""
+        d = self.data
+        prompts = [p for p in self.eval_prompts.split("|") if p]
+        samples = bool(prompts and self.eval_sample_tokens)
+        empty = [f"data.val_fraction is {d.val_fraction:g}"] * (d.val_fraction == 0)
+        empty += [f"data.eval_batches is {d.eval_batches}"] * (d.eval_batches == 0)
+        asked = [f"eval_every {self.eval_every}"] * bool(self.eval_every)
+        asked += [f"eval_prompts {self.eval_prompts!r}"] * samples
+        if empty and asked:
+            fix = ["data.val_fraction above 0 (e.g. 0.01)"] * (d.val_fraction == 0)
+            fix += ["data.eval_batches >= 1"] * (d.eval_batches == 0)
+            off = ["eval_every=0"] * bool(self.eval_every) + ["eval_prompts="] * samples
+            raise ConfigError(
+                f"{' and '.join(asked)} ask{'s' * (len(asked) == 1)} for evaluation, but {' and '.join(empty)}: "
+                f"nothing would be evaluated; set {' and '.join(fix)}, or {' and '.join(off)} to train without "
+                f"evaluating"
+            )
+        if samples and self.eval_sample_tokens > self.model.max_seq_len:
+            raise ConfigError(
+                f"eval_sample_tokens {self.eval_sample_tokens} exceeds model.max_seq_len {self.model.max_seq_len}: "
+                f"the eval samples would run past the model's length; lower eval_sample_tokens (a prompt and its "
+                f"sample fit in {self.model.max_seq_len} tokens), or set eval_prompts= for no samples"
+            )
+
 
 # ----------------------------------------------------------------------------- loading
 
@@ -465,6 +511,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     """Checks types, then each section's fields and cross-field rules; raises ConfigError naming the first problem."""
     _check_types(cfg, "")
     cfg.validate()
+    return cfg
+
+
+def validate_training(cfg: TrainConfig) -> TrainConfig:
+    """`validate`, plus what only a run about to train needs (TrainConfig.check_evaluation)."""
+    validate(cfg)
+    cfg.check_evaluation()
     return cfg
 
 

@@ -24,9 +24,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from data.atomic_dir import remove_abandoned, scratch_path
+from data.ownership import HF_MODEL
 from jaxlm import config as config_lib
 from jaxlm import hf, hf_files
 from jaxlm.config import TrainConfig
+
+SCRATCH_TAG = "export-tmp"  # the export is built in .OUT.export-tmp-HOST-PID beside --out, then renamed
 
 
 @dataclasses.dataclass
@@ -91,7 +95,7 @@ def checkpoint_tokenizer(workdir: Path, cfg: TrainConfig, record: dict | None):
 
 def check_out(out: Path) -> None:
     """--out must be new or an empty directory (hf_files.check_new_dir)."""
-    hf_files.check_new_dir(out, "--out")
+    hf_files.check_new_dir(out, "--out", HF_MODEL)
 
 
 def export(source: Source, out: Path, *, dtype: str, max_shard_bytes: int) -> dict:
@@ -105,8 +109,8 @@ def export(source: Source, out: Path, *, dtype: str, max_shard_bytes: int) -> di
             pass
         _sync("jaxlm_export_hf_done")
         return {}
-    tmp = out.absolute().parent / f".{out.name}.export-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_abandoned(out, SCRATCH_TAG)  # what a killed export left
+    tmp = scratch_path(out, SCRATCH_TAG)
     tmp.mkdir()
     try:
         counted = _Counted(tensors)
@@ -127,6 +131,18 @@ def export(source: Source, out: Path, *, dtype: str, max_shard_bytes: int) -> di
     finally:
         _sync("jaxlm_export_hf_done")
     return {"step": source.step, "files": files, "tensors": counted.count, "bytes": counted.bytes, "dtype": dtype}
+
+
+def remove_scratch(out: Path) -> None:
+    """Removes this process's unfinished copy of `out`."""
+    shutil.rmtree(scratch_path(out, SCRATCH_TAG), ignore_errors=True)
+
+
+def export_bytes(source: Source, dtype: str) -> int:
+    """The bytes of the tensors an export of `source` writes, in `dtype` (what it needs on disk, give or take its
+    small JSON files)."""
+    shapes = hf.hf_shapes(source.cfg.model, source.tokenizer.vocab_size)
+    return int(sum(np.prod(shape) for shape in shapes.values())) * (2 if dtype == "bfloat16" else 4)
 
 
 class _Counted:

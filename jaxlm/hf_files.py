@@ -15,6 +15,9 @@ from typing import Iterable
 
 import numpy as np
 
+from data.atomic_dir import rust_os_error
+from data.fault_points import pause_point
+from data.ownership import Kind, OwnershipError, check_target
 from jaxlm.hf import HFError
 
 CONFIG = "config.json"
@@ -54,9 +57,16 @@ def write_safetensors(
 
     def flush():
         name = f"shard-{len(written):05d}.tmp"
-        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        try:
+            save_file(shard, str(directory / name), metadata={"format": "pt"})
+        except Exception as e:  # safetensors' own error type for I/O: an OSError again, so a full disk reads as one
+            os_error = rust_os_error(e, directory / name)
+            if os_error is None:
+                raise
+            raise os_error from None
         written.append((name, list(shard), sum(a.nbytes for a in shard.values())))
         shard.clear()
+        pause_point("export.shard")
 
     for name, array in tensors:
         array = np.ascontiguousarray(np.asarray(array, np.float32).astype(target))
@@ -158,9 +168,14 @@ def generation_config(eos_id: int, bos_id: int | None) -> dict:
     return config if bos_id is None else {"bos_token_id": bos_id, **config}
 
 
-def check_new_dir(path: Path, flag: str) -> None:
-    """An output directory (`flag` names it) must be new or empty and its parent writable: an import or export
-    writes beside it and renames into place, and never overwrites anything."""
+def check_new_dir(path: Path, flag: str, kind: Kind) -> None:
+    """An output directory (`flag` names it) holding `kind` must be new or empty, outside any other command's
+    directory, and its parent writable: an import or export writes beside it and renames into place, and never
+    overwrites anything."""
+    try:
+        check_target(path, kind, flag)
+    except OwnershipError as e:
+        raise HFError(str(e)) from None
     if path.exists() and not (path.is_dir() and not any(path.iterdir())):
         raise HFError(f"{flag} {path} exists and is not an empty directory")
     parent = path.absolute().parent

@@ -20,6 +20,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from data.atomic_dir import remove_abandoned, scratch_path
+from data.fault_points import pause_point
+from data.ownership import HF_MODEL, WORKDIR, kind_of, mark_workdir
 from jaxlm import config as config_lib
 from jaxlm import hf, hf_files
 from jaxlm.config import DataConfig, TrainConfig
@@ -59,6 +62,7 @@ def plan(hf_dir: Path, *, data: str | None, overrides: list[str]) -> Plan:
     """Reads config.json and the tokenizer, builds and validates the run config; HFError naming the problem."""
     if not hf_dir.is_dir():
         raise hf.HFError(f"--hf {hf_dir} is not a directory")
+    check_not_jaxlm(hf_dir)
     hf_config = hf_files.read_json(hf_dir / hf_files.CONFIG)
     model = hf.model_config_from_hf(hf_config)
     vocab_size = model.tokenizer_vocab_size  # config.json vocab_size: the ids the files hold
@@ -72,7 +76,7 @@ def plan(hf_dir: Path, *, data: str | None, overrides: list[str]) -> Plan:
         model=model, data=DataConfig(path=data or "", seq_len=min(DataConfig.seq_len, model.max_seq_len))
     )
     try:
-        cfg = config_lib.validate(config_lib.apply_overrides(base, overrides))
+        cfg = config_lib.validate_training(config_lib.apply_overrides(base, overrides))  # the workdir is for training
     except ValueError as e:
         raise hf.HFError(str(e)) from None
     for name in HF_FIELDS:
@@ -83,6 +87,21 @@ def plan(hf_dir: Path, *, data: str | None, overrides: list[str]) -> Plan:
     if data:
         check_data_tokenizer(data, tokenizer)
     return Plan(hf_dir, cfg, vocab_size, tokenizer)
+
+
+def check_not_jaxlm(hf_dir: Path) -> None:
+    """HFError when --hf is one of jaxlm's own directories (a training workdir: a jaxlm config.json or a
+    checkpoints/ folder; token data; a quantized checkpoint), saying how that one is used instead."""
+    kind = kind_of(hf_dir)
+    if kind is WORKDIR or (kind is None and (hf_dir / "checkpoints").is_dir()):
+        raise hf.HFError(
+            f"--hf {hf_dir} is a jaxlm training workdir, not a Hugging Face model: it needs no import; "
+            f"python -m experiments.generate (or experiments.evaluate) --workdir {hf_dir} reads it as it is, and "
+            f"python -m experiments.tiny_lm --config {hf_dir}/config.json --workdir {hf_dir} --steps N trains it on"
+        )
+    if kind is not None and kind is not HF_MODEL:
+        use = f" ({kind.use.format(path=hf_dir)})" if kind.use else ""
+        raise hf.HFError(f"--hf {hf_dir} is {kind} ({kind.written_by}), not a Hugging Face model{use}")
 
 
 def hf_tokenizer(hf_dir: Path):
@@ -120,9 +139,12 @@ def check_data_tokenizer(data: str, tokenizer) -> None:
         raise hf.HFError(str(e)) from None
 
 
+SCRATCH_TAG = "import-tmp"  # the workdir is built in .WORKDIR.import-tmp-HOST-PID beside it, then renamed
+
+
 def check_workdir(workdir: Path) -> None:
     """--workdir must be new or an empty directory (hf_files.check_new_dir)."""
-    hf_files.check_new_dir(workdir, "--workdir")
+    hf_files.check_new_dir(workdir, "--workdir", WORKDIR)
 
 
 def read_params(p: Plan) -> dict:
@@ -150,15 +172,17 @@ def write_workdir(p: Plan, params: dict, workdir: Path) -> None:
         train_iter.close()
     mesh = build_mesh(MeshLayout(data=1), devices=jax.devices()[:1])
     state = train_state(p.cfg, mesh, params)
-    tmp = workdir.absolute().parent / f".{workdir.name}.import-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_abandoned(workdir, SCRATCH_TAG)  # what a killed import left
+    tmp = scratch_path(workdir, SCRATCH_TAG)
     tmp.mkdir()
     try:
         checkpointer = Checkpointer(tmp / "checkpoints", async_save=False)
         saved = {**config_lib.to_dict(p.cfg), config_lib.TOKENIZER_KEY: p.tokenizer.describe()}
         checkpointer.save(0, state, data_state, saved)
         checkpointer.close()
+        pause_point("import.checkpoint")
         (tmp / "config.json").write_text(json.dumps(config_lib.to_dict(p.cfg), indent=2) + "\n")
+        mark_workdir(tmp)
         p.tokenizer.save(tmp)
         if workdir.is_dir():
             workdir.rmdir()  # checked empty
@@ -166,6 +190,11 @@ def write_workdir(p: Plan, params: dict, workdir: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_scratch(workdir: Path) -> None:
+    """Removes this process's unfinished copy of `workdir`."""
+    shutil.rmtree(scratch_path(workdir, SCRATCH_TAG), ignore_errors=True)
 
 
 def train_state(cfg: TrainConfig, mesh, params: dict):

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from flax import nnx, traverse_util
 
+from data.ownership import WORKDIR, kind_of
 from data.text_tokenizer import TextTokenizer, tokenizer_from_record
 from jaxlm import config as config_lib
 from jaxlm.checkpoint import Checkpointer, CheckpointError
@@ -53,9 +54,11 @@ def load_model(workdir: str | Path, *, step: int | None = None, layout: MeshLayo
 
 def _load_checkpoint(workdir: Path, step: int | None, layout: MeshLayout, mesh) -> Loaded:
     if not (workdir / "checkpoints").is_dir():
+        kind = kind_of(workdir)
+        what = f"it is {kind} ({kind.written_by})" if kind not in (None, WORKDIR) else "it has no checkpoints/"
         raise ValueError(
-            f"no checkpoint in {workdir}: it has no checkpoints/ (train there first, e.g. python -m "
-            f"experiments.tiny_lm --workdir {workdir}, or give a quantize_checkpoint output directory)"
+            f"no checkpoint in {workdir}: {what}; give the --workdir of a training run (or of import_hf), or a "
+            f"quantize_checkpoint output directory"
         )
     checkpointer = Checkpointer(workdir / "checkpoints", async_save=False, primary=False)
     try:

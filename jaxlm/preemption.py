@@ -48,6 +48,7 @@ class StopSignals:
         self.prog = prog or Path(sys.argv[0]).stem or "jaxlm"  # `python -m experiments.tiny_lm` -> tiny_lm
         self.nothing_to_save = nothing_to_save
         self.received: str | None = None
+        self.closing = False  # set once the run only closes its logs: no step, no checkpoint is left to cut short
         self._previous: dict = {}
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
         self._previous_fd = -1
@@ -83,9 +84,15 @@ class StopSignals:
                     self._say(f"stopped: {name} before training started; nothing to save")
                     os._exit(128 + signum)
                 if signum == signal.SIGINT and self._seen.count(signal.SIGINT) >= 2:
-                    self._say("second Ctrl-C: exiting now, without a checkpoint of this step; the last one is kept")
+                    if self.closing:
+                        self._say("second Ctrl-C: exiting now; the checkpoints are complete, the logs may miss a line")
+                    else:
+                        self._say("second Ctrl-C: exiting now, without a checkpoint of this step; the last one is kept")
                     os._exit(EXIT_INTERRUPTED)
-                if len(self._seen) == 1:
+                if len(self._seen) == 1 and self.closing:
+                    name = signal.Signals(signum).name
+                    self._say(f"{name}: the run is closing its logs and ends in a moment; Ctrl-C again to exit now")
+                elif len(self._seen) == 1:
                     name = signal.Signals(signum).name
                     again = "; Ctrl-C again to exit at once without it" if signum == signal.SIGINT else ""
                     self._say(f"{name}: stopping after the current step with a checkpoint{again}")

@@ -25,9 +25,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from data.fault_points import pause_point
 from jaxlm import config as config_lib
 from jaxlm import diloco
-from jaxlm.checkpoint import Checkpointer, CheckpointSaveError, shape_mismatches
+from jaxlm.checkpoint import Checkpointer, CheckpointSaveError, NonFiniteState, shape_mismatches
 from jaxlm.config import TrainConfig
 from jaxlm.generate import generate
 from jaxlm.goodput import Goodput, append_record, summary
@@ -45,6 +46,7 @@ class TrainingDiverged(RuntimeError):
 
 
 OUTCOMES = {Preempted: "preempted", TrainingDiverged: "diverged", CheckpointSaveError: "checkpoint_failed"}
+OUTCOMES[NonFiniteState] = OUTCOMES[CheckpointSaveError]
 
 
 def make_program(cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None) -> Program:
@@ -83,6 +85,7 @@ class BadStepCounter:
 
     def __init__(self, limit: int):
         self.limit, self.total, self.streak, self.last_bad = limit, 0, 0, 0
+        self.first_bad: int | None = None  # the first skipped step of this run
         self.pending: list[tuple[int, jax.Array]] = []
 
     def add(self, step: int, skipped: jax.Array) -> None:
@@ -96,6 +99,7 @@ class BadStepCounter:
         for step, skipped in ready:
             if float(jax.device_get(skipped)) > 0:
                 self.total, self.streak, self.last_bad = self.total + 1, self.streak + 1, step
+                self.first_bad = step if self.first_bad is None else self.first_bad
                 bad.append(step)
             else:
                 self.streak = 0
@@ -295,8 +299,8 @@ class Trainer:
         gp = self.goodput
         gp.seconds["startup"] += time.perf_counter() - gp.start
         outcome = "error"
-        try:
-            with StopSignals() as signals:
+        with StopSignals() as signals:  # closing too: a second Ctrl-C while the logs close is one line, not a traceback
+            try:
                 with gp.timing("restore"):
                     state = self.restore_or_init()
                 start = int(jax.device_get(state.step))  # replicated: every process reads its local copy
@@ -306,11 +310,13 @@ class Trainer:
                     self.checkpointer.wait()
                 outcome = "finished"
                 return last
-        except Exception as e:
-            outcome = OUTCOMES.get(type(e), "error")
-            raise
-        finally:
-            self._close(outcome)
+            except Exception as e:
+                outcome = OUTCOMES.get(type(e), "error")
+                raise
+            finally:
+                signals.closing = True
+                pause_point("trainer.close")
+                self._close(outcome)
 
     def _open_log(self, start: int) -> None:
         """config.json, the metrics logger, and the lines noted before it existed."""
@@ -396,7 +402,7 @@ class Trainer:
         next_batch = self._batches()
         batch = next_batch()
         step_fn = self._compile(state, batch)
-        bad = BadStepCounter(cfg.max_bad_steps)
+        bad = self.bad_steps = BadStepCounter(cfg.max_bad_steps)
         speed = Throughput(cfg.data.batch_size * cfg.data.seq_len, flops_per_token)
         loader_metrics = LoaderMetrics(self.train_iter, speed.t)
         self.last_save, last = speed.t, {}
@@ -531,10 +537,24 @@ class Trainer:
                 saved[config_lib.DATA_FINGERPRINT_KEY] = self.data_fingerprint
             if self.tokenizer is not None:
                 saved[config_lib.TOKENIZER_KEY] = self.tokenizer.describe()
-            self.checkpointer.save(step, state, data_state, saved)
+            try:
+                self.checkpointer.save(step, state, data_state, saved)
+            except NonFiniteState as e:
+                raise NonFiniteState(f"{e}; {self._non_finite_cause()}") from None
             if wait:
                 self.checkpointer.wait()
             return time.perf_counter() - t0
+
+    def _non_finite_cause(self) -> str:
+        """What made the weights non-finite: a skipped step leaves them alone, so an update whose loss and
+        gradient were finite did; the optimizer's step sizes are the likely cause."""
+        o, first = self.cfg.optim, getattr(getattr(self, "bad_steps", None), "first_bad", None)
+        when = f" (step {first} was the first with a non-finite loss or gradient)" if first else ""
+        return (
+            f"an optimizer update made the weights non-finite{when}: lower optim.learning_rate "
+            f"(now {o.learning_rate:g}){f' or optim.weight_decay (now {o.weight_decay:g})' * (o.weight_decay > 1)}"
+            f" and rerun"
+        )
 
     def _agree(self, step: int, is_log: bool, *flags: bool) -> tuple[bool, ...]:
         """Every process must take the same decision about stopping and saving. One process decides alone;

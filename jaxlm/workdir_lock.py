@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from data.atomic_dir import pid_alive
+
 LOCK_NAME = "run.lock"
 
 
@@ -47,21 +49,6 @@ class Holder:
 
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host}, started {self.started}: {self.command}"
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether a process with this pid runs here; a zombie (killed, not yet reaped by its parent) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rindex(")") + 2] != "Z"
-    except (OSError, ValueError, IndexError):
-        return True
 
 
 class WorkdirLock:
@@ -129,7 +116,7 @@ class WorkdirLock:
             return "the lock file vanished"
         if holder.pid == -1:
             return "its lock file is unreadable"
-        if holder.host == self.holder.host and holder.pid > 0 and not _pid_alive(holder.pid):
+        if holder.host == self.holder.host and holder.pid > 0 and not pid_alive(holder.pid):
             return f"{holder.describe()}; that pid is no longer running"
         if age > self.stale_after_s:
             return f"{holder.describe()}; no heartbeat for {age:.0f} s"

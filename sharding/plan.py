@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from data.ownership import check_target
 from sharding.hardware import PRESETS, get_hardware
 from sharding.mesh import LayoutError
 from sharding.model_shape import MODEL_PRESETS, ModelShape, count_params
@@ -185,6 +186,7 @@ def check_out(out: Path) -> None:
         raise ValueError(f"--out {out} is a directory; give a .py file path")
     if out.suffix != ".py":
         raise ValueError(f"--out {out} must be a .py file (a mesh layout file)")
+    check_target(out, "a mesh layout file", "--out")  # never inside a dataset, an export or checkpoints/
     if out.exists():
         try:
             head = out.read_text()[:40]
@@ -198,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = build_parser().parse_args(argv)
+        if args.top < 1:  # rows[:0] would print an empty table, rows[:-2] silently drop the last two
+            raise ValueError(f"--top {args.top}: give how many layouts to list (1 or more)")
         if args.out is not None:
             check_out(Path(args.out))
         cfg = load_model(args.model)

@@ -441,3 +441,46 @@ def test_every_experiment_module_ends_through_exit_with():
         p.name for p in modules if "exit_with(main())" not in p.read_text().split('if __name__ == "__main__":')[1]
     ]
     assert not missing, missing
+
+
+def test_a_compilation_cache_that_cannot_be_used_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """JAX itself only warns (a raw UserWarning) and compiles everything again, uncached: the CLI refuses first."""
+    import tempfile
+
+    from experiments import tiny_lm as command
+
+    a_file = tmp_path / "cache"
+    a_file.write_text("")
+    fix = "give a directory (made if missing), or none to run without the cache"
+    cases = [
+        (a_file, f"--compilation-cache {a_file} is a file, not a directory; {fix}"),
+        (a_file / "sub", f"--compilation-cache {a_file}/sub is under {a_file}, a file, not a directory; {fix}"),
+    ]
+    for path, message in cases:
+        assert command.main(["--workdir", str(tmp_path / "run"), "--compilation-cache", str(path)]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"tiny_lm: error: {message}"]
+
+    def denied(*args, **kwargs):  # what a read-only directory does, even to root
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", denied)
+    assert command.main(["--workdir", str(tmp_path / "run"), "--compilation-cache", str(tmp_path / "c")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"tiny_lm: error: --compilation-cache {tmp_path}/c is not writable ({tmp_path}: Permission denied); give a "
+        f"writable directory, or none to run without the cache"
+    ]
+    assert not (tmp_path / "run").exists() and not (tmp_path / "c").exists()
+
+
+def test_an_evaluation_that_cannot_happen_is_refused_before_compiling(tmp_path, capsys):
+    """The CLI validates what only training needs too (config_lib.validate_training): --set eval_every=1 with no
+    validation split would otherwise train without ever evaluating."""
+    from experiments import tiny_lm as command
+
+    argv = ["--workdir", str(tmp_path / "run"), "--set", "eval_every=1", "--set", "data.val_fraction=0"]
+    assert command.main([*argv, "--set", "eval_prompts="]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "tiny_lm: error: eval_every 1 asks for evaluation, but data.val_fraction is 0: nothing would be evaluated; "
+        "set data.val_fraction above 0 (e.g. 0.01), or eval_every=0 to train without evaluating"
+    ]
+    assert not (tmp_path / "run").exists()

@@ -243,11 +243,64 @@ def test_default_and_tiny_configs_are_valid():
         (["data.val_fraction=1"], r"data.val_fraction must be in \[0, 1\)"),
         (["model.dtype=float16"], r"model.dtype must be 'float32' or 'bfloat16'"),
         (["model.attention_impl=flash"], r"model.attention_impl must be one of"),
+        # values the optimizer or the model would turn into inf / NaN at the first step
+        (["optim.learning_rate=1e300"], r"^optim.learning_rate 1e\+300 overflows float32 \(largest 3.4e\+38\)"),
+        (["optim.weight_decay=1e300"], r"^optim.weight_decay 1e\+300 overflows float32"),
+        (["optim.b1=1.5"], r"^optim.b1 must be in \[0, 1\) \(Adam's moment decay\), got 1.5$"),
+        (["optim.b2=1"], r"^optim.b2 must be in \[0, 1\) \(Adam's moment decay\), got 1.0$"),
+        (["optim.eps=0"], r"^optim.eps must be positive"),
+        (["model.rope_theta=0"], r"^model.rope_theta must be positive \(RoPE's base; 10000 is usual\), got 0.0$"),
+        (["model.norm_eps=-1"], r"^model.norm_eps must be >= 0"),
     ],
 )
 def test_validate_rejects_bad_combinations(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(apply_overrides(TrainConfig(), overrides))
+
+
+def test_large_but_finite_learning_rates_pass():
+    validate(apply_overrides(TrainConfig(), ["optim.learning_rate=1e3", "optim.optimizer=sgd"]))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["eval_every=1", "data.val_fraction=0"],
+            r"^eval_every 1 asks for evaluation, but data.val_fraction is 0: nothing would be evaluated; set "
+            r"data.val_fraction above 0 \(e.g. 0.01\), or eval_every=0 to train without evaluating$",
+        ),
+        (
+            ["eval_every=5", "data.eval_batches=0"],
+            r"^eval_every 5 asks for evaluation, but data.eval_batches is 0: .*; set data.eval_batches >= 1, or "
+            r"eval_every=0 to train",
+        ),
+        (
+            ["eval_every=0", "data.val_fraction=0", "eval_prompts=def |x"],
+            r"^eval_prompts 'def \|x' asks for evaluation, but data.val_fraction is 0: .*, or eval_prompts= to train",
+        ),
+        (
+            ["model.max_seq_len=32", "data.seq_len=32", "eval_prompts=def ", "eval_sample_tokens=100"],
+            r"^eval_sample_tokens 100 exceeds model.max_seq_len 32: the eval samples would run past the model's "
+            r"length; lower eval_sample_tokens",
+        ),
+    ],
+)
+def test_training_refuses_evaluations_that_cannot_happen(overrides, message):
+    cfg = apply_overrides(TrainConfig(), overrides)
+    validate(cfg)  # a saved config a model is read from (generate, export) need not pass these
+    with pytest.raises(ConfigError, match=message):
+        config_lib.validate_training(cfg)
+
+
+def test_training_without_evaluation_or_with_what_it_needs_passes():
+    for overrides in (
+        ["eval_every=0", "data.val_fraction=0"],  # nothing asked
+        ["eval_every=0", "data.eval_batches=0", "eval_prompts=def ", "eval_sample_tokens=0"],  # samples off
+        ["eval_prompts=def ", "eval_sample_tokens=32", "model.max_seq_len=32", "data.seq_len=32"],
+    ):
+        config_lib.validate_training(apply_overrides(TrainConfig(), overrides))
+    config_lib.validate_training(load_config(REPO / "experiments" / "configs" / "tiny_lm.py"))
 
 
 def test_validate_checks_types_of_python_configs():

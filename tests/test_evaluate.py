@@ -136,13 +136,16 @@ def test_token_data_of_the_models_tokenizer_is_scored_and_another_is_refused(run
         (["--text", "T", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--text", "T", "--step", "7"], "has no checkpoint at step 7; its steps: 2"),
         (["--text", "T", "--mesh", "TENSOR8"], "model.num_heads = 4 is not divisible by mesh axis 'tensor' = 8"),
+        (["--data", "TEXT_DIR"], "holds text files (*.txt), not token data; score them with --text "),
     ],
 )
 def test_careless_input_is_one_line_and_exit_2(run, tmp_path, capsys, args, message):
     (tmp_path / "T.txt").write_text("def f():\n    return 1\n")
     (tmp_path / "EMPTY.txt").write_text("")
     (tmp_path / "tensor8.py").write_text("layout = dict(tensor=8)\n")
-    names = {"T": "T.txt", "EMPTY": "EMPTY.txt", "NOPE": "NOPE", "TENSOR8": "tensor8.py"}
+    (tmp_path / "text_dir").mkdir()
+    (tmp_path / "text_dir" / "a.txt").write_text("def f():\n    return 1\n")
+    names = {"T": "T.txt", "EMPTY": "EMPTY.txt", "NOPE": "NOPE", "TENSOR8": "tensor8.py", "TEXT_DIR": "text_dir"}
     paths = {key: tmp_path / name for key, name in names.items()}
     code, out, err = cli(capsys, "--workdir", run / "run", *[paths.get(a, a) for a in args])
     assert code == 2 and not out

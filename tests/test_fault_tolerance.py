@@ -129,13 +129,40 @@ def test_a_state_with_non_finite_values_is_never_saved(setup, tmp_path):
     from jaxlm.checkpoint import CheckpointSaveError
 
     _, cfg, mesh = setup
-    state = Program(cfg, mesh).init()
-    state = dataclasses.replace(state, params=jax.tree.map(lambda x: x * np.nan, state.params))
+    good = Program(cfg, mesh).init()
+    state = dataclasses.replace(good, params=jax.tree.map(lambda x: x * np.nan, good.params))
     ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)
-    with pytest.raises(CheckpointSaveError, match="refusing to checkpoint step 1: .* non-finite"):
+    with pytest.raises(
+        CheckpointSaveError, match="refusing to checkpoint step 1: .* non-finite .*; there is no earlier"
+    ):
         ckpt.save(1, state, {}, {})
     assert ckpt.all_steps() == []
+    ckpt.save(1, good, {}, {})
+    with pytest.raises(
+        CheckpointSaveError, match=r"refusing to checkpoint step 2: .*; the last checkpoint, step 1, is"
+    ):
+        ckpt.save(2, state, {}, {})
+    assert ckpt.all_steps() == [1]
     ckpt.close()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # 1e300 as float32: the point
+def test_weights_an_update_made_non_finite_are_refused_naming_the_learning_rate(setup, tmp_path):
+    """A learning rate past float32 (config validation refuses one; the trainer does not validate) turns step 1's
+    finite update into inf weights: step 2's loss is non-finite and skipped, and the save at step 2 is refused with
+    the true state of the checkpoints and the likely cause."""
+    from jaxlm.checkpoint import NonFiniteState
+
+    _, cfg, _ = setup
+    with pytest.raises(NonFiniteState) as caught:
+        train(setup, tmp_path, optim=dataclasses.replace(cfg.optim, learning_rate=1e300), steps=2)
+    assert re.fullmatch(
+        r"refusing to checkpoint step 2: \d+ leaves hold non-finite values \(first: params\..*\); there is no "
+        r"earlier checkpoint; an optimizer update made the weights non-finite \(step 2 was the first with a "
+        r"non-finite loss or gradient\): lower optim.learning_rate \(now 1e\+300\) and rerun",
+        str(caught.value),
+    ), caught.value
+    assert read_goodput(tmp_path)[-1]["outcome"] == "checkpoint_failed"
 
 
 # ----------------------------------------------------------------------------- preemption

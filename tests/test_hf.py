@@ -312,7 +312,7 @@ def test_imported_model_matches_transformers_and_fine_tunes_with_the_documented_
     assert prepare.main([*prepare_args, "--workers", "1", "--no-progress"]) == 0
 
     workdir = tmp_path / "run"
-    overrides = ["data.seq_len=16", "data.batch_size=4", "data.val_fraction=0", "checkpoint_every=0"]
+    overrides = ["data.seq_len=16", "data.batch_size=4", "data.val_fraction=0", "eval_every=0", "checkpoint_every=0"]
     argv = ["--hf", str(hf_dir), "--workdir", str(workdir), "--data", str(tokens_dir)]
     assert import_hf.main([*argv, *(a for o in overrides for a in ("--set", o))]) == 0
     assert load_tokenizer(workdir).sha256 == tok.sha256
@@ -437,6 +437,18 @@ IMPORT_ERRORS = {
         "tensor model.layers.0.self_attn.q_proj.bias is not part of a Llama model",
     ),
     "no_weights": (lambda d: (d / "model.safetensors").unlink(), "holds no model.safetensors"),
+    "jaxlm_workdir": (  # a training run's config.json: sections, not Hugging Face's hidden_size
+        lambda d: (d / "config.json").write_text(json.dumps(config_lib.to_dict(TrainConfig()))) and None,
+        "is a jaxlm training workdir, not a Hugging Face model: it needs no import; python -m experiments.generate",
+    ),
+    "jaxlm_checkpoints": (
+        lambda d: ((d / "config.json").unlink(), (d / "checkpoints").mkdir()) and None,
+        "is a jaxlm training workdir, not a Hugging Face model",
+    ),
+    "no_validation_split": (
+        lambda d: ["--set", "data.val_fraction=0"],
+        "eval_every 50 asks for evaluation, but data.val_fraction is 0: nothing would be evaluated",
+    ),
     "shape_override": (lambda d: ["--set", "model.d_model=64"], "model.d_model comes from"),
     "other_tokenizer_data": (
         lambda d: ["--data", str(bpe_data(d.parent / "bpe_data"))],

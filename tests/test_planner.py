@@ -161,6 +161,8 @@ def test_1000_sequences_force_tensor_or_pipeline_parallelism(capsys):
         (["--model", "8b"], "unknown model '8b'"),
         (["--model", "missing.py"], "config file not found: missing.py"),
         (["--remat", "some"], "argument --remat: invalid choice"),
+        (["--top", "0"], "--top 0: give how many layouts to list (1 or more)"),  # an empty table
+        (["--top", "-2"], "--top -2: give how many layouts"),  # all rows but the last two
     ],
 )
 def test_bad_inputs_exit_2_with_one_line(args, message, capsys):

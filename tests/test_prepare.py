@@ -395,6 +395,38 @@ def test_output_rules(tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "mine" and decoded_documents(out) == ["beta"]
 
 
+def test_shard_size_must_be_finite(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("alpha")
+    code, _, err = run(capsys, "--input", tmp_path / "a.txt", "--output", tmp_path / "o", "--shard-mb", "inf")
+    assert code == 2  # int(inf) raised OverflowError
+    one_error(err, "--shard-mb must be a finite number > 0 (input MB per shard), got inf")
+
+
+def test_a_data_path_of_text_says_how_to_prepare_it(tmp_path):
+    """data.path at the text itself (not what data.prepare made of it): the command that prepares it, writing
+    beside it (never inside, where the next prepare would read the dataset as text)."""
+    from data.setup import data_vocab_size
+    from data.token_file import TokenFileError
+    from jaxlm.config import DataConfig
+
+    (tmp_path / "text" / "sub").mkdir(parents=True)
+    (tmp_path / "text" / "a.txt").write_text("alpha")
+    with pytest.raises(TokenFileError) as caught:
+        data_vocab_size(DataConfig(path=str(tmp_path / "text")))
+    out = tmp_path / "text-tokens"
+    assert str(caught.value) == (
+        f"data.path {tmp_path}/text holds text files (*.txt), not a token dataset; prepare it first: python -m "
+        f"data.prepare --input {tmp_path}/text --output {out}, then --set data.path={out}"
+    )
+    (tmp_path / "text" / "sub" / "b.jsonl").write_text('{"text": "beta"}\n')
+    with pytest.raises(TokenFileError, match=r"\(\*.txt, \*.jsonl\).* --pattern '\*.txt' --pattern '\*.jsonl', then"):
+        data_vocab_size(DataConfig(path=str(tmp_path / "text")))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "tokens.bin").write_bytes(b"")  # no text: the token file's own complaint stays
+    with pytest.raises(TokenFileError, match=r"^token file .*other: missing meta.json$"):
+        data_vocab_size(DataConfig(path=str(tmp_path / "other")))
+
+
 def test_bad_input_in_a_real_process(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "a"}\n{"text": "b"\n')

@@ -70,6 +70,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
         (["--input", src / "nothing"], "input not found"),
         (["--input", src, "--pattern", "*.md"], "no files matching"),
         (["--input", src / "c.txt", "--vocab-size", 100], "--vocab-size 100 leaves no merge"),
+        (["--input", src / "c.txt", "--min-frequency", -1], "--min-frequency must be >= 0 (a merge's least pair"),
+        (["--input", src / "c.txt", "--max-mb", "inf"], "--max-mb must be a finite number > 0 (MB of text to train"),
+        (["--input", src / "c.txt", "--max-mb", 0], "--max-mb must be a finite number > 0"),  # read one document
     ]
     for args, needle in cases:
         args = ["--vocab-size", 300, *args] if "--vocab-size" not in args else args
