@@ -178,12 +178,17 @@ NO_SPACE_TEXT = ("No space left on device", "File too large", "Disk quota exceed
 
 
 def space_line(path, reason: str, where: Path, needed_bytes: int | None = None) -> str:
-    """ "cannot write PATH: REASON (it needs about N; M free on ...'s filesystem)"."""
+    """The line for a write to `path` that failed for want of space: the reason, and `room`."""
+    return f"cannot write {path}: {reason} ({room(where, needed_bytes)})"
+
+
+def room(where: Path, needed_bytes: int | None = None) -> str:
+    """How much an output needs (when known) against what is free on the filesystem of `where`."""
     where = Path(os.path.abspath(where))
     existing = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(existing).free
     need = f"it needs about {_size(needed_bytes)}; " if needed_bytes else ""
-    return f"cannot write {path}: {reason} ({need}{_size(free)} free on {existing}'s filesystem)"
+    return f"{need}{_size(free)} free on {existing}'s filesystem"
 
 
 def _size(n: int) -> str:

@@ -10,13 +10,18 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Callable
 
 PAUSE_ENV = "JAXLM_PAUSE_AT"
 
 
-def pause_point(name: str) -> None:
+def pause_point(name: str, until: Callable[[], object] | None = None) -> None:
+    """Pauses here when JAXLM_PAUSE_AT names this point: until a signal interrupts the sleep, or, for code whose
+    handler only records the signal (training's), until `until()` is true."""
     if os.environ.get(PAUSE_ENV) != name:
         return
     sys.stdout.write(f"paused at {name}\n")
     sys.stdout.flush()
-    time.sleep(600)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not (until and until()):
+        time.sleep(0.05)

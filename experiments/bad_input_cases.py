@@ -313,6 +313,16 @@ SIGNALS = (
         rerun=True,
     ),
     Case(
+        "SIGTERM to a training run (preemption)",
+        ("experiments.tiny_lm", "--workdir", "{dir}/run", "--steps", "3", *TINY),
+        expect=75,
+        pause_at="trainer.step",
+        signals=("SIGTERM",),
+        may_change=("run", "run/*"),
+        max_lines=None,
+        rerun=True,
+    ),
+    Case(
         "a second Ctrl-C while a run closes its logs",
         ("experiments.tiny_lm", "--workdir", "{dir}/run", "--steps", "2", *TINY),
         expect=130,
@@ -334,6 +344,15 @@ FULL_DISK = (
         may_change=PARTIAL,
         rerun=True,
         fast=True,
+    ),
+    Case(
+        "a full disk during a training run's save",
+        ("experiments.tiny_lm", "--workdir", "{dir}/run", "--steps", "2", *TINY),
+        expect=4,
+        file_limit=300_000,  # past the run's logs and plot, short of a checkpoint's arrays
+        may_change=("run", "run/*"),
+        max_lines=None,
+        rerun=True,
     ),
     Case(
         "a full disk during `data.train_tokenizer`",

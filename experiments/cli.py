@@ -2,7 +2,7 @@
 
     --workdir DIR --steps N --seed S --mesh PATH.py --config PATH.py --log-every K --checkpoint-every K
     --set dotted.key=value (repeatable) [--cpu-devices N] [--no-progress]
-    [--coordinator HOST:PORT --num-processes N --process-id I]   (multi-process; see sharding.launch)
+    [--coordinator HOST:PORT --num-processes N --process-id I [--join-timeout S]]   (multi-process; see sharding.launch)
     [--replica-id I]   (a DiLoCo replica in its own process, with diloco.exchange)
     [--compilation-cache DIR|none]
 
@@ -10,6 +10,7 @@ Everything a user can get wrong (flags, config, layout, data) is checked before 
 exits with status 2 and one line naming it. Exit codes:
     0  finished            2  bad input                    3  stopped: too many non-finite steps in a row
     4  a save failed (a checkpoint or the logs; e.g. disk full)   75 preempted by SIGTERM / SIGINT: rerun to continue
+    130 a second Ctrl-C (at any moment, shutdown included)
 """
 
 from __future__ import annotations
@@ -306,6 +307,7 @@ def use_compilation_cache(choice: str | None) -> None:
 
 
 def _train(prog, args, cfg, layout, train_iter, eval_data, tokenizer) -> int:
+    from data.atomic_dir import NO_SPACE_TEXT, no_space, room
     from jaxlm.checkpoint import CheckpointError
     from jaxlm.config import ConfigError
     from jaxlm.diloco.exchange import ExchangeError
@@ -342,9 +344,13 @@ def _train(prog, args, cfg, layout, train_iter, eval_data, tokenizer) -> int:
     except TrainingDiverged as e:
         return _fail(prog, str(e), EXIT_DIVERGED, "stopped")
     except CheckpointError as e:  # e.g. the disk filled up during a save
+        if getattr(e, "cause", "") in NO_SPACE_TEXT:  # params + Adam's two moments, float32
+            needs = room(Path(args.workdir), trainer.program.num_params * 12).replace("it needs", "a checkpoint needs")
+            return _fail(prog, f"{e}; {needs}: free space and rerun", EXIT_CHECKPOINT_FAILED)
         return _fail(prog, str(e), EXIT_CHECKPOINT_FAILED)
     except OSError as e:  # e.g. the disk filled up while metrics.jsonl or the events were written
-        return _fail(prog, f"cannot write the run's files: {e}", EXIT_CHECKPOINT_FAILED)
+        full = no_space(e, Path(args.workdir), name=e.filename or f"the run's files in {args.workdir}")
+        return _fail(prog, full or f"cannot write the run's files: {e}", EXIT_CHECKPOINT_FAILED)
     except Exception as e:  # an out-of-memory past the estimate: one line with its cause, not XLA's traceback
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

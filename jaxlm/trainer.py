@@ -410,6 +410,7 @@ class Trainer:
             state, metrics = step_fn(state, batch, step)
             data_state = self.train_iter.get_state()  # the next step's batch, before it is prefetched below
             self.goodput.step_done()
+            pause_point("trainer.step", until=lambda: signals.received)
             speed.step()
             if step < cfg.steps:
                 batch = next_batch()  # overlaps with the running step
