@@ -42,13 +42,16 @@ def parse_args(argv):
 def load_run(workdir: Path):
     """The latest checkpoint's step and the config saved with it (not the workdir's config.json, which a later run
     with other settings may have rewritten); ValueError naming what is missing."""
+    from data.ownership import WORKDIR, kind_of
     from jaxlm import config as config_lib
     from jaxlm.checkpoint import Checkpointer, CheckpointError
 
     if not workdir.is_dir():
         raise ValueError(f"--workdir {workdir} is not a directory")
     if not (workdir / "checkpoints").is_dir():
-        raise ValueError(f"{workdir} has no checkpoints/: not a training workdir (train with --workdir {workdir})")
+        kind = kind_of(workdir)
+        what = f"it is {kind} ({kind.written_by})" if kind not in (None, WORKDIR) else "it has no checkpoints/"
+        raise ValueError(f"no checkpoint to quantize in {workdir}: {what}; give the --workdir of a training run")
     checkpointer = Checkpointer(workdir / "checkpoints", async_save=False, primary=False)
     try:
         step = checkpointer.latest_step()

@@ -94,10 +94,15 @@ def check_not_jaxlm(hf_dir: Path) -> None:
     checkpoints/ folder; token data; a quantized checkpoint), saying how that one is used instead."""
     kind = kind_of(hf_dir)
     if kind is WORKDIR or (kind is None and (hf_dir / "checkpoints").is_dir()):
+        train_on = (  # only where training would accept the directory as its own
+            f", and python -m experiments.tiny_lm --config {hf_dir}/config.json --workdir {hf_dir} --steps N "
+            f"trains it on"
+            if kind is WORKDIR
+            else ""
+        )
         raise hf.HFError(
             f"--hf {hf_dir} is a jaxlm training workdir, not a Hugging Face model: it needs no import; "
-            f"python -m experiments.generate (or experiments.evaluate) --workdir {hf_dir} reads it as it is, and "
-            f"python -m experiments.tiny_lm --config {hf_dir}/config.json --workdir {hf_dir} --steps N trains it on"
+            f"python -m experiments.generate (or experiments.evaluate) --workdir {hf_dir} reads it as it is{train_on}"
         )
     if kind is not None and kind is not HF_MODEL:
         use = f" ({kind.use.format(path=hf_dir)})" if kind.use else ""
