@@ -4,6 +4,7 @@
     python -m experiments.bench_train --compare           # also the variants (scanned layers, 1 microbatch, ...)
     python -m experiments.bench_train --set model.dtype=bfloat16
     python -m experiments.bench_train --peer              # also PyTorch eager / torch.compile, and the ratio
+    python -m experiments.bench_train --peer --nanogpt DIR  # ... and nanoGPT's own model.py beside the peer
     python -m experiments.bench_train --products          # also every matmul of the step timed alone
 
 Both numbers are measured in the same run: the peak is the best of 5 float32 `jnp.dot` 2048x2048 products; the
@@ -161,7 +162,10 @@ def main(argv=None) -> int:
         action="store_true",
         help="also run bench_torch_reference (PyTorch eager and torch.compile) in this same run and print the ratio",
     )
+    p.add_argument("--nanogpt", metavar="DIR", help="with --peer: a karpathy/nanoGPT checkout, timed beside the peer")
     args = p.parse_args(argv)
+    if args.nanogpt and not args.peer:
+        p.error("--nanogpt needs --peer")
     if args.steps < 1 or args.windows < 1:
         p.error("--steps and --windows must be >= 1")
     try:
@@ -215,16 +219,18 @@ def main(argv=None) -> int:
     if args.products:
         summary["products"] = print_products(head["hlo"], peak, head["step_s"])
     if args.peer:
-        summary["peer"] = measure_peer(head["tokens_per_s"], args.steps, args.windows)
+        summary["peer"] = measure_peer(head["tokens_per_s"], peak, args.steps, args.windows, args.nanogpt)
     print(json.dumps(summary))
     return 0
 
 
-def measure_peer(tokens_per_s: float, steps: int, windows: int) -> dict:
+def measure_peer(tokens_per_s: float, peak: float, steps: int, windows: int, nanogpt: str | None = None) -> dict:
     """bench_torch_reference, eager and torch.compile, as subprocesses (one framework per process, as each runs
-    alone), right after jaxlm's step on the same machine; this run's tokens/s over the faster peer's."""
-    peers = {}
-    for mode, extra in (("torch eager", []), ("torch.compile", ["--compile"])):
+    alone), right after jaxlm's step on the same machine; this run's tokens/s over the faster peer's, and both
+    frameworks' float32 matmul peaks (`peak` is jnp.dot's): how much of the ratio is the BLAS. `nanogpt`: a
+    karpathy/nanoGPT checkout, timed beside the eager yardstick to show the yardstick runs at its speed."""
+    peers, peaks, vs_nanogpt = {}, {}, None
+    for mode, extra in (("torch eager", ["--nanogpt", nanogpt] if nanogpt else []), ("torch.compile", ["--compile"])):
         cmd = [
             sys.executable,
             "-m",
@@ -239,14 +245,28 @@ def measure_peer(tokens_per_s: float, steps: int, windows: int) -> dict:
             last = (proc.stderr.strip().splitlines() or ["?"])[-1]
             print(f"{mode:34s} failed: {last}", flush=True)
             continue
-        peers[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["tokens_per_s"]
-        print(f"{mode:34s} {'':>7s} {'':>7s} {peers[mode]:8.0f}", flush=True)
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        peers[mode], peaks[mode] = result["tokens_per_s"], result["peak_gflops_per_s"]
+        vs_nanogpt = result.get("vs_nanogpt", vs_nanogpt)
+        print(f"{mode:34s} {'':>7s} {'':>7s} {peers[mode]:8.0f} {'':>8s} {'':>6s}", flush=True)
     if not peers:
         return {}
     faster = max(peers, key=peers.get)
     ratio = tokens_per_s / peers[faster]
+    torch_peak = max(peaks.values())
+    print(
+        f"matmul peaks, float32 2048^2: jnp.dot {peak / 1e9:.1f} GFLOP/s, torch.mm {torch_peak:.1f} GFLOP/s "
+        f"({peak / 1e9 / torch_peak:.2f}x): the BLAS alone would give jaxlm that ratio"
+    )
+    if vs_nanogpt is not None:
+        print(f"the yardstick runs at {vs_nanogpt:.3f}x nanoGPT's own model.py (eager, this run)")
     print(f"jaxlm / {faster}: {ratio:.2f}x (goal >= 1.0x; stretch 1.2x)")
-    return {"tokens_per_s": {k: round(v, 1) for k, v in peers.items()}, "faster": faster, "ratio": round(ratio, 3)}
+    return {
+        "tokens_per_s": {k: round(v, 1) for k, v in peers.items()},
+        "faster": faster,
+        "ratio": round(ratio, 3),
+        "matmul_peak_gflops_per_s": {"jnp.dot": round(peak / 1e9, 2), "torch.mm": round(torch_peak, 2)},
+    } | ({"yardstick_vs_nanogpt": vs_nanogpt} if vs_nanogpt is not None else {})
 
 
 if __name__ == "__main__":

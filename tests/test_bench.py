@@ -1,6 +1,7 @@
 """Benchmarks keep their contract: a readable table, then one JSON object with the key figures as the last line."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,6 +74,23 @@ def test_torch_reference_without_torch_says_so():
     assert proc.stderr.strip().splitlines() == [
         "bench_torch_reference: error: torch is not installed (pip install torch)"
     ]
+
+
+def test_the_torch_yardstick_starts_at_chance_and_makes_no_denormals():
+    """Initialised as nanoGPT is, the peer's first loss is about ln(V) (uniform predictions) and its activations and
+    gradients hold no float32 denormal once training moves the weights (PyTorch's default init, an N(0, 1) embedding
+    tied to the head, made tens of thousands per step: half the speed on an Intel x86, issue 38)."""
+    torch = pytest.importorskip("torch")
+    from experiments import bench_torch_reference as ref
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    idx, tgt = (torch.randint(0, ref.V, (2, ref.T), generator=gen) for _ in range(2))  # 2 rows: the same values
+    found = ref.denormals_in_training(torch, ref.build_model(torch), idx, tgt)
+    assert found["loss"] == pytest.approx(math.log(ref.V), abs=0.15)
+    assert found["activations"] == 0 and found["gradients"] == 0, found
+    slow = ref.denormals_in_training(torch, ref.build_model(torch, nanogpt_init=False), idx, tgt)
+    assert slow["gradients"] > 0 and slow["loss"] > 5 * math.log(ref.V)  # what the check guards against
 
 
 @pytest.mark.slow  # ~3 min: PyTorch's gpt-bench steps, eager and compiled; the ratio is arithmetic on their JSON
