@@ -1,0 +1,82 @@
+"""sharding.schedules: pipeline schedules as tables. Every table passes the checker and idles exactly its formula's
+share (F = B = W), holds what its schedule promises, and the checker names the first broken rule; the CLI prints the
+chart and a JSON last line."""
+
+import dataclasses
+import json
+
+import pytest
+
+from sharding import schedule as cli
+from sharding import schedules as S
+
+CASES = [
+    (name, p, m, v)
+    for p in (2, 4)
+    for m in (p, 2 * p, 4 * p)
+    for name, v in [("gpipe", None), ("1f1b", None), ("zb-h1", None), ("zbv", None)]
+    + [("interleaved-1f1b", 2), ("interleaved-1f1b", 3)]
+]
+
+
+@pytest.mark.parametrize("name, stages, microbatches, virtual", CASES)
+def test_every_table_is_valid_and_idles_its_formula(name, stages, microbatches, virtual):
+    sc = S.make(name, stages, microbatches, virtual)
+    S.check(sc)
+    assert sc.bubble_fraction == pytest.approx(S.theory(name, stages, microbatches, sc.chunks), abs=1e-12)
+    stash = sc.peak_stash()
+    if name == "gpipe":
+        assert stash == [microbatches] * stages
+    if name == "1f1b":
+        assert stash == [min(microbatches, stages - s) for s in range(stages)]
+    if name in ("zb-h1", "zbv"):  # weight gradients wait, but never more than about 1F1B's most (stage 0's)
+        assert max(stash) <= min(microbatches, stages + (name == "zb-h1"))
+
+
+def test_zero_bubble_schedules_cut_1f1b_s_idle_time():
+    one_f_one_b, zb_h1, zbv = (S.make(n, 4, 8).bubble_fraction for n in ("1f1b", "zb-h1", "zbv"))
+    assert one_f_one_b == pytest.approx(3 / 11)  # 27%
+    assert zb_h1 == pytest.approx(3 / 27) and zbv == pytest.approx(3 / 51)  # 11%, 5.9%: the synchronous bound
+    assert S.make("zbv", 4, 16).bubble_fraction < 0.05
+
+
+def test_the_checker_names_the_first_broken_rule():
+    sc = S.make("1f1b", 2, 2)
+    ops = list(sc.ops)
+    b0 = next(op for op in ops if op.kind == "BW" and op.stage == 0 and op.microbatch == 0)
+    early = dataclasses.replace(b0, tick=2)  # before stage 1's backward of microbatch 0 has ended
+    broken = dataclasses.replace(sc, ops=tuple(op if op is not b0 else early for op in ops))
+    with pytest.raises(S.ScheduleError, match=r"BW of microbatch 0 on stage 0 starts before B of microbatch 0"):
+        S.check(broken)
+    missing = dataclasses.replace(sc, ops=tuple(op for op in ops if op is not b0))
+    with pytest.raises(S.ScheduleError, match="BW of microbatch 0 on virtual stage 0 is missing"):
+        S.check(missing)
+    f1 = next(op for op in ops if op.kind == "F" and op.stage == 0 and op.microbatch == 1)
+    clash = dataclasses.replace(sc, ops=tuple(op if op is not f1 else dataclasses.replace(f1, tick=0) for op in ops))
+    with pytest.raises(S.ScheduleError, match="stage 0 runs F0 and F1 at tick 0"):
+        S.check(clash)
+    with pytest.raises(S.ScheduleError, match="holds 2 microbatches of activations, more than 1"):
+        S.check(S.make("1f1b", 2, 4), max_stash=1)
+
+
+def test_the_cli_prints_the_chart_and_json_last(capsys):
+    assert cli.main(["--schedule", "zbv", "--stages", "4", "--microbatches", "8"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[1].startswith("stage 0 F") and len(lines) == 1 + 4 + 2
+    assert json.loads(lines[-1]) == {"bubble_fraction": 0.058824, "peak_stash": [4.0] * 4, "ticks": 51}
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--schedule", "zz", "--stages", "4", "--microbatches", "8"], "schedule 'zz' is unknown"),
+        (["--schedule", "interleaved-1f1b", "--stages", "4", "--microbatches", "6"], "do not divide into groups"),
+        (["--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--virtual-stages", "2"], "interleaved-1f1b"),
+        (["--schedule", "1f1b", "--stages", "0", "--microbatches", "8"], "must be >= 1"),
+        (["--stages", "4"], "required"),
+    ],
+)
+def test_bad_settings_are_one_line_exit_2(capsys, argv, line):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sharding.schedule: error: ") and line in err[0]
