@@ -37,7 +37,6 @@ from jaxlm.model import model_flops_per_token
 from jaxlm.preemption import Preempted, StopSignals
 from jaxlm.train import Batch, Program
 from sharding.mesh import MeshLayout
-from sharding.pipeline import bubble_fraction
 
 
 class TrainingDiverged(RuntimeError):
@@ -363,7 +362,7 @@ class Trainer:
         if layout.pipeline > 1:
             self.log(
                 f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}, {layout.num_microbatches} "
-                f"microbatches per step: bubble {bubble_fraction(layout.pipeline, layout.num_microbatches):.1%}"
+                f"microbatches per step: bubble {pipeline_bubble(layout):.1%}"
             )
 
     def _batches(self):
@@ -569,3 +568,11 @@ class Trainer:
 
         gathered = multihost_utils.process_allgather(np.asarray(flags, np.int32))
         return tuple(bool(x) for x in np.asarray(gathered).reshape(-1, len(flags)).any(axis=0))
+
+
+def pipeline_bubble(layout: MeshLayout) -> float:
+    """The idle share of the layout's pipeline schedule, from its table (F = B = W)."""
+    from sharding.schedules import make
+
+    virtual = layout.pipeline_virtual_stages or None
+    return make(layout.pipeline_schedule, layout.pipeline, layout.num_microbatches, virtual).bubble_fraction

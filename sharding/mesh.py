@@ -18,7 +18,7 @@ from jax.sharding import AxisType, Mesh
 from sharding.user_file import call_user_function, exec_python_file
 
 MESH_AXES = ("replica", "data", "fsdp", "pipeline", "tensor")  # outermost (slowest links) first
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")  # sharding.schedules.NAMES
 
 
 class LayoutError(ValueError):
@@ -33,8 +33,9 @@ class MeshLayout:
     pipeline: int = 1
     replica: int = 1  # DiLoCo replicas are split over it; without DiLoCo it is one more data-parallel axis
     rules: dict = field(default_factory=dict)  # logical axis -> mesh axis (or tuple, or None); overrides DEFAULT_RULES
-    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b (sharding.pipeline); used when pipeline > 1
+    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES (sharding.schedules); used when pipeline > 1
     pipeline_microbatches: int = 0  # microbatches per pipelined step; 0 -> 2 * pipeline
+    pipeline_virtual_stages: int = 0  # interleaved-1f1b: model chunks per stage (0 -> 2); others: 0
 
     @property
     def num_microbatches(self) -> int:
@@ -42,6 +43,15 @@ class MeshLayout:
         if self.pipeline == 1:
             return 1
         return self.pipeline_microbatches or 2 * self.pipeline
+
+    @property
+    def pipeline_chunks(self) -> int:
+        """Model chunks each pipeline stage holds: 2 for ZB-V's V, the virtual stages of interleaved 1F1B, else 1."""
+        if self.pipeline_schedule == "zbv":
+            return 2
+        if self.pipeline_schedule == "interleaved-1f1b":
+            return self.pipeline_virtual_stages or 2
+        return 1
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -59,6 +69,19 @@ class MeshLayout:
         m = self.pipeline_microbatches
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise LayoutError(f"pipeline_microbatches must be an int >= 0 (0: twice the stages), got {m!r}")
+        v = self.pipeline_virtual_stages
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v == 1:
+            raise LayoutError(f"pipeline_virtual_stages must be 0 (the default) or an int >= 2, got {v!r}")
+        if v and self.pipeline_schedule != "interleaved-1f1b":
+            raise LayoutError(
+                f"pipeline_virtual_stages = {v} applies to pipeline_schedule 'interleaved-1f1b' only, not "
+                f"{self.pipeline_schedule!r}"
+            )
+        if self.pipeline > 1 and self.pipeline_schedule == "interleaved-1f1b" and self.num_microbatches % self.pipeline:
+            raise LayoutError(
+                f"pipeline_schedule 'interleaved-1f1b' runs microbatches in groups of the stages: "
+                f"pipeline_microbatches = {self.num_microbatches} is not a multiple of pipeline = {self.pipeline}"
+            )
         product = math.prod(self.axis_sizes.values())
         if product != num_devices:
             sizes = " x ".join(f"{a}={s}" for a, s in self.axis_sizes.items() if s != 1) or "all axes 1"
@@ -88,7 +111,12 @@ class MeshLayout:
         for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("mlp_dim", mlp_dim)):
             if size % self.tensor:
                 raise LayoutError(f"model.{name} = {size} is not divisible by mesh axis 'tensor' = {self.tensor}")
-        if num_layers % self.pipeline:
+        if num_layers % (self.pipeline * self.pipeline_chunks):
+            if self.pipeline_chunks > 1:
+                raise LayoutError(
+                    f"model.num_layers = {num_layers} does not split into pipeline = {self.pipeline} stages x "
+                    f"{self.pipeline_chunks} chunks ({self.pipeline_schedule})"
+                )
             raise LayoutError(
                 f"model.num_layers = {num_layers} is not divisible by mesh axis 'pipeline' = {self.pipeline}"
             )

@@ -1,4 +1,5 @@
-"""Pipeline parallelism over the `pipeline` mesh axis: GPipe and 1F1B schedules as one SPMD program.
+"""Pipeline parallelism over the `pipeline` mesh axis: GPipe and 1F1B schedules as one SPMD program (the other
+schedules run from their tables: sharding.table_runner).
 
 The layers' stacked params [L, ...] are viewed as [P, L/P, ...], one block of layers per stage. Inside a
 `jax.shard_map` that is manual over `pipeline` only (data / fsdp / tensor stay automatic, so FSDP and tensor

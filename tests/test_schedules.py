@@ -80,3 +80,22 @@ def test_bad_settings_are_one_line_exit_2(capsys, argv, line):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("sharding.schedule: error: ") and line in err[0]
+
+
+@pytest.mark.parametrize(
+    "fields, line",
+    [
+        (dict(pipeline_schedule="zbv", pipeline_virtual_stages=2), "applies to pipeline_schedule 'interleaved-1f1b'"),
+        (dict(pipeline_schedule="interleaved-1f1b", pipeline_microbatches=6), "is not a multiple of pipeline = 4"),
+        (dict(pipeline_schedule="interleaved-1f1b", pipeline_virtual_stages=1), r"must be 0 \(the default\) or an int"),
+        (dict(pipeline_schedule="zb-v"), "pipeline_schedule 'zb-v' is unknown; choose one of gpipe, 1f1b, interleav"),
+    ],
+)
+def test_a_layout_names_what_its_schedule_cannot_do(fields, line):
+    from sharding import LayoutError, MeshLayout
+
+    with pytest.raises(LayoutError, match=line):
+        MeshLayout(data=2, pipeline=4, **fields).validate(8)
+    chunked = MeshLayout(data=2, pipeline=4, pipeline_schedule="zbv").validate(8)
+    with pytest.raises(LayoutError, match=r"num_layers = 4 does not split into pipeline = 4 stages x 2 chunks \(zbv\)"):
+        chunked.check_divisibility(batch_size=16, microbatches=1, num_heads=4, num_kv_heads=2, mlp_dim=64, num_layers=4)

@@ -90,6 +90,30 @@ def test_four_stage_pipeline_with_document_mask(schedule, impl, reference):
     assert_same(result, reference["document"])
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        MeshLayout(data=2, tensor=2, pipeline=2, pipeline_schedule="zbv", pipeline_microbatches=4),
+        pytest.param(
+            MeshLayout(fsdp=2, tensor=2, pipeline=2, pipeline_schedule="interleaved-1f1b", pipeline_microbatches=4),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            MeshLayout(data=2, pipeline=4, pipeline_schedule="zb-h1", pipeline_microbatches=8), marks=pytest.mark.slow
+        ),
+    ],
+    ids=lambda layout: layout.pipeline_schedule,
+)
+def test_schedules_run_from_tables_match_single_device(layout, reference):
+    """Interleaved 1F1B, ZB-H1 and ZB-V run by sharding.table_runner, with the documents' segment ids travelling to
+    every chunk (ZB-V's V turns on the last stage), tensor or FSDP inside a stage: loss and gradients equal one
+    device."""
+    layout = layout.validate(8)
+    program = Program(_documents(CFG), build_mesh(layout), layout)
+    _, *result = loss_and_grads(program, _doc_batch())
+    assert_same(result, reference["document"])
+
+
 # Layouts whose rules move the batch and the heads off their default mesh axes, and the [rows, query heads] each
 # device's attention kernel then sees of the [16, 4] batch x heads (the old hard-coded data/fsdp x tensor split
 # gave [4, 2] and [8, 4]).
