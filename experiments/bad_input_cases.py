@@ -411,14 +411,12 @@ BEFORE_START = (
     Case(
         "a misspelt `--set` key",
         ("experiments.tiny_lm", "--workdir", "{dir}/w", "--set", "model.d_modle=512"),
-        fast=True,
     ),
     Case("a `--set` value of the wrong type", ("experiments.tiny_lm", "--workdir", "{dir}/w", "--set", "seed=abc")),
     Case("`--steps` negative", ("experiments.tiny_lm", "--workdir", "{dir}/w", "--steps", "-1")),
     Case(
         "`data.path` does not exist",
         ("experiments.tiny_lm", "--workdir", "{dir}/w", "--set", "data.path={dir}/no-tokens", *TINY),
-        fast=True,
     ),
     Case(
         "a step that cannot fit in memory",
@@ -428,7 +426,6 @@ BEFORE_START = (
             "{dir}/w",
             *("--set", "model.max_seq_len=262144", "--set", "data.seq_len=262144", "--set", "data.batch_size=64"),
         ),
-        fast=True,
     ),
     Case(
         "resuming with another model",
@@ -463,7 +460,6 @@ BEFORE_START = (
     Case(
         "`sharding.launch` on a busy port",
         ("sharding.launch", "--processes", "2", "--port", "{busy_port}", "--", "true"),
-        fast=True,
     ),
     Case(
         "`sharding.plan --out` a directory",

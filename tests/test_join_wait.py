@@ -79,6 +79,7 @@ def test_a_process_whose_coordinator_is_not_reachable_says_so(tmp_path):
     assert len(lines) == 2, done.stderr
 
 
+@pytest.mark.slow  # signals before training are covered by test_interrupts; this one waits for the note
 def test_sigterm_while_waiting_ends_the_run_at_once(tmp_path):
     port = launch.free_port()
     proc = subprocess.Popen(

@@ -12,9 +12,11 @@ from sharding import table_runner as R
 from tests.test_pipeline import B, T, head_fn, inputs, on_mesh, sequential_loss, stage_fn
 
 slow = pytest.mark.slow
-# The default suite: every schedule at P = 4, M = 2P, and ZB-V on a ring of two; the slow suite all of them.
+# The default suite: the table-only schedules at P = 4, M = 2P, and ZB-V on a ring of two (where the next and the
+# previous stage are one); the slow suite every schedule, GPipe's and 1F1B's tables too, at P = 2, 4 and M = P, 2P, 4P.
+FAST = {(4, 8, "interleaved-1f1b"), (4, 8, "zb-h1"), (4, 8, "zbv"), (2, 4, "zbv")}
 CASES = [
-    pytest.param(name, p, m, marks=() if (p, m) == (4, 8) or (p, m, name) == (2, 4, "zbv") else slow)
+    pytest.param(name, p, m, marks=() if (p, m, name) in FAST else slow)
     for name in S.NAMES
     for p in (2, 4)
     for m in (p, 2 * p, 4 * p)
