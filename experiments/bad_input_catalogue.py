@@ -156,8 +156,8 @@ def _execute(case: Case, argv: list[str]) -> tuple[int, str]:
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     if not case.pause_at:
-        proc = subprocess.run(
-            command, cwd=REPO, env=environ, capture_output=True, text=True, timeout=300, preexec_fn=preexec
+        proc = subprocess.run(  # preexec only where needed: it makes subprocess fork instead of spawning
+            command, cwd=REPO, env=environ, capture_output=True, text=True, timeout=300, preexec_fn=limit and preexec
         )
         return proc.returncode, proc.stderr
     proc = subprocess.Popen(
