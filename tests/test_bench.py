@@ -238,3 +238,11 @@ def test_diloco_vs_sync_rejects_a_bad_grid(tmp_path):
     proc = run("experiments.diloco_vs_sync", "--workdir", str(tmp_path), "--replicas", "two")
     assert proc.returncode == 2
     assert proc.stderr.strip() == "diloco_vs_sync: error: --replicas expects comma-separated integers, got 'two'"
+
+
+@pytest.mark.slow  # ~20 s: two pipelined train steps compiled; test_sharding and test_schedules cover the schedules
+def test_bench_pipeline_prints_each_schedule_then_json():
+    proc = run("experiments.bench_pipeline", "--schedules", "1f1b,zbv", "--steps", "1")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    assert rows["1f1b"]["vs_1f1b"] == 1.0 and rows["zbv"]["idle"] == pytest.approx(3 / 51, abs=1e-4)
