@@ -333,7 +333,7 @@ def _train(prog, args, cfg, layout, train_iter, eval_data, tokenizer) -> int:
             tokenizer=tokenizer,
         )
     except (LayoutError, DistributedError, ConfigError, ExchangeError) as e:  # e.g. a process whose devices hold
-        # non-contiguous batch rows, or DiLoCo in a pipeline layout
+        # non-contiguous batch rows
         return _fail(prog, str(e))
     try:
         final = trainer.run()

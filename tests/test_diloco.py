@@ -331,8 +331,19 @@ def test_layouts_that_cannot_hold_the_replicas_are_refused():
         DiLoCoProgram(cfg, mesh(replica=4))
     with pytest.raises(LayoutError, match=r"per-replica microbatch of 4 rows .* not divisible by data x fsdp = 8"):
         DiLoCoProgram(cfg, mesh(data=8))
-    with pytest.raises(ConfigError, match="DiLoCo does not run in a pipeline layout yet"):
-        DiLoCoProgram(cfg, mesh(data=2, pipeline=2))
+
+
+def test_streaming_diloco_in_a_zbv_pipeline_equals_diloco_without_one():
+    """Replicas whose steps run pipelined (ZB-V from its table: two chunks per stage in a V) sync fragments with an
+    overlap exactly as replicas on data parallelism do; SGD, so nothing amplifies a summation order."""
+    cfg = tiny_config(optim=SGD, steps=4, data=dict(batch_size=16), model=dict(num_layers=4))
+    dl_cfg = with_diloco(cfg, replicas=2, inner_steps=4, fragments=2, overlap_steps=1, outer_lr=0.7, outer_momentum=0.9)
+    plain_state, plain_losses = run(DiLoCoProgram(dl_cfg, mesh(replica=2, data=4)), 4, batch_rows=16)
+    pipelined = mesh(replica=2, data=2, pipeline=2, pipeline_schedule="zbv", pipeline_microbatches=4)
+    piped_state, piped_losses = run(DiLoCoProgram(dl_cfg, pipelined), 4, batch_rows=16)
+    assert max_diff(piped_state.global_params, plain_state.global_params) <= 1e-6
+    np.testing.assert_allclose(piped_losses, plain_losses, rtol=1e-6)
+    assert np.ptp(plain_losses) > 1e-3
 
 
 # ----------------------------------------------------------------------------- resume and data

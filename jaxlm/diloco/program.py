@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxlm.config import ConfigError, TrainConfig
+from jaxlm.config import TrainConfig
 from jaxlm.diloco.compression import round_trip, wire_bytes
 from jaxlm.diloco.config import parse_drops, replicas_down
 from jaxlm.train import Program, TrainState, step_microbatches, train_step
@@ -197,8 +197,6 @@ class DiLoCoProgram(Program):
     def __init__(self, cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None):
         super().__init__(cfg, mesh, layout)  # the one-replica program: model, inner optimizer, eval of global params
         c, layout = cfg.diloco, self.layout
-        if layout.pipeline > 1:
-            raise ConfigError("DiLoCo does not run in a pipeline layout yet; use a mesh with pipeline = 1")
         if c.replicas % layout.replica:
             raise LayoutError(
                 f"diloco.replicas = {c.replicas} is not divisible by mesh axis 'replica' = {layout.replica}"
