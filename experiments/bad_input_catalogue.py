@@ -259,7 +259,7 @@ def problems(r: Result) -> str:
 def comparable(table_text: str) -> str:
     """A table with the figures that depend on the machine masked (the memory check names this host's free RAM, a
     full disk its free space, a preemption its checkpoint's time)."""
-    table_text = re.sub(r"\d+(\.\d+)? (GiB|MiB) free", "N free", re.sub(r"\d+(\.\d+)? GiB", "N GiB", table_text))
+    table_text = re.sub(r"\d+(\.\d+)? GiB", "N GiB", re.sub(r"\d+(\.\d+)? (GiB|MiB) free", "N free", table_text))
     table_text = re.sub(r"Orbax logged \d+ error lines", "Orbax logged N error lines", table_text)
     return re.sub(r"written in \d+\.\d+s", "written in Ns", table_text)
 
