@@ -243,15 +243,6 @@ OWNERSHIP = (
         setup=_hf_model,
         needs_trained=True,
     ),
-    Case(
-        "`sharding.plan --out` inside a run's checkpoints/",
-        (
-            "sharding.plan",
-            *("--model", "7b", "--devices", "8", "--global-batch-tokens", "1048576", "--seq", "4096"),
-            *("--hardware", "h100-sxm", "--out", "{dir}/run/checkpoints/layout.py"),
-        ),
-        setup=_marked_workdir,
-    ),
 )
 
 SIGNALS = (

