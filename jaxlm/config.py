@@ -29,10 +29,8 @@ __all__ = [
     "OptimConfig",
     "TrainConfig",
     "apply_overrides",
-    "diff",
     "from_dict",
     "load_config",
-    "resume_changes",
     "to_dict",
     "validate",
     "validate_training",
@@ -585,27 +583,3 @@ def from_dict(data: dict, where: str = "config") -> TrainConfig:
     """A config from `to_dict`'s output (a checkpoint's saved config, whose data fingerprint is not config)."""
     data = {k: v for k, v in data.items() if k not in SAVED_BESIDE_CONFIG}
     return _dataclass_from(TrainConfig, data, "", where)
-
-
-def diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """Keys whose values differ between two config dicts, as 'key: saved -> current'."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key), current.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += diff(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return out
-
-
-def resume_changes(saved: dict, cfg: TrainConfig) -> list[str]:
-    """What differs, as 'key: saved -> current', between a checkpoint's config and `cfg` in the fields that shape
-    the saved state or the data order (each section's `fixed_on_resume`); a field the checkpoint predates counts
-    as its default."""
-    changes = []
-    for name, section in cfg.sections().items():
-        default = type(section)().fixed_on_resume()
-        was = {k: v for k, v in {**default, **saved.get(name, {})}.items() if k in default}
-        changes += diff(was, section.fixed_on_resume(), f"{name}.")
-    return changes

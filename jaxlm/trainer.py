@@ -30,6 +30,7 @@ from jaxlm import config as config_lib
 from jaxlm import diloco
 from jaxlm.checkpoint import Checkpointer, CheckpointSaveError, NonFiniteState, shape_mismatches
 from jaxlm.config import TrainConfig
+from jaxlm.config_resume import resume_changes
 from jaxlm.generate import generate
 from jaxlm.goodput import Goodput, append_record, summary
 from jaxlm.metrics import MetricsLogger, NullLogger
@@ -246,7 +247,7 @@ class Trainer:
         """Refuses a checkpoint written with a config that shapes the state or the data differently, naming the
         fields (and the first parameters whose shapes differ): compared before any array is read, so the user
         gets that line instead of an Orbax shape error."""
-        changed = config_lib.resume_changes(saved_cfg, self.cfg)
+        changed = resume_changes(saved_cfg, self.cfg)
         if changed:
             try:
                 shapes = shape_mismatches(self.checkpointer.saved_shapes(step), self.program.abstract_state)

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlm import config as config_lib
 from jaxlm.config import ConfigError, ModelConfig, TrainConfig, apply_overrides, load_config, validate
+from jaxlm.config_resume import diff as config_diff
 from sharding import DEFAULT_RULES, LayoutError, MeshLayout, build_mesh, load_layout, logical_spec
 from sharding.mesh import check_rules
 
@@ -317,7 +318,7 @@ def test_validate_checks_types_of_python_configs():
 def test_dict_roundtrip_and_diff():
     cfg = apply_overrides(TrainConfig(), ["model.d_model=128", "data.path=x"])
     assert config_lib.from_dict(config_lib.to_dict(cfg)) == cfg
-    changes = config_lib.diff(config_lib.to_dict(TrainConfig()), config_lib.to_dict(cfg))
+    changes = config_diff(config_lib.to_dict(TrainConfig()), config_lib.to_dict(cfg))
     assert changes == ["data.path: '' -> 'x'", "model.d_model: 256 -> 128"]
 
 
