@@ -52,6 +52,18 @@ def signals_deferred():
             raise Stopped(held)
 
 
+def run_stoppable(prog: str, body: Callable[["CommandSignals"], int], *, after: str = "", grace_s: float = 10.0) -> int:
+    """`body(signals)` inside CommandSignals: a stop (or a KeyboardInterrupt raised in-process) becomes one line,
+    "PROG: stopped by SIGNAL" + `after`, and the shell's exit code. Every command but training ends this way."""
+    try:
+        with CommandSignals(prog, grace_s=grace_s) as signals:
+            return body(signals)
+    except KeyboardInterrupt as e:
+        name = e.signal_name if isinstance(e, Stopped) else "SIGINT"
+        print(f"{prog}: stopped by {name}{after}", file=sys.stderr)
+        return exit_code(name)
+
+
 class CommandSignals:
     """While active: the first SIGTERM / SIGINT raises Stopped in the main thread; if the command has not ended
     `grace_s` later, or on a second Ctrl-C, `cleanup()` runs and the process exits with one line. Inert outside

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from data.atomic_dir import no_space
-from data.command_signals import CommandSignals, Stopped, exit_code
+from data.command_signals import run_stoppable
 from data.ownership import DATASET, OwnershipError, check_target
 from data.shard_worker import Unit, completed_stats, init_worker, tokenize_unit
 from data.text_sources import ReadOptions, TextSourceError, find_inputs, plan_pieces
@@ -276,17 +276,8 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 written, 2 bad input, 4 the disk filled, 130 / 143 stopped by SIGINT / SIGTERM (the finished
     shards are kept for the rerun)."""
-    try:
-        with CommandSignals(PROG):
-            return _main(argv)
-    except KeyboardInterrupt as e:  # Stopped by a signal, or a KeyboardInterrupt raised in-process
-        name = e.signal_name if isinstance(e, Stopped) else "SIGINT"
-        print(
-            f"{PROG}: stopped by {name}: nothing was written to the output; rerun the same command to "
-            f"continue from the finished shards",
-            file=sys.stderr,
-        )
-        return exit_code(name)
+    after = ": nothing was written to the output; rerun the same command to continue from the finished shards"
+    return run_stoppable(PROG, lambda _: _main(argv), after=after)
 
 
 def _main(argv: list[str] | None) -> int:

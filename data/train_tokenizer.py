@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from data.atomic_dir import no_space, remove_abandoned, rust_os_error, scratch_path
-from data.command_signals import CommandSignals, Stopped
+from data.command_signals import run_stoppable
 from data.fault_points import pause_point
 from data.ownership import OwnershipError, check_target
 from data.text_sources import Counts, ReadOptions, TextSourceError, documents, find_inputs, plan_pieces
@@ -77,12 +77,10 @@ def output_path(raw: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 written, 2 bad input, 4 the disk filled, 130 / 143 stopped by SIGINT / SIGTERM (nothing is
     written; a rerun starts again)."""
-    try:
-        with CommandSignals(PROG, grace_s=2.0):  # BPE training in Rust never returns to Python's handler
-            return _main(argv)
-    except Stopped as e:
-        print(f"{PROG}: stopped by {e.signal_name}: nothing was written; rerun the same command", file=sys.stderr)
-        return e.code
+    # BPE training in Rust never returns to Python's handler: a short grace period
+    return run_stoppable(
+        PROG, lambda _: _main(argv), after=": nothing was written; rerun the same command", grace_s=2.0
+    )
 
 
 class _Parser(argparse.ArgumentParser):

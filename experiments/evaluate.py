@@ -95,14 +95,9 @@ def data_tokens(args, tokenizer):
 def main(argv: list[str] | None = None) -> int:
     """SIGTERM / Ctrl-C: one line and exit 143 / 130, also while XLA compiles (nothing is written; a second
     Ctrl-C exits at once)."""
-    from data.command_signals import CommandSignals, Stopped
+    from data.command_signals import run_stoppable
 
-    try:
-        with CommandSignals(PROG, grace_s=2.0):
-            return _main(argv)
-    except Stopped as e:
-        print(f"{PROG}: stopped by {e.signal_name}", file=sys.stderr)
-        return e.code
+    return run_stoppable(PROG, lambda _: _main(argv), grace_s=2.0)
 
 
 def _main(argv: list[str] | None) -> int:

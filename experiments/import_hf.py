@@ -36,16 +36,11 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 written, 2 bad input, 4 the disk filled, 130 / 143 stopped by SIGINT / SIGTERM (nothing is
     left at --workdir; its scratch copy is removed, or by the next run if the process was cut short)."""
-    from data.command_signals import CommandSignals, Stopped
+    from data.command_signals import run_stoppable
 
-    try:
-        with CommandSignals(PROG) as signals:
-            return _main(argv, signals)
-    except Stopped as e:
-        print(
-            f"{PROG}: stopped by {e.signal_name}: nothing written to --workdir; rerun the same command", file=sys.stderr
-        )
-        return e.code
+    return run_stoppable(
+        PROG, lambda signals: _main(argv, signals), after=": nothing written to --workdir; rerun the same command"
+    )
 
 
 def _main(argv: list[str] | None, signals) -> int:

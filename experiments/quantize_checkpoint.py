@@ -110,14 +110,11 @@ def replace_dir(build: Path, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 written, 1 failed, 2 bad input, 4 the disk filled, 130 / 143 stopped by SIGINT / SIGTERM (an
     earlier output at --out is kept whole; the scratch copy is removed, or by the next run if cut short)."""
-    from data.command_signals import CommandSignals, Stopped
+    from data.command_signals import run_stoppable
 
-    try:
-        with CommandSignals(PROG) as signals:
-            return _main(argv, signals)
-    except Stopped as e:
-        print(f"{PROG}: stopped by {e.signal_name}: --out is as it was; rerun the same command", file=sys.stderr)
-        return e.code
+    return run_stoppable(
+        PROG, lambda signals: _main(argv, signals), after=": --out is as it was; rerun the same command"
+    )
 
 
 def _main(argv: list[str] | None, signals) -> int:

@@ -78,10 +78,14 @@ def test_schedule_matches_sequential(schedule, stages):
 
     mesh = build_mesh(MeshLayout(data=8 // stages, pipeline=stages))
     loss_fn = pipelined(schedule, stages, mesh, keep_M, targets_M)
-    args = on_mesh(mesh, (layers, head, x_M))
+    assert_matches_sequential(loss_fn, on_mesh(mesh, (layers, head, x_M)), ref_loss, ref_grads, M)
+
+
+def assert_matches_sequential(loss_fn, args, ref_loss, ref_grads, microbatches):
+    """`loss_fn(*args)` -> (sum, count), pipelined: its value, count and gradients are the sequential ones."""
     (loss, count), grads = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True))(*args)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-    assert float(count) == M * B * T
+    assert float(count) == microbatches * B * T
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         # float32 sums in another order: up to 1.06e-6 seen (tests compile without LLVM's optimizations)
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 3e-6

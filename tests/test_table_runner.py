@@ -3,13 +3,12 @@ sequential computation, loss and gradients, on 8 simulated devices; with the sma
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from sharding import MeshLayout, build_mesh
 from sharding import schedules as S
 from sharding import table_runner as R
-from tests.test_pipeline import B, T, head_fn, inputs, on_mesh, sequential_loss, stage_fn
+from tests.test_pipeline import assert_matches_sequential, head_fn, inputs, on_mesh, sequential_loss, stage_fn
 
 slow = pytest.mark.slow
 # The default suite: interleaved (the ring wraps) and ZB-V (the V turns on a stage; B and W split) at P = 4, M = 2P;
@@ -35,13 +34,7 @@ def test_every_schedule_run_from_its_table_equals_the_sequential_model(name, sta
             chunks = R.split_chunks(layers, sc)
             return R.table_loss(sc, stage_fn, head_fn, chunks, head, x_M, keep_M, targets_M)
 
-    args = on_mesh(mesh, (layers, head, x_M))
-    (loss, count), grads = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True))(*args)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-    assert float(count) == microbatches * B * T
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 3e-6
-    np.testing.assert_allclose(float(jax.jit(loss_fn)(*args)[0]), float(ref_loss), rtol=1e-6)
+    assert_matches_sequential(loss_fn, on_mesh(mesh, (layers, head, x_M)), ref_loss, ref_grads, microbatches)
 
 
 def test_chunks_split_and_join_back_in_the_model_s_order():
