@@ -1,11 +1,13 @@
-"""Check a model on a cluster before renting it: compile the real train step for H100 clusters and TPU pods on this
-machine, and report what XLA says of each layout: per-device memory against the device's, the planner's estimate
-beside it, compile time, the custom kernels and the collectives of one step.
+"""Check a model on a cluster before renting it: compile the real train step (and, with --decode, generate's decode
+step) for H100 clusters and TPU pods on this machine, and report what XLA says of each layout: per-device memory
+against the device's, the planner's estimate beside it, compile time, the custom kernels and the collectives of one
+step.
 
     python -m experiments.compile_at_scale --model llama3-8b --cluster v5p-128 --seq 8192
     python -m experiments.compile_at_scale --model llama3-70b --cluster h100x256 --layout auto:3
     python -m experiments.compile_at_scale --model runs/my/config.json --cluster h100x64 --layout my_layout.py
     python -m experiments.compile_at_scale --model llama3-8b,llama3-70b --cluster h100x64,v5px64 --out runs/matrix
+    python -m experiments.compile_at_scale --model llama3-8b --cluster h100x8 --layout auto:1 --decode
 
 Models: a preset (sharding.model_shape.MODEL_PRESETS: llama3-1b / 8b / 70b / 405b, Llama 2's 7b / 13b / 70b) or a
 run's config file (.py or config.json). Clusters: h100xN, v5pxN / v5exN / v6exN (chips), or Google's names v5p-128
@@ -15,6 +17,16 @@ full (--set overrides either). Writes a Markdown report and a JSON file (--out P
 docs/results/scale-DATE), refusing to overwrite one. Exit 0 when some layout of every model x cluster fits, 1 when
 none does, 2 on bad input (before anything compiles). Compiles take seconds to minutes each on 2 cores; a line per
 layout shows progress.
+
+--decode adds, after each layout's train row, a row for the step experiments.generate runs per token under that
+layout (jaxlm.generate's decode step, sampling at its default temperature): the params in float32 as a checkpoint
+holds them, placed by the layout's rules; a KV cache of --seq tokens (prompt and new) in the model's dtype; and
+--decode-batch prompts (default 1), rounded up as generate rounds its batch: a power of two, then a multiple of the
+layout's batch shards (data x fsdp x replica), so by default one row per shard. Its memory adds to XLA's what a run
+keeps that the step does not read (the stacked params beside the per-layer weight copies it reads); the planner has
+no decode estimate. Generation refuses
+pipeline layouts: a layout file with pipeline stages is bad input with --decode, and a planner layout with them gets
+a decode row saying so.
 """
 
 from __future__ import annotations
@@ -44,6 +56,19 @@ def build_parser():
     p.add_argument("--out", help="report prefix: writes PREFIX.md and PREFIX.json (default docs/results/scale-DATE)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing report")
     p.add_argument("--no-install", action="store_true", help="fail instead of installing the toolchains with pip")
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="also compile generate's decode step per layout (a row after its train row): a KV cache of --seq "
+        "tokens, float32 params as a checkpoint holds them",
+    )
+    p.add_argument(
+        "--decode-batch",
+        type=int,
+        metavar="N",
+        help="prompts decoded at once (default 1), rounded up as generate does: a power of two, then a multiple of "
+        "the layout's batch shards (data x fsdp x replica); so by default one row per shard",
+    )
     return p
 
 
@@ -53,6 +78,7 @@ class Job:
     cluster: object  # sharding.clusters.Cluster
     cfg: object  # jaxlm.config.TrainConfig (batch and microbatches per layout)
     layouts: list  # [(MeshLayout, microbatches or 0)]
+    decode_prompts: int = 0  # --decode: the prompts of each layout's decode step (0: no decode rows)
 
 
 def model_config(spec: str, seq: int, batch: int, sets: list[str]):
@@ -81,6 +107,7 @@ def model_config(spec: str, seq: int, batch: int, sets: list[str]):
 def plan_jobs(args) -> list[Job]:
     """Everything checked before a compile: models, clusters, sizes, layouts (the planner's or a file's)."""
     from jaxlm.config import validate
+    from jaxlm.generate import check_layout
     from sharding.clusters import parse_cluster
     from sharding.mesh import load_layout
     from sharding.model_shape import ModelShape
@@ -88,6 +115,10 @@ def plan_jobs(args) -> list[Job]:
 
     if args.seq < 1 or args.batch_tokens < 0:
         raise UsageError(f"--seq {args.seq} / --batch-tokens {args.batch_tokens}: give positive token counts")
+    if args.decode_batch is not None and not args.decode:
+        raise UsageError(f"--decode-batch {args.decode_batch} sizes the decode step: add --decode")
+    if args.decode_batch is not None and args.decode_batch < 1:
+        raise UsageError(f"--decode-batch {args.decode_batch}: give a positive number of prompts")
     auto = args.layout.split(":", 1)
     if auto[0] == "auto":
         if len(auto) == 2 and not (auto[1].isdigit() and int(auto[1]) > 0):
@@ -108,12 +139,16 @@ def plan_jobs(args) -> list[Job]:
                 layouts = [(e.layout, e.accumulation) for e in p.estimates[:top]]
             else:
                 layouts = [(load_layout(args.layout, cluster.chips), 0)]
-            jobs.append(Job(spec, cluster, cfg, layouts))
+                if args.decode:
+                    check_layout(layouts[0][0], cfg.model)
+            jobs.append(Job(spec, cluster, cfg, layouts, (args.decode_batch or 1) if args.decode else 0))
     return jobs
 
 
 def run_job(job: Job, progress) -> list[dict]:
-    from jaxlm.deviceless import compile_train_step
+    from experiments.generate import DEFAULT_TEMPERATURE
+    from jaxlm.deviceless import StepCompile, compile_decode_step, compile_train_step
+    from jaxlm.generate import Sampler, check_layout
     from sharding.planner import describe
 
     rows = []
@@ -123,27 +158,43 @@ def run_job(job: Job, progress) -> list[dict]:
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, microbatches=accumulation))
         name = describe(layout, max(1, accumulation or cfg.data.microbatches))
         progress(f"[{i}/{len(job.layouts)}] {job.model} on {job.cluster}: {name}: compiling ...")
-        r = compile_train_step(cfg, layout, job.cluster)
-        row = row_of(job, name, r)
-        rows.append(row)
-        progress(f"    {summary(row)}")
+        rows.append(row_of(job, name, compile_train_step(cfg, layout, job.cluster)))
+        progress(f"    {summary(rows[-1])}")
+        if not job.decode_prompts:
+            continue
+        progress(f"[{i}/{len(job.layouts)}] {job.model} on {job.cluster}: {name}: compiling the decode step ...")
+        try:
+            check_layout(layout, cfg.model)  # a planner layout generation refuses: a row that says so
+        except ValueError as e:
+            r = StepCompile(layout, 1, 0.0, error=str(e), step="decode")
+        else:
+            r = compile_decode_step(cfg, layout, job.cluster, job.decode_prompts, Sampler(DEFAULT_TEMPERATURE))
+        rows.append(row_of(job, name, r))
+        progress(f"    {summary(rows[-1])}")
     return rows
 
 
 def row_of(job: Job, layout_name: str, r) -> dict:
+    """One report row: the train step's, or with step "decode" the decode step's (rows x cache slots; XLA's memory
+    plus the params the run holds beside it; no planner figures)."""
     hbm = job.cluster.hbm_bytes
+    train = r.step == "train"
+    planner = r.planner_bytes
     return {
         "model": job.model,
         "cluster": job.cluster.name,
         "chips": job.cluster.chips,
+        "step": r.step,
         "seq": job.cfg.data.seq_len,
-        "batch_tokens": job.cfg.data.batch_size * job.cfg.data.seq_len,
+        "batch_tokens": job.cfg.data.batch_size * job.cfg.data.seq_len if train else r.rows,
+        "decode_rows": None if train else r.rows,
+        "cache_len": None if train else r.cache_len,
         "attention": job.cfg.model.attention_impl,
         "layout": layout_name,
         "microbatches": r.microbatches,
         "compiled": r.compiled,
         "error": r.error,
-        "fits": r.compiled and r.total_bytes <= hbm,
+        "fits": r.compiled and r.total_bytes + r.held_bytes <= hbm,
         "hbm_gib": hbm / GiB,
         "xla_gib": {
             "arguments": r.argument_bytes / GiB,
@@ -151,8 +202,9 @@ def row_of(job: Job, layout_name: str, r) -> dict:
             "outputs_not_donated": (r.output_bytes - r.alias_bytes) / GiB,
             "total": r.total_bytes / GiB,
         },
-        "planner_gib": r.planner_bytes / GiB,
-        "planner_over_xla": r.planner_bytes / r.total_bytes if r.compiled and r.total_bytes else None,
+        "held_gib": None if train else r.held_bytes / GiB,
+        "planner_gib": None if planner is None else planner / GiB,
+        "planner_over_xla": planner / r.total_bytes if planner and r.compiled and r.total_bytes else None,
         "planner_step_s": r.planner_step_s,
         "planner_mfu": r.planner_mfu,
         "compile_s": r.compile_s,
@@ -162,15 +214,27 @@ def row_of(job: Job, layout_name: str, r) -> dict:
 
 
 def summary(row: dict) -> str:
+    if not row["compiled"] and row["step"] == "decode" and not row["decode_rows"]:
+        return f"decode step not compiled: {row['error']}"  # a layout generation refuses
     if not row["compiled"]:
         return f"does not compile ({row['compile_s']:.0f} s): {row['error']}"
     x = row["xla_gib"]
     fits = "fits" if row["fits"] else "DOES NOT FIT"
+    if row["step"] == "decode":
+        return (
+            f"decode step, {row['decode_rows']} rows x {row['cache_len']} cache slots: {fits}: {x['total']:.1f} "
+            f"+ {row['held_gib']:.1f} held of {row['hbm_gib']:.0f} GiB, compiled in {row['compile_s']:.0f} s"
+        )
     ratio = f" = {row['planner_over_xla']:.2f}x" if row["planner_over_xla"] else ""
     return (
-        f"{fits}: {x['total']:.1f} of {row['hbm_gib']:.0f} GiB (planner {row['planner_gib']:.1f}{ratio}), "
+        f"{fits}: {x['total']:.1f} of {row['hbm_gib']:.0f} GiB (planner {_number(row['planner_gib'], '.1f')}{ratio}), "
         f"compiled in {row['compile_s']:.0f} s"
     )
+
+
+def _number(x, spec: str) -> str:
+    """A figure, or '-' where there is none (the planner's, for a decode step or a layout it does not model)."""
+    return "-" if x is None else format(x, spec)
 
 
 def _collectives_text(row: dict) -> str:
@@ -183,31 +247,45 @@ def _collectives_text(row: dict) -> str:
 
 def markdown(rows: list[dict], command: str, machine: str, date: str) -> str:
     head = (
-        "| model | cluster | seq | layout | fits | XLA GiB (args + temp) | of HBM | planner GiB | planner / XLA "
+        "| model | cluster | seq | layout | step | fits | XLA GiB (args + temp) | of HBM | planner GiB | planner / XLA "
         "| compile s | kernels | collectives per step (kind/group, count, bytes) | planner step s, MFU |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
+        step = f"decode, {r['decode_rows']} rows x {r['cache_len']} slots" if r["decode_rows"] else r["step"]
+        first = f"| {r['model']} | {r['cluster']} | {r['seq']} | {r['layout']} | {step} "
         if not r["compiled"]:
             lines.append(
-                f"| {r['model']} | {r['cluster']} | {r['seq']} | {r['layout']} | no: {r['error']} | | "
-                f"{r['hbm_gib']:.0f} | {r['planner_gib']:.1f} | | {r['compile_s']:.0f} | | | |"
+                f"{first}| no: {r['error']} | | {r['hbm_gib']:.0f} | {_number(r['planner_gib'], '.1f')} | "
+                f"| {r['compile_s']:.0f} | | | |"
             )
             continue
         x = r["xla_gib"]
+        memory = f"{x['total']:.1f} ({x['arguments']:.1f} + {x['temporaries']:.1f})"
+        if r["held_gib"] is not None:
+            memory += f" + {r['held_gib']:.1f} held"
         kernels = ", ".join(f"{k} x{n}" for k, n in r["kernels"].items()) or "none"
+        planner = f"{_number(r['planner_step_s'], '.2f')}, {_number(r['planner_mfu'], '.2f')}"
         lines.append(
-            f"| {r['model']} | {r['cluster']} | {r['seq']} | {r['layout']} | {'yes' if r['fits'] else 'NO'} "
-            f"| {x['total']:.1f} ({x['arguments']:.1f} + {x['temporaries']:.1f}) | {r['hbm_gib']:.0f} "
-            f"| {r['planner_gib']:.1f} | {r['planner_over_xla']:.2f} | {r['compile_s']:.0f} | {kernels} "
-            f"| {_collectives_text(r)} | {r['planner_step_s']:.2f}, {r['planner_mfu']:.2f} |"
+            f"{first}| {'yes' if r['fits'] else 'NO'} | {memory} | {r['hbm_gib']:.0f} "
+            f"| {_number(r['planner_gib'], '.1f')} | {_number(r['planner_over_xla'], '.2f')} | {r['compile_s']:.0f} "
+            f"| {kernels} | {_collectives_text(r)} | {'-' if r['planner_mfu'] is None else planner} |"
         )
+    decode = (
+        " A decode row is the step experiments.generate runs per token (rows x KV-cache slots): its fit adds to "
+        "XLA's total what a run keeps on each device that the step does not read ('held': the stacked params "
+        "beside the per-layer weight copies it reads); the planner has no decode estimate ('-')."
+        if any(r["step"] == "decode" for r in rows)
+        else ""
+    )
     return (
         f"# Compiled at scale, {date}\n\n"
         f"`{command}`\n\nMachine: {machine}. Memory is XLA's `memory_analysis()` per device (GiB = 2^30 bytes); "
         "the planner's estimate (sharding.planner) beside it; step time and MFU are the planner's model, not a "
-        "measurement (nothing ran). Collective bytes are each array's size per device per step.\n\n"
+        "measurement (nothing ran). Collective bytes are each array's size per device per step."
+        + decode
+        + "\n\n"
         + head
         + "\n".join(lines)
         + "\n"
@@ -254,12 +332,26 @@ def main(argv=None) -> int:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(markdown(rows, command, machine_name(), date))
     js.write_text(json.dumps({"command": command, "machine": machine_name(), "date": date, "rows": rows}, indent=1))
-    fitting = {(r["model"], r["cluster"]) for r in rows if r["fits"]}
-    missing = [f"{j.model} on {j.cluster.name}" for j in jobs if (j.model, j.cluster.name) not in fitting]
-    print(f"{PROG}: wrote {md} and {js}; {sum(r['fits'] for r in rows)} of {len(rows)} layouts fit")
+    steps = ("train", "decode") if args.decode else ("train",)
+    fitting = {(r["model"], r["cluster"], r["step"]) for r in rows if r["fits"]}
+    missing = [
+        f"{j.model} on {j.cluster.name}" + ("" if step == "train" else " (decode)")
+        for j in jobs
+        for step in steps
+        if (j.model, j.cluster.name, step) not in fitting
+    ]
+    train = [r for r in rows if r["step"] == "train"]
+    decode = [r for r in rows if r["step"] == "decode"]
+    fit = f"{sum(r['fits'] for r in train)} of {len(train)} layouts fit"
+    if args.decode:
+        fit += f", {sum(r['fits'] for r in decode)} of {len(decode)} decode steps"
+    print(f"{PROG}: wrote {md} and {js}; {fit}")
     if missing:
         print(f"{PROG}: nothing fits for {', '.join(missing)}")
-    print(json.dumps({"layouts": len(rows), "fit": sum(r["fits"] for r in rows), "nothing_fits": missing}))
+    figures = {"layouts": len(train), "fit": sum(r["fits"] for r in train)}
+    if args.decode:
+        figures["decode_fit"] = sum(r["fits"] for r in decode)
+    print(json.dumps({**figures, "nothing_fits": missing}))
     return 1 if missing else 0
 
 

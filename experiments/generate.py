@@ -21,6 +21,7 @@ from experiments.cli import exit_with, load_trained_model, trained_model_parser
 
 PROG = "experiments.generate"
 EXIT_BAD_INPUT = 2
+DEFAULT_TEMPERATURE = 0.8  # also what experiments.compile_at_scale --decode compiles
 
 
 def parse_args(argv):
@@ -28,7 +29,12 @@ def parse_args(argv):
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable: decoded as one batch)")
     p.add_argument("--prompt-file", help="a text file of prompts, one per line (empty lines skipped)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (default 0.8)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=DEFAULT_TEMPERATURE,
+        help=f"softmax temperature; 0 is greedy (default {DEFAULT_TEMPERATURE})",
+    )
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample among the smallest set holding p of the mass")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")

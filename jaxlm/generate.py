@@ -26,9 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxlm.config import ModelConfig
 from jaxlm.model import Transformer, head_logits, row_weights, split_layers
+from sharding import MeshLayout
 from sharding.rules import constrain, logical_spec, use_rules
 
 CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")  # every layer's k_BKSE and v_BKSE
@@ -137,6 +139,27 @@ def bucket(n: int, minimum: int = 8) -> int:
         return 1 << (n - 1).bit_length()
     step = 64 if n <= 512 else 256
     return -(-n // step) * step
+
+
+def batch_rows(prompts: int, shards: int) -> int:
+    """The rows of a batch of `prompts`: their bucket, rounded up to a multiple of the mesh's batch shards."""
+    return -(-bucket(prompts, 1) // shards) * shards
+
+
+def check_layout(layout: MeshLayout, model: ModelConfig | None = None) -> None:
+    """What generation refuses of a mesh layout: pipeline stages; with `model`, heads, kv heads, MLP or layers its
+    axes do not divide (a LayoutError names the axis). A ValueError of one line, raised before anything compiles."""
+    if layout.pipeline > 1:
+        raise ValueError(f"generation runs without pipeline stages; the layout has pipeline={layout.pipeline}")
+    if model is not None:
+        layout.check_divisibility(
+            batch_size=layout.data * layout.fsdp * layout.replica,
+            microbatches=1,
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            mlp_dim=model.mlp_dim,
+            num_layers=model.num_layers,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +311,64 @@ def _decode_weights(model: Transformer, one_row: bool):
     return split_layers(stacked), model.head_params(), rows
 
 
+# ----------------------------------------------------------------------------- ahead of time (jaxlm.deviceless)
+
+
+def lower_decode_step(model: Transformer, rows: int, cache_len: int, sampler: Sampler, rules: dict | None = None):
+    """`stream`'s decode step, bound as `_Run` binds it, lowered for a model whose params are ShapeDtypeStructs
+    placed on a mesh (`Program.abstract_with_shardings`, what load_model restores into): `rows` rows (a multiple
+    of the batch shards, as `_Batch` makes them) over a `cache_len`-slot cache. Its inputs are placed as a run
+    places them: the weights as XLA places `_decode_weights`' outputs (that small program is compiled to say),
+    the state as `_prefill` leaves it. Nothing is allocated, so a cluster this machine lacks can compile it.
+    Returns the Lowered and its arguments (ShapeDtypeStructs)."""
+    graphdef, params = nnx.split(model)
+    where = placement_of(params, rules)
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    one_row = rows == 1 and where is None
+    weights_lowered = _decode_weights.lower(model, one_row=one_row)
+    weights = jax.tree.map(_placed, weights_lowered.out_info, weights_lowered.compile().output_shardings)
+    args = (
+        params,
+        weights,
+        abstract_decode_state(model.cfg, rows, cache_len, where or Placement(mesh), one_row),
+        jax.eval_shape(lambda: jax.random.key(0)),  # the key and stop_V: host values, as in a run
+        jax.ShapeDtypeStruct((model.cfg.vocab_size,), jnp.bool_),
+    )
+    return _decode_step.lower(*args, spec=_Spec.of(graphdef, sampler, where)), args
+
+
+def abstract_decode_state(
+    cfg: ModelConfig, rows: int, cache_len: int, where: Placement, one_row: bool = False
+) -> DecodeState:
+    """The DecodeState `_prefill` returns as ShapeDtypeStructs, placed as it places them: the cache by CACHE_AXES
+    in the model's dtype (no row axis for `one_row`, see KVCache), the tokens by TOKEN_AXES, the rest by row."""
+    B, S, K, E = rows, cache_len, cfg.num_kv_heads, cfg.resolved_head_dim
+
+    def split(target):  # a rule's mesh axes of size > 1, as `constrain` keeps them
+        kept = tuple(a for a in (target if isinstance(target, tuple) else (target,)) if where.mesh.shape.get(a, 1) > 1)
+        return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+    def placed(shape, dtype, axes):
+        spec = PartitionSpec(*(split(t) for t in logical_spec(axes, where.rules_dict)))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(where.mesh, spec))
+
+    if one_row:
+        layer = placed((K, S, E), jnp.dtype(cfg.dtype), CACHE_AXES[1:])
+    else:
+        layer = placed((B, K, S, E), jnp.dtype(cfg.dtype), CACHE_AXES)
+    return DecodeState(
+        tokens_BS=placed((B, S), jnp.int32, TOKEN_AXES),
+        positions_B=placed((B,), jnp.int32, ("batch",)),
+        done_B=placed((B,), jnp.bool_, ("batch",)),
+        step=placed((), jnp.int32, ()),
+        cache=KVCache((layer,) * cfg.num_layers, (layer,) * cfg.num_layers),
+    )
+
+
+def _placed(info, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
+
+
 # ----------------------------------------------------------------------------- the entry points
 
 
@@ -311,7 +392,7 @@ class _Batch:
                 raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
             if ids.min() < 0 or ids.max() >= vocab_size:
                 raise ValueError(f"prompt {i} holds ids outside the model's vocabulary [0, {vocab_size})")
-        B = -(-bucket(len(arrays), 1) // shards) * shards
+        B = batch_rows(len(arrays), shards)
         longest = max(a.size for a in arrays)
         T = bucket(longest)
         tokens_BT = np.zeros((B, T), np.int32)

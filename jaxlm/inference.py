@@ -19,6 +19,7 @@ from data.ownership import WORKDIR, kind_of
 from data.text_tokenizer import TextTokenizer, tokenizer_from_record
 from jaxlm import config as config_lib
 from jaxlm.checkpoint import Checkpointer, CheckpointError
+from jaxlm.generate import check_layout
 from jaxlm.model import Transformer
 from jaxlm.train import Program
 from sharding import MeshLayout, build_mesh
@@ -43,8 +44,7 @@ def load_model(workdir: str | Path, *, step: int | None = None, layout: MeshLayo
     if not workdir.is_dir():
         raise ValueError(f"--workdir {workdir} is not a directory")
     layout = layout or MeshLayout()
-    if layout.pipeline > 1:
-        raise ValueError(f"generation runs without pipeline stages; the layout has pipeline={layout.pipeline}")
+    check_layout(layout)
     devices = jax.devices()[: np.prod(list(layout.axis_sizes.values()))]
     mesh = build_mesh(layout, devices=devices)
     if (workdir / INT8_MANIFEST).is_file() and (workdir / "weights").is_dir():
@@ -123,15 +123,7 @@ def _config(saved: dict, where: str, layout: MeshLayout) -> config_lib.TrainConf
         raise ValueError(f"{where}: its config is not a jaxlm config: {e}") from None
     if not cfg.model.vocab_size:
         raise ValueError(f"{where}: its config has no resolved vocabulary (model.vocab_size 0)")
-    m = cfg.model
-    layout.check_divisibility(
-        batch_size=layout.data * layout.fsdp * layout.replica,
-        microbatches=1,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        mlp_dim=m.mlp_dim,
-        num_layers=m.num_layers,
-    )
+    check_layout(layout, cfg.model)
     return cfg
 
 

@@ -3,6 +3,7 @@ CPU machine, fitting, with its kernels and collectives read from the program; ev
 before anything compiles. The 8B-405B matrix runs as a slow test."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import sys
 import pytest
 
 from experiments import compile_at_scale
+
+GiB = 2**30
 
 
 def _run(args, timeout=900):
@@ -44,8 +47,36 @@ def test_a_1b_llama_step_compiles_and_fits_on_64_v5p_chips_and_64_h100s(tmp_path
     # the planner's memory follows XLA's GPU program (within 10% at 1B-405B); TPU's terms are not measured yet
     assert 0.9 <= gpu["planner_over_xla"] <= 1.1 and 0.75 <= tpu["planner_over_xla"] <= 1.25
     report = out.with_suffix(".md").read_text()
-    assert "| llama3-1b | v5p-128 | 2048 | d2 f32 t1 p1 | yes |" in report and "h100x64" in report
+    assert "| llama3-1b | v5p-128 | 2048 | d2 f32 t1 p1 | train | yes |" in report and "h100x64" in report
     assert proc.stdout.strip().splitlines()[-1] == '{"layouts": 2, "fit": 2, "nothing_fits": []}'
+
+
+def test_a_1b_llama_decode_step_compiles_beside_its_train_step_on_8_h100s(tmp_path):
+    """--decode: generate's decode step for 8 rows (one per FSDP shard) over a 2048-slot KV cache. Its arguments are
+    the per-layer weight copies, the embedding and the cache; the stacked params a run keeps are held beside."""
+    from sharding.model_shape import MODEL_PRESETS, param_specs
+
+    layout = tmp_path / "fsdp.py"
+    layout.write_text("from sharding import MeshLayout\n\nlayout = lambda n: MeshLayout(fsdp=n)\n")
+    out = tmp_path / "decode"
+    args = ["--model", "llama3-1b", "--cluster", "h100x8", "--seq", "2048", "--layout", str(layout), "--decode"]
+    proc = _run([*args, "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train, decode = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert (train["step"], decode["step"], decode["layout"]) == ("train", "decode", "d1 f8 t1 p1")
+    assert decode["compiled"] and decode["fits"] and (decode["decode_rows"], decode["cache_len"]) == (8, 2048)
+    shape = MODEL_PRESETS["llama3-1b"]
+    params = sum(math.prod(p.shape) for p in param_specs(shape)) * 4 / 8 / GiB  # float32, a device's share
+    cache = 2 * shape.num_layers * 8 * 2048 * shape.num_kv_heads * shape.resolved_head_dim * 2 / 8 / GiB  # bf16
+    args = decode["xla_gib"]["arguments"]
+    assert params + cache <= args <= 1.5 * (params + cache), (args, params, cache)
+    assert 0.5 * params <= decode["held_gib"] <= params  # the stacked layers; the embedding is read
+    assert decode["planner_gib"] is None and any(c["group"] == 8 for c in decode["collectives"])
+    report = out.with_suffix(".md").read_text()
+    assert "| llama3-1b | h100x8 | 2048 | d1 f8 t1 p1 | decode, 8 rows x 2048 slots | yes |" in report
+    assert " | - | - | " in report and "| llama3-1b | h100x8 | 2048 | d1 f8 t1 p1 | train | yes |" in report
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last == {"layouts": 1, "fit": 1, "decode_fit": 1, "nothing_fits": []}
 
 
 @pytest.mark.parametrize(
@@ -60,6 +91,8 @@ def test_a_1b_llama_step_compiles_and_fits_on_64_v5p_chips_and_64_h100s(tmp_path
         (["--seq", "0"], "give positive token counts"),
         (["--batch-tokens", "1000"], "--batch-tokens 1000 is not a multiple of --seq 8192"),
         (["--set", "model.num_layerz=2"], "num_layerz"),
+        (["--decode", "--decode-batch", "0"], "--decode-batch 0: give a positive number of prompts"),
+        (["--decode-batch", "16"], "--decode-batch 16 sizes the decode step: add --decode"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_compiling(tmp_path, capsys, args, message):
@@ -76,6 +109,15 @@ def test_a_layout_for_another_device_count_is_refused(tmp_path, capsys):
     argv = ["--model", "llama3-1b", "--cluster", "h100x64", "--layout", str(layout), "--out", str(tmp_path / "r")]
     assert compile_at_scale.main(argv) == 2
     assert "8" in capsys.readouterr().err and not (tmp_path / "r.md").exists()
+
+
+def test_decode_with_a_pipeline_layout_is_refused_before_compiling(tmp_path, capsys):
+    layout = tmp_path / "pp.py"
+    layout.write_text("from sharding import MeshLayout\nlayout = MeshLayout(fsdp=32, pipeline=2)\n")
+    argv = ["--model", "llama3-1b", "--cluster", "h100x64", "--layout", str(layout), "--out", str(tmp_path / "r")]
+    assert compile_at_scale.main([*argv, "--decode"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "compile_at_scale: error: generation runs without pipeline stages; the layout has pipeline=2", err
 
 
 def test_an_existing_report_is_not_overwritten(tmp_path, capsys):

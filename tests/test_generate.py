@@ -187,6 +187,21 @@ def test_sharded_generation_equals_one_device_and_shards_the_cache():
     assert state.cache.keys[0].sharding.spec == state.cache.values[0].sharding.spec == batch_and_kv_heads
 
 
+def test_the_decode_step_lowered_ahead_of_time_is_the_one_a_sharded_run_lowers():
+    """jaxlm.deviceless compiles generate's decode step for clusters this machine lacks from ShapeDtypeStructs
+    (lower_decode_step): its program must be the run's, every placement included."""
+    layout = MeshLayout(data=2, fsdp=2, tensor=2)
+    graphdef, params = nnx.split(model_of(seed=2))
+    params = jax.device_put(params, tree_shardings(params, build_mesh(layout), layout.rules))
+    run = gen._Run(nnx.merge(graphdef, params), [[3, 1, 4], [1, 5]], 12, gen.Sampler(0.8), 0, (), layout.rules)
+    state, _ = run.prefill()
+    expected = gen._decode_step.lower(run.params, run.weights, state, run.key, run.stop_V, spec=run.spec)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params)
+    rows, cache_len = run.batch.tokens_BT.shape[0], run.batch.cache_len
+    lowered, _ = gen.lower_decode_step(nnx.merge(graphdef, abstract), rows, cache_len, gen.Sampler(0.8), layout.rules)
+    assert lowered.as_text() == expected.as_text()
+
+
 def _lowerings(fn) -> int:
     """How many programs `fn()` lowered (traced to a new executable), from JAX's own monitoring events."""
     count = []
