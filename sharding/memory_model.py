@@ -7,7 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sharding.mesh import MeshLayout
-from sharding.model_shape import ModelShape, fsdp_gathered_params, logical_shards, params_per_device
+from sharding.model_shape import (
+    ModelShape,
+    fsdp_gathered_params,
+    largest_gathered_param,
+    logical_shards,
+    params_per_device,
+)
 from sharding.pipeline import stash_slots
 
 
@@ -90,11 +96,12 @@ def memory_per_device(
     Not counted: the cotangents formed inside one layer's backward (on CPU, XLA's peak runs 0.1-0.4 of a layer's
     residuals above this estimate; more under remat), XLA's scratch and the runtime's own memory.
 
-    ``platform`` "gpu" follows XLA's GPU program (Llama 3 8B / 70B / 405B on 64-1024 H100s, seq 8k-128k: 0.95-1.00x
-    of its memory but two 405B rows, 2026-11-25): it keeps the logits once in fp32 and once in the compute dtype,
-    gathers the head and each layer's weights in the compute dtype and reduce-scatters their gradients in it, and
-    keeps no sharded compute-dtype copy of the weights. "cpu" (and, for now, "tpu") keep two fp32 logits, fp32
-    gradients of the gathered weights and that copy.
+    ``platform`` "gpu" follows XLA's GPU program (Llama 3 8B / 70B / 405B on 64-1024 H100s, seq 8k-128k: 0.96-1.08x
+    of its memory, 2026-11-25): it keeps the logits once in fp32 and once in the compute dtype, gathers the head and
+    each layer's weights in the compute dtype, reduce-scatters each gradient in it as it is formed (one whole at a
+    time), and keeps no sharded compute-dtype copy of the weights. "cpu" (and "tpu", uncalibrated: XLA's TPU
+    figure is a packed heap, docs/scale.md) keep two fp32 logits, fp32 gradients of the gathered weights and that
+    copy.
     """
     cb = dtype_bytes(cfg)
     n_params = params_per_device(cfg, layout)
@@ -111,9 +118,12 @@ def memory_per_device(
         other += 4 * n_params
     if cb != 4 and platform != "gpu":  # the compute-dtype copy of every weight, kept for the backward
         other += n_params * cb
-    # FSDP: the weights in use all-gathered (compute dtype) and their gradient before the reduce-scatter (fp32)
-    gathered_grad = cb if platform == "gpu" else 4
-    layer_phase = residuals + fsdp_gathered_params(cfg, layout, "layers") / layers * (cb + gathered_grad)
+    # FSDP: the weights in use all-gathered (compute dtype) and their gradients before the reduce-scatter
+    layer_weights = fsdp_gathered_params(cfg, layout, "layers") / layers
+    if platform == "gpu":  # each gradient reduce-scattered as it is formed (compute dtype): one whole at a time
+        layer_phase = residuals + layer_weights * cb + largest_gathered_param(cfg, layout, "layers") * cb
+    else:  # all of the layer's gradients whole in fp32
+        layer_phase = residuals + layer_weights * (cb + 4)
     if platform == "gpu":
         # XLA's GPU program: the logits in the compute dtype and in fp32 (the loss's and its cotangent's buffers
         # shared), the gathered head in the compute dtype; its gradient reduce-scattered as it is formed

@@ -131,6 +131,18 @@ def params_per_device(cfg: ModelShape, layout: MeshLayout, group: str | None = N
     return sum(_local_size(p, layout) for p in param_specs(cfg) if _in_group(p, cfg, group))
 
 
+def largest_gathered_param(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
+    """The largest single array (one layer's slice of a stacked one) one device all-gathers over its FSDP ring."""
+    if layout.fsdp == 1:
+        return 0
+    one_layer = [
+        dataclasses.replace(p, shape=(1, *p.shape[1:])) if "layers" in p.axes else p
+        for p in param_specs(cfg)
+        if _on_mesh_axis(p, layout, "fsdp") and _in_group(p, cfg, group)
+    ]
+    return max((_local_size(p, layout, skip="fsdp") for p in one_layer), default=0)
+
+
 def _on_mesh_axis(spec: ParamSpec, layout: MeshLayout, mesh_axis: str) -> bool:
     return any(mesh_axis in _mesh_axes(t) for t in logical_spec(spec.axes, layout.rules))
 

@@ -19,7 +19,7 @@ from sharding import LayoutError, MeshLayout, build_mesh, load_layout
 from sharding import plan as plan_cli
 from sharding.hardware import Hardware, get_hardware
 from sharding.memory_model import memory_per_device
-from sharding.model_shape import MODEL_PRESETS, count_params, param_specs
+from sharding.model_shape import MODEL_PRESETS, count_params, largest_gathered_param, param_specs
 from sharding.planner import (
     axis_spans,
     compute_seconds,
@@ -301,6 +301,21 @@ def test_axes_use_the_link_they_span():
     spans = axis_spans(MeshLayout(data=2, fsdp=4, tensor=2))  # tensor innermost, then pipeline, fsdp, data
     assert (spans["tensor"], spans["fsdp"], spans["data"]) == (2, 8, 16)
     assert H100.bandwidth(spans["fsdp"]) == H100.intra_bw and H100.bandwidth(spans["data"]) == H100.inter_bw
+
+
+@pytest.mark.parametrize(
+    "layout, shards", [(MeshLayout(fsdp=8), 1), (MeshLayout(fsdp=4, tensor=2), 2), (MeshLayout(fsdp=2, pipeline=2), 1)]
+)
+def test_a_gpu_layer_backward_holds_one_whole_gradient_the_largest(layout, shards):
+    """XLA's GPU program reduce-scatters each gathered weight's gradient as it is formed (405B over 1024 H100s:
+    the planner read 1.14x XLA's memory while it counted all of a layer's gradients at once): one layer's MLP w_in
+    [D, 2, F] over the layout's tensor split is the largest, whatever splits the layers."""
+    shape = MODEL_PRESETS["llama3-8b"]
+    assert largest_gathered_param(shape, layout, "layers") == shape.d_model * 2 * shape.mlp_dim // shards
+    assert largest_gathered_param(shape, MeshLayout(data=8), "layers") == 0  # nothing gathered without FSDP
+    gpu = memory_per_device(shape, layout, 8, 8192, "full", 1, "gpu")
+    tpu = memory_per_device(shape, layout, 8, 8192, "full", 1, "tpu")
+    assert gpu.layer_phase < tpu.layer_phase
 
 
 def test_pipeline_bubble_and_recompute_in_compute_time():
