@@ -225,7 +225,7 @@ def _prepare(prog: str, args, default_config: Path):
     from jaxlm.run_data import open_run_data, resolve_vocab, run_tokenizer
     from jaxlm.train import step_microbatches
     from jaxlm.workdir_lock import WorkdirLock
-    from sharding import MeshLayout, load_layout
+    from sharding import LayoutError, MeshLayout, load_layout
 
     cfg = config_lib.load_config(args.config or default_config)
     flags = {
@@ -249,7 +249,13 @@ def _prepare(prog: str, args, default_config: Path):
         num_kv_heads=m.num_kv_heads,
         mlp_dim=m.mlp_dim,
         num_layers=m.num_layers,
+        seq_len=d.seq_len,
     )
+    if layout.context > 1 and m.attention_impl == "jax":
+        raise LayoutError(
+            "mesh axis 'context' splits the sequence, which attention_impl 'jax' (cuDNN / XLA's fused attention) "
+            "cannot take; use xla_blocksparse, pallas or auto"
+        )
     check_step_fits(cfg, layout)  # minutes of compiling saved when it cannot fit
 
     train_iter, eval_data = open_run_data(cfg)

@@ -19,6 +19,7 @@ convention).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ from pallas_kernels.kernel_inputs import target_platform
 from pallas_kernels.kernel_mask import DocumentSlot
 from pallas_kernels.mask_spec import parse_mask, uses_documents
 from pallas_kernels.xla_tiled_attention import STRIPS_MAX_LEN
+from sharding.context import context_attention
 from sharding.rules import active_mesh_axes
 
 BLOCK_SPARSE = ("xla_blocksparse", "pallas")
@@ -55,13 +57,17 @@ def attention(
     score_mod: pk.ScoreMod | None = None,
     impl: str = "reference",
     block_sizes: pk.BlockSizes = pk.BlockSizes(),
+    positions_BT: jax.Array | None = None,
+    context_parallel: str = "ring",
 ) -> jax.Array:
     """Softmax attention under ``mask`` (a Mask or a spec string), returning [B, T, H, E].
 
     ``segment_ids_BT`` feeds the mask's ``document`` term (packed sequences) and is ignored by masks without one.
     Block-sparse implementations shrink ``block_sizes`` to the sequence (rounded up to a power of two) and, when a
     mesh is in context, run per shard under ``jax.shard_map``, batch and heads split as the active sharding rules
-    split them.
+    split them; when the rules split the sequence too (a `context` axis), each shard attends its queries to every
+    shard's keys, by ``context_parallel`` ("ring" or "all_gather", sharding.context), masked at ``positions_BT``
+    (default: 0..T-1, the tokens' places in their rows).
     """
     B, T, H, E = q_BTHE.shape
     S, K = k_BSKE.shape[1], k_BSKE.shape[2]
@@ -70,9 +76,12 @@ def attention(
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {IMPLEMENTATIONS}")
     template = parse_mask(mask) if isinstance(mask, str) else mask
+    context = _sequence_axes(T)
     if impl == "auto":
         block_sizes = auto_block_sizes(template, q_BTHE, block_sizes)
         impl = auto_impl(template, q_BTHE, score_mod, block_sizes)
+        if context and impl not in BLOCK_SPARSE + ("reference",):  # cuDNN's kernel cannot take a split sequence
+            impl = "xla_blocksparse" if target_platform() == "cpu" else "pallas"
     if not uses_documents(template):
         segment_ids_BT = None  # nothing reads them: don't carry them into the kernels' shard_map
     elif segment_ids_BT is None:
@@ -82,15 +91,18 @@ def attention(
     scale = E**-0.5 if scale is None else scale
 
     if impl in BLOCK_SPARSE:
-        return _shard_map(
-            functools.partial(
-                _block_sparse, template=template, scale=scale, score_mod=score_mod, impl=impl, block_sizes=block_sizes
-            ),
-            q_BTHE,
-            k_BSKE,
-            v_BSKE,
-            segment_ids_BT,
-        )
+        attend = functools.partial(_attend, scale=scale, score_mod=score_mod, impl=impl, block_sizes=block_sizes)
+        if context:
+            if T != S:
+                raise ValueError(f"context parallelism attends a sequence to itself; got {T} queries and {S} keys")
+            if score_mod is not None and not isinstance(score_mod, pk.masks.SoftCap):
+                raise ValueError(f"score mod {score_mod!r} reads positions; under context parallelism only soft_cap")
+            if positions_BT is None:
+                positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+            fn = functools.partial(context_attention, attend, template=template, axis=context, variant=context_parallel)
+            return _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT, context)
+        fn = lambda q, k, v, seg, _: attend(q, k, v, _bind_segments(template, seg))[0]  # noqa: E731
+        return _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, None, ())
     mask_obj = _bind_segments(template, segment_ids_BT)
     if impl == "jax":
         if score_mod is not None:
@@ -192,40 +204,60 @@ def _fit_block(block: int, length: int) -> int:
     return min(block, 1 << max(0, (length - 1).bit_length()))
 
 
-def _block_sparse(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, *, template, scale, score_mod, impl, block_sizes):
+def _attend(q_BTHE, k_BSKE, v_BSKE, mask: pk.Mask, *, scale, score_mod, impl, block_sizes):
+    """One block-sparse product of the queries and keys in hand under ``mask`` (a bound Mask): (out_BTHE, lse_BHT)."""
     T, S = q_BTHE.shape[1], k_BSKE.shape[1]
     bs = pk.BlockSizes(_fit_block(block_sizes.block_q, T), _fit_block(block_sizes.block_kv, S))
-    block_mask = pk.make_block_mask(_bind_segments(template, segment_ids_BT), T, S, bs)
+    block_mask = pk.make_block_mask(mask, T, S, bs)
     fn = pk.block_sparse_attention if impl == "pallas" else pk.block_sparse_attention_xla
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BTHE, k_BSKE, v_BSKE))
-    out_BHTE, _ = fn(q, k, v, block_mask, scale=scale, score_mod=score_mod)
-    return out_BHTE.transpose(0, 2, 1, 3)
+    out_BHTE, lse_BHT = fn(q, k, v, block_mask, scale=scale, score_mod=score_mod)
+    return out_BHTE.transpose(0, 2, 1, 3), lse_BHT
 
 
-def _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT):
+def _sequence_axes(T: int) -> tuple[str, ...]:
+    """The mesh axes the active rules split the sequence over here (a layout's `context`); () without."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = active_mesh_axes("seq")
+    if axes and T % math.prod(mesh.shape[a] for a in axes):
+        sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+        raise ValueError(f"a sequence of {T} tokens does not split over mesh axis {sizes}")
+    return axes
+
+
+def _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT, seq: tuple[str, ...]):
     """Run ``fn`` per shard when a mesh is in context: a kernel is a custom call XLA cannot partition itself.
 
     Batch and heads split as the active rules (`sharding.rules.use_rules`, the layout's) split the logical axes
     `batch` and `heads` / `kv_heads`, over the mesh axes that are free here (not manual, e.g. inside a pipeline
     stage or a user's shard_map) and larger than 1, as far as they divide the sizes. Query head h reads kv head
     h // G, so query and kv heads must split alike: heads go over the axes both rules name (and batch does not).
-    Sequence and head dim stay whole; everything else is replicated.
+    The sequence splits over ``seq`` (context parallelism: ``fn`` brings the other shards' keys); head dim stays
+    whole; everything else is replicated.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
+        return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT)
     B, K = q_BTHE.shape[0], k_BSKE.shape[2]
-    batch = _dividing(mesh, active_mesh_axes("batch"), B)
+    batch = _dividing(mesh, [a for a in active_mesh_axes("batch") if a not in seq], B)
     kv_heads = active_mesh_axes("kv_heads")
-    heads = _dividing(mesh, [a for a in active_mesh_axes("heads") if a in kv_heads and a not in batch], K)
-    if not batch and not heads:
-        return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
-    x_spec = P(batch or None, None, heads or None, None)
-    seg_spec = None if segment_ids_BT is None else P(batch or None, None)
+    heads = _dividing(mesh, [a for a in active_mesh_axes("heads") if a in kv_heads and a not in batch + seq], K)
+    if not batch and not heads and not seq:
+        return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT)
+    tokens = seq or None
+    x_spec = P(batch or None, tokens, heads or None, None)
+    row_spec = P(batch or None, tokens)
+    seg_spec = None if segment_ids_BT is None else row_spec
+    pos_spec = None if positions_BT is None else row_spec
     free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
     return jax.shard_map(
-        fn, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, seg_spec), out_specs=x_spec, axis_names=free, check_vma=False
-    )(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT)
+        fn,
+        mesh=mesh,
+        in_specs=(x_spec, x_spec, x_spec, seg_spec, pos_spec),
+        out_specs=x_spec,
+        axis_names=free,
+        check_vma=False,
+    )(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT)
 
 
 def _dividing(mesh, axes, size: int) -> tuple[str, ...]:

@@ -41,6 +41,7 @@ __all__ = [
 DTYPES = ("float32", "bfloat16")
 REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch")  # jaxlm.model.REMAT_POLICIES: what each keeps
 ATTENTION_IMPLS = ("auto", "reference", "jax", "xla_blocksparse", "pallas")  # jaxlm.attention
+CONTEXT_PARALLEL = ("ring", "all_gather")  # sharding.context.VARIANTS
 MATMUL_PRECISIONS = ("default", "int8", "fp8", "int8_weight_only")  # jaxlm.quantized
 LAYER_CLASSES = ("attention", "mlp", "lm_head")  # the matmuls a precision is set for
 QUANT_SCALINGS = ("delayed", "current")
@@ -90,6 +91,9 @@ class ModelConfig(Section):
     attention_block_q: int = 128
     attention_block_kv: int = 128
     attention_softcap: float = 0.0  # > 0: cap * tanh(score / cap) on attention logits (Gemma 2 style)
+    # under a `context` mesh axis: ring (K/V shards passed around, two in memory) | all_gather (the whole sequence's
+    # K/V on every device, one collective) (sharding.context)
+    context_parallel: str = "ring"
     # Low-precision matmuls (jaxlm.quantized): "fp8", or per layer class "attention=fp8,mlp=fp8,lm_head=default";
     # precisions default | int8 | fp8 | int8_weight_only.
     matmul_precision: str = "default"
@@ -160,6 +164,7 @@ class ModelConfig(Section):
             raise ConfigError(f"model.dtype must be 'float32' or 'bfloat16', got {m.dtype!r}")
         check_choice("model.remat", m.remat, REMAT_CHOICES, how="sorted")
         check_choice("model.attention_impl", m.attention_impl, ATTENTION_IMPLS, how="sorted")
+        check_choice("model.context_parallel", m.context_parallel, CONTEXT_PARALLEL, how="comma")
         from pallas_kernels.mask_spec import parse_mask  # local: it imports jax, and loading a config must not
 
         try:

@@ -121,12 +121,13 @@ class Attention(nnx.Module):
         self.recipe = layer_recipe(cfg, "attention")  # None: plain einsums
         self.qkv_amax, self.out_amax = amax_history(cfg, self.recipe), amax_history(cfg, self.recipe)
 
-    def __call__(self, x_BTD, sin, cos, segment_ids_BT=None):
-        return self.prefill(x_BTD, sin, cos, segment_ids_BT)[0]
+    def __call__(self, x_BTD, sin, cos, segment_ids_BT=None, positions_BT=None):
+        return self.prefill(x_BTD, sin, cos, segment_ids_BT, positions_BT)[0]
 
-    def prefill(self, x_BTD, sin, cos, segment_ids_BT=None):
+    def prefill(self, x_BTD, sin, cos, segment_ids_BT=None, positions_BT=None):
         """Attention within the block, as in training; also returns the block's rotated keys and its values
-        ([B, T, K, E] each), which generation keeps as its KV cache."""
+        ([B, T, K, E] each), which generation keeps as its KV cache. `positions_BT` place the tokens for the mask
+        when the sequence is split (context parallelism); None: 0..T-1."""
         cfg = self.cfg
         q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, sin, cos)
         out_BTHE = attention(
@@ -138,6 +139,8 @@ class Attention(nnx.Module):
             impl=cfg.attention_impl,
             score_mod=self._score_mod(),
             block_sizes=BlockSizes(cfg.attention_block_q, cfg.attention_block_kv),
+            positions_BT=positions_BT,
+            context_parallel=cfg.context_parallel,
         )
         return self._out(out_BTHE), k_BTKE, v_BTKE
 
@@ -287,8 +290,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD, sin, cos, segment_ids_BT=None):
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), sin, cos, segment_ids_BT)
+    def __call__(self, x_BTD, sin, cos, segment_ids_BT=None, positions_BT=None):
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), sin, cos, segment_ids_BT, positions_BT)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
     def prefill(self, x_BTD, sin, cos, segment_ids_BT=None):
@@ -403,7 +406,7 @@ def apply_layers(
     sin, cos = rotary_tables(positions_BT, x_BTD.shape[1], cfg)
 
     def layer(x, layer_state):
-        x = nnx.merge(graphdef, layer_state)(x, sin, cos, segment_ids_BT)
+        x = nnx.merge(graphdef, layer_state)(x, sin, cos, segment_ids_BT, positions_BT)
         return constrain(x, ACTIVATION_AXES), None
 
     if cfg.remat != "none":

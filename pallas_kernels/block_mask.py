@@ -119,7 +119,7 @@ def _is_traced(mask: Mask) -> bool:
     if mask.is_static:
         return False
     leaves = [getattr(mask, n, None) for n in ("q_segment_ids", "kv_segment_ids")]
-    children = getattr(mask, "masks", ())
+    children = (*getattr(mask, "masks", ()), *((mask.positions,) if hasattr(mask, "positions") else ()))
     return any(isinstance(x, jax.core.Tracer) for x in leaves) or any(_is_traced(m) for m in children)
 
 

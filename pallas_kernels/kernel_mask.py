@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .masks import And, Document, Mask, Or
+from .masks import And, At, Document, Mask, Or
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +24,32 @@ class DocumentSlot(Mask):
 
     def __repr__(self):
         return f"document#{self.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionSlot(Mask):
+    """Stands for an At term: its static mask, evaluated at the ``index``-th loaded pair of tiles (positions)."""
+
+    index: int
+    mask: Mask
+
+    def __call__(self, q_idx, kv_idx):
+        raise TypeError(f"PositionSlot({self.index}) has no positions; use bind_documents first")
+
+    def __repr__(self):
+        return f"at_positions#{self.index}({self.mask!r})"
+
+
+class _TileApply(Mask):
+    """The static ``mask`` on the loaded position tiles q_tile [bq, 1] and kv_tile [1, bkv] (or transposed)."""
+
+    is_static = False
+
+    def __init__(self, mask, q_tile, kv_tile):
+        self.mask, self.q_tile, self.kv_tile = mask, q_tile, kv_tile
+
+    def __call__(self, q_idx, kv_idx):
+        return self.mask(self.q_tile, self.kv_tile)
 
 
 class _TileEquality(Mask):
@@ -46,12 +72,15 @@ def split_documents(mask: Mask) -> tuple[Mask, list[Document]]:
         if isinstance(m, Document):
             docs.append(m)
             return DocumentSlot(len(docs) - 1)
+        if isinstance(m, At):  # its positions load like segment ids
+            docs.append(m.positions)
+            return PositionSlot(len(docs) - 1, m.mask)
         if isinstance(m, (And, Or)):
             return type(m)(tuple(walk(c) for c in m.masks))
         if not m.is_static:
             raise ValueError(
                 f"mask {m!r} holds arrays the kernel does not know how to load; kernels support "
-                f"static masks and document()"
+                f"static masks, document() and at_positions()"
             )
         return m
 
@@ -62,6 +91,8 @@ def bind_documents(template: Mask, tiles) -> Mask:
     """The template with slot i replaced by the comparison of ``tiles[i] = (q_tile, kv_tile)``."""
     if isinstance(template, DocumentSlot):
         return _TileEquality(*tiles[template.index])
+    if isinstance(template, PositionSlot):
+        return _TileApply(template.mask, *tiles[template.index])
     if isinstance(template, (And, Or)):
         return type(template)(tuple(bind_documents(c, tiles) for c in template.masks))
     return template

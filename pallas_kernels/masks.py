@@ -260,6 +260,60 @@ class Document(Mask):
         return f"document(<{r(self.q_segment_ids)}>, <{r(self.kv_segment_ids)}>)"
 
 
+class At(Mask):
+    """A static mask evaluated at the tokens' own positions instead of their indices: ``mask(q_positions[q_idx],
+    kv_positions[kv_idx])``. Why: a device that holds a slice of the sequence (context parallelism, sharding.context),
+    possibly reordered for balance, numbers its tokens from 0 but the mask is about where they sit in the whole
+    sequence. The positions are integer arrays [T] / [S] or [B, T] / [B, S] held as a Document pair, so kernels load
+    their tiles as they load segment ids (kernel_mask) and need no change. Built by ``at_positions``."""
+
+    is_static = False
+
+    def __init__(self, mask: Mask, positions: Document):
+        if not mask.is_static:
+            raise ValueError(f"at_positions: {mask!r} holds arrays; only static masks are evaluated at positions")
+        object.__setattr__(self, "mask", mask)
+        object.__setattr__(self, "positions", positions)
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __call__(self, q_idx, kv_idx):
+        q_idx, kv_idx = _as_index(q_idx), _as_index(kv_idx)
+        p = self.positions
+        xp = _xp(q_idx, kv_idx, p.q_segment_ids, p.kv_segment_ids)
+        q_pos, kv_pos = xp.asarray(p.q_segment_ids)[..., q_idx], xp.asarray(p.kv_segment_ids)[..., kv_idx]
+        return self.mask(q_pos, kv_pos)
+
+    def __eq__(self, other):
+        return isinstance(other, At) and self.mask == other.mask and self.positions == other.positions
+
+    def __hash__(self):
+        return hash((self.mask, self.positions))
+
+    def __repr__(self):
+        return f"at_positions({self.mask!r})"
+
+
+def at_positions(mask: Mask, q_positions, kv_positions=None) -> Mask:
+    """``mask`` with its static terms evaluated at the given token positions (At) and its document terms left on
+    the tokens' indices, where their segment ids are. Static terms of one And / Or share one At, so a kernel loads
+    one pair of position tiles for them."""
+    positions = Document(q_positions, kv_positions)
+
+    def walk(m):
+        if m.is_static:
+            return At(m, positions)
+        if isinstance(m, (And, Or)):
+            static = tuple(c for c in m.masks if c.is_static)
+            rest = tuple(walk(c) for c in m.masks if not c.is_static)
+            parts = ((At(static[0] if len(static) == 1 else type(m)(static), positions),) if static else ()) + rest
+            return parts[0] if len(parts) == 1 else type(m)(parts)
+        return m  # a document term: on indices
+
+    return walk(mask)
+
+
 def full() -> Mask:
     """Bidirectional: every query sees every key."""
     return Full()

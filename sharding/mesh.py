@@ -17,7 +17,7 @@ from jax.sharding import AxisType, Mesh
 
 from sharding.user_file import call_user_function, exec_python_file
 
-MESH_AXES = ("replica", "data", "fsdp", "pipeline", "tensor")  # outermost (slowest links) first
+MESH_AXES = ("replica", "data", "fsdp", "pipeline", "context", "tensor")  # outermost (slowest links) first
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")  # sharding.schedules.NAMES
 
 
@@ -31,6 +31,7 @@ class MeshLayout:
     fsdp: int = 1
     tensor: int = 1
     pipeline: int = 1
+    context: int = 1  # the sequence of every row split over it (sharding.context: ring or all-gather attention)
     replica: int = 1  # DiLoCo replicas are split over it; without DiLoCo it is one more data-parallel axis
     rules: dict = field(default_factory=dict)  # logical axis -> mesh axis (or tuple, or None); overrides DEFAULT_RULES
     pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES (sharding.schedules); used when pipeline > 1
@@ -92,9 +93,23 @@ class MeshLayout:
         return self
 
     def check_divisibility(
-        self, *, batch_size: int, microbatches: int, num_heads: int, num_kv_heads: int, mlp_dim: int, num_layers: int
+        self,
+        *,
+        batch_size: int,
+        microbatches: int,
+        num_heads: int,
+        num_kv_heads: int,
+        mlp_dim: int,
+        num_layers: int,
+        seq_len: int = 0,
     ) -> None:
-        """Model and batch dimensions must split evenly over the mesh axes they are sharded on."""
+        """Model and batch dimensions must split evenly over the mesh axes they are sharded on (`seq_len` 0: no
+        sequence to check)."""
+        if seq_len and seq_len % self.context:
+            raise LayoutError(
+                f"data.seq_len = {seq_len} is not divisible by mesh axis 'context' = {self.context} (each device "
+                f"holds seq_len / context tokens of every row)"
+            )
         batch_shards = self.replica * self.data * self.fsdp
         splits = microbatches * self.num_microbatches
         if batch_size % splits:

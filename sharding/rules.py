@@ -5,7 +5,7 @@ mesh axes, or None (replicated). Defaults: FSDP shards `embed` over `fsdp` (XLA 
 where they are used and reduce-scatters their gradients); tensor parallelism splits heads / mlp / vocab over
 `tensor` (Megatron: QKV and MLP-in by column, attention-out and MLP-out by row); the batch is split over
 replica x data x fsdp (jaxlm.diloco gives each replica its own rows); the stacked `layers` axis over `pipeline`
-(one contiguous block of layers per stage).
+(one contiguous block of layers per stage); the `seq` axis of activations over `context`.
 
 Activations are tagged too (`constrain`), with the rules the running program was built with (`use_rules`).
 """
@@ -34,7 +34,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "head_dim": None,
     "layers": "pipeline",
-    "seq": None,
+    "seq": "context",  # context parallelism (sharding.context); whole when the layout has no context axis
     "cache_seq": None,  # the slots of a generation's KV cache (jaxlm.generate)
     "act_embed": None,  # the model dimension of activations: replicated (no sequence parallelism)
 }

@@ -428,6 +428,8 @@ def test_check_divisibility():
     ):
         piped.check_divisibility(**{**ok, "batch_size": 4, "microbatches": 1})
     assert MeshLayout(pipeline=4).num_microbatches == 8 and MeshLayout(data=8).num_microbatches == 1
+    with pytest.raises(LayoutError, match=r"data.seq_len = 30 is not divisible by mesh axis 'context' = 4"):
+        MeshLayout(data=2, context=4).check_divisibility(**ok, seq_len=30)
 
 
 def test_indivisible_param_dimension_is_a_layout_error():

@@ -14,6 +14,7 @@ from pallas_kernels import (
     BlockSizes,
     alibi,
     alibi_slopes,
+    at_positions,
     causal,
     chain,
     chunked_causal,
@@ -337,3 +338,29 @@ def test_lengths_need_not_divide_block_sizes():
     np.testing.assert_array_equal(bm.kind[2], [PARTIAL, PARTIAL, PARTIAL, EMPTY])
     with pytest.raises(ValueError, match="q_len must be a positive integer"):
         make_block_mask(causal(), 0, 16, BlockSizes(4, 4))
+
+
+@settings(max_examples=15, deadline=None)
+@given(mask=masks, seed=st.integers(0, 2**16), bq=st.sampled_from([2, 4]), bkv=st.sampled_from([2, 4]))
+def test_a_mask_at_positions_is_the_mask_of_the_reordered_sequence(mask, seed, bq, bkv):
+    """Context parallelism holds slices of a reordered sequence: at_positions evaluates static terms at the
+    tokens' positions and document terms on their (reordered) segment ids, host-built and traced alike."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(T).astype(np.int32)
+    seg = np.sort(rng.integers(0, 3, T)).astype(np.int32)
+    full_mask = (mask | causal()) & document(seg)
+    want = dense_of(full_mask, T, T)[np.ix_(order, order)]
+    local = at_positions((mask | causal()) & document(seg[order]), order)
+    host = make_block_mask(local, T, T, BlockSizes(bq, bkv))
+    np.testing.assert_array_equal(host.dense(), want)
+
+    @jax.jit
+    def traced(positions, ids):
+        bm = make_block_mask(at_positions((mask | causal()) & document(ids), positions), T, T, BlockSizes(bq, bkv))
+        return bm.kind
+
+    np.testing.assert_array_equal(np.asarray(traced(jnp.asarray(order), jnp.asarray(seg[order]))), host.kind)
+    # one query slice against one key slice: q positions of one part, kv of another
+    part = at_positions(mask | causal(), order[:8], order[8:])
+    want_part = dense_of(mask | causal(), T, T)[np.ix_(order[:8], order[8:])]
+    np.testing.assert_array_equal(dense_of(part, 8, T - 8), want_part)

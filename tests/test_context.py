@@ -1,0 +1,148 @@
+"""Context parallelism (sharding.context): every row's sequence split over the `context` axis, ring and all-gather
+attention through both block-sparse implementations, equal to one device in loss and gradients for every mask
+kind; the kernels see only the local shard; the collectives are the ones each variant names."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import one_device_mesh, random_batch, tiny_config
+
+import pallas_kernels as pk
+from jaxlm.train import Program
+from sharding import MeshLayout, build_mesh
+from sharding.context import balanced_order, merge
+
+MASKS = {
+    "causal": "causal",
+    "window": "causal & sliding_window(5)",
+    "document": "causal & document",
+    "prefix": "prefix_lm(6) | causal",
+    "full": "full",
+}
+
+
+def _cfg(mask, impl="xla_blocksparse", variant="ring"):
+    model = dict(
+        num_layers=2,
+        attention_mask=MASKS[mask],
+        attention_impl=impl,
+        attention_block_q=4,
+        attention_block_kv=4,
+        context_parallel=variant,
+    )
+    return tiny_config(model=model, data=dict(batch_size=8))
+
+
+def _batch():
+    batch = random_batch(0, batch=8)
+    batch["segment_ids"] = (np.arange(16)[None, :] >= np.arange(8)[:, None] % 7 + 4).astype(np.int32)
+    return batch
+
+
+def _loss_and_grads(cfg, layout):
+    program = Program(cfg, one_device_mesh() if layout is None else build_mesh(layout.validate(8)), layout)
+    state = program.init()
+    batch = {k: v for k, v in _batch().items() if k != "segment_ids" or "document" in cfg.model.attention_mask}
+    (loss_sum, _), grads = program.loss_and_grads(state.params, program.device_batch(batch))
+    return float(loss_sum), jax.tree.leaves(jax.device_get(nnx.to_pure_dict(grads)))
+
+
+_REFERENCE = {}
+
+
+def _reference(mask):
+    if mask not in _REFERENCE:  # attention implementation and variant do not change the one-device figures
+        _REFERENCE[mask] = _loss_and_grads(_cfg(mask, impl="reference"), None)
+    return _REFERENCE[mask]
+
+
+@pytest.mark.parametrize(
+    "mask, impl, variant, layout",
+    [
+        ("causal", "xla_blocksparse", "ring", MeshLayout(context=8)),
+        ("causal", "pallas", "all_gather", MeshLayout(data=2, context=4)),
+        ("window", "pallas", "ring", MeshLayout(context=2, fsdp=2, tensor=2)),
+        ("window", "xla_blocksparse", "all_gather", MeshLayout(context=8)),
+        ("document", "xla_blocksparse", "ring", MeshLayout(data=2, context=4)),
+        ("document", "pallas", "all_gather", MeshLayout(context=2, fsdp=2, tensor=2)),
+        ("prefix", "pallas", "ring", MeshLayout(context=8)),
+        ("prefix", "xla_blocksparse", "all_gather", MeshLayout(fsdp=2, context=4)),
+        ("full", "xla_blocksparse", "ring", MeshLayout(context=2, fsdp=2, tensor=2)),
+        ("full", "pallas", "all_gather", MeshLayout(data=4, context=2)),
+    ],
+)
+def test_context_parallel_training_equals_one_device(mask, impl, variant, layout):
+    loss, grads = _loss_and_grads(_cfg(mask, impl, variant), layout)
+    want_loss, want_grads = _reference(mask)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for g, w in zip(grads, want_grads, strict=True):
+        assert np.linalg.norm(g - w) / np.linalg.norm(w) <= 1e-5
+
+
+@pytest.mark.parametrize("variant, collective", [("ring", "collective-permute"), ("all_gather", "all-gather")])
+def test_each_shard_attends_its_own_queries_and_receives_the_others_keys(variant, collective, monkeypatch):
+    """The kernels run on one device's slice ([B / data, H, T / context, E]); the ring passes K/V shards with
+    collective-permutes (C - 1 per layer and pass), the all-gather variant gathers them."""
+    seen, kernel = set(), pk.block_sparse_attention_xla
+
+    def recording(q, *args, **kwargs):
+        seen.add(tuple(q.shape))
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(pk, "block_sparse_attention_xla", recording)
+    cfg, layout = _cfg("causal", variant=variant), MeshLayout(data=2, context=4)
+    program = Program(cfg, build_mesh(layout.validate(8)), layout)
+    batch = {k: v for k, v in _batch().items() if k != "segment_ids"}
+    state = program.init()
+    text = jax.jit(program.loss_and_grads).lower(state.params, program.device_batch(batch)).compile().as_text()
+    E = cfg.model.d_model // cfg.model.num_heads
+    assert seen == {(4, cfg.model.num_heads, 4, E)}, seen  # 8 rows / data 2, 16 tokens / context 4
+    assert collective in text
+    if variant == "ring":
+        assert text.count("collective-permute-start") + text.count(" collective-permute(") >= 3
+
+
+def test_merging_partial_softmaxes_equals_the_whole_and_ignores_unseen_parts():
+    rng = np.random.default_rng(0)
+    s = rng.normal(size=(2, 3, 4, 10)).astype(np.float32)  # [B, T, H, S] scores
+    v = rng.normal(size=(2, 10, 4, 5)).astype(np.float32)  # [B, S, H, E]
+
+    def softmax_part(cols):
+        part = s[..., cols]
+        lse = np.log(np.exp(part).sum(-1))
+        out = np.einsum("bths,bshe->bthe", np.exp(part - lse[..., None]), v[:, cols])
+        return out, lse
+
+    whole, _ = softmax_part(np.arange(10))
+    out, lse = None, None
+    for cols in (np.arange(0, 4), np.arange(4, 10)):
+        o, l = softmax_part(cols)
+        out, lse = merge(out, lse, o, l)
+    np.testing.assert_allclose(out, whole, rtol=1e-5, atol=1e-6)
+    # a part no query saw (the kernels write lse = +inf) changes nothing, and its gradient is finite
+    unseen = np.full_like(lse, np.inf)
+    got, _ = merge(out, lse, np.full_like(out, np.nan), unseen)
+    np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda o: merge(out, lse, o, unseen)[0].sum())(np.ones_like(out))
+    assert np.isfinite(grad).all()
+
+
+def test_balanced_order_gives_each_device_the_same_causal_work():
+    T, C = 64, 4
+    order = balanced_order(T, C)
+    assert sorted(order.tolist()) == list(range(T))
+    work = [int(np.sum(order[c * T // C : (c + 1) * T // C] + 1)) for c in range(C)]  # keys each device's queries see
+    assert max(work) == min(work)
+    contiguous = [int(np.sum(np.arange(c * T // C, (c + 1) * T // C) + 1)) for c in range(C)]
+    assert max(contiguous) / min(contiguous) > 5
+
+
+def test_a_config_naming_an_unknown_variant_is_refused():
+    from jaxlm.config import ConfigError, validate
+
+    cfg = _cfg("causal")
+    with pytest.raises(ConfigError, match=r"model.context_parallel must be one of ring, all_gather, got 'rings'"):
+        validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, context_parallel="rings")))
