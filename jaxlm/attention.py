@@ -23,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -67,7 +68,8 @@ def attention(
     mesh is in context, run per shard under ``jax.shard_map``, batch and heads split as the active sharding rules
     split them; when the rules split the sequence too (a `context` axis), each shard attends its queries to every
     shard's keys, by ``context_parallel`` ("ring" or "all_gather", sharding.context), masked at ``positions_BT``
-    (default: 0..T-1, the tokens' places in their rows).
+    (default: 0..T-1, the tokens' places in their rows; a numpy array [T] when every row has the same, known when
+    tracing, as a balancing reorder gives them).
     """
     B, T, H, E = q_BTHE.shape
     S, K = k_BSKE.shape[1], k_BSKE.shape[2]
@@ -97,9 +99,12 @@ def attention(
                 raise ValueError(f"context parallelism attends a sequence to itself; got {T} queries and {S} keys")
             if score_mod is not None and not isinstance(score_mod, pk.masks.SoftCap):
                 raise ValueError(f"score mod {score_mod!r} reads positions; under context parallelism only soft_cap")
-            if positions_BT is None:
-                positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-            fn = functools.partial(context_attention, attend, template=template, axis=context, variant=context_parallel)
+            order = None  # positions known when tracing (the same for every row): the ring skips what they allow
+            if positions_BT is None or isinstance(positions_BT, np.ndarray):
+                order, positions_BT = (np.arange(T) if positions_BT is None else positions_BT.reshape(-1, T)[0]), None
+            fn = functools.partial(
+                context_attention, attend, template=template, axis=context, variant=context_parallel, order=order
+            )
             return _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT, context)
         fn = lambda q, k, v, seg, _: attend(q, k, v, _bind_segments(template, seg))[0]  # noqa: E731
         return _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, None, ())

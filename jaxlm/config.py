@@ -42,6 +42,7 @@ DTYPES = ("float32", "bfloat16")
 REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch")  # jaxlm.model.REMAT_POLICIES: what each keeps
 ATTENTION_IMPLS = ("auto", "reference", "jax", "xla_blocksparse", "pallas")  # jaxlm.attention
 CONTEXT_PARALLEL = ("ring", "all_gather")  # sharding.context.VARIANTS
+CONTEXT_ORDERS = ("auto", "zigzag", "contiguous")  # sharding.context.ORDERS
 MATMUL_PRECISIONS = ("default", "int8", "fp8", "int8_weight_only")  # jaxlm.quantized
 LAYER_CLASSES = ("attention", "mlp", "lm_head")  # the matmuls a precision is set for
 QUANT_SCALINGS = ("delayed", "current")
@@ -94,6 +95,9 @@ class ModelConfig(Section):
     # under a `context` mesh axis: ring (K/V shards passed around, two in memory) | all_gather (the whole sequence's
     # K/V on every device, one collective) (sharding.context)
     context_parallel: str = "ring"
+    # how a row's tokens are dealt to the context axis: auto | zigzag (evens out causal work) | contiguous (keeps a
+    # sliding window local) (sharding.context.sequence_order)
+    context_order: str = "auto"
     # Low-precision matmuls (jaxlm.quantized): "fp8", or per layer class "attention=fp8,mlp=fp8,lm_head=default";
     # precisions default | int8 | fp8 | int8_weight_only.
     matmul_precision: str = "default"
@@ -165,6 +169,7 @@ class ModelConfig(Section):
         check_choice("model.remat", m.remat, REMAT_CHOICES, how="sorted")
         check_choice("model.attention_impl", m.attention_impl, ATTENTION_IMPLS, how="sorted")
         check_choice("model.context_parallel", m.context_parallel, CONTEXT_PARALLEL, how="comma")
+        check_choice("model.context_order", m.context_order, CONTEXT_ORDERS, how="comma")
         from pallas_kernels.mask_spec import parse_mask  # local: it imports jax, and loading a config must not
 
         try:

@@ -93,6 +93,12 @@ def rotary_tables(positions_BT: jax.Array | None, seq_len: int, cfg: ModelConfig
             jnp.asarray(np.sin(angles), jnp.float32)[:, :, None, :],
             jnp.asarray(np.cos(angles), jnp.float32)[:, :, None, :],
         )
+    if isinstance(positions_BT, np.ndarray):  # the same for every row, known now (a balancing reorder's)
+        angles = positions_BT.reshape(-1, positions_BT.shape[-1])[:1, :, None].astype(np.float64) * inv_freq
+        return (
+            jnp.asarray(np.sin(angles), jnp.float32)[:, :, None, :],
+            jnp.asarray(np.cos(angles), jnp.float32)[:, :, None, :],
+        )
     angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     sin, cos = jax.lax.optimization_barrier((jnp.sin(angles), jnp.cos(angles)))
     return sin[:, :, None, :], cos[:, :, None, :]

@@ -23,6 +23,8 @@ from jax.sharding import PartitionSpec as P
 from jaxlm import config as config_lib
 from jaxlm.config import OptimConfig, TrainConfig
 from jaxlm.model import LOGICAL_AXES, Transformer, apply_layers, head_logits
+from pallas_kernels.mask_spec import parse_mask
+from sharding.context import sequence_order
 from sharding.distributed import process_rows, put_process_rows
 from sharding.mesh import MESH_AXES, MeshLayout
 from sharding.pipeline import SCHEDULES, pipeline_loss, split_stages
@@ -102,8 +104,19 @@ def loss_sums(
     model = nnx.merge(graphdef, params)
     if layout is not None and layout.pipeline > 1:
         return _pipelined_loss_sums(model, batch, layout)
-    logits_BTV = model(batch["inputs"], segment_ids_BT=batch.get("segment_ids"))
+    order = _context_order(model.cfg, layout, batch["inputs"].shape[1])
+    if order is not None:  # every [B, T] field in the order the context axis deals tokens; the sums do not change
+        batch = {k: v[:, order] for k, v in batch.items()}
+    logits_BTV = model(batch["inputs"], segment_ids_BT=batch.get("segment_ids"), positions_BT=order)
     return cross_entropy_sums(logits_BTV, batch["targets"], batch["loss_mask"])
+
+
+def _context_order(model_cfg, layout: MeshLayout | None, seq_len: int):
+    """The positions [T] a context-parallel layout deals each row's tokens in (sharding.context), or None."""
+    if layout is None or layout.context == 1:
+        return None
+    mask = parse_mask(model_cfg.attention_mask)
+    return sequence_order(mask, seq_len, layout.context, model_cfg.context_order)
 
 
 def cross_entropy_sums(logits_BTV, targets_BT, loss_mask_BT) -> tuple[jax.Array, jax.Array]:

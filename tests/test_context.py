@@ -18,14 +18,16 @@ from sharding.context import balanced_order, merge
 MASKS = {
     "causal": "causal",
     "window": "causal & sliding_window(5)",
+    "window2": "causal & sliding_window(2)",
     "document": "causal & document",
     "prefix": "prefix_lm(6) | causal",
     "full": "full",
 }
 
 
-def _cfg(mask, impl="xla_blocksparse", variant="ring"):
+def _cfg(mask, impl="xla_blocksparse", variant="ring", order="auto"):
     model = dict(
+        context_order=order,
         num_layers=2,
         attention_mask=MASKS[mask],
         attention_impl=impl,
@@ -60,22 +62,24 @@ def _reference(mask):
 
 
 @pytest.mark.parametrize(
-    "mask, impl, variant, layout",
+    "mask, impl, variant, layout, order",
     [
-        ("causal", "xla_blocksparse", "ring", MeshLayout(context=8)),
-        ("causal", "pallas", "all_gather", MeshLayout(data=2, context=4)),
-        ("window", "pallas", "ring", MeshLayout(context=2, fsdp=2, tensor=2)),
-        ("window", "xla_blocksparse", "all_gather", MeshLayout(context=8)),
-        ("document", "xla_blocksparse", "ring", MeshLayout(data=2, context=4)),
-        ("document", "pallas", "all_gather", MeshLayout(context=2, fsdp=2, tensor=2)),
-        ("prefix", "pallas", "ring", MeshLayout(context=8)),
-        ("prefix", "xla_blocksparse", "all_gather", MeshLayout(fsdp=2, context=4)),
-        ("full", "xla_blocksparse", "ring", MeshLayout(context=2, fsdp=2, tensor=2)),
-        ("full", "pallas", "all_gather", MeshLayout(data=4, context=2)),
+        ("causal", "xla_blocksparse", "ring", MeshLayout(context=8), "contiguous"),
+        ("causal", "pallas", "all_gather", MeshLayout(data=2, context=4), "auto"),
+        ("window", "pallas", "ring", MeshLayout(context=2, fsdp=2, tensor=2), "auto"),
+        ("window", "xla_blocksparse", "all_gather", MeshLayout(context=8), "zigzag"),
+        ("document", "xla_blocksparse", "ring", MeshLayout(data=2, context=4), "zigzag"),
+        ("document", "pallas", "all_gather", MeshLayout(context=2, fsdp=2, tensor=2), "contiguous"),
+        ("prefix", "pallas", "ring", MeshLayout(context=8), "auto"),
+        ("prefix", "xla_blocksparse", "all_gather", MeshLayout(fsdp=2, context=4), "contiguous"),
+        ("full", "xla_blocksparse", "ring", MeshLayout(context=2, fsdp=2, tensor=2), "auto"),
+        ("full", "pallas", "all_gather", MeshLayout(data=4, context=2), "zigzag"),
     ],
 )
-def test_context_parallel_training_equals_one_device(mask, impl, variant, layout):
-    loss, grads = _loss_and_grads(_cfg(mask, impl, variant), layout)
+def test_context_parallel_training_equals_one_device(mask, impl, variant, layout, order):
+    """Zigzag deals each device two chunks of the row (positions, targets, loss mask and segment ids move with
+    the tokens); contiguous one; auto picks by the mask."""
+    loss, grads = _loss_and_grads(_cfg(mask, impl, variant, order), layout)
     want_loss, want_grads = _reference(mask)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for g, w in zip(grads, want_grads, strict=True):
@@ -146,3 +150,25 @@ def test_a_config_naming_an_unknown_variant_is_refused():
     cfg = _cfg("causal")
     with pytest.raises(ConfigError, match=r"model.context_parallel must be one of ring, all_gather, got 'rings'"):
         validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, context_parallel="rings")))
+
+
+def _compiled_text(cfg, layout):
+    program = Program(cfg, build_mesh(layout.validate(8)), layout)
+    batch = {k: v for k, v in _batch().items() if k != "segment_ids"}
+    state = program.init()
+    return jax.jit(program.loss_and_grads).lower(state.params, program.device_batch(batch)).compile().as_text()
+
+
+def _permutes(text):
+    return [line for line in text.splitlines() if "collective-permute" in line and "source_target_pairs" in line]
+
+
+def test_the_ring_does_not_send_a_shard_no_query_further_on_can_see():
+    """A sliding window of 2 over shards of 2 tokens (contiguous): device c sees shards c and c - 1 only, so K and V
+    travel one step and never wrap from the last device to the first; the full mask sends all the way around."""
+    layout, C, layers = MeshLayout(context=8), 8, 2
+    window = _permutes(_compiled_text(_cfg("window2", order="contiguous"), layout))
+    full = _permutes(_compiled_text(_cfg("full"), layout))
+    assert window and all("{7,0}" not in line for line in window), window
+    # K and V, forward and backward, per layer: one step against C - 1
+    assert len(full) >= 2 * 2 * layers * (C - 1) and len(window) <= 2 * 2 * layers, (len(window), len(full))
