@@ -147,10 +147,16 @@ def batch_rows(prompts: int, shards: int) -> int:
 
 
 def check_layout(layout: MeshLayout, model: ModelConfig | None = None) -> None:
-    """What generation refuses of a mesh layout: pipeline stages; with `model`, heads, kv heads, MLP or layers its
-    axes do not divide (a LayoutError names the axis). A ValueError of one line, raised before anything compiles."""
+    """What generation refuses of a mesh layout: pipeline stages, a context axis (a checkpoint trained under one
+    loads under any layout); with `model`, heads, kv heads, MLP or layers its axes do not divide (a LayoutError
+    names the axis). A ValueError of one line, raised before anything compiles."""
     if layout.pipeline > 1:
         raise ValueError(f"generation runs without pipeline stages; the layout has pipeline={layout.pipeline}")
+    if layout.context > 1:
+        raise ValueError(
+            f"generation keeps each row's tokens on one device; the layout has context={layout.context} (the "
+            f"checkpoint does not depend on it: give a layout without a context axis)"
+        )
     if model is not None:
         layout.check_divisibility(
             batch_size=layout.data * layout.fsdp * layout.replica,

@@ -414,6 +414,35 @@ def test_pipeline_layout_end_to_end_and_resume_under_another_layout(tmp_path):
     np.testing.assert_allclose(resumed[2]["loss"], pipelined[2]["loss"], rtol=1e-5)
 
 
+def test_context_parallel_run_resumes_under_another_layout_and_its_checkpoint_generates(tmp_path):
+    """Train with the sequence split over 4 devices (ring attention, zigzag order), lose the last checkpoint, resume
+    under DP x FSDP x TP: the resumed step's loss equals the context-parallel run's; the checkpoint then generates
+    under no layout at all, and a generation layout with a context axis is refused in one line."""
+    meshes = REPO / "experiments" / "meshes"
+    workdir = tmp_path / "run"
+    common = ["--workdir", workdir, "--cpu-devices", 8, "--log-every", 1, "--checkpoint-every", 2, *TINY]
+    common += ["--set", "data.seq_len=64", "--set", "data.microbatches=1", "--set", "model.attention_impl=pallas"]
+    proc, _ = tiny_lm("--steps", 3, "--mesh", meshes / "context4_dp2.py", *common, "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    split = loss_records(workdir)
+    assert [r["step"] for r in split] == [1, 2, 3] and split[2]["loss"] < split[0]["loss"]
+
+    shutil.rmtree(workdir / "checkpoints" / "3")
+    proc, _ = tiny_lm("--steps", 3, "--mesh", meshes / "dp2_fsdp2_tp2.py", *common, "--no-progress")
+    assert proc.returncode == 0 and "resuming at step 2" in proc.stderr, proc.stderr
+    np.testing.assert_allclose(loss_records(workdir)[2]["loss"], split[2]["loss"], rtol=1e-5)
+
+    generate = [sys.executable, "-m", "experiments.generate", "--workdir", str(workdir), "--prompt", "def "]
+    generate += ["--max-new-tokens", "4"]
+    ok = subprocess.run(generate, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.strip() and "step 3 of" in ok.stderr, ok.stderr
+    refused = subprocess.run(
+        [*generate, "--cpu-devices", "8", "--mesh", str(meshes / "context4_dp2.py")],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "the layout has context=4" in refused.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("code", [0, 4])
 def test_a_thread_left_behind_does_not_hang_the_command(code):
     """exit_with: a non-daemon thread that never ends (as a failed Orbax save can leave) would keep a plain
