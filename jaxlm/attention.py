@@ -106,13 +106,18 @@ def attention(
                 context_attention, attend, template=template, axis=context, variant=context_parallel, order=order
             )
             return _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT, context)
-        fn = lambda q, k, v, seg, _: attend(q, k, v, _bind_segments(template, seg))[0]  # noqa: E731
-        return _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, None, ())
-    mask_obj = _bind_segments(template, segment_ids_BT)
+        known = positions_BT if isinstance(positions_BT, np.ndarray) else None  # closed over, not sharded
+
+        def one_shard(q, k, v, seg, pos):
+            return attend(q, k, v, _at(_bind_segments(template, seg), known if pos is None else pos))[0]
+
+        traced = None if known is not None else positions_BT
+        return _shard_map(one_shard, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, traced, ())
+    mask_obj = _at(_bind_segments(template, segment_ids_BT), positions_BT)
     if impl == "jax":
         if score_mod is not None:
             raise ValueError("attention impl 'jax' (jax.nn.dot_product_attention) does not support score mods")
-        window = causal_window(mask_obj) if T == S else None
+        window = causal_window(mask_obj) if T == S and positions_BT is None else None
         dense = None if window is not None else _dense_mask(mask_obj, T, S)
         return jax.nn.dot_product_attention(
             q_BTHE,
@@ -202,6 +207,11 @@ def _reference(q_BTHE, k_BSKE, v_BSKE, mask_BTS, scale, score_mod):
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKE.dtype)
     out_BTKGE = jnp.einsum("bkgts,bske->btkge", probs, v_BSKE)
     return out_BTKGE.reshape(B, T, H, E)
+
+
+def _at(mask: pk.Mask, positions_BT) -> pk.Mask:
+    """The mask at the tokens' positions when given (a reordered sequence), else as it is."""
+    return mask if positions_BT is None else pk.at_positions(mask, positions_BT)
 
 
 def _fit_block(block: int, length: int) -> int:

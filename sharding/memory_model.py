@@ -46,6 +46,17 @@ def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1) -> floa
     return norms + attention + mlp
 
 
+def context_kv_bytes(cfg: ModelShape, layout: MeshLayout, tokens: float) -> float:
+    """K and V a layer's attention holds beyond its own under a context axis (sharding.context): the ring the
+    shard in hand and the one arriving, all_gather every shard's, with their gradients in the backward."""
+    C = logical_shards("seq", layout)
+    if C == 1:
+        return 0.0
+    kv_token = 2 * cfg.num_kv_heads / logical_shards("kv_heads", layout) * cfg.resolved_head_dim * dtype_bytes(cfg)
+    shards = 2 if cfg.context_parallel == "ring" else C
+    return 2 * shards * tokens * kv_token  # the keys and values, and their cotangents
+
+
 @dataclass(frozen=True)
 class Memory:
     """Peak bytes on one device (a pipeline's last stage: it also holds the logits).
@@ -107,7 +118,7 @@ def memory_per_device(
     n_params = params_per_device(cfg, layout)
     S, M = layout.pipeline, layout.num_microbatches
     rows = batch_sequences // (logical_shards("batch", layout) * accumulation * M)  # per device per microbatch
-    tokens = rows * seq_len
+    tokens = rows * seq_len // logical_shards("seq", layout)  # a context axis splits every row
     layers = cfg.num_layers // S  # sharding.pipeline runs L/S layers per stage, whatever the `layers` rule
     residuals = layer_residual_bytes(cfg, seq_len, logical_shards("heads", layout)) * tokens  # one layer, no remat
     layer_input = cfg.d_model * cb * tokens
@@ -124,6 +135,7 @@ def memory_per_device(
         layer_phase = residuals + layer_weights * cb + largest_gathered_param(cfg, layout, "layers") * cb
     else:  # all of the layer's gradients whole in fp32
         layer_phase = residuals + layer_weights * (cb + 4)
+    layer_phase += context_kv_bytes(cfg, layout, tokens)
     if platform == "gpu":
         # XLA's GPU program: the logits in the compute dtype and in fp32 (the loss's and its cotangent's buffers
         # shared), the gathered head in the compute dtype; its gradient reduce-scattered as it is formed

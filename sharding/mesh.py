@@ -38,6 +38,13 @@ class MeshLayout:
     pipeline_microbatches: int = 0  # microbatches per pipelined step; 0 -> 2 * pipeline
     pipeline_virtual_stages: int = 0  # interleaved-1f1b: model chunks per stage (0 -> 2); others: 0
 
+    def __post_init__(self):
+        # A context axis' devices hold different tokens of the same rows: like FSDP's they share the params, which
+        # are gathered over both (torchtitan's FSDP over dp_shard x cp). A layout's own `embed` rule wins.
+        if isinstance(self.context, int) and self.context > 1 and isinstance(self.rules, dict):
+            if "embed" not in self.rules:
+                object.__setattr__(self, "rules", {**self.rules, "embed": ("fsdp", "context")})
+
     @property
     def num_microbatches(self) -> int:
         """Pipeline microbatches per (accumulation) microbatch: 1 without pipelining."""

@@ -28,6 +28,7 @@ class ModelShape:
     dtype: str = "float32"  # the compute dtype: float32 | bfloat16
     attention_impl: str = "reference"  # reference / jax keep T x T residuals; the block-sparse ones do not
     remat: str = "none"
+    context_parallel: str = "ring"  # under a context axis: ring (two K/V shards in hand) | all_gather (all of them)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -108,9 +109,9 @@ def logical_shards(logical: str, layout: MeshLayout) -> int:
     return math.prod(layout.axis_sizes[a] for a in _mesh_axes(logical_spec((logical,), layout.rules)[0]))
 
 
-def _local_size(spec: ParamSpec, layout: MeshLayout, skip: str | None = None) -> int:
-    """Elements of `spec` on one device (ignoring mesh axis `skip`, e.g. 'fsdp' for the all-gathered size)."""
-    sizes = {**layout.axis_sizes, **({skip: 1} if skip else {})}
+def _local_size(spec: ParamSpec, layout: MeshLayout, skip: tuple[str, ...] = ()) -> int:
+    """Elements of `spec` on one device (ignoring mesh axes `skip`, e.g. FSDP's for the all-gathered size)."""
+    sizes = {**layout.axis_sizes, **dict.fromkeys(skip, 1)}
     return math.prod(
         -(-n // math.prod(sizes[a] for a in _mesh_axes(t)))
         for n, t in zip(spec.shape, logical_spec(spec.axes, layout.rules))
@@ -131,16 +132,28 @@ def params_per_device(cfg: ModelShape, layout: MeshLayout, group: str | None = N
     return sum(_local_size(p, layout) for p in param_specs(cfg) if _in_group(p, cfg, group))
 
 
+def fsdp_axes(layout: MeshLayout) -> tuple[str, ...]:
+    """The mesh axes params are gathered over before use (the `embed` rule's: fsdp, and context when the layout
+    has one), those of size > 1."""
+    return tuple(a for a in _mesh_axes(logical_spec(("embed",), layout.rules)[0]) if layout.axis_sizes[a] > 1)
+
+
+def fsdp_size(layout: MeshLayout) -> int:
+    """Devices one FSDP gather spans."""
+    return math.prod(layout.axis_sizes[a] for a in fsdp_axes(layout))
+
+
 def largest_gathered_param(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
     """The largest single array (one layer's slice of a stacked one) one device all-gathers over its FSDP ring."""
-    if layout.fsdp == 1:
+    axes = fsdp_axes(layout)
+    if not axes:
         return 0
     one_layer = [
         dataclasses.replace(p, shape=(1, *p.shape[1:])) if "layers" in p.axes else p
         for p in param_specs(cfg)
-        if _on_mesh_axis(p, layout, "fsdp") and _in_group(p, cfg, group)
+        if any(_on_mesh_axis(p, layout, a) for a in axes) and _in_group(p, cfg, group)
     ]
-    return max((_local_size(p, layout, skip="fsdp") for p in one_layer), default=0)
+    return max((_local_size(p, layout, skip=axes) for p in one_layer), default=0)
 
 
 def _on_mesh_axis(spec: ParamSpec, layout: MeshLayout, mesh_axis: str) -> bool:
@@ -149,10 +162,11 @@ def _on_mesh_axis(spec: ParamSpec, layout: MeshLayout, mesh_axis: str) -> bool:
 
 def fsdp_gathered_params(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
     """Params one device all-gathers over its FSDP ring: its tensor/pipeline slice of every FSDP-sharded array."""
-    if layout.fsdp == 1:
+    axes = fsdp_axes(layout)
+    if not axes:
         return 0
     return sum(
-        _local_size(p, layout, skip="fsdp")
+        _local_size(p, layout, skip=axes)
         for p in param_specs(cfg)
-        if _on_mesh_axis(p, layout, "fsdp") and _in_group(p, cfg, group)
+        if any(_on_mesh_axis(p, layout, a) for a in axes) and _in_group(p, cfg, group)
     )

@@ -158,6 +158,8 @@ def summary(p: Plan, name: str) -> str:
 def key_figures(p: Plan, name: str) -> dict:
     e, lay = p.best, p.best.layout
     layout = {"data": lay.data, "fsdp": lay.fsdp, "tensor": lay.tensor, "pipeline": lay.pipeline}
+    if lay.context > 1:
+        layout["context"] = lay.context
     if lay.pipeline > 1:
         layout |= {"pipeline_schedule": lay.pipeline_schedule, "pipeline_microbatches": lay.num_microbatches}
     return {
@@ -172,7 +174,7 @@ def key_figures(p: Plan, name: str) -> dict:
         "mfu": round(e.mfu, 4),
         "tokens_per_s": round(p.batch_tokens / e.step_s),
         "compute_s": round(e.compute_s, 4),
-        "comm_s": {k: round(getattr(e, f"{k}_s"), 4) for k in ("fsdp", "dp", "tp", "pp")},
+        "comm_s": {k: round(getattr(e, f"{k}_s"), 4) for k in ("fsdp", "dp", "cp", "tp", "pp")},
         "comms_hidden": e.hidden,
     }
 

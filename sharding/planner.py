@@ -26,11 +26,14 @@ from dataclasses import dataclass, field
 
 from sharding.hardware import Hardware
 from sharding.memory_model import Memory, dtype_bytes, memory_per_device
-from sharding.mesh import LayoutError, MeshLayout
+from sharding.mesh import MESH_AXES, LayoutError, MeshLayout
 from sharding.model_shape import (
     ModelShape,
     count_params,
+    fsdp_axes,
     fsdp_gathered_params,
+    fsdp_size,
+    logical_shards,
     params_per_device,
 )
 from sharding.pipeline import bubble_fraction
@@ -87,7 +90,7 @@ def axis_spans(layout: MeshLayout) -> dict[str, int]:
     """Devices one group of each axis spans. Mesh axes run outermost first (sharding.mesh.MESH_AXES), so a group of
     an axis covers its size times every inner axis: tensor is innermost, then pipeline, fsdp, data."""
     spans, inner = {}, 1
-    for axis in ("tensor", "pipeline", "fsdp", "data", "replica"):
+    for axis in reversed(MESH_AXES):
         inner *= getattr(layout, axis)
         spans[axis] = inner
     return spans
@@ -107,10 +110,11 @@ class Estimate:
     pp_s: float
     step_s: float
     mfu: float  # model FLOPs / (step x devices x datasheet peak)
+    cp_s: float = 0.0  # context parallelism's K/V passes (overlapped with compute, as a ring attention is)
 
     @property
     def overlapped_s(self) -> float:
-        return self.fsdp_s + self.dp_s
+        return self.fsdp_s + self.dp_s + self.cp_s
 
     @property
     def hidden(self) -> bool:
@@ -139,16 +143,18 @@ def evaluate(
     spans = axis_spans(layout)
     bw = {axis: hw.bandwidth(span) for axis, span in spans.items()}
     fsdp = 0.0
-    if layout.fsdp > 1:
+    if fsdp_size(layout) > 1:  # over the outermost of the gather's axes (fsdp, and context when present)
+        gather_bw = min(bw[a] for a in fsdp_axes(layout))
         fsdp = accumulation * fsdp_comm_seconds(
-            fsdp_gathered_params(cfg, layout), cb, FSDP_COLLECTIVES, bw["fsdp"], layout.fsdp
+            fsdp_gathered_params(cfg, layout), cb, FSDP_COLLECTIVES, gather_bw, fsdp_size(layout)
         )
     dp = accumulation * ring_all_reduce_seconds(params_per_device(cfg, layout) * cb, layout.data, bw["data"])
     shard_activation_bytes = batch_tokens / (layout.data * layout.fsdp) * cfg.d_model * cb  # all microbatches
     layers = cfg.num_layers // S
     tp = layers * (6 if recompute else 4) * ring_all_reduce_seconds(shard_activation_bytes, layout.tensor, bw["tensor"])
     pp = 2 * shard_activation_bytes / bw["pipeline"] if S > 1 else 0.0  # activations forward, gradients back
-    step = max(compute, fsdp + dp) + tp + pp
+    cp = accumulation * context_comm_seconds(cfg, layout, batch_tokens, remat, bw["context"])
+    step = max(compute, fsdp + dp + cp) + tp + pp
     memory = memory_per_device(cfg, layout, batch_tokens // seq_len, seq_len, remat, accumulation, hw.platform)
     mfu = (6 * n_params + attn) * batch_tokens / (step * devices * hw.peak_flops)
     return Estimate(
@@ -164,7 +170,22 @@ def evaluate(
         pp,
         step,
         mfu,
+        cp,
     )
+
+
+def context_comm_seconds(cfg: ModelShape, layout: MeshLayout, batch_tokens: int, remat: str, bandwidth: float):
+    """A context axis' K/V traffic per step: each layer's forward passes every other shard's K and V to each device
+    (ring: C - 1 sends of one shard; all_gather: the same bytes at once), the backward their gradients, and a
+    recomputed forward (remat) once more."""
+    C = logical_shards("seq", layout)
+    if C == 1:
+        return 0.0
+    device_tokens = batch_tokens / math.prod(layout.axis_sizes.values()) * layout.tensor * layout.pipeline
+    kv_token = 2 * cfg.num_kv_heads / logical_shards("kv_heads", layout) * cfg.resolved_head_dim * dtype_bytes(cfg)
+    passes = 3 if remat == "full" else 2
+    layers = cfg.num_layers // layout.pipeline
+    return layers * passes * (C - 1) * device_tokens * kv_token / bandwidth
 
 
 # ----------------------------------------------------------------------------- candidates and ranking
@@ -353,6 +374,8 @@ def _notes(p: Plan, batch_sequences: int) -> list[str]:
 
 def describe(layout: MeshLayout, accumulation: int = 1) -> str:
     text = f"d{layout.data} f{layout.fsdp} t{layout.tensor} p{layout.pipeline}"
+    if layout.context > 1:
+        text += f" c{layout.context}"
     if layout.pipeline > 1:
         text += f" {layout.pipeline_schedule} M={layout.num_microbatches}"
     return text + (f" accum={accumulation}" if accumulation > 1 else "")

@@ -2,8 +2,9 @@
 
 The model tags arrays with names like ("embed", "mlp"); a rules table maps each name to a mesh axis, a tuple of
 mesh axes, or None (replicated). Defaults: FSDP shards `embed` over `fsdp` (XLA all-gathers each layer's params
-where they are used and reduce-scatters their gradients); tensor parallelism splits heads / mlp / vocab over
-`tensor` (Megatron: QKV and MLP-in by column, attention-out and MLP-out by row); the batch is split over
+where they are used and reduce-scatters their gradients), and over `context` too when a layout has one; tensor
+parallelism splits heads / mlp / vocab over `tensor` (Megatron: QKV and MLP-in by column, attention-out and MLP-out
+by row); the batch is split over
 replica x data x fsdp (jaxlm.diloco gives each replica its own rows); the stacked `layers` axis over `pipeline`
 (one contiguous block of layers per stage); the `seq` axis of activations over `context`.
 
@@ -27,7 +28,7 @@ LOGICAL_AXES_KEY = "logical_axes"  # the metadata key jaxlm.model writes
 
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("replica", "data", "fsdp"),
-    "embed": "fsdp",
+    "embed": "fsdp",  # a layout with a context axis adds it here (MeshLayout): its devices share the params too
     "vocab": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",

@@ -339,7 +339,7 @@ def test_load_layout_forms(tmp_path, source):
     layout = load_layout(write(tmp_path, "mesh.py", source), 8)
     assert layout == MeshLayout(data=2, fsdp=4)
     mesh = build_mesh(layout)
-    assert dict(mesh.shape) == {"replica": 1, "data": 2, "fsdp": 4, "pipeline": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"replica": 1, "data": 2, "fsdp": 4, "pipeline": 1, "context": 1, "tensor": 1}
     assert mesh.devices.size == len(jax.devices()) == 8
 
 
@@ -448,7 +448,10 @@ def test_logical_spec_defaults_and_overrides():
     assert logical_spec(("layers", "embed", "kv_heads", None, "head_dim")) == P(
         "pipeline", "fsdp", "tensor", None, None
     )
-    assert logical_spec(("batch", "seq")) == P(("replica", "data", "fsdp"), None)
+    assert logical_spec(("batch", "seq")) == P(("replica", "data", "fsdp"), "context")
+    # a context axis shares the params like FSDP (a layout's own embed rule wins)
+    assert MeshLayout(context=2).rules == {"embed": ("fsdp", "context")}
+    assert MeshLayout(context=2, rules={"embed": None}).rules == {"embed": None} and MeshLayout().rules == {}
     assert logical_spec(("vocab", "embed"), {"vocab": None, "embed": ("fsdp", "tensor")}) == P(None, ("fsdp", "tensor"))
     assert logical_spec(("unknown_name",)) == P(None)
     assert set(DEFAULT_RULES) >= {"batch", "embed", "vocab", "heads", "kv_heads", "mlp", "head_dim", "layers"}
