@@ -24,7 +24,7 @@ from jaxlm import config as config_lib
 from jaxlm.config import OptimConfig, TrainConfig
 from jaxlm.model import LOGICAL_AXES, Transformer, apply_layers, head_logits
 from pallas_kernels.mask_spec import parse_mask
-from sharding.context import sequence_order
+from sharding.context import balance, sequence_order
 from sharding.distributed import process_rows, put_process_rows
 from sharding.mesh import MESH_AXES, MeshLayout
 from sharding.pipeline import SCHEDULES, pipeline_loss, split_stages
@@ -109,6 +109,16 @@ def loss_sums(
         batch = {k: v[:, order] for k, v in batch.items()}
     logits_BTV = model(batch["inputs"], segment_ids_BT=batch.get("segment_ids"), positions_BT=order)
     return cross_entropy_sums(logits_BTV, batch["targets"], batch["loss_mask"])
+
+
+def _context_balance(model_cfg, layout: MeshLayout, batch: Batch) -> dict:
+    """{"context_balance": max / mean score pairs kept per device of the context axis} for the step's batch, when
+    the mask is one `sharding.context.visible_keys` counts."""
+    seq_len = batch["inputs"].shape[1]
+    mask = parse_mask(model_cfg.attention_mask)
+    order = None if layout.pipeline > 1 else _context_order(model_cfg, layout, seq_len)
+    figure = balance(mask, seq_len, order, layout.context, batch.get("segment_ids"))
+    return {} if figure is None else {"context_balance": figure}
 
 
 def _context_order(model_cfg, layout: MeshLayout | None, seq_len: int):
@@ -202,6 +212,8 @@ def train_step(
         "lr": schedule(state.step),
         "skipped": (~finite).astype(jnp.float32),
     }
+    if layout is not None and layout.context > 1:
+        metrics |= _context_balance(nnx.merge(graphdef, state.params).cfg, layout, batch)
     return TrainState(state.step + 1, keep(new_params, state.params), keep(opt_state, state.opt_state)), metrics
 
 

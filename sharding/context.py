@@ -17,6 +17,8 @@ empties on remote shards as on the local one. Shape suffixes follow the legend i
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,34 +70,121 @@ def context_attention(
         return attend(q_BTHE, k_BSKE, v_BSKE, mask)[0]
     if variant != "ring":
         raise ValueError(f"model.context_parallel {variant!r} is unknown; choose one of {', '.join(VARIANTS)}")
-    sees, sends = plan if plan is not None else (np.ones((C, C), bool), [[(i, (i + 1) % C) for i in range(C)]] * C)
-    # known positions are looked up, not sent
-    shard = (k_BTKE, v_BTKE, segment_ids_BT, positions_BT if table_CT is None else None)
-    out_BTHE = lse_BTH = None
-    for step in range(C):
-        k_BSKE, v_BSKE, kv_segments, kv_positions = shard
-        if table_CT is not None:
-            kv_positions = jnp.broadcast_to(table_CT[(me - step) % C], q_BTHE.shape[:2])
+    if plan is None:
+        plan = (np.ones((C, C), bool), [[(i, (i + 1) % C) for i in range(C)]] * (C - 1))
+    ring = _Ring(attend, template, axis, C, plan[0], tuple(tuple(p) for p in plan[1]), table_CT is not None)
+    kv_positions = None if table_CT is not None else positions_BT  # known positions are looked up, not sent
+    return _ring(ring, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, kv_positions, table_CT)
 
-        def compute(q, k, v, kv_segments, kv_positions):
-            mask = bind(template, segment_ids_BT, kv_segments, positions_BT, kv_positions)
-            part_BTHE, part_BHT = attend(q, k, v, mask)
-            return part_BTHE.astype(jnp.float32), part_BHT.transpose(0, 2, 1)
+
+class _Ring:
+    """What one ring attention is specialised on (a custom_vjp's static argument; hashed by identity)."""
+
+    def __init__(self, attend, template, axis, C, sees, sends, known):
+        self.attend, self.template, self.axis, self.C = attend, template, axis, C
+        self.sees, self.sends, self.known = sees, sends, known
+
+    def held(self, step):
+        """Per device, the shard it holds at `step` ((i - step) % C), and whether its queries may see it."""
+        held = [(i - step) % self.C for i in range(self.C)]
+        return held, self.sees[np.arange(self.C), held]
+
+    def partial(self, step, q, k, v, q_seg, q_pos, kv_seg, kv_pos, table_CT):
+        """The local queries over the shard held at `step`: (out f32 [B, T, H, E], lse [B, T, H]), -inf where
+        nothing is seen; a device whose queries cannot see its shard computes nothing."""
+        me = jax.lax.axis_index(self.axis)
+        if self.known:
+            kv_pos = jnp.broadcast_to(table_CT[(me - step) % self.C], q.shape[:2])
+
+        def compute(q, k, v, kv_seg, kv_pos):
+            mask = bind(self.template, q_seg, kv_seg, q_pos, kv_pos)
+            out_BTHE, lse_BHT = self.attend(q, k, v, mask)
+            lse_BTH = lse_BHT.transpose(0, 2, 1)
+            seen = jnp.isfinite(lse_BTH)  # the kernels write +inf on rows that see nothing
+            return jnp.where(seen[..., None], out_BTHE.astype(jnp.float32), 0.0), jnp.where(seen, lse_BTH, -jnp.inf)
 
         def nothing(q, *_):
             return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
 
-        held = [(i - step) % C for i in range(C)]  # the shard device i holds at this step
-        visible = sees[np.arange(C), held]
-        args = (q_BTHE, k_BSKE, v_BSKE, kv_segments, kv_positions)
+        _, visible = self.held(step)
         if visible.all():
-            part = compute(*args)
-        else:  # some device's queries cannot see the shard it holds: it skips the products
-            part = jax.lax.cond(jnp.asarray(visible)[me], compute, nothing, *args)
+            return compute(q, k, v, kv_seg, kv_pos)
+        return jax.lax.cond(jnp.asarray(visible)[me], compute, nothing, q, k, v, kv_seg, kv_pos)
+
+    def send(self, step, arrays):
+        """Pass the held shard on along the plan (devices that receive nothing get zeros: they need nothing)."""
+        pairs = list(self.sends[step]) if step < self.C - 1 else []
+        if not pairs:
+            return arrays
+        return tuple(None if x is None else jax.lax.ppermute(x, self.axis, pairs) for x in arrays)
+
+    def last_steps(self):
+        """Per shard, the last step a device other than its owner may see it (0: none)."""
+        return [max([t for t in range(1, self.C) if self.sees[(j + t) % self.C, j]], default=0) for j in range(self.C)]
+
+
+def _ring_forward(ring, q, k, v, q_seg, q_pos, kv_pos, table_CT):
+    shard = (k, v, q_seg, kv_pos)
+    out_BTHE = lse_BTH = None
+    for step in range(ring.C):
+        part = ring.partial(step, q, *shard[:2], q_seg, q_pos, shard[2], shard[3], table_CT)
         out_BTHE, lse_BTH = merge(out_BTHE, lse_BTH, *part)
-        if step < C - 1 and sends[step]:
-            shard = tuple(None if x is None else jax.lax.ppermute(x, axis, sends[step]) for x in shard)
-    return out_BTHE.astype(q_BTHE.dtype)
+        shard = ring.send(step, shard)
+    return out_BTHE.astype(q.dtype), lse_BTH
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(ring, q, k, v, q_seg, q_pos, kv_pos, table_CT):
+    return _ring_forward(ring, q, k, v, q_seg, q_pos, kv_pos, table_CT)[0]
+
+
+def _ring_fwd(ring, q, k, v, q_seg, q_pos, kv_pos, table_CT):
+    out, lse = _ring_forward(ring, q, k, v, q_seg, q_pos, kv_pos, table_CT)
+    return out, (q, k, v, q_seg, q_pos, kv_pos, table_CT, out, lse)
+
+
+def _ring_bwd(ring, residuals, d_out):
+    """A second pass of the ring: each step recomputes the partial product of the shard in hand and pulls the
+    step's share of d_out through it (its weight exp(lse_j - lse) and the merge's lse term), dQ summed here, dK / dV
+    summed along the shard's way and sent home from where its way ends. Holds one shard at a time, as the forward."""
+    q, k, v, q_seg, q_pos, kv_pos, table_CT, out, lse = residuals
+    out32, d_out32 = out.astype(jnp.float32), d_out.astype(jnp.float32)
+    last = ring.last_steps()
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dk_home, dv_home = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    shard = (k, v, q_seg, kv_pos, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for step in range(ring.C):
+        k_s, v_s, kv_seg, kv_p, dk_acc, dv_acc = shard
+        (out_j, lse_j), pull = jax.vjp(
+            lambda q, k, v: ring.partial(step, q, k, v, q_seg, q_pos, kv_seg, kv_p, table_CT), q, k_s, v_s
+        )
+        w = jnp.where(jnp.isfinite(lse_j), jnp.exp(lse_j - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
+        d_lse = w * jnp.sum((out_j - out32) * d_out32, axis=-1)
+        dq_j, dk_j, dv_j = pull((w[..., None] * d_out32, d_lse))
+        dq = dq + dq_j
+        if step == 0:  # the own shard's gradients stay
+            dk_home, dv_home = dk_home + dk_j, dv_home + dv_j
+            dk_acc, dv_acc = jnp.zeros_like(dk_home), jnp.zeros_like(dv_home)
+        else:
+            dk_acc, dv_acc = dk_acc + dk_j, dv_acc + dv_j
+        home = [((j + step) % ring.C, j) for j in range(ring.C) if step >= 1 and last[j] == step]
+        if home:  # shards whose way ends here: their gradients go back to their owners
+            dk_back, dv_back = (jax.lax.ppermute(x, ring.axis, home) for x in (dk_acc, dv_acc))
+            dk_home, dv_home = dk_home + dk_back, dv_home + dv_back
+        shard = ring.send(step, (k_s, v_s, kv_seg, kv_p, dk_acc, dv_acc))
+    zero = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731  # integer inputs
+    return (
+        dq.astype(q.dtype),
+        dk_home.astype(k.dtype),
+        dv_home.astype(v.dtype),
+        zero(q_seg),
+        zero(q_pos),
+        zero(kv_pos),
+        zero(table_CT),
+    )
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_plan(template: pk.Mask, shards_CT: np.ndarray) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
@@ -191,6 +280,40 @@ def _is_local(mask: pk.Mask) -> bool:
     if isinstance(mask, (pk.masks.SlidingWindow, pk.masks.ChunkedCausal)):
         return True
     return isinstance(mask, And) and any(_is_local(c) for c in mask.masks)
+
+
+def balance(mask: pk.Mask, seq_len: int, order: np.ndarray | None, shards: int, segment_ids_BT=None):
+    """max / mean over the context axis' devices of the score pairs their queries keep (1.0: even), for the batch
+    in hand, or None for masks `visible_keys` cannot count. ``order``: the positions dealt out (None: in order)."""
+    keys_BT = visible_keys(mask, seq_len, segment_ids_BT)
+    if keys_BT is None:
+        return None
+    dealt = np.arange(seq_len) if order is None else np.asarray(order)
+    work_C = keys_BT.astype(jnp.float32)[:, dealt].reshape(keys_BT.shape[0], shards, -1).sum(axis=(0, 2))
+    return work_C.max() / jnp.maximum(work_C.mean(), 1.0)
+
+
+def visible_keys(mask: pk.Mask, seq_len: int, segment_ids_BT=None):
+    """Keys each query sees, [B or 1, T], for masks that are an And of causal, sliding windows, documents (a slot,
+    read from ``segment_ids_BT``) and full: each keeps one stretch of keys per query. None for other masks. O(T),
+    cheap enough for every step."""
+    T = seq_len
+    pos = jnp.arange(T)[None, :]
+    lo, hi = jnp.zeros_like(pos), jnp.full_like(pos, T - 1)
+    for term in mask.masks if isinstance(mask, And) else (mask,):
+        if isinstance(term, pk.masks.Causal):
+            hi = jnp.minimum(hi, pos)
+        elif isinstance(term, pk.masks.SlidingWindow):
+            lo, hi = jnp.maximum(lo, pos - term.window + 1), jnp.minimum(hi, pos)
+        elif isinstance(term, DocumentSlot) and segment_ids_BT is not None:
+            first = jnp.ones_like(segment_ids_BT[:, :1], bool)
+            starts = jnp.concatenate([first, segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+            ends = jnp.concatenate([starts[:, 1:], first], axis=1)
+            lo = jnp.maximum(lo, jax.lax.cummax(jnp.where(starts, pos, 0), axis=1))
+            hi = jnp.minimum(hi, jax.lax.cummin(jnp.where(ends, pos, T - 1), axis=1, reverse=True))
+        elif not isinstance(term, pk.masks.Full):
+            return None
+    return jnp.maximum(hi - lo + 1, 0)
 
 
 def balanced_order(seq_len: int, shards: int) -> np.ndarray:

@@ -426,6 +426,7 @@ def test_context_parallel_run_resumes_under_another_layout_and_its_checkpoint_ge
     assert proc.returncode == 0, proc.stderr
     split = loss_records(workdir)
     assert [r["step"] for r in split] == [1, 2, 3] and split[2]["loss"] < split[0]["loss"]
+    assert all(r["context_balance"] == 1.0 for r in split)  # causal, zigzag: every device keeps as many pairs
 
     shutil.rmtree(workdir / "checkpoints" / "3")
     proc, _ = tiny_lm("--steps", 3, "--mesh", meshes / "dp2_fsdp2_tp2.py", *common, "--no-progress")

@@ -64,13 +64,13 @@ def _reference(mask):
 @pytest.mark.parametrize(
     "mask, impl, variant, layout, order",
     [
-        ("causal", "xla_blocksparse", "ring", MeshLayout(context=8), "contiguous"),
+        ("causal", "xla_blocksparse", "ring", MeshLayout(data=2, context=4), "contiguous"),
         ("causal", "pallas", "all_gather", MeshLayout(data=2, context=4), "auto"),
         ("window", "pallas", "ring", MeshLayout(context=2, fsdp=2, tensor=2), "auto"),
         ("window", "xla_blocksparse", "all_gather", MeshLayout(context=8), "zigzag"),
         ("document", "xla_blocksparse", "ring", MeshLayout(data=2, context=4), "zigzag"),
         ("document", "pallas", "all_gather", MeshLayout(context=2, fsdp=2, tensor=2), "contiguous"),
-        ("prefix", "pallas", "ring", MeshLayout(context=8), "auto"),
+        ("prefix", "pallas", "ring", MeshLayout(data=4, context=2), "auto"),
         ("prefix", "xla_blocksparse", "all_gather", MeshLayout(fsdp=2, context=4), "contiguous"),
         ("full", "xla_blocksparse", "ring", MeshLayout(context=2, fsdp=2, tensor=2), "auto"),
         ("full", "pallas", "all_gather", MeshLayout(data=4, context=2), "zigzag"),
@@ -80,6 +80,18 @@ def test_context_parallel_training_equals_one_device(mask, impl, variant, layout
     """Zigzag deals each device two chunks of the row (positions, targets, loss mask and segment ids move with
     the tokens); contiguous one; auto picks by the mask."""
     loss, grads = _loss_and_grads(_cfg(mask, impl, variant, order), layout)
+    want_loss, want_grads = _reference(mask)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for g, w in zip(grads, want_grads, strict=True):
+        assert np.linalg.norm(g - w) / np.linalg.norm(w) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask, impl", [("causal", "xla_blocksparse"), ("prefix", "pallas")])
+def test_an_eight_device_ring_equals_one_device(mask, impl):
+    """Eight shards of two tokens each, the whole model through the ring (15-18 s each; fast cover: the cases
+    above at context 2 and 4, the all-gather at context 8, and the eight-device ring's compiled program below)."""
+    loss, grads = _loss_and_grads(_cfg(mask, impl, "ring", "contiguous"), MeshLayout(context=8))
     want_loss, want_grads = _reference(mask)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for g, w in zip(grads, want_grads, strict=True):
@@ -166,9 +178,23 @@ def _permutes(text):
 def test_the_ring_does_not_send_a_shard_no_query_further_on_can_see():
     """A sliding window of 2 over shards of 2 tokens (contiguous): device c sees shards c and c - 1 only, so K and V
     travel one step and never wrap from the last device to the first; the full mask sends all the way around."""
-    layout, C, layers = MeshLayout(context=8), 8, 2
+    layout, C, layers = MeshLayout(context=8), 8, 2  # tiny model: 2 layers
     window = _permutes(_compiled_text(_cfg("window2", order="contiguous"), layout))
     full = _permutes(_compiled_text(_cfg("full"), layout))
     assert window and all("{7,0}" not in line for line in window), window
-    # K and V, forward and backward, per layer: one step against C - 1
-    assert len(full) >= 2 * 2 * layers * (C - 1) and len(window) <= 2 * 2 * layers, (len(window), len(full))
+    # per layer: K and V forward, K, V and their gradient sums backward, one step each, the sums' way home; the
+    # full mask C - 1 steps of each (XLA merges some permutes of equal pairs into one)
+    assert len(full) >= 2 * layers * (C - 1) and len(window) * 4 <= len(full), (len(window), len(full))
+
+
+def test_the_step_reports_how_evenly_the_context_axis_shares_the_work():
+    """metrics' context_balance: max / mean score pairs kept per device; zigzag makes causal even, in order the
+    last device does most; packed documents are counted from the batch's segment ids."""
+    from jaxlm.train import _context_balance
+
+    layout, batch = MeshLayout(context=4, data=2), _batch()
+    even = _context_balance(_cfg("causal").model, layout, batch)["context_balance"]
+    in_order = _context_balance(_cfg("causal", order="contiguous").model, layout, batch)["context_balance"]
+    docs = _context_balance(_cfg("document").model, layout, batch)["context_balance"]
+    assert float(even) == 1.0 and float(in_order) > 1.5 and 1.0 <= float(docs) <= float(in_order)
+    assert _context_balance(_cfg("prefix").model, layout, batch) == {}  # a mask it cannot count: no figure
