@@ -88,6 +88,8 @@ def layout_file(p: Plan, command: str) -> str:
     """The best layout as a file `sharding.mesh.load_layout` reads."""
     best, lay = p.best, p.best.layout
     fields = f"data={lay.data}, fsdp={lay.fsdp}, tensor={lay.tensor}, pipeline={lay.pipeline}"
+    if lay.context > 1:
+        fields += f", context={lay.context}"
     if lay.pipeline > 1:
         fields += f", pipeline_schedule={lay.pipeline_schedule!r}, pipeline_microbatches={lay.num_microbatches}"
     accumulate = (

@@ -21,6 +21,7 @@ overlap, kernel efficiency changing with microbatch size (all absorbed into the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -229,6 +230,17 @@ def candidate_layouts(cfg: ModelShape, devices: int, batch_sequences: int, hw: H
     return out
 
 
+def context_layouts(cfg: ModelShape, devices: int, batch_sequences: int, seq_len: int, hw: Hardware) -> list:
+    """Layouts with a context axis C (dividing the devices and the sequence), the rest of the devices laid out as
+    `candidate_layouts` would; tried when no layout without one fits."""
+    out = []
+    for c in _divisors(devices)[1:]:
+        if seq_len % c == 0:
+            rest = candidate_layouts(cfg, devices // c, batch_sequences, hw)
+            out += [dataclasses.replace(lay, context=c) for lay in rest]
+    return out
+
+
 @dataclass
 class Plan:
     cfg: ModelShape
@@ -269,11 +281,17 @@ def plan(cfg: ModelShape, devices: int, batch_tokens: int, seq_len: int, hw: Har
     if not layouts:
         raise LayoutError(_no_layout_reason(cfg, devices, batch_sequences, hw))
     best: dict[tuple, Estimate] = {}
-    for layout in layouts:
-        e = fitting_estimate(cfg, layout, hw, batch_tokens, seq_len, remat)
-        key = (layout.data, layout.fsdp, layout.tensor, layout.pipeline)
-        if key not in best or _rank_key(e) < _rank_key(best[key]):
-            best[key] = e
+
+    def consider(layouts):
+        for layout in layouts:
+            e = fitting_estimate(cfg, layout, hw, batch_tokens, seq_len, remat)
+            key = (layout.data, layout.fsdp, layout.tensor, layout.pipeline, layout.context)
+            if key not in best or _rank_key(e) < _rank_key(best[key]):
+                best[key] = e
+
+    consider(layouts)
+    if not any(e.fits for e in best.values()):  # the sequence may not fit one device: split it (context axis)
+        consider(context_layouts(cfg, devices, batch_sequences, seq_len, hw))
     result = Plan(cfg, hw, devices, batch_tokens, seq_len, remat, sorted(best.values(), key=_rank_key))
     result.notes = _notes(result, batch_sequences)
     return result
@@ -333,7 +351,13 @@ def _notes(p: Plan, batch_sequences: int) -> list[str]:
         notes.append(
             f"the global batch is {batch_sequences:,} sequences of {p.seq_len:,} tokens: data x fsdp can "
             f"use at most {most_dp:,} of the {p.devices:,} devices (it must divide both), so tensor x "
-            f"pipeline must cover the other {p.devices // most_dp:,}x"
+            f"pipeline x context must cover the other {p.devices // most_dp:,}x"
+        )
+    if lay.context > 1:
+        notes.append(
+            f"no layout fits with whole sequences: context={lay.context} splits each into "
+            f"{p.seq_len // lay.context:,}-token shards (ring attention passes K/V around; "
+            f"{best.cp_s:.2f} s of it per step, overlapped with compute)"
         )
     remat_hint = " (or try --remat full)" if p.remat == "none" else ""
     if lay.tensor * lay.pipeline > 1:

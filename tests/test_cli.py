@@ -282,6 +282,13 @@ BAD_INPUTS = {
         lambda tmp: ["--mesh", mesh_file(tmp, "layout = [1, 1]\n")],
         r"mesh layout file .*mesh.py: `layout` is a list, expected MeshLayout or dict",
     ),
+    "context_with_cudnn_attention": (
+        lambda tmp: (
+            ["--cpu-devices", 2, "--mesh", mesh_file(tmp, "layout = {'context': 2}\n")]
+            + ["--set", "model.attention_impl=jax"]
+        ),
+        r"mesh axis 'context' splits the sequence, which attention_impl 'jax' .* cannot take",
+    ),
     # data paths
     "data_missing": (lambda tmp: data_path(tmp / "nope"), r"token file .*nope: directory does not exist"),
     "data_empty_dir": (lambda tmp: data_path(empty_dir(tmp)), r"token file .*empty: empty directory"),

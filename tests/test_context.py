@@ -74,6 +74,8 @@ def _reference(mask):
         ("prefix", "xla_blocksparse", "all_gather", MeshLayout(fsdp=2, context=4), "contiguous"),
         ("full", "xla_blocksparse", "ring", MeshLayout(context=2, fsdp=2, tensor=2), "auto"),
         ("full", "pallas", "all_gather", MeshLayout(data=4, context=2), "zigzag"),
+        # inside pipeline stages (the schedule's microbatches keep the row order: contiguous)
+        ("document", "xla_blocksparse", "ring", MeshLayout(pipeline=2, context=2, data=2), "auto"),
     ],
 )
 def test_context_parallel_training_equals_one_device(mask, impl, variant, layout, order):
