@@ -210,6 +210,7 @@ def row_of(job: Job, layout_name: str, r) -> dict:
         "compile_s": r.compile_s,
         "kernels": dict(r.kernels),
         "collectives": [dataclasses.asdict(c) for c in r.collectives],
+        "hlo_error": r.hlo_error,
     }
 
 
@@ -238,6 +239,8 @@ def _number(x, spec: str) -> str:
 
 
 def _collectives_text(row: dict) -> str:
+    if row.get("hlo_error"):
+        return f"not read: {row['hlo_error']}"
     parts = []
     for c in row["collectives"][:4]:
         over = f"/{c['group']}" if c["group"] else ""

@@ -54,6 +54,7 @@ class StepCompile:
     planner_step_s: float | None = None
     planner_mfu: float | None = None
     kernels: Counter = dataclasses.field(default_factory=Counter)
+    hlo_error: str = ""  # why the optimized HLO (kernels, collectives) could not be read, when it could not
     collectives: list[Collective] = dataclasses.field(default_factory=list)
 
     @property
@@ -142,7 +143,11 @@ def _read(report: StepCompile, compiled) -> None:
     report.output_bytes = memory.output_size_in_bytes
     report.alias_bytes = memory.alias_size_in_bytes
     report.temp_bytes = memory.temp_size_in_bytes
-    text = compiled.as_text()
+    try:
+        text = compiled.as_text()
+    except Exception as e:  # e.g. a program of over 2 GiB cannot be printed: its memory still stands
+        report.hlo_error = first_line(e)
+        return
     report.kernels, report.collectives = custom_kernels(text), collectives(text)
 
 

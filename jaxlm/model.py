@@ -79,6 +79,11 @@ def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
     return inv_freq * ((1 - ramp) / cfg.rope_scaling_factor + ramp)
 
 
+# Tables of known positions are constants of the program up to this many entries (16 MB each); beyond (a million-token
+# sequence: 256 MB each) XLA refuses to serialize a program of over 2 GiB, so they are computed on the device.
+MAX_CONSTANT_TABLE = 1 << 22
+
+
 def rotary_tables(positions_BT: jax.Array | None, seq_len: int, cfg: ModelConfig):
     """sin/cos tables [B or 1, T, 1, E/2] for rotary embeddings, in float32 (frequencies: `rope_frequencies`).
 
@@ -88,17 +93,16 @@ def rotary_tables(positions_BT: jax.Array | None, seq_len: int, cfg: ModelConfig
     """
     inv_freq = rope_frequencies(cfg)
     if positions_BT is None:
-        angles = np.arange(seq_len, dtype=np.float64)[None, :, None] * inv_freq
-        return (
-            jnp.asarray(np.sin(angles), jnp.float32)[:, :, None, :],
-            jnp.asarray(np.cos(angles), jnp.float32)[:, :, None, :],
-        )
-    if isinstance(positions_BT, np.ndarray):  # the same for every row, known now (a balancing reorder's)
-        angles = positions_BT.reshape(-1, positions_BT.shape[-1])[:1, :, None].astype(np.float64) * inv_freq
-        return (
-            jnp.asarray(np.sin(angles), jnp.float32)[:, :, None, :],
-            jnp.asarray(np.cos(angles), jnp.float32)[:, :, None, :],
-        )
+        positions_BT = np.arange(seq_len)
+    if isinstance(positions_BT, np.ndarray):  # the same for every row, known now (the default, a reorder's)
+        positions_BT = positions_BT.reshape(-1, positions_BT.shape[-1])[:1]
+        if positions_BT.size * inv_freq.size <= MAX_CONSTANT_TABLE:
+            angles = positions_BT[:, :, None].astype(np.float64) * inv_freq
+            return (
+                jnp.asarray(np.sin(angles), jnp.float32)[:, :, None, :],
+                jnp.asarray(np.cos(angles), jnp.float32)[:, :, None, :],
+            )
+        positions_BT = jnp.asarray(positions_BT, jnp.int32)  # computed on the device, not written into the program
     angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     sin, cos = jax.lax.optimization_barrier((jnp.sin(angles), jnp.cos(angles)))
     return sin[:, :, None, :], cos[:, :, None, :]
