@@ -421,10 +421,13 @@ def test_pipeline_layout_end_to_end_and_resume_under_another_layout(tmp_path):
     np.testing.assert_allclose(resumed[2]["loss"], pipelined[2]["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_context_parallel_run_resumes_under_another_layout_and_its_checkpoint_generates(tmp_path):
     """Train with the sequence split over 4 devices (ring attention, zigzag order), lose the last checkpoint, resume
     under DP x FSDP x TP: the resumed step's loss equals the context-parallel run's; the checkpoint then generates
-    under no layout at all, and a generation layout with a context axis is refused in one line."""
+    under no layout at all, and a generation layout with a context axis is refused in one line. (35 s; fast cover:
+    test_context.py's equivalence to one device, test_pipeline_layout_end_to_end_and_resume_under_another_layout
+    for resuming under another layout, test_context.py's generation refusal.)"""
     meshes = REPO / "experiments" / "meshes"
     workdir = tmp_path / "run"
     common = ["--workdir", workdir, "--cpu-devices", 8, "--log-every", 1, "--checkpoint-every", 2, *TINY]
