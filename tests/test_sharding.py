@@ -17,7 +17,7 @@ from sharding.rules import LOGICAL_AXES_KEY, active_mesh_axes, active_rules, log
 
 MESHES = Path(__file__).resolve().parents[1] / "experiments" / "meshes"
 # single_device.py is the reference itself
-SHIPPED = ["fsdp8", "dp2_fsdp2_tp2", "fsdp2_tp2_pp2", "dp4_pp2", "context4_dp2", "context2_fsdp2_tp2"]
+SHIPPED = ["fsdp8", "dp2_fsdp2_tp2", "fsdp2_tp2_pp2", "dp4_pp2", "context4_dp2"]  # context2_fsdp2_tp2: test_context
 CFG = tiny_config(model=dict(num_layers=4), data=dict(batch_size=16))
 
 
