@@ -30,21 +30,12 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels as pk
 from jaxlm.config import ATTENTION_IMPLS as IMPLEMENTATIONS
 from pallas_kernels.kernel_inputs import target_platform
-from pallas_kernels.kernel_mask import DocumentSlot
-from pallas_kernels.mask_spec import parse_mask, uses_documents
+from pallas_kernels.mask_spec import bind_segments, parse_mask, uses_documents
 from pallas_kernels.xla_tiled_attention import STRIPS_MAX_LEN
 from sharding.context import context_attention
 from sharding.rules import active_mesh_axes
 
 BLOCK_SPARSE = ("xla_blocksparse", "pallas")
-
-
-def _bind_segments(mask: pk.Mask, segment_ids_BT) -> pk.Mask:
-    if isinstance(mask, DocumentSlot):
-        return pk.document(segment_ids_BT)
-    if isinstance(mask, (pk.masks.And, pk.masks.Or)):
-        return type(mask)(tuple(_bind_segments(m, segment_ids_BT) for m in mask.masks))
-    return mask
 
 
 def attention(
@@ -109,11 +100,11 @@ def attention(
         known = positions_BT if isinstance(positions_BT, np.ndarray) else None  # closed over, not sharded
 
         def one_shard(q, k, v, seg, pos):
-            return attend(q, k, v, _at(_bind_segments(template, seg), known if pos is None else pos))[0]
+            return attend(q, k, v, _at(bind_segments(template, seg), known if pos is None else pos))[0]
 
         traced = None if known is not None else positions_BT
         return _shard_map(one_shard, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, traced, ())
-    mask_obj = _at(_bind_segments(template, segment_ids_BT), positions_BT)
+    mask_obj = _at(bind_segments(template, segment_ids_BT), positions_BT)
     if impl == "jax":
         if score_mod is not None:
             raise ValueError("attention impl 'jax' (jax.nn.dot_product_attention) does not support score mods")

@@ -10,7 +10,7 @@ import ast
 import functools
 
 from .kernel_mask import DocumentSlot
-from .masks import Mask, causal, chunked_causal, full, global_tokens, prefix_lm, sliding_window
+from .masks import And, Mask, Or, causal, chunked_causal, document, full, global_tokens, prefix_lm, sliding_window
 
 _SPEC_CONSTRUCTORS = {
     "sliding_window": sliding_window,
@@ -66,3 +66,13 @@ def uses_documents(mask: Mask) -> bool:
     if isinstance(mask, DocumentSlot):
         return True
     return any(uses_documents(m) for m in getattr(mask, "masks", ()))
+
+
+def bind_segments(mask: Mask, q_segment_ids, kv_segment_ids=None) -> Mask:
+    """The parsed mask with its ``document`` slot reading the batch's segment ids (the keys' own, e.g. another
+    shard's, when given)."""
+    if isinstance(mask, DocumentSlot):
+        return document(q_segment_ids, kv_segment_ids)
+    if isinstance(mask, (And, Or)):
+        return type(mask)(tuple(bind_segments(m, q_segment_ids, kv_segment_ids) for m in mask.masks))
+    return mask

@@ -25,6 +25,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from pallas_kernels.kernel_mask import DocumentSlot
+from pallas_kernels.mask_spec import bind_segments
 from pallas_kernels.masks import And, Or
 
 VARIANTS = ("all_gather", "ring")
@@ -33,15 +34,7 @@ VARIANTS = ("all_gather", "ring")
 def bind(template: pk.Mask, q_segment_ids, kv_segment_ids, q_positions, kv_positions) -> pk.Mask:
     """The mask of local queries against one stretch of keys: document slots read the two sides' segment ids,
     every static term the two sides' positions."""
-
-    def fill(m):
-        if isinstance(m, DocumentSlot):
-            return pk.document(q_segment_ids, kv_segment_ids)
-        if isinstance(m, (And, Or)):
-            return type(m)(tuple(fill(c) for c in m.masks))
-        return m
-
-    return pk.at_positions(fill(template), q_positions, kv_positions)
+    return pk.at_positions(bind_segments(template, q_segment_ids, kv_segment_ids), q_positions, kv_positions)
 
 
 def context_attention(
