@@ -8,8 +8,8 @@ may see, and this module brings them, per shard, under the same `jax.shard_map` 
   all_gather  gather K and V once (kv heads, not query heads) and attend the local queries to the whole sequence;
               the backward reduce-scatters dK / dV. Holds the whole sequence's K and V on every device.
   ring        C steps: attend the local queries to the K/V shard in hand, merge the partial results by their
-              log-sum-exp, pass the shard on with `ppermute`; autodiff sends dK / dV back around the ring. Holds
-              two shards; XLA can overlap each pass with the step's compute.
+              log-sum-exp, pass the shard on with `ppermute`. Its backward (a custom VJP) is a second ring pass
+              whose dK / dV sums go home from where each shard's way ends. Holds one shard at a time.
 
 The mask is evaluated at the tokens' positions (`pallas_kernels.at_positions`), so the kernels skip the tiles it
 empties on remote shards as on the local one. Shape suffixes follow the legend in docs/architecture.md.
@@ -47,7 +47,7 @@ def context_attention(
     None with ``order`` (numpy [T], the same for every row, known when tracing): shard c holds positions
     order[c * T / C: (c + 1) * T / C]. Known positions let the ring skip what the mask empties: a shard no later
     device's queries can see is not passed on, and a step whose shard the local queries cannot see computes
-    nothing (`ring_plan`)."""
+    nothing (`ring_sees`, `_Ring`)."""
     C = jax.lax.axis_size(axis)
     me = jax.lax.axis_index(axis)
     plan = table_CT = None
@@ -55,7 +55,7 @@ def context_attention(
         shards_CT = np.asarray(order, np.int32).reshape(C, -1)
         table_CT = jnp.asarray(shards_CT)
         positions_BT = jnp.broadcast_to(table_CT[me], q_BTHE.shape[:2])
-        plan = ring_plan(template, shards_CT)
+        plan = ring_sees(template, shards_CT)
     if variant == "all_gather":
         gather = lambda x: None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)  # noqa: E731
         k_BSKE, v_BSKE, kv_segments, kv_positions = (gather(x) for x in (k_BTKE, v_BTKE, segment_ids_BT, positions_BT))
@@ -63,24 +63,27 @@ def context_attention(
         return attend(q_BTHE, k_BSKE, v_BSKE, mask)[0]
     if variant != "ring":
         raise ValueError(f"model.context_parallel {variant!r} is unknown; choose one of {', '.join(VARIANTS)}")
-    if plan is None:
-        plan = (np.ones((C, C), bool), [[(i, (i + 1) % C) for i in range(C)]] * (C - 1))
-    ring = _Ring(attend, template, axis, C, plan[0], tuple(tuple(p) for p in plan[1]), table_CT is not None)
+    sees = np.ones((C, C), bool) if plan is None else plan  # traced positions: every shard may be seen everywhere
+    ring = _Ring(attend, template, axis, C, sees, table_CT is not None)
     kv_positions = None if table_CT is not None else positions_BT  # known positions are looked up, not sent
     return _ring(ring, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT, kv_positions, table_CT)
 
 
 class _Ring:
-    """What one ring attention is specialised on (a custom_vjp's static argument; hashed by identity)."""
+    """What one ring attention is specialised on (a custom_vjp's static argument; hashed by identity).
 
-    def __init__(self, attend, template, axis, C, sees, sends, known):
+    A shard moves one device on per step: at step s device i holds shard (i - s) % C. `sees[c, j]`: may device c's
+    queries see shard j (conservative, `ring_sees`); `last[j]`: the last step a device other than its owner may see
+    shard j (0: none). A shard is passed on only until that step, and its gradient sums go home from there."""
+
+    def __init__(self, attend, template, axis, C, sees, known):
         self.attend, self.template, self.axis, self.C = attend, template, axis, C
-        self.sees, self.sends, self.known = sees, sends, known
+        self.sees, self.known = sees, known
+        self.last = [max([t for t in range(1, C) if sees[(j + t) % C, j]], default=0) for j in range(C)]
 
-    def held(self, step):
-        """Per device, the shard it holds at `step` ((i - step) % C), and whether its queries may see it."""
-        held = [(i - step) % self.C for i in range(self.C)]
-        return held, self.sees[np.arange(self.C), held]
+    def visible(self, step):
+        """Per device, whether its queries may see the shard it holds at `step`."""
+        return self.sees[np.arange(self.C), (np.arange(self.C) - step) % self.C]
 
     def partial(self, step, q, k, v, q_seg, q_pos, kv_seg, kv_pos, table_CT):
         """The local queries over the shard held at `step`: (out f32 [B, T, H, E], lse [B, T, H]), -inf where
@@ -99,21 +102,18 @@ class _Ring:
         def nothing(q, *_):
             return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
 
-        _, visible = self.held(step)
+        visible = self.visible(step)
         if visible.all():
             return compute(q, k, v, kv_seg, kv_pos)
         return jax.lax.cond(jnp.asarray(visible)[me], compute, nothing, q, k, v, kv_seg, kv_pos)
 
     def send(self, step, arrays):
-        """Pass the held shard on along the plan (devices that receive nothing get zeros: they need nothing)."""
-        pairs = list(self.sends[step]) if step < self.C - 1 else []
+        """Pass each held shard on while a device further along may see it (devices that receive nothing get
+        zeros: they need nothing)."""
+        pairs = [(i, (i + 1) % self.C) for i in range(self.C) if self.last[(i - step) % self.C] > step]
         if not pairs:
             return arrays
         return tuple(None if x is None else jax.lax.ppermute(x, self.axis, pairs) for x in arrays)
-
-    def last_steps(self):
-        """Per shard, the last step a device other than its owner may see it (0: none)."""
-        return [max([t for t in range(1, self.C) if self.sees[(j + t) % self.C, j]], default=0) for j in range(self.C)]
 
 
 def _ring_forward(ring, q, k, v, q_seg, q_pos, kv_pos, table_CT):
@@ -142,7 +142,7 @@ def _ring_bwd(ring, residuals, d_out):
     summed along the shard's way and sent home from where its way ends. Holds one shard at a time, as the forward."""
     q, k, v, q_seg, q_pos, kv_pos, table_CT, out, lse = residuals
     out32, d_out32 = out.astype(jnp.float32), d_out.astype(jnp.float32)
-    last = ring.last_steps()
+    last = ring.last
     dq = jnp.zeros(q.shape, jnp.float32)
     dk_home, dv_home = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     shard = (k, v, q_seg, kv_pos, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -180,26 +180,14 @@ def _ring_bwd(ring, residuals, d_out):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_plan(template: pk.Mask, shards_CT: np.ndarray) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
-    """(sees [C, C]: may device c's queries see shard j's keys, the ring's sends per step: [(from, to)]).
-
-    A shard moves one device on per step: after step s device i holds shard (i - s) % C. It is passed on only while
-    a device further along its way may see it. `sees` is conservative (`may_see`: documents count as seeing), so
-    nothing needed is ever skipped."""
+def ring_sees(template: pk.Mask, shards_CT: np.ndarray) -> np.ndarray:
+    """sees [C, C]: may device c's queries (positions shards_CT[c]) see shard j's keys? Conservative (`may_see`:
+    documents count as seeing), so nothing needed is ever skipped."""
     C = len(shards_CT)
     runs = [_runs(shard) for shard in shards_CT]
-    sees = np.array(
+    return np.array(
         [[any(may_see(template, q, k) for q in runs[c] for k in runs[j]) for j in range(C)] for c in range(C)]
     )
-    sends = []
-    for step in range(C - 1):
-        pairs = []
-        for i in range(C):
-            j = (i - step) % C  # the shard device i holds now, passed to i + 1
-            if any(sees[(j + t) % C, j] for t in range(step + 1, C)):
-                pairs.append((i, (i + 1) % C))
-        sends.append(pairs)
-    return sees, sends
 
 
 def _runs(positions: np.ndarray) -> list[tuple[int, int]]:
