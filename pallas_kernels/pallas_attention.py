@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 
 import jax
@@ -38,6 +39,7 @@ from .kernel_inputs import (
 )
 from .kernel_mask import split_documents
 from .masks import ScoreMod
+from .mosaic_attention import MosaicTiles, mosaic_forward, mosaic_tiles, supports
 from .tile_math import dot, iota, masked_scores
 from .tpu_attention import block_sparse_attention_tpu
 
@@ -116,6 +118,7 @@ class _Static(AttentionStatic):
     docs_batched: tuple[bool, ...]  # per document slot
     backend: str
     tiles: KernelTiles
+    mosaic: MosaicTiles | None = None  # the forward's Mosaic GPU tiles when it runs on Mosaic GPU, else Triton's
 
 
 def block_sparse_attention(
@@ -129,6 +132,7 @@ def block_sparse_attention(
     interpret: bool | None = None,
     backend: str | None = None,
     tiles: KernelTiles | None = None,
+    lowering: str | None = None,
 ):
     """Attention over the non-empty tiles of ``block_mask``, as Pallas kernels; differentiable.
 
@@ -141,6 +145,10 @@ def block_sparse_attention(
     CPU. ``backend`` ("gpu", "tpu") picks the lowering; it defaults to the default JAX backend, and setting it lets
     a CPU machine lower (export) the kernels for an accelerator. ``tiles`` overrides ``kernel_tiles`` (each tile
     must divide its block). On TPU the kernels are ``tpu_attention``'s, which choose their own tiles.
+
+    ``lowering`` picks the GPU forward: "mosaic" (``mosaic_attention``, Hopper and newer; in interpret mode the
+    Mosaic GPU interpreter), "triton", or None: Mosaic on sm_90+ where it supports the case, else Triton. The
+    backward is the Triton dQ and dK/dV kernels either way.
     """
     check_attention_inputs("block_sparse_attention", q, k, v, block_mask)
     backend = resolve_backend("block_sparse_attention", interpret, backend)
@@ -167,9 +175,43 @@ def block_sparse_attention(
         backend=backend,
         tiles=tiles,
     )
+    static = dataclasses.replace(static, mosaic=_mosaic_tiles(static, lowering, q.dtype, E))
     qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
     return out[:, :, :T], lse[:, :, :T, 0]
+
+
+LOWERINGS = ("mosaic", "triton")
+_logged: set = set()
+
+
+def _mosaic_tiles(static, lowering: str | None, dtype, E: int) -> MosaicTiles | None:
+    """The Mosaic forward's tiles if the forward runs on Mosaic GPU, else None (Triton / the Pallas interpreter).
+    Which lowering ran is logged once per process and reason."""
+    if lowering not in (None, *LOWERINGS):
+        raise ValueError(f"block_sparse_attention: unknown lowering {lowering!r}; choose one of {LOWERINGS}")
+    if lowering == "triton" or (static.backend == "interpret" and lowering is None):
+        return None
+    why_not = supports(static, dtype, E)
+    if why_not is None and lowering is None and not hopper_target():
+        why_not = "the GPU is older than Hopper (sm_90)"
+    if why_not is not None and lowering == "mosaic":
+        raise ValueError(f"block_sparse_attention: the Mosaic GPU forward cannot take {why_not}")
+    choice = "Triton forward: " + why_not if why_not else "Mosaic GPU forward (sm_90)"
+    if choice not in _logged:
+        _logged.add(choice)
+        logging.getLogger("jaxlm.kernels").info("block_sparse_attention on GPU: %s", choice)
+    return None if why_not else mosaic_tiles(E, dtype, static.block_q, static.block_kv)
+
+
+def hopper_target() -> bool:
+    """True when kernels are traced for a Hopper-or-newer GPU: the local GPU's compute capability, or, compiling
+    ahead of time with no GPU here, the H100 that ``targets`` describes."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return True
+    return float(getattr(gpus[0], "compute_capability", "9.0")) >= 9.0
 
 
 def _check_tiles(tiles: KernelTiles, bs) -> None:
@@ -273,6 +315,8 @@ def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_r
 
 
 def _forward(static, q, k, v, mask_arrays, doc_arrays):
+    if static.mosaic is not None:
+        return mosaic_forward(static, static.mosaic, q, k, v, mask_arrays, interpret=static.backend == "interpret")
     B, H, Tp, E = q.shape
     Sp = k.shape[2]
     G, tq = static.groups, static.tiles.forward.rows

@@ -1,0 +1,169 @@
+"""The Mosaic GPU attention forward on a Hopper GPU: right numbers first, then speed against cuDNN and the Triton
+kernels, measured in one run.
+
+    python -m experiments.hopper_attention                      # check + speed (about 3 minutes on an H100)
+    python -m experiments.hopper_attention --only check --json out.json
+
+``check`` compares the Mosaic forward (``block_sparse_attention(..., lowering="mosaic")``) with the float32
+reference on bfloat16 inputs for each static mask kind, GQA, T != S, a ragged length and a score mod. ``speed``
+times forward and forward + backward (the backward is the Triton dQ / dK/dV kernels for both Pallas rows) for the
+full and causal masks at T = 2k and 8k, head dims 64 and 128, and prints the Mosaic rows' ratio to cuDNN.
+Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels as pk
+from experiments.report_speed import _peer, kept_pairs
+from experiments.timing import best_time
+from pallas_kernels.targets import first_line
+
+TOLERANCE = 2e-2  # relative L2 error of a bfloat16 attention output against the float32 reference
+
+
+def check_cases() -> dict:
+    """name -> (mask, T, S, H, K, E, score_mod)."""
+    return {
+        "causal": (pk.causal(), 1024, 1024, 4, 4, 128, None),
+        "sliding_window(256)": (pk.sliding_window(256), 1024, 1024, 4, 4, 128, None),
+        "prefix_lm(300)": (pk.prefix_lm(300), 1024, 1024, 4, 4, 64, None),
+        "causal | global_tokens(4)": (pk.causal() | pk.global_tokens(4), 1024, 1024, 4, 4, 64, None),
+        "full, GQA 8 on 2": (pk.full(), 1024, 1024, 8, 2, 128, None),
+        "causal, T=1000 (ragged)": (pk.causal(), 1000, 1000, 4, 2, 128, None),
+        "full, T=512 S=1024": (pk.full(), 512, 1024, 4, 4, 64, None),
+        "causal, soft_cap(30)": (pk.causal(), 1024, 1024, 4, 4, 128, pk.soft_cap(30.0)),
+        "causal, head dim 256": (pk.causal(), 1024, 1024, 2, 2, 256, None),
+    }
+
+
+def run_check(log=print) -> list[dict]:
+    rows = []
+    for name, (mask, T, S, H, K, E, mod) in check_cases().items():
+        r = np.random.default_rng(len(rows))
+        q = jnp.asarray(r.normal(size=(2, H, T, E)), jnp.bfloat16)
+        k, v = (jnp.asarray(r.normal(size=(2, K, S, E)), jnp.bfloat16) for _ in range(2))
+        bm = pk.make_block_mask(mask, T, S, pk.BlockSizes(128, 128))
+        try:
+            fn = jax.jit(
+                lambda q, k, v, bm=bm, mod=mod: pk.block_sparse_attention(q, k, v, bm, score_mod=mod, lowering="mosaic")
+            )
+            out, lse = fn(q, k, v)
+            f32 = (x.astype(jnp.float32) for x in (q, k, v))
+            ref_out, ref_lse = pk.reference_attention(*f32, mask, score_mod=mod)
+            err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref_out) / jnp.linalg.norm(ref_out))
+            lse_err = float(jnp.max(jnp.abs(lse - ref_lse)))
+            row = {"case": name, "rel_error": err, "lse_max_error": lse_err}
+            row["ok"] = err < TOLERANCE and lse_err < 0.05 and bool(jnp.isfinite(out).all())
+        except Exception as e:  # noqa: BLE001 - a failing case is recorded and the check goes on
+            row = {"case": name, "ok": False, "error": first_line(e)}
+        rows.append(row)
+        log(f"check {name:28s} {'ok  ' if row['ok'] else 'FAIL'} {row.get('rel_error', row.get('error'))}")
+    return rows
+
+
+def _jax_fa3(causal: bool):
+    """jax's own FA3-style Mosaic GPU forward (jax.experimental.pallas.ops.gpu.attention_mgpu, dense masks only):
+    what a Mosaic kernel without block sparsity reaches on this device."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
+    return lambda q, k, v: attention_mgpu.attention(q, k, v, config)
+
+
+def run_speed(seqs=(2048, 8192), head_dims=(64, 128), tokens=16384, width=2048, repeats=10, log=print) -> list[dict]:
+    rows = []
+    for T in seqs:
+        for E in head_dims:
+            B, H = max(1, tokens // T), width // E
+            r = np.random.default_rng(0)
+            q, k, v = (jnp.asarray(r.normal(size=(B, H, T, E)), jnp.bfloat16) for _ in range(3))
+            q_t, k_t, v_t = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+            for mask_name, mask in {"full": pk.full(), "causal": pk.causal()}.items():
+                bm = pk.make_block_mask(mask, T, T, pk.BlockSizes(128, 128))
+                impls = {
+                    "mosaic": (
+                        lambda q, k, v, bm=bm: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic")[0],
+                        (q, k, v),
+                    ),
+                    "triton": (
+                        lambda q, k, v, bm=bm: pk.block_sparse_attention(q, k, v, bm, lowering="triton")[0],
+                        (q, k, v),
+                    ),
+                    "cudnn": (_peer("cudnn", mask_name, 0), (q_t, k_t, v_t)),
+                    "jax_fa3": (_jax_fa3(mask_name == "causal"), (q_t, k_t, v_t)),
+                }
+                flops = kept_pairs(mask_name, T, 0) * B * H * E
+                for impl, (fn, args) in impls.items():
+                    row = {"T": T, "E": E, "B": B, "H": H, "mask": mask_name, "impl": impl}
+                    try:
+                        train = jax.grad(
+                            lambda q, k, v, fn=fn: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)
+                        )
+                        t_fwd = best_time(jax.jit(fn), *args, repeats=repeats)
+                        # jax's FA3 example has no causal backward: its row is forward only
+                        t_train = best_time(jax.jit(train), *args, repeats=repeats) if impl != "jax_fa3" else None
+                        row |= {
+                            "forward_ms": t_fwd * 1e3,
+                            "train_ms": t_train * 1e3 if t_train else None,
+                            "forward_tflops": 4 * flops / t_fwd / 1e12,
+                            "train_tflops": 14 * flops / t_train / 1e12 if t_train else float("nan"),
+                        }
+                        log(
+                            f"speed T={T} E={E} {mask_name:6s} {impl:6s} forward {row['forward_tflops']:7.1f} "
+                            f"fwd+bwd {row['train_tflops']:7.1f} TFLOP/s"
+                        )
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = first_line(e)
+                        log(f"speed T={T} E={E} {mask_name:6s} {impl:6s} FAILED {row['error']}")
+                    rows.append(row)
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per (T, E, mask): Mosaic / cuDNN and Mosaic / Triton, forward and forward + backward."""
+    out = []
+    keys = sorted({(r["T"], r["E"], r["mask"]) for r in rows})
+    for T, E, mask in keys:
+        by = {r["impl"]: r for r in rows if (r["T"], r["E"], r["mask"]) == (T, E, mask) and "forward_tflops" in r}
+        if "mosaic" not in by:
+            continue
+        entry = {"T": T, "E": E, "mask": mask}
+        for peer in ("cudnn", "triton", "jax_fa3"):
+            if peer in by:
+                for key in ("forward_tflops", "train_tflops"):
+                    entry[f"{key.split('_')[0]}_vs_{peer}"] = by["mosaic"][key] / by[peer][key]
+        out.append(entry)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.hopper_attention", description=__doc__.split("\n")[0])
+    p.add_argument("--only", default="check,speed", help="check, speed or both, comma-separated")
+    p.add_argument("--json", default=None, help="write the rows here")
+    args = p.parse_args(argv)
+    only = set(args.only.split(","))
+    print(f"hopper_attention: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    if "check" in only:
+        result["check"] = run_check()
+    if "speed" in only:
+        result["speed"] = run_speed()
+        result["ratios"] = ratios(result["speed"])
+        for r in result["ratios"]:
+            print("ratio", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if all(r["ok"] for r in result.get("check", [])) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

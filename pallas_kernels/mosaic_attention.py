@@ -1,0 +1,299 @@
+"""The block-sparse attention forward as a Mosaic GPU kernel for Hopper (sm_90): TMA, wgmma, warp specialisation.
+
+The Triton kernels in ``pallas_attention`` cannot issue TMA copies, split warps into producers and consumers or move
+registers between them, and on an H100 they reach about half of cuDNN's forward. This kernel is laid out the way
+FlashAttention-3 is, and walks only the tiles the block mask keeps:
+
+- a program owns one row of the block mask (``block_q`` queries) of one head; three warpgroups share it;
+- warpgroup 2, the producer, gives most of its registers away and streams the row's K/V tiles, in the order of the
+  mask's list (PARTIAL blocks first, then FULL ones), through a ring of ``stages`` shared-memory slots with TMA;
+- warpgroups 0 and 1 each own half of the rows and take turns on the tensor cores (one runs its softmax while the
+  other's wgmma runs), synchronised by a schedule barrier; both walk the same list, so their turns stay paired;
+- the element mask and score mod run on PARTIAL tiles only; FULL tiles go straight from wgmma to the online softmax,
+  kept in base 2 so each exponential is one ``ex2``.
+
+Masks are evaluated on full-tile position iotas in the wgmma register layout, so every static mask written with
+elementwise ops works unchanged; document (segment-id) and position slots are not loaded by this kernel yet, and
+``supports`` sends such masks to the Triton kernel. The backward stays the Triton dQ and dK/dV kernels: the forward's
+outputs (out, lse) are the same.
+
+Shape suffixes follow the legend in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .kernel_mask import DocumentSlot, PositionSlot
+from .masks import And, Or
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+# What a kernel may ask for on an H100 / H200 (227 KiB), less room for barriers and alignment (three ring slots
+# at head dim 128 asked for 232,568 B).
+_SHARED_MEMORY = 232448 - 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """Rows per compute warpgroup (half the mask's block_q), kv columns per tile, and K/V ring slots."""
+
+    rows: int
+    kv: int
+    stages: int
+
+
+def _smem_bytes(tiles: MosaicTiles, head_dim: int, itemsize: int) -> int:
+    qo = 2 * tiles.rows * head_dim * itemsize
+    kv = 2 * tiles.stages * tiles.kv * head_dim * itemsize
+    return qo + kv + 2 * tiles.rows * 4
+
+
+def mosaic_tiles(head_dim: int, dtype, block_q: int, block_kv: int) -> MosaicTiles | None:
+    """The tiles for this head dim and blocks, or None when the kernel cannot take them: the rows of a program are
+    one block row split between two warpgroups (wgmma wants multiples of 64), kv tiles divide the block, and the
+    deepest ring that fits shared memory (at least two slots) is used."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if block_q % 128 or block_q > 256 or head_dim % 64 or head_dim > 256:
+        return None
+    rows = block_q // 2
+    for kv in (128, 64):
+        if block_kv % kv:
+            continue
+        for stages in (4, 3, 2):
+            tiles = MosaicTiles(rows, kv, stages)
+            if _smem_bytes(tiles, head_dim, itemsize) <= _SHARED_MEMORY:
+                return tiles
+    return None
+
+
+def _slots(mask) -> bool:
+    if isinstance(mask, (DocumentSlot, PositionSlot)):
+        return True
+    if isinstance(mask, (And, Or)):
+        return any(_slots(m) for m in mask.masks)
+    return False
+
+
+def supports(static, dtype, head_dim: int) -> str | None:
+    """None when the Mosaic forward can run this attention, else why not (the Triton kernel runs instead)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype).name} (wgmma takes bfloat16 / float16 here)"
+    if mosaic_tiles(head_dim, dtype, static.block_q, static.block_kv) is None:
+        return f"head dim {head_dim} with blocks {static.block_q}x{static.block_kv}"
+    if _slots(static.template):
+        return "document / position masks (their id tiles are not loaded by the Mosaic kernel yet)"
+    return None
+
+
+def _accumulate(plgpu, acc, a, b, then, interpret: bool):
+    """acc + a @ b on the tensor cores, running ``then`` while the wgmma is in flight. On the device the product
+    accumulates into ``acc`` in place; the interpreter has no ``run_state``, so there it lands in a fresh
+    accumulator that is added."""
+    if interpret:
+
+        def fresh(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+            then()
+            return acc_ref[...]
+
+        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+    def in_place(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        then()
+
+    return pl.run_state(in_place)(plgpu.ACC.init(acc))
+
+
+def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, *, interpret: bool = False):
+    """(out [B, H, Tp, E] in q.dtype, lse [B, H, Tp, 1] float32) over the padded q/k/v, like the Triton forward.
+
+    ``mask_arrays`` are ``kernel_inputs.list_arrays``' first three (kv block indices, partial counts, counts)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    B, H, Tp, E = q.shape
+    G = static.groups
+    rows, tkv, stages = tiles.rows, tiles.kv, tiles.stages
+    sub = static.block_kv // tkv  # kv tiles per mask block
+    dtype = q.dtype
+    kv_idx, kv_np, kv_cnt = mask_arrays[:3]
+
+    def in_layout(x, layout):  # the interpreter runs plain arrays and has no layout casts
+        return x if interpret else plgpu.layout_cast(x, layout)
+
+    def tile_iota(axis):  # positions along one axis of a score tile, in the wgmma accumulator's layout
+        if interpret:
+            return lax.broadcasted_iota(jnp.int32, (rows, tkv), axis)
+        return plgpu.broadcasted_iota(jnp.int32, (rows, tkv), axis, layout=plgpu.Layout.WGMMA)
+
+    def kernel(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, out_ref, lse_ref, scoped):
+        (qo_smem2, k_smem, v_smem, lse_smem2, kt_smem, p_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = (
+            scoped
+        )
+        b, h, row = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
+        wg = lax.axis_index("wg")
+        bm = b if static.mask_batched else 0
+        n_tiles = cnt_ref[bm, row] * sub
+        n_partial = np_ref[bm, row] * sub
+
+        def tile_start(j):
+            return idx_ref[bm, row, lax.div(j, sub)] * static.block_kv + lax.rem(j, sub) * tkv
+
+        def take_turn():
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+            q_base = row * (2 * rows) + wg * rows
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_base, rows)], qo_smem, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            m = in_layout(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = in_layout(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = in_layout(jnp.full((rows, E), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            @pl.when(n_tiles > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[0])
+
+            pl.when(wg == 1)(take_turn)  # warpgroup 1 starts half a turn behind
+
+            def step(j, carry, masked: bool):
+                acc, m, l = carry
+                slot = lax.rem(j, stages)
+
+                if interpret:  # the interpreter reads no transposed views: a plain [E, tkv] copy instead
+                    kt_smem.at[wg][...] = k_smem.at[slot][...].T
+                    k_t = kt_smem.at[wg]
+                else:
+                    k_t = plgpu.transpose_ref(k_smem.at[slot], (1, 0))
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, k_t)
+                    take_turn()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((rows, tkv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked or static.score_mod is not None:
+                    q_pos = tile_iota(0) + q_base
+                    kv_pos = tile_iota(1) + tile_start(j)
+                    s, _ = static.mod_scores(s * static.scale, q_pos, kv_pos, h)
+                    if masked:
+                        s = jnp.where(static.keep([], q_pos, kv_pos), s, -jnp.inf)
+                    s2 = s * _LOG2E
+                else:
+                    s2 = s * (static.scale * _LOG2E)
+                m_new = jnp.maximum(m, s2.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
+                alpha = jnp.exp2(m - m_safe)
+                p = jnp.exp2(s2 - lax.broadcast_in_dim(m_safe, s2.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                plgpu.barrier_arrive(turn)  # softmax done
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(turn)  # the tensor cores are ours
+
+                def wait_next_k():
+                    nxt = j + 1
+
+                    @pl.when(nxt < n_tiles)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
+
+                if interpret:  # the interpreter's wgmma reads its left operand from shared memory only
+                    p_smem.at[wg][...] = p16
+                    p16 = p_smem.at[wg]
+                acc = _accumulate(plgpu, acc, p16, v_smem.at[slot], wait_next_k, interpret)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            carry = lax.fori_loop(0, n_partial, functools.partial(step, masked=True), (acc, m, l))
+            acc, m, l = lax.fori_loop(n_partial, n_tiles, functools.partial(step, masked=False), carry)
+            pl.when(wg == 0)(take_turn)  # pair warpgroup 1's first half turn
+
+            seen = l > 0.0  # False on padding rows and rows the mask empties
+            l_safe = jnp.where(seen, l, 1.0)
+            acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, h, pl.ds(q_base, rows)])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, rows)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(h, G)
+
+            def load(j, slot):
+                at = (b, kv_head, pl.ds(tile_start(j), tkv))
+                plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
+
+            for i in range(stages):
+                pl.when(i < n_tiles)(functools.partial(load, i, i))
+
+            @pl.loop(stages, jnp.maximum(n_tiles, stages))
+            def _(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                load(j, slot)
+
+    def entry(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, out_ref, lse_ref):
+        layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        scratch = (
+            plgpu.SMEM((2, rows, E), dtype, transforms=layout),
+            plgpu.SMEM((stages, tkv, E), dtype, transforms=layout),
+            plgpu.SMEM((stages, tkv, E), dtype, transforms=layout),
+            plgpu.SMEM((2, rows), jnp.float32),
+            plgpu.SMEM((2, E, tkv), dtype) if interpret else None,
+            plgpu.SMEM((2, rows, tkv), dtype) if interpret else None,
+        )
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, out_ref, lse_ref, scoped),
+            scratch,
+            (
+                plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=2),
+            ),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    params = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        params["interpret"] = InterpretGPUParams()
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=(
+            jax.ShapeDtypeStruct((B, H, Tp, E), dtype),
+            jax.ShapeDtypeStruct((B, H, Tp), jnp.float32),
+        ),
+        grid=(H, Tp // (2 * rows), B),
+        grid_names=("heads", "rows", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **params,
+    )(q, k, v, kv_idx.astype(jnp.int32), kv_np.astype(jnp.int32), kv_cnt.astype(jnp.int32))
+    return out, lse[..., None]

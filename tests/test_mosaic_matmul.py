@@ -1,0 +1,118 @@
+"""The Mosaic GPU scaled matmul: exact against a float32 reference in the Mosaic GPU interpreter (CPU), and compiled
+for an H100 (sm_90a) to PTX with fp8 / int8 wgmma, TMA bulk-tensor loads and no register spills.
+
+Interpreter shapes stay tiny (64-wide tiles, the smallest wgmma M): the interpreter simulates every copy and barrier.
+The compile runs in a subprocess, as tests/test_gpu_compile.py's do: the CUDA plugin must be found before JAX starts
+its backends, and this process has started them."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import targets
+from pallas_kernels.mosaic_matmul import MosaicTiles, mosaic_scaled_matmul
+
+SMALL = MosaicTiles(64, 64, 64, 2)
+
+
+def _operands(M, N, K, dtype, seed=0):
+    ka, kb, ks = jax.random.split(jax.random.key(seed), 3)
+    if jnp.dtype(dtype) == jnp.int8:
+        a = jax.random.randint(ka, (M, K), -127, 128, jnp.int32).astype(jnp.int8)
+        b = jax.random.randint(kb, (N, K), -127, 128, jnp.int32).astype(jnp.int8)
+    else:
+        a = (4 * jax.random.normal(ka, (M, K))).astype(dtype)
+        b = (4 * jax.random.normal(kb, (N, K))).astype(dtype)
+    a_scale = jax.random.uniform(ks, (M, 1), minval=0.5, maxval=2.0)
+    b_scale = jax.random.uniform(jax.random.fold_in(ks, 1), (1, N), minval=0.5, maxval=2.0)
+    return a, b, a_scale, b_scale
+
+
+def _reference(a, b, a_scale, b_scale):
+    """The same scaled product in float64 (every 8-bit product and every partial sum here is exact)."""
+    a64, b64 = np.asarray(a.astype(jnp.float32), np.float64), np.asarray(b.astype(jnp.float32), np.float64)
+    return (a64 @ b64.T) * np.asarray(a_scale, np.float64) * np.asarray(b_scale, np.float64)
+
+
+@pytest.mark.parametrize(
+    "dtype, out_dtype, shape, per_channel",
+    [
+        (jnp.float8_e4m3fn, jnp.float32, (128, 128, 256), True),
+        (jnp.float8_e5m2, jnp.bfloat16, (128, 64, 128), False),
+        (jnp.int8, jnp.float32, (64, 128, 128), True),
+        (jnp.float8_e4m3fn, jnp.bfloat16, (100, 72, 200), True),  # not whole tiles: padded and cut back
+    ],
+)
+def test_interpreter_matches_the_exact_scaled_product(dtype, out_dtype, shape, per_channel):
+    M, N, K = shape
+    a, b, a_scale, b_scale = _operands(M, N, K, dtype)
+    if not per_channel:
+        a_scale, b_scale = a_scale[0, 0], b_scale[:1, :1]
+    out = mosaic_scaled_matmul(a, b, a_scale, b_scale, out_dtype=out_dtype, tiles=SMALL, interpret=True)
+    assert out.shape == (M, N) and out.dtype == jnp.dtype(out_dtype)
+    want = _reference(a, b, a_scale, b_scale)
+    # the exact product, scaled in float32 (a few ulps), then rounded once to out_dtype (bfloat16: half an ulp, 2^-9)
+    rtol = 1e-6 if jnp.dtype(out_dtype) == jnp.float32 else 2**-8
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=rtol, atol=rtol * np.abs(want).max() / 64)
+
+
+@pytest.mark.parametrize(
+    "a_dtype, b_dtype, a_scale, b_scale, message",
+    [
+        (jnp.float8_e5m2, jnp.float8_e4m3fn, (64, 1), (1, 64), "mixed fp8"),
+        (jnp.int8, jnp.float8_e4m3fn, (64, 1), (1, 64), "both be int8"),
+        (jnp.float8_e4m3fn, jnp.float8_e4m3fn, (64, 2), (1, 64), "block-wise"),
+        (jnp.float8_e4m3fn, jnp.float8_e4m3fn, (64, 1), (2, 64), "block-wise"),
+    ],
+)
+def test_unsupported_operands_and_scales_are_refused(a_dtype, b_dtype, a_scale, b_scale, message):
+    a, b = jnp.zeros((64, 128), a_dtype), jnp.zeros((64, 128), b_dtype)
+    with pytest.raises(ValueError, match=message):
+        mosaic_scaled_matmul(a, b, jnp.ones(a_scale), jnp.ones(b_scale), interpret=True)
+
+
+def test_tiles_are_checked():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        MosaicTiles(tile_m=96)
+    with pytest.raises(ValueError, match="shared memory"):
+        a = jnp.zeros((256, 256), jnp.float8_e4m3fn)
+        mosaic_scaled_matmul(a, a, 1.0, 1.0, tiles=MosaicTiles(256, 256, 256, 4), interpret=True)
+    assert MosaicTiles().smem_bytes(jnp.float32) <= 232448
+
+
+_COMPILE = """
+import sys
+from pallas_kernels import targets
+targets.enable_plugin(targets.plugin_dir())
+import jax, jax.numpy as jnp
+from pallas_kernels.mosaic_matmul import mosaic_scaled_matmul
+S = jax.ShapeDtypeStruct
+for dtype in (jnp.float8_e4m3fn, jnp.int8):
+    fn = lambda a, b, sa, sb: mosaic_scaled_matmul(a, b, sa, sb, out_dtype=jnp.bfloat16)
+    ab, scales = S((512, 512), dtype), (S((512, 1), jnp.float32), S((1, 512), jnp.float32))
+    targets.compile_for_gpu(fn, ab, ab, *scales)
+sys.stdout.flush()
+print("COMPILED", file=sys.stderr)
+"""
+
+
+def test_compiles_for_h100_with_fp8_and_int8_wgmma_tma_and_no_spills():
+    if not targets.installed(targets.CUDA_PLUGIN, targets.plugin_dir()):
+        pytest.skip(f"no CUDA plugin in {targets.plugin_dir()} (pallas_kernels.targets.install_plugin installs it)")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS")}
+    env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=300, env=env, cwd=os.getcwd()
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "COMPILED" in proc.stderr, text[-3000:]
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in text
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in text
+    assert "cp.async.bulk.tensor" in text
+    spills = [line for line in text.splitlines() if "spill stores" in line]
+    assert len(spills) == 2 and all("0 bytes spill stores, 0 bytes spill loads" in s for s in spills), spills
