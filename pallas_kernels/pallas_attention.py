@@ -40,6 +40,7 @@ from .kernel_inputs import (
 from .kernel_mask import split_documents
 from .masks import ScoreMod
 from .mosaic_attention import MosaicTiles, mosaic_forward, mosaic_tiles, supports
+from .mosaic_attention_bwd import BackwardTiles, backward_tiles, mosaic_dkv, mosaic_dq, supports_backward
 from .tile_math import dot, iota, masked_scores
 from .tpu_attention import block_sparse_attention_tpu
 
@@ -119,6 +120,7 @@ class _Static(AttentionStatic):
     backend: str
     tiles: KernelTiles
     mosaic: MosaicTiles | None = None  # the forward's Mosaic GPU tiles when it runs on Mosaic GPU, else Triton's
+    mosaic_bwd: BackwardTiles | None = None  # likewise for the dQ and dK/dV kernels
 
 
 def block_sparse_attention(
@@ -175,7 +177,7 @@ def block_sparse_attention(
         backend=backend,
         tiles=tiles,
     )
-    static = dataclasses.replace(static, mosaic=_mosaic_tiles(static, lowering, q.dtype, E))
+    static = dataclasses.replace(static, **_mosaic_tiles(static, lowering, q.dtype, E))
     qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
     return out[:, :, :T], lse[:, :, :T, 0]
@@ -185,23 +187,32 @@ LOWERINGS = ("mosaic", "triton")
 _logged: set = set()
 
 
-def _mosaic_tiles(static, lowering: str | None, dtype, E: int) -> MosaicTiles | None:
-    """The Mosaic forward's tiles if the forward runs on Mosaic GPU, else None (Triton / the Pallas interpreter).
-    Which lowering ran is logged once per process and reason."""
+def _mosaic_tiles(static, lowering: str | None, dtype, E: int) -> dict:
+    """{"mosaic": forward tiles, "mosaic_bwd": backward tiles}, each None where that pass runs on Triton (or the
+    Pallas interpreter). An explicit "mosaic" raises when the forward cannot take the case; the backward then still
+    falls back to Triton where its kernels cannot (head dim 256, document masks). Which ran is logged once."""
     if lowering not in (None, *LOWERINGS):
         raise ValueError(f"block_sparse_attention: unknown lowering {lowering!r}; choose one of {LOWERINGS}")
     if lowering == "triton" or (static.backend == "interpret" and lowering is None):
-        return None
-    why_not = supports(static, dtype, E)
-    if why_not is None and lowering is None and not hopper_target():
-        why_not = "the GPU is older than Hopper (sm_90)"
+        return {}
+    older = None if lowering == "mosaic" or hopper_target() else "the GPU is older than Hopper (sm_90)"
+    why_not = older or supports(static, dtype, E)
     if why_not is not None and lowering == "mosaic":
         raise ValueError(f"block_sparse_attention: the Mosaic GPU forward cannot take {why_not}")
-    choice = "Triton forward: " + why_not if why_not else "Mosaic GPU forward (sm_90)"
+    why_not_bwd = why_not or supports_backward(static, dtype, E)
+    _log_once("forward", why_not)
+    _log_once("backward", why_not_bwd)
+    return {
+        "mosaic": None if why_not else mosaic_tiles(E, dtype, static.block_q, static.block_kv),
+        "mosaic_bwd": None if why_not_bwd else backward_tiles(E, dtype, static.block_q, static.block_kv),
+    }
+
+
+def _log_once(kernel: str, why_not: str | None) -> None:
+    choice = f"{kernel} on Triton: {why_not}" if why_not else f"{kernel} on Mosaic GPU (sm_90)"
     if choice not in _logged:
         _logged.add(choice)
-        logging.getLogger("jaxlm.kernels").info("block_sparse_attention on GPU: %s", choice)
-    return None if why_not else mosaic_tiles(E, dtype, static.block_q, static.block_kv)
+        logging.getLogger("jaxlm.kernels").info("block_sparse_attention %s", choice)
 
 
 def hopper_target() -> bool:
@@ -241,12 +252,22 @@ def _attention_bwd(static, residuals, cotangents):
     d_out, d_lse = cotangents
     # d lse / d s = p, so a cotangent on lse enters every ds = p * (dp - delta) as -d_lse in delta.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True) - d_lse
+    if static.mosaic_bwd is not None:
+        args = (static, static.mosaic_bwd, q, k, v, d_out, lse, delta, mask_arrays)
+        interpret = static.backend == "interpret"
+        return (*_mosaic_dq_dkv(args, interpret), None, None)
     dq = _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
     dk, dv = _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
     return dq, dk, dv, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _mosaic_dq_dkv(args, interpret: bool):
+    dq = mosaic_dq(*args, interpret=interpret)
+    dk, dv = mosaic_dkv(*args, interpret=interpret)
+    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------- shared tile math

@@ -1,0 +1,404 @@
+"""The block-sparse attention backward as two Mosaic GPU kernels for Hopper (sm_90): dQ, and dK/dV.
+
+Both are laid out like the forward in ``mosaic_attention``: a producer warpgroup streams tiles with TMA through a
+ring of shared-memory slots, in the order of the block mask's lists (PARTIAL blocks first, then FULL ones), and two
+consumer warpgroups each own half of the program's rows and multiply on the tensor cores with wgmma:
+
+- dQ: a program owns one block row of queries of one head; the producer streams that row's K and V tiles;
+  p = exp(s - lse), dp = dO V^T, ds = p (dp - delta), dQ += ds K.
+- dK/dV: a program owns one block column of keys of one kv head; the producer streams, for each of the kv head's
+  query heads in turn, the column's Q and dO tiles with their lse and delta; in transposed form
+  p^T = exp(K Q^T - lse), dV += p^T dO, dp^T = V dO^T, ds^T = p^T (dp^T - delta), dK += ds^T Q. Summing the query
+  heads of a group inside the program keeps grouped-query attention free of repeated K/V.
+
+The element mask and score mod (with its derivative) run on PARTIAL tiles only. Nothing is accumulated across
+programs, so the result is deterministic. Document and position slots are not loaded here yet (``supports_backward``
+sends them to the Triton kernels), nor is head dim 256, whose dK and dV accumulators do not fit the registers.
+
+Shape suffixes follow the legend in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .mosaic_attention import _LOG2E, _SHARED_MEMORY, _accumulate, _slots
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTiles:
+    """Rows per consumer warpgroup (half a block), the streamed tile, and ring slots, per kernel."""
+
+    dq_rows: int
+    dq_kv: int
+    dq_stages: int
+    dkv_rows: int
+    dkv_q: int
+    dkv_stages: int
+
+
+def backward_tiles(head_dim: int, dtype, block_q: int, block_kv: int) -> BackwardTiles | None:
+    """Tiles for this head dim and blocks, or None when these kernels cannot take them. Streamed tiles are 64 wide
+    from head dim 128 on, so that the score tiles, the float32 accumulators and the softmax fit 232 registers."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if head_dim % 64 or head_dim > 128 or block_q % 128 or block_kv % 128 or max(block_q, block_kv) > 256:
+        return None
+    stream = 128 if head_dim <= 64 else 64
+
+    def stages(rows, tile, per_slot_extra):
+        own = 2 * 2 * rows * head_dim * itemsize  # the two warpgroups' resident tiles (q, dO or k, v)
+        slot = 2 * tile * head_dim * itemsize + per_slot_extra
+        for n in (4, 3, 2):
+            if own + n * slot <= _SHARED_MEMORY:
+                return n
+        return None
+
+    dq_rows, dkv_rows = block_q // 2, block_kv // 2
+    dq_stages = stages(dq_rows, stream, 0)
+    dkv_stages = stages(dkv_rows, stream, 2 * stream * 4)
+    if dq_stages is None or dkv_stages is None:
+        return None
+    return BackwardTiles(dq_rows, stream, dq_stages, dkv_rows, stream, dkv_stages)
+
+
+def supports_backward(static, dtype, head_dim: int) -> str | None:
+    """None when these kernels can run this backward, else why not (the Triton kernels run instead)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype).name}"
+    if backward_tiles(head_dim, dtype, static.block_q, static.block_kv) is None:
+        return f"head dim {head_dim} with blocks {static.block_q}x{static.block_kv}"
+    if _slots(static.template):
+        return "document / position masks"
+    return None
+
+
+class _Modes:
+    """What differs between the device and the Mosaic GPU interpreter (no layouts, no transposed shared-memory
+    views, no register operands for wgmma), kept out of the kernels' math."""
+
+    def __init__(self, plgpu, interpret: bool):
+        self.plgpu, self.interpret = plgpu, interpret
+
+    def zeros(self, shape):
+        x = jnp.full(shape, 0.0, jnp.float32)
+        return x if self.interpret else self.plgpu.layout_cast(x, self.plgpu.Layout.WGMMA)
+
+    def iota(self, shape, axis):
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, axis)
+        return self.plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=self.plgpu.Layout.WGMMA)
+
+    def vector(self, smem, axis):
+        """A [n] float32 vector from shared memory, laid out to broadcast along ``axis`` of a wgmma tile."""
+        if self.interpret:
+            return smem[...]
+        return self.plgpu.load(smem, (), layout=self.plgpu.Layout.WGMMA.reduce(1 - axis))
+
+    def transposed(self, ref, scratch2, wg):
+        """``ref`` transposed as wgmma's right operand (in the interpreter a copy in this warpgroup's scratch)."""
+        if not self.interpret:
+            return self.plgpu.transpose_ref(ref, (1, 0))
+        scratch2.at[wg][...] = ref[...].T
+        return scratch2.at[wg]
+
+    def operand(self, x, scratch2, wg):
+        """A register tile as wgmma's left operand (shared memory in the interpreter)."""
+        if not self.interpret:
+            return x
+        scratch2.at[wg][...] = x
+        return scratch2.at[wg]
+
+    def product(self, a, b, shape):
+        """a @ b on the tensor cores into a fresh float32 accumulator."""
+
+        def run(acc_ref):
+            self.plgpu.wgmma(acc_ref, a, b)
+            return acc_ref[...]
+
+        return pl.run_scoped(run, self.plgpu.ACC(shape, jnp.float32))
+
+
+def _scores(static, s, q_pos, kv_pos, head, masked):
+    """Scaled, score-modded scores (masked to -inf on PARTIAL tiles) and d mod / d s (None without a mod)."""
+    s, d_mod = static.mod_scores(s * static.scale, q_pos, kv_pos, head, with_grad=True)
+    if masked:
+        s = jnp.where(static.keep([], q_pos, kv_pos), s, -jnp.inf)
+    return s, d_mod
+
+
+def _params(interpret: bool) -> dict:
+    if not interpret:
+        return {}
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return {"interpret": InterpretGPUParams()}
+
+
+def _layout(plgpu):
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+# ----------------------------------------------------------------------------- dQ
+
+
+def mosaic_dq(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arrays, *, interpret: bool = False):
+    """dQ [B, H, Tp, E] in q.dtype; lse and delta [B, H, Tp, 1] float32 as the Triton kernels take them."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    B, H, Tp, E = q.shape
+    G, rows, tkv, stages = static.groups, tiles.dq_rows, tiles.dq_kv, tiles.dq_stages
+    sub = static.block_kv // tkv
+    dtype = q.dtype
+    kv_idx, kv_np, kv_cnt = (a.astype(jnp.int32) for a in mask_arrays[:3])
+    modes = _Modes(plgpu, interpret)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, idx_ref, np_ref, cnt_ref, dq_ref, scoped):
+        smem, ready, (k_ready, v_ready), (k_free, v_free) = scoped
+        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, t_smem2, a_smem2 = smem
+        b, h, row, wg = (lax.axis_index(n) for n in ("batch", "heads", "rows", "wg"))
+        bm = b if static.mask_batched else 0
+        n_tiles, n_partial = cnt_ref[bm, row] * sub, np_ref[bm, row] * sub
+
+        def tile_start(j):
+            return idx_ref[bm, row, lax.div(j, sub)] * static.block_kv + lax.rem(j, sub) * tkv
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            base = row * (2 * rows) + wg * rows
+            for i, (src, dst) in enumerate(
+                ((q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem2.at[wg]), (delta_ref, delta_smem2.at[wg]))
+            ):
+                plgpu.copy_gmem_to_smem(src.at[b, h, pl.ds(base, rows)], dst, ready.at[4 * wg + i])
+            for i in range(4):
+                plgpu.barrier_wait(ready.at[4 * wg + i])
+            lse2 = lax.broadcast_in_dim(modes.vector(lse_smem2.at[wg], 0), (rows, tkv), [0]) * _LOG2E
+            delta = lax.broadcast_in_dim(modes.vector(delta_smem2.at[wg], 0), (rows, tkv), [0])
+
+            def step(j, dq, masked):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                k_t = modes.transposed(k_smem.at[slot], t_smem2, wg)
+                s = modes.product(q_smem, k_t, (rows, tkv))
+                if masked or static.score_mod is not None:
+                    q_pos = modes.iota((rows, tkv), 0) + base
+                    kv_pos = modes.iota((rows, tkv), 1) + tile_start(j)
+                    s, d_mod = _scores(static, s, q_pos, kv_pos, h, masked)
+                    p = jnp.exp2(s * _LOG2E - lse2)
+                else:
+                    s, d_mod = s, None
+                    p = jnp.exp2(s * (static.scale * _LOG2E) - lse2)
+                v_t = modes.transposed(v_smem.at[slot], t_smem2, wg)
+                dp = modes.product(do_smem, v_t, (rows, tkv))
+                plgpu.barrier_arrive(v_free.at[slot])
+                ds = p * (dp - delta)
+                if d_mod is not None:
+                    ds = ds * d_mod
+                ds = modes.operand(ds.astype(dtype), a_smem2, wg)
+                dq = _accumulate(plgpu, dq, ds, k_smem.at[slot], lambda: None, interpret)
+                plgpu.barrier_arrive(k_free.at[slot])
+                return dq
+
+            dq = lax.fori_loop(0, n_partial, functools.partial(step, masked=True), modes.zeros((rows, E)))
+            dq = lax.fori_loop(n_partial, n_tiles, functools.partial(step, masked=False), dq)
+            q_smem[...] = (dq * static.scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, pl.ds(base, rows)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(h, G)
+
+            def load(j, slot):
+                at = (b, kv_head, pl.ds(tile_start(j), tkv))
+                plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
+
+            for i in range(stages):
+                pl.when(i < n_tiles)(functools.partial(load, i, i))
+
+            @pl.loop(stages, jnp.maximum(n_tiles, stages))
+            def _(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                load(j, slot)
+
+    def entry(*refs):
+        layout = _layout(plgpu)
+        scratch = (
+            plgpu.SMEM((2, rows, E), dtype, transforms=layout),
+            plgpu.SMEM((2, rows, E), dtype, transforms=layout),
+            plgpu.SMEM((2, rows), jnp.float32),
+            plgpu.SMEM((2, rows), jnp.float32),
+            plgpu.SMEM((stages, tkv, E), dtype, transforms=layout),
+            plgpu.SMEM((stages, tkv, E), dtype, transforms=layout),
+            plgpu.SMEM((2, E, tkv), dtype) if interpret else None,
+            plgpu.SMEM((2, rows, tkv), dtype) if interpret else None,
+        )
+        pl.run_scoped(
+            lambda *scoped: kernel(*refs, scoped),
+            scratch,
+            plgpu.Barrier(num_barriers=8),
+            (plgpu.Barrier(num_barriers=stages),) * 2,
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        grid=(H, Tp // (2 * rows), B),
+        grid_names=("heads", "rows", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **_params(interpret),
+    )(q, k, v, d_out, lse[..., 0], delta[..., 0], kv_idx, kv_np, kv_cnt)
+
+
+# ----------------------------------------------------------------------------- dK, dV
+
+
+def mosaic_dkv(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arrays, *, interpret: bool = False):
+    """(dK, dV) [B, K, Sp, E] in k.dtype, summed over each kv head's query heads."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    B, H, Tp, E = q.shape
+    K, Sp = k.shape[1], k.shape[2]
+    G, rows, tq, stages = static.groups, tiles.dkv_rows, tiles.dkv_q, tiles.dkv_stages
+    sub = static.block_q // tq
+    dtype = q.dtype
+    q_idx, q_np, q_cnt = (a.astype(jnp.int32) for a in mask_arrays[3:6])
+    modes = _Modes(plgpu, interpret)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, idx_ref, np_ref, cnt_ref, dk_ref, dv_ref, scoped):
+        smem, ready, slot_ready, slot_free = scoped
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, t_smem2, a_smem2 = smem
+        b, hk, col, wg = (lax.axis_index(n) for n in ("batch", "heads", "cols", "wg"))
+        bm = b if static.mask_batched else 0
+        per_head, n_partial = cnt_ref[bm, col] * sub, np_ref[bm, col] * sub
+
+        def tile_start(t):
+            return idx_ref[bm, col, lax.div(t, sub)] * static.block_q + lax.rem(t, sub) * tq
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            k_own, v_own = k_smem2.at[wg], v_smem2.at[wg]
+            base = col * (2 * rows) + wg * rows
+            plgpu.copy_gmem_to_smem(k_ref.at[b, hk, pl.ds(base, rows)], k_own, ready.at[2 * wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, hk, pl.ds(base, rows)], v_own, ready.at[2 * wg + 1])
+            plgpu.barrier_wait(ready.at[2 * wg])
+            plgpu.barrier_wait(ready.at[2 * wg + 1])
+
+            def step(t, carry, g, masked):
+                dk, dv = carry
+                j = g * per_head + t
+                slot = lax.rem(j, stages)
+                for r in slot_ready:
+                    plgpu.barrier_wait(r.at[slot])
+                q_t = modes.transposed(q_smem.at[slot], t_smem2, wg)
+                s = modes.product(k_own, q_t, (rows, tq))  # s^T [kv rows, q]
+                lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1]) * _LOG2E
+                head = hk * G + g
+                if masked or static.score_mod is not None:
+                    kv_pos = modes.iota((rows, tq), 0) + base
+                    q_pos = modes.iota((rows, tq), 1) + tile_start(t)
+                    s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked)
+                    p = jnp.exp2(s * _LOG2E - lse2)
+                else:
+                    d_mod = None
+                    p = jnp.exp2(s * (static.scale * _LOG2E) - lse2)
+                p16 = modes.operand(p.astype(dtype), a_smem2, wg)
+                dv = _accumulate(plgpu, dv, p16, do_smem.at[slot], lambda: None, interpret)
+                do_t = modes.transposed(do_smem.at[slot], t_smem2, wg)
+                dp = modes.product(v_own, do_t, (rows, tq))
+                delta = lax.broadcast_in_dim(modes.vector(delta_smem.at[slot], 1), (rows, tq), [1])
+                ds = p * (dp - delta)
+                if d_mod is not None:
+                    ds = ds * d_mod
+                ds = modes.operand(ds.astype(dtype), a_smem2, wg)
+                dk = _accumulate(plgpu, dk, ds, q_smem.at[slot], lambda: None, interpret)
+                for f in slot_free:
+                    plgpu.barrier_arrive(f.at[slot])
+                return dk, dv
+
+            def per_group(g, carry):
+                carry = lax.fori_loop(0, n_partial, functools.partial(step, g=g, masked=True), carry)
+                return lax.fori_loop(n_partial, per_head, functools.partial(step, g=g, masked=False), carry)
+
+            zeros = modes.zeros((rows, E))
+            dk, dv = lax.fori_loop(0, G, per_group, (zeros, zeros))
+            k_own[...] = (dk * static.scale).astype(dtype)
+            v_own[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_own, dk_ref.at[b, hk, pl.ds(base, rows)])
+            plgpu.copy_smem_to_gmem(v_own, dv_ref.at[b, hk, pl.ds(base, rows)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            n_steps = G * per_head
+
+            def load(j, slot):
+                head = hk * G + lax.div(j, jnp.maximum(per_head, 1))
+                start = tile_start(lax.rem(j, jnp.maximum(per_head, 1)))
+                for src, dst, r in zip(
+                    (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem), slot_ready
+                ):
+                    plgpu.copy_gmem_to_smem(src.at[b, head, pl.ds(start, tq)], dst.at[slot], r.at[slot])
+
+            for i in range(stages):
+                pl.when(i < n_steps)(functools.partial(load, i, i))
+
+            @pl.loop(stages, jnp.maximum(n_steps, stages))
+            def _(j):
+                slot = lax.rem(j, stages)
+                for f in slot_free:
+                    plgpu.barrier_wait(f.at[slot])
+                load(j, slot)
+
+    def entry(*refs):
+        layout = _layout(plgpu)
+        scratch = (
+            plgpu.SMEM((2, rows, E), dtype, transforms=layout),
+            plgpu.SMEM((2, rows, E), dtype, transforms=layout),
+            plgpu.SMEM((stages, tq, E), dtype, transforms=layout),
+            plgpu.SMEM((stages, tq, E), dtype, transforms=layout),
+            plgpu.SMEM((stages, tq), jnp.float32),
+            plgpu.SMEM((stages, tq), jnp.float32),
+            plgpu.SMEM((2, E, tq), dtype) if interpret else None,
+            plgpu.SMEM((2, rows, tq), dtype) if interpret else None,
+        )
+        pl.run_scoped(
+            lambda *scoped: kernel(*refs, scoped),
+            scratch,
+            plgpu.Barrier(num_barriers=4),
+            (plgpu.Barrier(num_barriers=stages),) * 4,
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),),
+            collective_axes="wg",
+        )
+
+    out = jax.ShapeDtypeStruct(k.shape, k.dtype)
+    return plgpu.kernel(
+        entry,
+        out_type=(out, out),
+        grid=(K, Sp // (2 * rows), B),
+        grid_names=("heads", "cols", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **_params(interpret),
+    )(q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt)
