@@ -11,7 +11,9 @@ An item that fails prints its error's first line; the run still exits 0.
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
 
 import jax
@@ -111,6 +113,19 @@ def bench(sizes=(4096, 8192)) -> list[dict]:
     return rows
 
 
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_mosaic_matmul", description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="4096,8192", help="M = N = K sizes, comma-separated")
+    args = p.parse_args(argv)
+    try:
+        sizes = tuple(int(x) for x in args.sizes.split(","))
+    except ValueError:
+        message = f"--sizes {args.sizes!r}: give whole numbers, e.g. 4096,8192"
+        print(f"bench_mosaic_matmul: error: {message}", file=sys.stderr)
+        return 2
+    bench(sizes)
+    return 0
+
+
 if __name__ == "__main__":
-    bench()
-    exit_with(0)
+    exit_with(main())

@@ -5,9 +5,10 @@
     python -m experiments.gpu_compile --quick          # head dim 128, bfloat16, three masks, two matmuls
     python -m experiments.gpu_compile --json out.json  # also the rows as JSON
 
-Triton compiles each kernel for sm_90 and XLA checks its shared memory against the H100's 227 KiB per block, so a
-kernel change is done only when this passes (pallas_kernels.targets says how it works). Attention: every mask
-kind, forward + dQ + dK/dV, head dims 64 / 128 / 256, float32 and bfloat16, GQA; a case that fails is compiled
+Triton and Mosaic GPU compile each kernel for sm_90 and XLA checks its shared memory against the H100's 227 KiB per
+block, so a kernel change is done only when this passes (pallas_kernels.targets says how it works). Each case
+counts the kernels of each kind it must contain (docs/gpu.md, Backends, says which runs where). Attention: every
+mask kind, forward + dQ + dK/dV, head dims 64 / 128 / 256, float32 and bfloat16, GQA; a case that fails is compiled
 again kernel by kernel to name the one that does not fit. Matmuls: int8, fp8, mixed fp8 and weight-only, per
 tensor / channel / block, and the training custom_vjp. Then whole train steps: a small Llama with Pallas attention
 and fp8 Pallas matmuls, and the GPU report's 1B Llama, whose state and temporaries must fit the H100's memory.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +28,8 @@ from collections.abc import Callable
 from experiments.cli import exit_with
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+# A Mosaic GPU kernel's custom call target: "mosaic_gpu_v2" in jax 0.10 ("mosaic_gpu" before); any version counts.
+MOSAIC_CALL = re.compile(r'custom_call_target="mosaic_gpu(_v\d+)?"')
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("bfloat16", "float32")
 SEQ, BLOCK, HEADS, KV_HEADS = 512, 128, 4, 2
@@ -93,16 +97,28 @@ def _compile_attention(mask, E: int, dtype: str) -> str:
             except Exception as e:
                 failing.append(f"{kernel}: {first_line(e)}")
         raise RuntimeError("; ".join(failing) or "fails only when the three kernels compile together") from None
-    return _kernels_in(compiled, expected=3)
+    # float32 runs all three on Triton (wgmma takes 16-bit floats); in bfloat16 block_sparse_attention's auto
+    # lowering puts on Mosaic GPU what its kernels take (which masks and head dims: pallas_attention), so there the
+    # three are counted of either kind
+    return _kernels_in(compiled, triton=3) if dtype == "float32" else _kernels_in(compiled, total=3)
 
 
-def _kernels_in(compiled, expected: int) -> str:
-    """Check the compiled program calls at least `expected` Triton kernels (so nothing fell back to interpret
-    mode, which would compile as plain XLA and prove nothing)."""
-    found = compiled.as_text().count(f'custom_call_target="{TRITON_CALL}"')
-    if found < expected:
-        raise RuntimeError(f"expected {expected} Triton kernels in the compiled program, found {found}")
-    return f"{found} Triton kernels"
+def kernel_counts(hlo_text: str) -> tuple[int, int]:
+    """(Triton kernels, Mosaic GPU kernels) that a compiled program's HLO text calls."""
+    return hlo_text.count(f'custom_call_target="{TRITON_CALL}"'), len(MOSAIC_CALL.findall(hlo_text))
+
+
+def _kernels_in(compiled, *, triton: int = 0, mosaic: int = 0, total: int | None = None) -> str:
+    """Check the compiled program calls at least `triton` Triton kernels, `mosaic` Mosaic GPU kernels and `total`
+    of either kind (default: the two added), so nothing fell back to interpret mode (which would compile as plain
+    XLA and prove nothing) and the kernels that must take a lowering on sm_90 took it. Returns the counts."""
+    total = triton + mosaic if total is None else total
+    found_triton, found_mosaic = kernel_counts(compiled.as_text())
+    found = f"{found_triton} Triton + {found_mosaic} Mosaic GPU kernels"
+    if found_triton < triton or found_mosaic < mosaic or found_triton + found_mosaic < total:
+        want = f"{triton} Triton + {mosaic} Mosaic GPU" + ("" if total == triton + mosaic else f", {total} in all")
+        raise RuntimeError(f"expected at least {want} kernels in the compiled program, found {found}")
+    return found
 
 
 # What a kernel's shared memory depends on: its tiles (head dim, dtype) and the operands it loads (segment ids with a
@@ -123,6 +139,8 @@ def attention_cases(quick: bool, core: bool = False) -> list[Case]:
                 continue  # float32 tiles at 64 are the smallest: 128 and 256 bound their shared memory
             elif core and (E != 128 or dtype != "bfloat16"):
                 masks = {k: all_masks[k] for k in CORE_MASKS}
+            elif core:  # the Mosaic forward takes every static mask down one path: two stand for the rest
+                masks = {k: v for k, v in all_masks.items() if not k.startswith(("full", "prefix_lm"))}
             for name, mask in masks.items():
                 cases.append(
                     Case(
@@ -134,6 +152,7 @@ def attention_cases(quick: bool, core: bool = False) -> list[Case]:
     return cases
 
 
+# On sm_90 the first two run as the Mosaic GPU kernel (same 8-bit dtype, per tensor / channel), the rest as Triton's.
 MATMULS = {  # name: x dtype, x scale shape (None: weight-only), w dtype, w scale shape, k_block
     "int8 x int8, per channel": ("int8", "rows", "int8", "cols", None),
     "fp8 x fp8, per tensor": ("float8_e4m3fn", "tensor", "float8_e4m3fn", "tensor", None),
@@ -178,11 +197,18 @@ def matmul_program(spec):
     return matmul, args
 
 
+def matmul_on_mosaic(spec) -> bool:
+    """Whether scaled_matmul's auto lowering runs this MATMULS entry on Mosaic GPU (sm_90)."""
+    x_dtype, xs, w_dtype, _, k_block = spec
+    return xs is not None and x_dtype == w_dtype and k_block is None
+
+
 def _compile_matmul(spec) -> str:
     from pallas_kernels.targets import compile_for_gpu
 
     matmul, args = matmul_program(spec)
-    return _kernels_in(compile_for_gpu(matmul, *args), expected=1)
+    mosaic = matmul_on_mosaic(spec)
+    return _kernels_in(compile_for_gpu(matmul, *args), triton=1 - mosaic, mosaic=int(mosaic))
 
 
 def _compile_quantized_dot(recipe_name: str, delayed: bool) -> str:
@@ -202,8 +228,11 @@ def _compile_quantized_dot(recipe_name: str, delayed: bool) -> str:
     step = jax.value_and_grad(loss, argnums=(0, 1) + ((2,) if delayed else ()))
     x, w = jax.ShapeDtypeStruct((X, C), jnp.bfloat16), jax.ShapeDtypeStruct((C, Y), jnp.bfloat16)
     # forward, dX and dW are three quantized products; weight-only quantizes the forward alone (its dX and dW are
-    # float products of the dequantized weight and of x)
-    return _kernels_in(compile_for_gpu(step, x, w, history), expected=1 if recipe.weight_only else 3)
+    # float products of the dequantized weight and of x). On Mosaic GPU: all three for int8, fp8's forward (its
+    # backward multiplies e5m2 by e4m3: Triton), not weight-only.
+    mosaic = {"int8": 3, "fp8": 1}.get(recipe_name, 0)
+    total = 1 if recipe.weight_only else 3
+    return _kernels_in(compile_for_gpu(step, x, w, history), triton=total - mosaic, mosaic=mosaic)
 
 
 def matmul_cases(quick: bool) -> list[Case]:
@@ -263,8 +292,9 @@ def _compile_step(cfg):
 
 
 def _compile_small_step() -> str:
-    # the scanned layer body once: 3 attention kernels and 4 fp8 matmuls x (forward, dX, dW); the lm_head's 3
-    return _kernels_in(_compile_step(small_llama()), expected=3 + 4 * 3 + 3)
+    # the scanned layer body once: 3 attention kernels (causal bf16: the forward on Mosaic GPU, dQ and dK/dV on
+    # either) and 4 fp8 matmuls x (forward on Mosaic GPU; dX, dW, mixed e5m2 x e4m3, on Triton); the lm_head's 3
+    return _kernels_in(_compile_step(small_llama()), triton=4 * 2 + 2, mosaic=1 + 4 + 1, total=3 + 4 * 3 + 3)
 
 
 def _compile_report_step(overrides: dict) -> str:
@@ -280,7 +310,8 @@ def _compile_report_step(overrides: dict) -> str:
     used = memory.argument_size_in_bytes + memory.temp_size_in_bytes
     if used > H100_MEMORY:
         raise RuntimeError(f"needs {used / 1e9:.1f} GB, more than the H100's {H100_MEMORY / 1e9:.1f} GB")
-    return f"{_kernels_in(compiled, expected=3)}, {used / 1e9:.1f} of {H100_MEMORY / 1e9:.1f} GB"
+    # attention's three kernels, of either kind (the matmuls are XLA's: matmul_impl auto)
+    return f"{_kernels_in(compiled, total=3)}, {used / 1e9:.1f} of {H100_MEMORY / 1e9:.1f} GB"
 
 
 def train_cases(core: bool = False) -> list[Case]:

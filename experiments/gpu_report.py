@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import logging
 import platform
 import re
 import sys
@@ -324,6 +325,7 @@ def render_markdown(report: Report, meta: dict, ratios: dict) -> str:
         f"jax.nn.dot_product_attention implementation={meta['peer']!r}",
         f"- sizes: {'quick (tiny, code paths only)' if meta['quick'] else 'full'}; "
         f"bf16 matmul peak measured in this run: {_fmt(meta['peak_tflops'])} TFLOP/s",
+        f"- kernel lowerings this run took: {'; '.join(meta.get('lowerings') or ['none logged'])}",
         f"- items failed: {len(report.failures)}",
         "",
         "## Targets",
@@ -384,6 +386,28 @@ def _fmt(x) -> str:
     return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
 
 
+class _Lowerings(logging.Handler):
+    """Which lowering (Mosaic GPU, Triton) each Pallas kernel took, as pallas_kernels logs it once per process on
+    the "jaxlm.kernels" logger: the report says which kernels its figures are of."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.seen: list[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message not in self.seen:
+            self.seen.append(message)
+
+    @classmethod
+    def attach(cls) -> _Lowerings:
+        handler = cls()
+        logger = logging.getLogger("jaxlm.kernels")
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+        return handler
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m experiments.gpu_report",
@@ -423,6 +447,7 @@ def main(argv=None) -> int:
     print(f"gpu_report: {device.device_kind} ({device.platform}), jax {jax.__version__}, sections {','.join(only)}")
     from experiments.report_speed import matmul_peak
 
+    lowerings = _Lowerings.attach()
     peak = report.item("peak", f"bf16 matmul peak {sizes.peak_n}^3", lambda: matmul_peak(sizes.peak_n))
     report.peak_flops = peak
     if "kernels" in only:
@@ -445,6 +470,7 @@ def main(argv=None) -> int:
         "peer": peer,
         "command": "python -m experiments.gpu_report " + " ".join(argv if argv is not None else sys.argv[1:]),
         "peak_tflops": None if peak is None else peak / 1e12,
+        "lowerings": lowerings.seen,
     }
     stem = out_dir / f"gpu-{device_slug(device.device_kind)}-{date}"
     merged = merge_earlier_sections(report, stem.with_suffix(".json"), only, args.quick)

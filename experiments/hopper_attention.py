@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from experiments.cli import exit_with
 from experiments.report_speed import _peer, kept_pairs
 from experiments.timing import best_time
 from pallas_kernels.targets import first_line
@@ -169,6 +170,16 @@ def main(argv=None) -> int:
     p.add_argument("--impls", default="mosaic,triton,cudnn", help="speed rows to time, comma-separated")
     args = p.parse_args(argv)
     only = set(args.only.split(","))
+    if not only or only - {"check", "speed"}:
+        print(f"hopper_attention: error: --only {args.only!r}: give check, speed or both", file=sys.stderr)
+        return 2
+    if jax.devices()[0].platform != "gpu":
+        print(
+            f"hopper_attention: error: no GPU here (the default device is {jax.devices()[0].platform}); the Mosaic "
+            "kernels' CPU checks are tests/test_mosaic_attention.py",
+            file=sys.stderr,
+        )
+        return 2
     print(f"hopper_attention: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
     if "check" in only:
@@ -185,4 +196,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -110,6 +110,17 @@ def target_platform() -> str:
     return _compile_target.get() or jax.default_backend()
 
 
+def hopper_target() -> bool:
+    """True when kernels are traced for a Hopper-or-newer GPU (sm_90+): the local GPU's compute capability, or,
+    compiling ahead of time with no GPU here (``compile_target("gpu")``), the H100 that ``targets`` describes.
+    Only meaningful once the backend resolved to "gpu"."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return True
+    return float(getattr(gpus[0], "compute_capability", "9.0")) >= 9.0
+
+
 def resolve_backend(name: str, interpret: bool | None, backend: str | None) -> str:
     """'interpret' (the default on CPU), or the lowering to target: ``backend`` if given, else the default device's.
     Setting ``backend`` lets a CPU machine lower (export) a kernel for an accelerator."""

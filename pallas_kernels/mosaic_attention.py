@@ -13,9 +13,11 @@ FlashAttention-3 is, and walks only the tiles the block mask keeps:
   kept in base 2 so each exponential is one ``ex2``.
 
 Masks are evaluated on full-tile position iotas in the wgmma register layout, so every static mask written with
-elementwise ops works unchanged; document (segment-id) and position slots are not loaded by this kernel yet, and
-``supports`` sends such masks to the Triton kernel. The backward stays the Triton dQ and dK/dV kernels: the forward's
-outputs (out, lse) are the same.
+elementwise ops works unchanged. Document (segment-id) and position slots (``kernel_mask``) are loaded as ids: each
+consumer warpgroup reads its rows' q ids once (a vector in the row layout of the wgmma accumulator), and the producer
+streams each PARTIAL tile's kv ids with TMA beside its K tile (one more ring, one more barrier per slot); FULL tiles
+load none. The backward (``mosaic_attention_bwd``, or the Triton kernels where it cannot run) takes the same outputs
+(out, lse) from either forward.
 
 Shape suffixes follow the legend in docs/architecture.md.
 """
@@ -50,18 +52,20 @@ class MosaicTiles:
     stages: int
 
 
-def _smem_bytes(tiles: MosaicTiles, head_dim: int, itemsize: int) -> int:
+def _smem_bytes(tiles: MosaicTiles, head_dim: int, itemsize: int, n_slots: int = 0) -> int:
+    """Q/O staging, the K/V ring and lse, plus per document / position slot its q ids and a ring of kv ids."""
     qo = 2 * tiles.rows * head_dim * itemsize
     kv = 2 * tiles.stages * tiles.kv * head_dim * itemsize
-    return qo + kv + 2 * tiles.rows * 4
+    ids = n_slots * (2 * tiles.rows + tiles.stages * tiles.kv) * 4
+    return qo + kv + 2 * tiles.rows * 4 + ids
 
 
 def mosaic_tiles(head_dim: int, dtype, block_q: int, block_kv: int) -> MosaicTiles | None:
     """The tiles for this head dim and blocks, or None when the kernel cannot take them: the rows of a program are
-    one block row split between two warpgroups (wgmma wants multiples of 64), kv tiles divide the block, and the
+    one block row of 128 split between two warpgroups (wgmma's 64 rows each), kv tiles divide the block, and the
     deepest ring that fits shared memory (at least two slots) is used."""
     itemsize = jnp.dtype(dtype).itemsize
-    if block_q % 128 or block_q > 256 or head_dim % 64 or head_dim > 256:
+    if block_q != 128 or head_dim % 64 or head_dim > 256:  # block_q 256 (128 rows a warpgroup) spills
         return None
     rows = block_q // 2
     for kv in (128, 64):
@@ -74,23 +78,38 @@ def mosaic_tiles(head_dim: int, dtype, block_q: int, block_kv: int) -> MosaicTil
     return None
 
 
-def _slots(mask) -> bool:
+def id_slots(mask) -> int:
+    """How many id arrays (document / position slots) a template loads."""
     if isinstance(mask, (DocumentSlot, PositionSlot)):
-        return True
+        return mask.index + 1
     if isinstance(mask, (And, Or)):
-        return any(_slots(m) for m in mask.masks)
-    return False
+        return max((id_slots(m) for m in mask.masks), default=0)
+    return 0
 
 
 def supports(static, dtype, head_dim: int) -> str | None:
     """None when the Mosaic forward can run this attention, else why not (the Triton kernel runs instead)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name} (wgmma takes bfloat16 / float16 here)"
-    if mosaic_tiles(head_dim, dtype, static.block_q, static.block_kv) is None:
+    tiles = mosaic_tiles(head_dim, dtype, static.block_q, static.block_kv)
+    if tiles is None:
         return f"head dim {head_dim} with blocks {static.block_q}x{static.block_kv}"
-    if _slots(static.template):
-        return "document / position masks (their id tiles are not loaded by the Mosaic kernel yet)"
+    slots = id_slots(static.template)
+    if _smem_bytes(tiles, head_dim, jnp.dtype(dtype).itemsize, slots) > _SHARED_MEMORY:
+        return f"{slots} document / position slots at head dim {head_dim} (their ids do not fit shared memory)"
     return None
+
+
+def like(shape, dtype, x) -> jax.ShapeDtypeStruct:
+    """An output type that varies over the same manual mesh axes as ``x`` (the kernels run inside shard_map)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(x).mat)
+
+
+def vary_like(out, x):
+    """``out`` marked as varying over the manual mesh axes ``x`` varies over: a Mosaic GPU kernel's results come
+    back without them (jax 0.10), and inside shard_map a custom_vjp's gradients must match its inputs' types."""
+    missing = tuple(sorted(jax.typeof(x).mat.varying - jax.typeof(out).mat.varying))
+    return jax.lax.pcast(out, missing, to="varying") if missing else out
 
 
 def _accumulate(plgpu, acc, a, b, then, interpret: bool):
@@ -113,18 +132,46 @@ def _accumulate(plgpu, acc, a, b, then, interpret: bool):
     return pl.run_state(in_place)(plgpu.ACC.init(acc))
 
 
-def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, *, interpret: bool = False):
+def _id_arrays(doc_arrays, Tp: int, Sp: int):
+    """(q ids [Bd, slots, Tp], kv ids [Bd, slots, Sp]) int32 from per-slot (q ids, kv ids) pairs of [1 or B, Tp]
+    / [1 or B, Sp] (or the Triton kernels' [.., Tp, 1] / [.., 1, Sp] views): every slot in one array, so a tile's
+    ids of all slots are one TMA copy. Bd is B when any slot's ids are per batch row, else 1."""
+    flat = [a.reshape(a.shape[0], -1).astype(jnp.int32) for a in doc_arrays]
+    Bd = max(a.shape[0] for a in flat)
+
+    def stack(arrays, length):
+        return jnp.stack([jnp.broadcast_to(a, (Bd, length)) for a in arrays], axis=1)
+
+    return stack(flat[0::2], Tp), stack(flat[1::2], Sp)
+
+
+def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=(), *, interpret: bool = False):
     """(out [B, H, Tp, E] in q.dtype, lse [B, H, Tp, 1] float32) over the padded q/k/v, like the Triton forward.
 
-    ``mask_arrays`` are ``kernel_inputs.list_arrays``' first three (kv block indices, partial counts, counts)."""
+    ``mask_arrays`` are ``kernel_inputs.list_arrays``' first three (kv block indices, partial counts, counts);
+    ``doc_arrays`` per document / position slot of ``static.template``, in slot order, its q ids [1 or B, Tp] and
+    kv ids [1 or B, Sp] (int32, zero-padded: ``kernel_inputs.segment_arrays``), 2-D or as the Triton kernels'
+    [.., Tp, 1] / [.., 1, Sp] views."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     B, H, Tp, E = q.shape
+    Sp = k.shape[2]
     G = static.groups
     rows, tkv, stages = tiles.rows, tiles.kv, tiles.stages
     sub = static.block_kv // tkv  # kv tiles per mask block
     dtype = q.dtype
     kv_idx, kv_np, kv_cnt = mask_arrays[:3]
+    n_ids = len(doc_arrays) // 2
+    if len(doc_arrays) % 2 or n_ids != id_slots(static.template):
+        raise ValueError(
+            f"mosaic_forward: {len(doc_arrays)} id arrays for a mask with {id_slots(static.template)} document / "
+            f"position slots (want a q and a kv array per slot)"
+        )
+    id_arrays = _id_arrays(doc_arrays, Tp, Sp) if n_ids else ()
+    ids_batched = bool(n_ids) and id_arrays[0].shape[0] > 1
+    # Registers per thread of a consumer / the producer warpgroup (2 x consumer + producer <= 504). With id slots the
+    # consumers take FlashAttention-3's 240 / 24: at head dim 256 two slots' ids spilled 8 bytes at 232 / 40.
+    consumer_regs, producer_regs = (240, 24) if n_ids else (232, 40)
 
     def in_layout(x, layout):  # the interpreter runs plain arrays and has no layout casts
         return x if interpret else plgpu.layout_cast(x, layout)
@@ -134,13 +181,20 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, *, interpre
             return lax.broadcasted_iota(jnp.int32, (rows, tkv), axis)
         return plgpu.broadcasted_iota(jnp.int32, (rows, tkv), axis, layout=plgpu.Layout.WGMMA)
 
-    def kernel(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, out_ref, lse_ref, scoped):
-        (qo_smem2, k_smem, v_smem, lse_smem2, kt_smem, p_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = (
-            scoped
-        )
+    def load_ids(smem, kept_axis):
+        """One slot's ids from shared memory: the q ids of a warpgroup's rows (kept_axis 0) or a tile's kv ids (1),
+        in the layout that broadcasts along the other axis of the wgmma accumulator."""
+        if interpret:  # the interpreter has no layouts
+            return smem[...]
+        return plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(1 - kept_axis))
+
+    def kernel(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, qid_ref, kvid_ref, out_ref, lse_ref, scoped):
+        smem, (k_ready, v_ready, q_ready), (k_free, v_free), turn, (kvid_ready, qid_ready) = scoped
+        qo_smem2, k_smem, v_smem, lse_smem2, kt_smem, p_smem, qid_smem2, kvid_smem = smem
         b, h, row = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
         wg = lax.axis_index("wg")
         bm = b if static.mask_batched else 0
+        bd = b if ids_batched else 0
         n_tiles = cnt_ref[bm, row] * sub
         n_partial = np_ref[bm, row] * sub
 
@@ -153,11 +207,18 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, *, interpre
 
         @pl.when(wg < 2)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(consumer_regs, action="increase")
             qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
             q_base = row * (2 * rows) + wg * rows
             plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_base, rows)], qo_smem, q_ready.at[wg])
+            if n_ids:
+                at = (bd, slice(None), pl.ds(q_base, rows))
+                plgpu.copy_gmem_to_smem(qid_ref.at[at], qid_smem2.at[wg], qid_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
+            q_ids = []
+            if n_ids:  # [rows] per slot, read once; broadcast over a tile's columns where a PARTIAL tile needs them
+                plgpu.barrier_wait(qid_ready.at[wg])
+                q_ids = [load_ids(qid_smem2.at[wg, i], 0) for i in range(n_ids)]
 
             m = in_layout(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l = in_layout(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -168,6 +229,21 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, *, interpre
                 plgpu.barrier_wait(k_ready.at[0])
 
             pl.when(wg == 1)(take_turn)  # warpgroup 1 starts half a turn behind
+
+            def doc_tiles(slot):
+                """(q ids, kv ids) per slot as [rows, tkv] tiles. The kv ids came with the tile's K (PARTIAL tiles
+                only); their ring slot frees with V's, so they are read here, where the mask needs them (read
+                sooner, a tile's kv ids of two slots held 64 more registers across the wgmma wait and spilled)."""
+                if not n_ids:
+                    return []
+                plgpu.barrier_wait(kvid_ready.at[slot])
+                return [
+                    (
+                        lax.broadcast_in_dim(q_id, (rows, tkv), [0]),
+                        lax.broadcast_in_dim(load_ids(kvid_smem.at[slot, i], 1), (rows, tkv), [1]),
+                    )
+                    for i, q_id in enumerate(q_ids)
+                ]
 
             def step(j, carry, masked: bool):
                 acc, m, l = carry
@@ -191,7 +267,7 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, *, interpre
                     kv_pos = tile_iota(1) + tile_start(j)
                     s, _ = static.mod_scores(s * static.scale, q_pos, kv_pos, h)
                     if masked:
-                        s = jnp.where(static.keep([], q_pos, kv_pos), s, -jnp.inf)
+                        s = jnp.where(static.keep(doc_tiles(slot), q_pos, kv_pos), s, -jnp.inf)
                     s2 = s * _LOG2E
                 else:
                     s2 = s * (static.scale * _LOG2E)
@@ -237,12 +313,20 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, *, interpre
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(producer_regs, action="decrease")
             kv_head = lax.div(h, G)
 
             def load(j, slot):
-                at = (b, kv_head, pl.ds(tile_start(j), tkv))
+                start = tile_start(j)
+                at = (b, kv_head, pl.ds(start, tkv))
                 plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
+                if n_ids:  # every slot's kv ids of a PARTIAL tile, beside its K (the slot frees with V's)
+
+                    @pl.when(j < n_partial)
+                    def _():
+                        ids_at = (bd, slice(None), pl.ds(start, tkv))
+                        plgpu.copy_gmem_to_smem(kvid_ref.at[ids_at], kvid_smem.at[slot], kvid_ready.at[slot])
+
                 plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
 
             for i in range(stages):
@@ -255,7 +339,9 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, *, interpre
                 plgpu.barrier_wait(v_free.at[slot])
                 load(j, slot)
 
-    def entry(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, out_ref, lse_ref):
+    def entry(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, *refs):
+        qid_ref, kvid_ref = refs[:2] if n_ids else (None, None)
+        out_ref, lse_ref = refs[-2:]
         layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = (
             plgpu.SMEM((2, rows, E), dtype, transforms=layout),
@@ -264,9 +350,12 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, *, interpre
             plgpu.SMEM((2, rows), jnp.float32),
             plgpu.SMEM((2, E, tkv), dtype) if interpret else None,
             plgpu.SMEM((2, rows, tkv), dtype) if interpret else None,
+            plgpu.SMEM((2, n_ids, rows), jnp.int32) if n_ids else None,
+            plgpu.SMEM((stages, n_ids, tkv), jnp.int32) if n_ids else None,
         )
+        refs = (q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, qid_ref, kvid_ref, out_ref, lse_ref)
         pl.run_scoped(
-            lambda *scoped: kernel(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, out_ref, lse_ref, scoped),
+            lambda *scoped: kernel(*refs, scoped),
             scratch,
             (
                 plgpu.Barrier(num_barriers=stages),
@@ -275,6 +364,7 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, *, interpre
             ),
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)) if n_ids else (None, None),
             collective_axes="wg",
         )
 
@@ -286,8 +376,8 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, *, interpre
     out, lse = plgpu.kernel(
         entry,
         out_type=(
-            jax.ShapeDtypeStruct((B, H, Tp, E), dtype),
-            jax.ShapeDtypeStruct((B, H, Tp), jnp.float32),
+            like((B, H, Tp, E), dtype, q),
+            like((B, H, Tp), jnp.float32, q),
         ),
         grid=(H, Tp // (2 * rows), B),
         grid_names=("heads", "rows", "batch"),
@@ -295,5 +385,5 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, *, interpre
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **params,
-    )(q, k, v, kv_idx.astype(jnp.int32), kv_np.astype(jnp.int32), kv_cnt.astype(jnp.int32))
-    return out, lse[..., None]
+    )(q, k, v, kv_idx.astype(jnp.int32), kv_np.astype(jnp.int32), kv_cnt.astype(jnp.int32), *id_arrays)
+    return vary_like(out, q), vary_like(lse[..., None], q)

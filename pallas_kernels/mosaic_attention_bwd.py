@@ -23,12 +23,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .mosaic_attention import _LOG2E, _SHARED_MEMORY, _accumulate, _slots
+from .mosaic_attention import _LOG2E, _SHARED_MEMORY, _accumulate, id_slots, like, vary_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +72,7 @@ def supports_backward(static, dtype, head_dim: int) -> str | None:
         return f"dtype {jnp.dtype(dtype).name}"
     if backward_tiles(head_dim, dtype, static.block_q, static.block_kv) is None:
         return f"head dim {head_dim} with blocks {static.block_q}x{static.block_kv}"
-    if _slots(static.template):
+    if id_slots(static.template):
         return "document / position masks"
     return None
 
@@ -255,9 +254,9 @@ def mosaic_dq(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arr
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
+    dq = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        out_type=like(q.shape, dtype, q),
         grid=(H, Tp // (2 * rows), B),
         grid_names=("heads", "rows", "batch"),
         num_threads=3,
@@ -265,6 +264,7 @@ def mosaic_dq(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arr
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **_params(interpret),
     )(q, k, v, d_out, lse[..., 0], delta[..., 0], kv_idx, kv_np, kv_cnt)
+    return vary_like(dq, q)
 
 
 # ----------------------------------------------------------------------------- dK, dV
@@ -391,8 +391,8 @@ def mosaic_dkv(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_ar
             collective_axes="wg",
         )
 
-    out = jax.ShapeDtypeStruct(k.shape, k.dtype)
-    return plgpu.kernel(
+    out = like(k.shape, k.dtype, k)
+    dk, dv = plgpu.kernel(
         entry,
         out_type=(out, out),
         grid=(K, Sp // (2 * rows), B),
@@ -402,3 +402,4 @@ def mosaic_dkv(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_ar
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **_params(interpret),
     )(q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt)
+    return vary_like(dk, k), vary_like(dv, k)

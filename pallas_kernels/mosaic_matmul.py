@@ -216,7 +216,7 @@ def mosaic_scaled_matmul(
             acc_dtype=jnp.int32 if kind == "int8" else jnp.float32,
             interpret=params is not None,
         ),
-        out_type=jax.ShapeDtypeStruct((Mp, Np), out_dtype),
+        out_type=jax.ShapeDtypeStruct((Mp, Np), out_dtype, manual_axis_type=jax.typeof(a_MK).mat),
         grid=(Mp // tiles.tile_m, Np // tiles.tile_n),
         grid_names=("m", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=_lowering_semantics()),

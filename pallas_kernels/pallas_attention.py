@@ -32,6 +32,7 @@ from .block_mask import BlockMask
 from .kernel_inputs import (
     AttentionStatic,
     check_attention_inputs,
+    hopper_target,
     list_arrays,
     pad_axis,
     resolve_backend,
@@ -39,7 +40,7 @@ from .kernel_inputs import (
 )
 from .kernel_mask import split_documents
 from .masks import ScoreMod
-from .mosaic_attention import MosaicTiles, mosaic_forward, mosaic_tiles, supports
+from .mosaic_attention import MosaicTiles, id_slots, mosaic_forward, mosaic_tiles, supports
 from .mosaic_attention_bwd import BackwardTiles, backward_tiles, mosaic_dkv, mosaic_dq, supports_backward
 from .tile_math import dot, iota, masked_scores
 from .tpu_attention import block_sparse_attention_tpu
@@ -149,8 +150,9 @@ def block_sparse_attention(
     must divide its block). On TPU the kernels are ``tpu_attention``'s, which choose their own tiles.
 
     ``lowering`` picks the GPU forward: "mosaic" (``mosaic_attention``, Hopper and newer; in interpret mode the
-    Mosaic GPU interpreter), "triton", or None: Mosaic on sm_90+ where it supports the case, else Triton. The
-    backward is the Triton dQ and dK/dV kernels either way.
+    Mosaic GPU interpreter), "triton", or None: Mosaic on sm_90+ where it supports the case, else Triton (also
+    when ``tiles``, the Triton kernels', are given). The backward follows (``mosaic_attention_bwd``) where its
+    kernels take the case, else it is the Triton dQ and dK/dV kernels.
     """
     check_attention_inputs("block_sparse_attention", q, k, v, block_mask)
     backend = resolve_backend("block_sparse_attention", interpret, backend)
@@ -163,6 +165,7 @@ def block_sparse_attention(
     template, docs = split_documents(block_mask.mask)
 
     bs = block_mask.block_sizes
+    explicit_tiles = tiles is not None
     tiles = kernel_tiles(backend, E, q.dtype, bs) if tiles is None else tiles
     _check_tiles(tiles, bs)
     Tp, Sp = block_mask.padded_q_len, block_mask.padded_kv_len
@@ -177,7 +180,7 @@ def block_sparse_attention(
         backend=backend,
         tiles=tiles,
     )
-    static = dataclasses.replace(static, **_mosaic_tiles(static, lowering, q.dtype, E))
+    static = dataclasses.replace(static, **_mosaic_tiles(static, lowering, q.dtype, E, explicit_tiles))
     qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
     return out[:, :, :T], lse[:, :, :T, 0]
@@ -187,7 +190,7 @@ LOWERINGS = ("mosaic", "triton")
 _logged: set = set()
 
 
-def _mosaic_tiles(static, lowering: str | None, dtype, E: int) -> dict:
+def _mosaic_tiles(static, lowering: str | None, dtype, E: int, explicit_tiles: bool = False) -> dict:
     """{"mosaic": forward tiles, "mosaic_bwd": backward tiles}, each None where that pass runs on Triton (or the
     Pallas interpreter). An explicit "mosaic" raises when the forward cannot take the case; the backward then still
     falls back to Triton where its kernels cannot (head dim 256, document masks). Which ran is logged once."""
@@ -195,8 +198,12 @@ def _mosaic_tiles(static, lowering: str | None, dtype, E: int) -> dict:
         raise ValueError(f"block_sparse_attention: unknown lowering {lowering!r}; choose one of {LOWERINGS}")
     if lowering == "triton" or (static.backend == "interpret" and lowering is None):
         return {}
+    if explicit_tiles and lowering is None:  # they are the Triton kernels' tiles (tune_gpu_tiles, tests)
+        return {}
     older = None if lowering == "mosaic" or hopper_target() else "the GPU is older than Hopper (sm_90)"
     why_not = older or supports(static, dtype, E)
+    if why_not is None and lowering is None and id_slots(static.template):
+        why_not = "document / position masks (not yet run on a GPU on Mosaic; lowering='mosaic' takes them)"
     if why_not is not None and lowering == "mosaic":
         raise ValueError(f"block_sparse_attention: the Mosaic GPU forward cannot take {why_not}")
     why_not_bwd = why_not or supports_backward(static, dtype, E)
@@ -213,16 +220,6 @@ def _log_once(kernel: str, why_not: str | None) -> None:
     if choice not in _logged:
         _logged.add(choice)
         logging.getLogger("jaxlm.kernels").info("block_sparse_attention %s", choice)
-
-
-def hopper_target() -> bool:
-    """True when kernels are traced for a Hopper-or-newer GPU: the local GPU's compute capability, or, compiling
-    ahead of time with no GPU here, the H100 that ``targets`` describes."""
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return True
-    return float(getattr(gpus[0], "compute_capability", "9.0")) >= 9.0
 
 
 def _check_tiles(tiles: KernelTiles, bs) -> None:
@@ -337,7 +334,8 @@ def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_r
 
 def _forward(static, q, k, v, mask_arrays, doc_arrays):
     if static.mosaic is not None:
-        return mosaic_forward(static, static.mosaic, q, k, v, mask_arrays, interpret=static.backend == "interpret")
+        interpret = static.backend == "interpret"
+        return mosaic_forward(static, static.mosaic, q, k, v, mask_arrays, doc_arrays, interpret=interpret)
     B, H, Tp, E = q.shape
     Sp = k.shape[2]
     G, tq = static.groups, static.tiles.forward.rows

@@ -1,5 +1,5 @@
-"""x @ w with int8 / fp8 operands: a tiled Pallas kernel (Triton on GPU, Mosaic on TPU, the interpreter on CPU) and
-an XLA implementation of the same arithmetic.
+"""x @ w with int8 / fp8 operands: a tiled Pallas kernel (Mosaic GPU or Triton on GPU, Mosaic on TPU, the interpreter
+on CPU) and an XLA implementation of the same arithmetic.
 
 ``scaled_matmul`` takes operands already quantized (``pallas_kernels.quantize``) with their scales and computes
 ``(xq * x_scale) @ (wq * w_scale)`` without ever dequantizing a whole operand: int8 x int8 accumulates in int32
@@ -7,6 +7,12 @@ an XLA implementation of the same arithmetic.
 scales along the contraction (``k_block``) each k-slice's partial product is scaled before it is added, in float32.
 Weight-only (``x_scale=None``): float activations times int8/fp8 weights converted tile by tile in the kernel, the
 memory-bound inference case. ``quantized_matmul`` quantizes float operands (current scaling) and calls it.
+
+On a Hopper-or-newer GPU (sm_90+) the products ``pallas_kernels.mosaic_matmul`` takes (both int8, or both the same
+fp8 dtype, with per-tensor / per-channel scales) run as that Mosaic GPU kernel (wgmma, TMA); everything else (older
+GPUs, block-wise scales, mixed fp8, weight-only) as the Triton kernel below. ``lowering=`` forces one. The Mosaic
+kernel reads the weight K-major, [Y, C]: a caller that can hold it so passes ``w_layout="YC"`` and nothing is
+transposed; a [C, Y] weight is transposed per call on that path (and a [Y, C] one on the Triton path).
 
 Each kernel program owns one [block_m, block_n] output tile and loops over C in block_k slices, so nothing is
 accumulated across grid steps and one kernel body serves GPU and TPU. Shapes that are not whole tiles are padded
@@ -21,16 +27,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .kernel_inputs import pad_axis, resolve_backend, target_platform
+from .kernel_inputs import hopper_target, pad_axis, resolve_backend, target_platform
 from .quantize import FLOAT8, dequantize, quantize
 
 IMPLS = ("auto", "pallas", "xla")
+LOWERINGS = ("mosaic", "triton")  # the Pallas kernel's GPU lowerings (block_sparse_attention's names)
+W_LAYOUTS = ("CY", "YC")  # the weight as [C, Y] (the product's own layout) or K-major [Y, C]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +128,12 @@ def scaled_matmul(
     *,
     out_dtype=jnp.float32,
     k_block: int | None = None,
-    blocks: MatmulBlocks | None = None,
+    blocks=None,
     impl: str = "auto",
     interpret: bool | None = None,
     backend: str | None = None,
+    lowering: str | None = None,
+    w_layout: str = "CY",
 ) -> jax.Array:
     """(xq * x_scale) @ (wq * w_scale) for xq [X, C], wq [C, Y] -> [X, Y] in out_dtype.
 
@@ -130,24 +141,61 @@ def scaled_matmul(
     tensor, applied in the epilogue) or N = ceil(C / k_block) (one scale per k_block-long slice of the
     contraction). ``impl``: 'pallas', 'xla', or 'auto' (Pallas on TPU, XLA on GPU and CPU). ``interpret`` defaults to
     True on CPU; ``backend`` ('gpu', 'tpu') picks the kernel lowering and lets a CPU machine export for one.
-    ``blocks`` defaults to the measured table of ``default_blocks``.
+    ``w_layout``: "CY" (wq [C, Y]) or "YC" (wq stored K-major, [Y, C], what the Mosaic GPU kernel reads; w_scale
+    keeps its [N, Y or 1] shape either way).
+
+    ``lowering`` picks the Pallas kernel's GPU lowering: "mosaic" (``mosaic_matmul``, Hopper and newer; in
+    interpret mode the Mosaic GPU interpreter; a product it cannot take is a ValueError), "triton", or None: Mosaic
+    on sm_90+ where it takes the product, else Triton (in interpret mode: the Pallas interpreter). Which one ran
+    is logged once per process and reason (logger "jaxlm.kernels"). It has no effect on the XLA implementation.
+    ``blocks``: a ``MatmulBlocks`` (the Triton / TPU kernel's; giving one picks Triton when ``lowering`` is None),
+    or a ``mosaic_matmul.MosaicTiles`` for the Mosaic kernel; None: ``default_blocks`` / ``MosaicTiles()``.
     """
-    if xq.ndim != 2 or wq.ndim != 2 or xq.shape[1] != wq.shape[0]:
-        raise ValueError(f"scaled_matmul: expected x [X, C] and w [C, Y], got {list(xq.shape)} and {list(wq.shape)}")
+    if w_layout not in W_LAYOUTS:
+        raise ValueError(f"scaled_matmul: unknown w_layout {w_layout!r}; choose one of {W_LAYOUTS}")
+    w_shape = wq.shape if w_layout == "CY" else wq.shape[::-1]
+    if xq.ndim != 2 or wq.ndim != 2 or xq.shape[1] != w_shape[0]:
+        raise ValueError(
+            f"scaled_matmul: expected x [X, C] and w {'[C, Y]' if w_layout == 'CY' else '[Y, C] (w_layout YC)'}, "
+            f"got {list(xq.shape)} and {list(wq.shape)}"
+        )
+    if lowering not in (None, *LOWERINGS):
+        raise ValueError(f"scaled_matmul: unknown lowering {lowering!r}; choose one of {LOWERINGS}")
     kind = _operand_kind(xq, wq, x_scale)
     X, C = xq.shape
-    Y = wq.shape[1]
+    Y = w_shape[1]
     _check_scales(x_scale, w_scale, X, C, Y, k_block)
+    x_scale_given = x_scale is not None
     if x_scale is None:
         x_scale = jnp.ones((1, w_scale.shape[0]), jnp.float32)
     x_scale, w_scale = x_scale.astype(jnp.float32), w_scale.astype(jnp.float32)
     if resolve_impl(impl) == "xla":
-        return _xla(xq, x_scale, wq, w_scale, kind, k_block).astype(out_dtype)
+        if w_layout == "YC" and k_block is None:  # a dot contracting both minor dims: no transpose
+            acc = _accumulator(kind)
+            w = wq.astype(xq.dtype) if kind == "weight_only" else wq
+            out = lax.dot_general(xq, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+            return (out.astype(jnp.float32) * x_scale * w_scale).astype(out_dtype)
+        w_CY = wq if w_layout == "CY" else wq.T  # block-wise: XLA fuses the transpose into the reshape
+        return _xla(xq, x_scale, w_CY, w_scale, kind, k_block).astype(out_dtype)
     backend = resolve_backend("scaled_matmul", interpret, backend)
+    why_not = _mosaic_refusal(xq, wq, x_scale_given, k_block, out_dtype, blocks)
+    if _use_mosaic(backend, lowering, why_not):
+        from .mosaic_matmul import mosaic_scaled_matmul
+
+        # The Mosaic kernel reads the weight K-major: a [C, Y] weight is transposed here, one pass over its bytes
+        # per call (where the weight is quantized in the same program, XLA fuses it into the quantization).
+        w_YC = wq if w_layout == "YC" else wq.T
+        return mosaic_scaled_matmul(
+            xq, w_YC, x_scale, w_scale, out_dtype=out_dtype, tiles=blocks, interpret=backend == "interpret"
+        )
+    if blocks is not None and not isinstance(blocks, MatmulBlocks):
+        raise ValueError(f"scaled_matmul: the {_kernel_name(backend)} takes MatmulBlocks, got {blocks!r}")
+    # The Triton / TPU kernel reads [C, Y] tiles: a K-major weight is transposed here, one pass over its bytes.
+    w_CY = wq if w_layout == "CY" else wq.T
     return _pallas(
         xq,
         x_scale,
-        wq,
+        w_CY,
         w_scale,
         kind=kind,
         k_block=k_block,
@@ -155,6 +203,53 @@ def scaled_matmul(
         out_dtype=jnp.dtype(out_dtype),
         backend=backend,
     )
+
+
+_logged: set = set()
+
+
+def _mosaic_refusal(xq, wq, x_scaled: bool, k_block, out_dtype, blocks) -> str | None:
+    """Why the Mosaic GPU kernel cannot take this product (the Triton kernel runs it instead), or None."""
+    xd, wd = jnp.dtype(xq.dtype), jnp.dtype(wq.dtype)
+    if not x_scaled:
+        return f"weight-only {xd.name} x {wd.name} (it multiplies two 8-bit operands)"
+    if xd != wd:
+        return f"mixed operand dtypes {xd.name} x {wd.name} (its wgmma takes one 8-bit type)"
+    if k_block is not None:
+        return "block-wise scales along the contraction (k_block; per-tensor / per-channel scales only)"
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        return f"out_dtype {jnp.dtype(out_dtype).name} (bfloat16 / float32 only)"
+    if isinstance(blocks, MatmulBlocks):
+        return "Triton blocks (MatmulBlocks) were given"
+    return None
+
+
+def _kernel_name(backend: str) -> str:
+    return {"gpu": "Triton kernel", "tpu": "TPU kernel", "interpret": "Pallas interpreter"}[backend]
+
+
+def _use_mosaic(backend: str, lowering: str | None, why_not: str | None) -> bool:
+    """Whether the Mosaic GPU kernel runs this product; raises where ``lowering`` asks for what cannot run. Which
+    lowering ran is logged once per process and reason."""
+    if backend == "tpu":
+        if lowering is not None:
+            raise ValueError(f"scaled_matmul: lowering={lowering!r} picks a GPU kernel; on TPU leave it None")
+        return False
+    if lowering == "mosaic" and why_not is not None:
+        raise ValueError(f"scaled_matmul: the Mosaic GPU kernel cannot take {why_not}; use lowering='triton' or None")
+    if lowering is None and why_not is None and backend == "gpu" and not hopper_target():
+        why_not = "the GPU is older than Hopper (sm_90)"
+    mosaic = lowering == "mosaic" or (lowering is None and why_not is None and backend == "gpu")
+    if mosaic:
+        choice = "Mosaic GPU interpreter" if backend == "interpret" else "Mosaic GPU kernel (sm_90)"
+    elif lowering == "triton" or why_not is None or backend == "interpret":
+        choice = _kernel_name(backend)
+    else:
+        choice = f"{_kernel_name(backend)}: {why_not}"
+    if choice not in _logged:
+        _logged.add(choice)
+        logging.getLogger("jaxlm.kernels").info("scaled_matmul on %s: %s", backend, choice)
+    return mosaic
 
 
 def _accumulator(kind: str):

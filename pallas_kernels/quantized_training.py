@@ -12,6 +12,12 @@ Scaling:
 - current (``history=None``): scales from the tensor itself, per row of x and per column of w (and along the
   contraction of every backward product), re-quantizing x and w for the transposed products.
 
+Kernels: with ``impl="pallas"`` on a Hopper-or-newer GPU, the products whose two operands share one 8-bit dtype run
+as the Mosaic GPU kernel (all three for int8; for fp8 the forward only, its backward multiplying e5m2 by e4m3), the
+others as the Triton kernel (``scaled_matmul`` picks). The Mosaic kernel reads its second operand K-major, so where
+a product quantizes that operand itself the quantization writes it K-major in the same pass, and the delayed-scaling
+weight is kept in the layout that needs the fewest transposes (``_forward``).
+
 Weight-only (``recipe.weight_only``): int8 per-channel weights, float activations; dX is the exact derivative of
 the quantized forward, dW the straight-through estimate (Xᵀ·dY), so a weight-only model can also be fine-tuned.
 
@@ -28,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from .quantize import amax, quant_dtype, quantize, scale_from_amax
-from .quantized_matmul import MatmulBlocks, scaled_matmul
+from .quantized_matmul import LOWERINGS, MatmulBlocks, scaled_matmul
 
 HISTORY_ROWS = ("x", "w", "dy")
 
@@ -43,7 +49,10 @@ class QuantRecipe:
     margin: float = 0.0  # scale headroom: amax * 2**margin maps to the type's max
     stochastic_grads: bool = False  # round dY stochastically (needs a key)
     impl: str = "auto"  # scaled_matmul impl: auto | pallas | xla
-    blocks: MatmulBlocks | None = None  # None: quantized_matmul.default_blocks
+    blocks: MatmulBlocks | None = None  # None: default_blocks; a MatmulBlocks picks Triton, a MosaicTiles Mosaic GPU
+    # scaled_matmul's GPU lowering for every product: None (Mosaic GPU on sm_90 where it can, else Triton), "triton",
+    # or "mosaic" (a ValueError for a product it cannot take, such as fp8's mixed e5m2 x e4m3 backward)
+    lowering: str | None = None
 
     def __post_init__(self):
         quant_dtype(self.dtype)
@@ -51,6 +60,8 @@ class QuantRecipe:
             quant_dtype(self.grad_dtype)
         if self.weight_only and quant_dtype(self.dtype) != jnp.int8:
             raise ValueError(f"weight-only quantization is int8; got dtype {self.dtype!r}")
+        if self.lowering not in (None, *LOWERINGS):
+            raise ValueError(f"unknown quantized matmul lowering {self.lowering!r}; choose one of {LOWERINGS}")
 
     @classmethod
     def fp8(cls, **kw) -> "QuantRecipe":
@@ -104,8 +115,25 @@ def quantized_dot(
     return _quantized_dot(x_XC, w_CY, history, key, recipe)
 
 
-def _matmul(recipe, xq, xs, wq, ws, out_dtype):
-    return scaled_matmul(xq, xs, wq, ws, out_dtype=out_dtype, impl=recipe.impl, blocks=recipe.blocks)
+def _matmul(recipe, xq, xs, wq, ws, out_dtype, w_layout="CY"):
+    return scaled_matmul(
+        xq,
+        xs,
+        wq,
+        ws,
+        out_dtype=out_dtype,
+        impl=recipe.impl,
+        blocks=recipe.blocks,
+        lowering=recipe.lowering,
+        w_layout=w_layout,
+    )
+
+
+def _quantize_kmajor(t_CY, dtype, key=None):
+    """t [C, Y] quantized per column, written K-major: ([Y, C], scales [1, Y]). The same values as
+    ``quantize(t, dtype, axis=0)``, transposed within the quantization's own pass."""
+    q_YC, s_Y1 = quantize(t_CY.T, dtype, axis=1, key=key)
+    return q_YC, s_Y1.T
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -119,15 +147,17 @@ def _forward(x, w, history, recipe):
         return _matmul(recipe, x, None, wq, ws, x.dtype), (x, wq, ws)
     if history is None:
         xq, xs = quantize(x, recipe.dtype, axis=1)  # per row
-        wq, ws = quantize(w, recipe.dtype, axis=0)  # per output column
-        return _matmul(recipe, xq, xs, wq, ws, x.dtype), (x, w)
+        wq_YC, ws = _quantize_kmajor(w, recipe.dtype)  # per output column
+        return _matmul(recipe, xq, xs, wq_YC, ws, x.dtype, "YC"), (x, w)
     amax_x, amax_w = amax(x).reshape(()), amax(w).reshape(())
     xs = scale_from_amax(delayed_amax(history[0], amax_x), recipe.dtype, recipe.margin).reshape(1, 1)
     ws = scale_from_amax(delayed_amax(history[1], amax_w), recipe.dtype, recipe.margin).reshape(1, 1)
     xq, _ = quantize(x, recipe.dtype, scale=xs)
-    wq, _ = quantize(w, recipe.dtype, scale=ws)
-    y = _matmul(recipe, xq, xs, wq, ws, x.dtype)
-    keep = (xq, xs, wq, ws) if recipe.grad_dtype is not None else (x, w)
+    # The weight is kept [Y, C]: K-major for the forward (the Mosaic kernel reads it as is), and the [C, Y] of dX's
+    # product (the Triton kernel reads it as is: fp8's dX is mixed e5m2 x e4m3). Only int8's dX (Mosaic) transposes.
+    wq_YC, _ = quantize(w.T, recipe.dtype, scale=ws)
+    y = _matmul(recipe, xq, xs, wq_YC, ws, x.dtype, "YC")
+    keep = (xq, xs, wq_YC, ws) if recipe.grad_dtype is not None else (x, w)
     return y, (keep, amax_x, amax_w, jnp.zeros((0,), w.dtype))
 
 
@@ -155,10 +185,12 @@ def _bwd(recipe, saved, g):
         x, w = keep
         dx, dw = _unquantized_backward(x, w, g)
     else:
-        xq, xs, wq, ws = keep
+        xq, xs, wq_YC, ws = keep
         gs = scale_from_amax(delayed_amax(history[2], amax_g), recipe.grad_dtype, recipe.margin).reshape(1, 1)
         gq, _ = quantize(g, recipe.grad_dtype, scale=gs, key=key)
-        dx = _matmul(recipe, gq, gs, wq.T, ws, jnp.float32)  # per-tensor scales survive the transposes
+        # per-tensor scales survive the transposes. dW contracts over the rows of both residuals, so a K-major
+        # kernel transposes both (xq.T here, gq in scaled_matmul on the Mosaic path): unavoidable for dW.
+        dx = _matmul(recipe, gq, gs, wq_YC, ws, jnp.float32)
         dw = _matmul(recipe, xq.T, xs, gq, gs, jnp.float32)
     return dx.astype(g.dtype), dw.astype(w_like.dtype), new_history, None
 
@@ -171,16 +203,17 @@ def _unquantized_backward(x, w, g):
 
 def _current_backward(recipe, x, w, g, key):
     """Each backward product quantizes its operands along its own contraction: rows of dY and of Wᵀ for dX,
-    rows of Xᵀ and columns of dY for dW."""
+    rows of Xᵀ and columns of dY for dW. Every second operand is written K-major by its quantization (W as it is
+    for dX, dYᵀ for dW), what the Mosaic kernel reads; the Triton kernel's transposes back fuse into the same pass."""
     if recipe.grad_dtype is None:
         return _unquantized_backward(x, w, g)
     k_rows, k_cols = (None, None) if key is None else jax.random.split(key)
     g_rows, gs_rows = quantize(g, recipe.grad_dtype, axis=1, key=k_rows)  # [X, 1]
-    wt, wts = quantize(w.T, recipe.dtype, axis=0)  # [1, C]: one scale per column of Wᵀ
-    dx = _matmul(recipe, g_rows, gs_rows, wt, wts, jnp.float32)
+    wt_CY, wts = _quantize_kmajor(w.T, recipe.dtype)  # Wᵀ [Y, C] K-major is W [C, Y]; [1, C]: per column of Wᵀ
+    dx = _matmul(recipe, g_rows, gs_rows, wt_CY, wts, jnp.float32, "YC")
     xt, xts = quantize(x.T, recipe.dtype, axis=1)  # [C, 1]
-    g_cols, gs_cols = quantize(g, recipe.grad_dtype, axis=0, key=k_cols)  # [1, Y]
-    dw = _matmul(recipe, xt, xts, g_cols, gs_cols, jnp.float32)
+    g_YX, gs_cols = _quantize_kmajor(g, recipe.grad_dtype, key=k_cols)  # dY [X, Y] K-major: [Y, X]; [1, Y]
+    dw = _matmul(recipe, xt, xts, g_YX, gs_cols, jnp.float32, "YC")
     return dx, dw
 
 

@@ -37,10 +37,11 @@ def test_a_1b_llama_step_compiles_and_fits_on_64_v5p_chips_and_64_h100s(tmp_path
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     tpu, gpu = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert (tpu["cluster"], tpu["chips"], gpu["chips"]) == ("v5p-128", 64, 64)  # Google's name counts TensorCores
-    for row, kernel in ((tpu, "Mosaic (Pallas TPU)"), (gpu, "Triton (Pallas GPU)")):
+    for row, kernels in ((tpu, ["Mosaic (Pallas TPU)"]), (gpu, ["Mosaic GPU (Pallas)", "Triton (Pallas GPU)"])):
         assert row["compiled"] and row["fits"] and row["layout"] == "d2 f32 t1 p1"
         assert 1 < row["xla_gib"]["total"] < row["hbm_gib"]
-        assert row["kernels"][kernel] >= 3  # the attention forward, dQ and dK/dV: nothing fell back
+        # the attention forward, dQ and dK/dV (Mosaic GPU on an H100 in bfloat16): nothing fell back
+        assert sum(row["kernels"].get(k, 0) for k in kernels) >= 3, row["kernels"]
         # the FSDP gathers: over 32 devices, once per layer and step at least (16 layers)
         assert any(c["group"] == 32 and c["count"] >= 16 for c in row["collectives"]), row["collectives"]
         assert row["planner_mfu"] > 0

@@ -1,11 +1,13 @@
-"""Every Pallas kernel and a whole training step compile for an H100 on this CPU-only machine (Triton for sm_90, shared
-memory checked against the device's 227 KiB per block), through jax's CUDA plugin installed beside the project.
+"""Every Pallas kernel and a whole training step compile for an H100 on this CPU-only machine (Triton and Mosaic GPU
+for sm_90, shared memory checked against the device's 227 KiB per block), through jax's CUDA plugin installed beside
+the project.
 
 The compiles run in subprocesses: the plugin must be found before JAX starts its backends, and the test process
 has started them. The first run installs the plugin (~130 MB from the package index) into ~/.cache/jaxlm."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -51,17 +53,37 @@ def test_every_mask_at_every_head_dim_compiles_for_h100(tmp_path):
 
 
 def test_every_kernel_and_the_train_step_compile_for_h100(tmp_path):
-    """Every mask kind at head dim 128 in bfloat16; elsewhere causal and document, the masks that differ in what the
-    kernels load (float32 at 64, the smallest tiles, left out; the slow test above compiles every mask everywhere)."""
+    """Four mask kinds at head dim 128 in bfloat16 (the Mosaic forward takes every static mask down one path);
+    elsewhere causal and document, the masks that differ in what the kernels load (float32 at 64, the smallest
+    tiles, left out; the slow test above compiles every mask everywhere)."""
     rows = _compile_rows(tmp_path, "--core")
-    assert len(_attention_cases(rows, 128, "bfloat16")) == 6
+    assert [c.split(",")[0].split("(")[0] for c in _attention_cases(rows, 128, "bfloat16")] == [
+        "causal",
+        "sliding_window",
+        "document",
+        "global_tokens",
+    ]
     for E, dtype in ((128, "float32"), (64, "bfloat16"), (256, "bfloat16"), (256, "float32")):
         assert [c.split(",")[0] for c in _attention_cases(rows, E, dtype)] == ["causal", "document"]
     assert not _attention_cases(rows, 64, "float32")
-    assert sum(r["group"] == "matmul" for r in rows) == 10
+    matmuls = {r["case"]: r["detail"] for r in rows if r["group"] == "matmul"}
+    assert len(matmuls) == 10
+    # on sm_90 the same-dtype 8-bit products with per-tensor / per-channel scales run on Mosaic GPU, the rest on Triton
+    assert matmuls["int8 x int8, per channel"] == matmuls["fp8 x fp8, per tensor"] == "0 Triton + 1 Mosaic GPU kernels"
+    assert matmuls["fp8 e5m2 x e4m3 (mixed), per block of 128"] == "1 Triton + 0 Mosaic GPU kernels"
+    assert matmuls["quantized_dot int8 forward + backward, current scaling"] == "0 Triton + 3 Mosaic GPU kernels"
+    assert matmuls["quantized_dot fp8 forward + backward, delayed scaling"] == "2 Triton + 1 Mosaic GPU kernels"
+    for r in rows:  # bfloat16 attention runs on Mosaic GPU where its kernels take the case, on Triton elsewhere
+        if r["group"] == "attention" and "float32" in r["case"]:
+            assert r["detail"] == "3 Triton + 0 Mosaic GPU kernels", r
     (small,) = [r for r in rows if r["group"] == "train step"]
-    # the scanned layer body once: 3 attention kernels + 4 fp8 matmuls x (forward, dX, dW), and the lm_head's 3
-    assert small["detail"] == "18 Triton kernels"
+    # the scanned layer body once: 3 attention kernels + 4 fp8 matmuls x (forward, dX, dW), and the lm_head's 3; the
+    # attention forward and the fp8 forwards on Mosaic GPU, dX and dW (mixed e5m2 x e4m3) on Triton, attention's dQ and
+    # dK/dV on either
+    triton, mosaic = (
+        int(n) for n in re.fullmatch(r"(\d+) Triton \+ (\d+) Mosaic GPU kernels", small["detail"]).groups()
+    )
+    assert triton + mosaic == 18 and triton >= 10 and mosaic >= 6, small["detail"]
 
 
 def test_a_kernel_too_big_for_shared_memory_fails_the_compile():

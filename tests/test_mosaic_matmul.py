@@ -1,10 +1,13 @@
-"""The Mosaic GPU scaled matmul: exact against a float32 reference in the Mosaic GPU interpreter (CPU), and compiled
-for an H100 (sm_90a) to PTX with fp8 / int8 wgmma, TMA bulk-tensor loads and no register spills.
+"""The Mosaic GPU scaled matmul: exact against a float32 reference in the Mosaic GPU interpreter (CPU), the same as the
+Triton kernel's result through ``scaled_matmul(lowering=)``, and compiled for an H100 (sm_90a) to PTX with fp8 / int8
+wgmma, TMA bulk-tensor loads and no register spills.
 
 Interpreter shapes stay tiny (64-wide tiles, the smallest wgmma M): the interpreter simulates every copy and barrier.
 The compile runs in a subprocess, as tests/test_gpu_compile.py's do: the CUDA plugin must be found before JAX starts
 its backends, and this process has started them."""
 
+import functools
+import logging
 import os
 import subprocess
 import sys
@@ -14,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import quantized_matmul as qm
 from pallas_kernels import targets
 from pallas_kernels.mosaic_matmul import MosaicTiles, mosaic_scaled_matmul
 
@@ -83,6 +87,49 @@ def test_tiles_are_checked():
         a = jnp.zeros((256, 256), jnp.float8_e4m3fn)
         mosaic_scaled_matmul(a, a, 1.0, 1.0, tiles=MosaicTiles(256, 256, 256, 4), interpret=True)
     assert MosaicTiles().smem_bytes(jnp.float32) <= 232448
+
+
+@pytest.mark.parametrize(
+    "dtype, per_channel, w_layout",
+    [(jnp.int8, True, "CY"), (jnp.float8_e4m3fn, False, "YC")],
+)
+def test_scaled_matmul_mosaic_lowering_equals_triton(caplog, dtype, per_channel, w_layout):
+    """scaled_matmul(lowering="mosaic") in the Mosaic GPU interpreter gives the Triton kernel's result (the Pallas
+    interpreter) on the same operands, with the weight as [C, Y] or K-major [Y, C], and says which ran."""
+    M, N, K = 64, 64, 128
+    x, w_NK, x_scale, w_scale = _operands(M, N, K, dtype, seed=1)
+    if not per_channel:
+        x_scale, w_scale = x_scale[:1], w_scale[:, :1]
+    w = w_NK if w_layout == "YC" else w_NK.T
+    run = functools.partial(qm.scaled_matmul, x, x_scale, w, w_scale, impl="pallas", w_layout=w_layout)
+    qm._logged.clear()
+    with caplog.at_level(logging.INFO, logger="jaxlm.kernels"):
+        mosaic = run(lowering="mosaic", blocks=SMALL)
+    assert "Mosaic GPU interpreter" in caplog.text
+    triton = run(lowering="triton")
+    np.testing.assert_allclose(np.asarray(mosaic), np.asarray(triton), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(mosaic, np.float64), _reference(x, w_NK, x_scale, w_scale), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "x_dtype, w_dtype, k_block, kw, message",
+    [
+        (jnp.float8_e5m2, jnp.float8_e4m3fn, None, {}, "cannot take mixed operand dtypes"),
+        (jnp.int8, jnp.int8, 64, {}, "cannot take block-wise scales"),
+        (jnp.bfloat16, jnp.int8, None, {}, "cannot take weight-only"),
+        (jnp.int8, jnp.int8, None, {"out_dtype": jnp.float16}, "cannot take out_dtype float16"),
+        (jnp.int8, jnp.int8, None, {"blocks": qm.MatmulBlocks()}, "cannot take Triton blocks"),
+        (jnp.int8, jnp.int8, None, {"backend": "tpu", "interpret": False}, "picks a GPU kernel"),
+    ],
+)
+def test_scaled_matmul_refuses_what_mosaic_cannot_take(x_dtype, w_dtype, k_block, kw, message):
+    x, w = jnp.zeros((64, 128), x_dtype), jnp.zeros((128, 64), w_dtype)
+    n = 1 if k_block is None else 128 // k_block
+    x_scale = None if x_dtype == jnp.bfloat16 else jnp.ones((64, n))
+    with pytest.raises(ValueError, match=message):
+        qm.scaled_matmul(x, x_scale, w, jnp.ones((n, 64)), k_block=k_block, impl="pallas", lowering="mosaic", **kw)
+    with pytest.raises(ValueError, match="unknown lowering"):
+        qm.scaled_matmul(x, x_scale, w, jnp.ones((n, 64)), impl="pallas", lowering="cuda")
 
 
 _COMPILE = """

@@ -1,0 +1,244 @@
+"""The Mosaic GPU attention forward (``block_sparse_attention(..., lowering="mosaic")``): right in the Mosaic GPU
+interpreter on CPU against the float32 reference, and compiled for an H100 (sm_90a) to PTX with TMA, wgmma and
+register reallocation and no spills.
+
+Each interpreter run costs seconds (the interpreter simulates every copy, barrier and warpgroup of every program), so
+the cases are few, small (block 128x128, the smallest the kernel takes: 64 rows per compute warpgroup; head dim 64)
+and each combines features. The compile runs in a subprocess, as tests/test_gpu_compile.py's do: the CUDA plugin
+must be found before JAX starts its backends, and this process has started them."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import targets
+from pallas_kernels.masks import at_positions
+
+BLOCKS = pk.BlockSizes(128, 128)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreted_kernels_compile_once():
+    """The Mosaic GPU interpreter (jax 0.10) runs each warpgroup of each grid point as a program it traces, lowers and
+    compiles anew (``thread_map._run_jaxpr``; programs with host callbacks miss the persistent cache): a kernel of 4
+    programs x 3 warpgroups compiled 12 times, about 2 s each on a loaded 2-core machine. Every one of those programs
+    is the same jaxpr (grid point and warpgroup are its arguments), so here it is compiled once per kernel and
+    reused. Without the private hook (another jax) the tests run as they are, only slower."""
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:
+        yield
+        return
+    original = getattr(thread_map, "_run_jaxpr", None)
+    if original is None:
+        yield
+        return
+    compiled, lock = {}, threading.Lock()
+
+    def run_jaxpr(jaxpr, consts, *args):
+        avals = tuple(jax.typeof(a) for a in (*jax.tree.leaves(consts), *args))
+        key = (id(jaxpr), avals)
+        with lock:
+            hit = compiled.get(key)
+        if hit is None:
+
+            def run(jaxpr, consts, *args):
+                jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+            program = jax.jit(run, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+            with lock:  # the jaxpr is kept with its program, so its id is not reused while the entry lives
+                hit = compiled.setdefault(key, (jaxpr, program))
+        hit[1](consts, *args)
+
+    thread_map._run_jaxpr = run_jaxpr
+    try:
+        yield
+    finally:
+        thread_map._run_jaxpr = original
+
+
+def _qkv(B, H, K, T, S, E=64, seed=0):
+    r = np.random.default_rng(seed)
+    q = jnp.asarray(r.normal(size=(B, H, T, E)), jnp.bfloat16)
+    k, v = (jnp.asarray(r.normal(size=(B, K, S, E)), jnp.bfloat16) for _ in range(2))
+    return q, k, v
+
+
+def _close(got, want, tol, what):
+    """Relative L2 error (a bfloat16 attention against the float32 reference of the same bfloat16 inputs)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < tol, f"{what}: relative error {err:.3g}"
+
+
+def _check_forward(q, k, v, mask, score_mod=None):
+    out, lse = pk.block_sparse_attention(
+        q, k, v, pk.make_block_mask(mask, q.shape[2], k.shape[2], BLOCKS), score_mod=score_mod, lowering="mosaic"
+    )
+    f32 = (x.astype(jnp.float32) for x in (q, k, v))
+    ref_out, ref_lse = pk.reference_attention(*f32, mask, score_mod=score_mod)
+    assert out.dtype == q.dtype and lse.shape == ref_lse.shape
+    _close(out, ref_out, 1e-2, "out")
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-3)
+
+
+def test_causal_with_grouped_query_heads_at_a_ragged_length_forward_and_mosaic_backward():
+    """Two query heads on one kv head, T = 200 padded to 256: two rows of the block mask, three PARTIAL tiles (the
+    diagonal ones, and the second row's first, for its padding rows and keys). Then dQ, dK, dV from the Mosaic
+    backward kernels (dK/dV sums the two query heads of the kv head in one program), with an lse cotangent too."""
+    q, k, v = _qkv(1, 2, 1, 200, 200)
+    _check_forward(q, k, v, pk.causal())
+    bm = pk.make_block_mask(pk.causal(), 200, 200, BLOCKS)
+    r = np.random.default_rng(4)
+    d_out = jnp.asarray(r.normal(size=q.shape), jnp.bfloat16)
+    d_lse = jnp.asarray(r.normal(size=q.shape[:3]), jnp.float32)
+    _, vjp = jax.vjp(lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic"), q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    _, ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, pk.causal()), *f32[:3])
+    for name, got, want in zip(("dq", "dk", "dv"), vjp((d_out, d_lse)), ref_vjp((f32[3], d_lse))):
+        assert got.dtype == jnp.bfloat16
+        _close(got, want, 2e-2, name)
+
+
+def test_prefix_lm_with_soft_cap_and_more_keys_than_queries():
+    """T = 128 queries against S = 256 keys: the kv tile past the prefix is PARTIAL, the first FULL, and the score
+    mod runs on both (the FULL tile takes the path that applies only the mod)."""
+    _check_forward(*_qkv(1, 1, 1, 128, 256), pk.prefix_lm(200), pk.soft_cap(5.0))
+
+
+def test_document_and_position_slots_per_batch_row_forward_and_gradients():
+    """causal & document with different segment ids per batch row (3 documents, then 1), at token positions shuffled
+    within each half of the sequence: a document slot and a position slot, both loaded as ids. The queries are the
+    last 128 of 256 tokens, so each program walks two kv tiles: both PARTIAL in the first batch row (through the
+    ids' ring), PARTIAL then FULL (no ids) in the second. Then the gradients of out and lse through that forward
+    (the backward's kernels in the interpreter; Triton's for document masks)."""
+    T, S = 128, 256
+    r = np.random.default_rng(2)
+    ids = np.stack([np.repeat(np.arange(3), [100, 90, 66]), np.zeros(S, int)]).astype(np.int32)
+    order = np.concatenate([r.permutation(T), T + r.permutation(S - T)]).astype(np.int32)
+    mask = at_positions(pk.causal() & pk.document(ids[:, S - T :], ids), order[S - T :], order)
+    q, k, v = _qkv(2, 1, 1, T, S, seed=3)
+    bm = pk.make_block_mask(mask, T, S, BLOCKS)
+    d_out = jnp.asarray(r.normal(size=q.shape), jnp.bfloat16)
+    d_lse = jnp.asarray(r.normal(size=q.shape[:3]), jnp.float32)
+
+    (out, lse), vjp = jax.vjp(lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic"), q, k, v)
+    grads = vjp((d_out, d_lse))
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    (ref_out, ref_lse), ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, mask), *f32[:3])
+    ref_grads = ref_vjp((f32[3], d_lse))
+
+    _close(out, ref_out, 1e-2, "out")
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-3)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert got.dtype == jnp.bfloat16
+        _close(got, want, 2e-2, name)
+
+
+@pytest.mark.parametrize(
+    "dtype, E, blocks, reason",
+    [
+        (jnp.float32, 64, BLOCKS, "dtype float32"),
+        (jnp.bfloat16, 96, BLOCKS, "head dim 96"),
+        (jnp.bfloat16, 64, pk.BlockSizes(64, 128), "blocks 64x128"),
+    ],
+)
+def test_unsupported_cases_are_refused_with_the_reason(dtype, E, blocks, reason):
+    q = jnp.zeros((1, 1, 128, E), dtype)
+    bm = pk.make_block_mask(pk.causal(), 128, 128, blocks)
+    with pytest.raises(ValueError, match=f"Mosaic GPU forward cannot take .*{reason}"):
+        pk.block_sparse_attention(q, q, q, bm, lowering="mosaic")
+
+
+def test_the_device_benchmark_refuses_a_machine_without_a_gpu(capsys):
+    from experiments import hopper_attention
+
+    assert hopper_attention.main([]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "hopper_attention: error: no GPU here (the default device is cpu); the Mosaic kernels' CPU checks are "
+        "tests/test_mosaic_attention.py"
+    ]
+
+
+def test_interpret_mode_picks_triton_unless_told():
+    """Traced only: lowering=None in interpret mode is the Triton forward (a pallas_call), "mosaic" the Mosaic kernel
+    (three warpgroups on the "wg" axis)."""
+    q = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
+    bm = pk.make_block_mask(pk.causal(), 128, 128, BLOCKS)
+
+    def traced(lowering):
+        return str(jax.make_jaxpr(lambda q: pk.block_sparse_attention(q, q, q, bm, lowering=lowering))(q))
+
+    default, mosaic = traced(None), traced("mosaic")
+    assert "name=block_sparse_attention_fwd" in default and "axis_name=wg" not in default
+    assert "axis_name=wg" in mosaic and "name=block_sparse_attention_fwd" not in mosaic
+
+
+_COMPILE = """
+import glob, os, sys
+from pallas_kernels import targets
+targets.enable_plugin(targets.plugin_dir())
+import jax, jax.numpy as jnp, numpy as np
+import pallas_kernels as pk
+B, H, T, E = 2, 4, 1024, 128
+ids = np.repeat(np.arange(4), T // 4)
+
+def forward(lowering):
+    def fn(q, k, v, ids):
+        bm = pk.make_block_mask(pk.causal() & pk.document(ids), T, T, pk.BlockSizes(128, 128))
+        return pk.block_sparse_attention(q, k, v, bm, lowering=lowering)
+    fn.__name__ = f"{lowering}_forward"  # names the XLA module, hence its dumped PTX files
+    return fn
+
+S = jax.ShapeDtypeStruct((B, H, T, E), jnp.bfloat16)
+for lowering in ("mosaic", "triton"):
+    targets.compile_for_gpu(forward(lowering), S, S, S, jax.ShapeDtypeStruct((B, T), jnp.int32))
+    sys.stdout.flush()
+    print("COMPILED", lowering, file=sys.stderr, flush=True)
+
+# the Mosaic forward, dQ and dK/dV kernels of a causal mask at head dim 64 (at 128, dK/dV spills 16 bytes)
+S64 = jax.ShapeDtypeStruct((B, H, T, 64), jnp.bfloat16)
+bm = pk.make_block_mask(pk.causal(), T, T, pk.BlockSizes(128, 128))
+loss = lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic")[0].astype(jnp.float32).sum()
+targets.compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), S64, S64, S64)
+sys.stdout.flush()
+print("COMPILED backward", file=sys.stderr, flush=True)
+"""
+
+MARKERS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
+
+
+def test_compiles_for_h100_with_tma_wgmma_register_reallocation_and_no_spills(tmp_path):
+    """causal & document (a document slot) at head dim 128, B=2, T=1024, for both forwards in one subprocess, and
+    the Mosaic forward and backward of a causal mask at head dim 64 (four Mosaic kernels in all). The
+    Mosaic kernel's PTX (MOSAIC_GPU_DUMP_PTX: this process's output) has TMA bulk-tensor copies, wgmma and setmaxnreg,
+    and ptxas reports no spills; the Triton forward's PTX (XLA's dump) has neither TMA nor setmaxnreg (Triton issues
+    wgmma on sm_90 too, so that marker is in both)."""
+    if not targets.installed(targets.CUDA_PLUGIN, targets.plugin_dir()):
+        pytest.skip(f"no CUDA plugin in {targets.plugin_dir()} (pallas_kernels.targets.install_plugin installs it)")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS")}
+    env.update(
+        MOSAIC_GPU_DUMP_PTX="1",
+        MOSAIC_GPU_DUMP_PTXAS="1",
+        XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_module_re=triton".strip(),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=300, env=env, cwd=os.getcwd()
+    )
+    mosaic = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "COMPILED backward" in proc.stderr, mosaic[-3000:]
+    triton_files = sorted(tmp_path.glob("*triton_forward*.ptx"))
+    triton = "".join(p.read_text() for p in triton_files)
+    assert ".entry block_sparse_attention_fwd" in triton, [p.name for p in triton_files]
+
+    assert [m for m in MARKERS if m not in mosaic] == []
+    assert [m for m in MARKERS if m in triton] == ["wgmma.mma_async"]
+    spills = [line.strip() for line in mosaic.splitlines() if "spill stores" in line]
+    assert len(spills) == 4 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
