@@ -112,6 +112,34 @@ def vary_like(out, x):
     return jax.lax.pcast(out, missing, to="varying") if missing else out
 
 
+class BlockList:
+    """One row (or column) of the block mask as a kernel walks it in tiles of ``tile`` (a block is ``block`` long):
+    how many tiles, how many of them PARTIAL (they come first), and where tile j starts."""
+
+    def __init__(self, idx_ref, np_ref, cnt_ref, bm, line, block: int, tile: int):
+        self.idx_ref, self.bm, self.line, self.block, self.tile = idx_ref, bm, line, block, tile
+        self.sub = block // tile  # tiles per block
+        self.count = cnt_ref[bm, line] * self.sub
+        self.partial = np_ref[bm, line] * self.sub
+
+    def start(self, j):
+        return self.idx_ref[self.bm, self.line, lax.div(j, self.sub)] * self.block + lax.rem(j, self.sub) * self.tile
+
+
+def stream(plgpu, n_steps, stages: int, load, free) -> None:
+    """The producer warpgroup's loop: fill the ring's ``stages`` slots, then refill each slot once both consumer
+    warpgroups have arrived on its ``free`` barriers. ``load(j, slot)`` issues step j's TMA copies."""
+    for i in range(stages):
+        pl.when(i < n_steps)(functools.partial(load, i, i))
+
+    @pl.loop(stages, jnp.maximum(n_steps, stages))
+    def _(j):
+        slot = lax.rem(j, stages)
+        for barrier in free:
+            plgpu.barrier_wait(barrier.at[slot])
+        load(j, slot)
+
+
 def _accumulate(plgpu, acc, a, b, then, interpret: bool):
     """acc + a @ b on the tensor cores, running ``then`` while the wgmma is in flight. On the device the product
     accumulates into ``acc`` in place; the interpreter has no ``run_state``, so there it lands in a fresh
@@ -158,7 +186,6 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
     Sp = k.shape[2]
     G = static.groups
     rows, tkv, stages = tiles.rows, tiles.kv, tiles.stages
-    sub = static.block_kv // tkv  # kv tiles per mask block
     dtype = q.dtype
     kv_idx, kv_np, kv_cnt = mask_arrays[:3]
     n_ids = len(doc_arrays) // 2
@@ -195,11 +222,8 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
         wg = lax.axis_index("wg")
         bm = b if static.mask_batched else 0
         bd = b if ids_batched else 0
-        n_tiles = cnt_ref[bm, row] * sub
-        n_partial = np_ref[bm, row] * sub
-
-        def tile_start(j):
-            return idx_ref[bm, row, lax.div(j, sub)] * static.block_kv + lax.rem(j, sub) * tkv
+        blocks = BlockList(idx_ref, np_ref, cnt_ref, bm, row, static.block_kv, tkv)
+        n_tiles, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
 
         def take_turn():
             plgpu.barrier_arrive(turn)
@@ -329,15 +353,7 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
 
                 plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
 
-            for i in range(stages):
-                pl.when(i < n_tiles)(functools.partial(load, i, i))
-
-            @pl.loop(stages, jnp.maximum(n_tiles, stages))
-            def _(j):
-                slot = lax.rem(j, stages)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                load(j, slot)
+            stream(plgpu, n_tiles, stages, load, (k_free, v_free))
 
     def entry(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, *refs):
         qid_ref, kvid_ref = refs[:2] if n_ids else (None, None)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .mosaic_attention import _LOG2E, _SHARED_MEMORY, _accumulate, id_slots, like, vary_like
+from .mosaic_attention import _LOG2E, _SHARED_MEMORY, BlockList, _accumulate, id_slots, like, stream, vary_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +152,6 @@ def mosaic_dq(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arr
 
     B, H, Tp, E = q.shape
     G, rows, tkv, stages = static.groups, tiles.dq_rows, tiles.dq_kv, tiles.dq_stages
-    sub = static.block_kv // tkv
     dtype = q.dtype
     kv_idx, kv_np, kv_cnt = (a.astype(jnp.int32) for a in mask_arrays[:3])
     modes = _Modes(plgpu, interpret)
@@ -161,11 +160,8 @@ def mosaic_dq(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arr
         smem, ready, (k_ready, v_ready), (k_free, v_free) = scoped
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, t_smem2, a_smem2 = smem
         b, h, row, wg = (lax.axis_index(n) for n in ("batch", "heads", "rows", "wg"))
-        bm = b if static.mask_batched else 0
-        n_tiles, n_partial = cnt_ref[bm, row] * sub, np_ref[bm, row] * sub
-
-        def tile_start(j):
-            return idx_ref[bm, row, lax.div(j, sub)] * static.block_kv + lax.rem(j, sub) * tkv
+        blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, row, static.block_kv, tkv)
+        n_tiles, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
 
         @pl.when(wg < 2)
         def _consumer():
@@ -223,15 +219,7 @@ def mosaic_dq(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arr
                 plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
 
-            for i in range(stages):
-                pl.when(i < n_tiles)(functools.partial(load, i, i))
-
-            @pl.loop(stages, jnp.maximum(n_tiles, stages))
-            def _(j):
-                slot = lax.rem(j, stages)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                load(j, slot)
+            stream(plgpu, n_tiles, stages, load, (k_free, v_free))
 
     def entry(*refs):
         layout = _layout(plgpu)
@@ -277,7 +265,6 @@ def mosaic_dkv(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_ar
     B, H, Tp, E = q.shape
     K, Sp = k.shape[1], k.shape[2]
     G, rows, tq, stages = static.groups, tiles.dkv_rows, tiles.dkv_q, tiles.dkv_stages
-    sub = static.block_q // tq
     dtype = q.dtype
     q_idx, q_np, q_cnt = (a.astype(jnp.int32) for a in mask_arrays[3:6])
     modes = _Modes(plgpu, interpret)
@@ -286,11 +273,8 @@ def mosaic_dkv(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_ar
         smem, ready, slot_ready, slot_free = scoped
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, t_smem2, a_smem2 = smem
         b, hk, col, wg = (lax.axis_index(n) for n in ("batch", "heads", "cols", "wg"))
-        bm = b if static.mask_batched else 0
-        per_head, n_partial = cnt_ref[bm, col] * sub, np_ref[bm, col] * sub
-
-        def tile_start(t):
-            return idx_ref[bm, col, lax.div(t, sub)] * static.block_q + lax.rem(t, sub) * tq
+        blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, col, static.block_q, tq)
+        per_head, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
 
         @pl.when(wg < 2)
         def _consumer():
@@ -360,15 +344,7 @@ def mosaic_dkv(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_ar
                 ):
                     plgpu.copy_gmem_to_smem(src.at[b, head, pl.ds(start, tq)], dst.at[slot], r.at[slot])
 
-            for i in range(stages):
-                pl.when(i < n_steps)(functools.partial(load, i, i))
-
-            @pl.loop(stages, jnp.maximum(n_steps, stages))
-            def _(j):
-                slot = lax.rem(j, stages)
-                for f in slot_free:
-                    plgpu.barrier_wait(f.at[slot])
-                load(j, slot)
+            stream(plgpu, n_steps, stages, load, slot_free)
 
     def entry(*refs):
         layout = _layout(plgpu)
