@@ -12,8 +12,12 @@ consumer warpgroups each own half of the program's rows and multiply on the tens
   heads of a group inside the program keeps grouped-query attention free of repeated K/V.
 
 The element mask and score mod (with its derivative) run on PARTIAL tiles only. Nothing is accumulated across
-programs, so the result is deterministic. Document and position slots are not loaded here yet (``supports_backward``
-sends them to the Triton kernels), nor is head dim 256, whose dK and dV accumulators do not fit the registers.
+programs, so the result is deterministic. Document and position slots (``kernel_mask``) are loaded as ids, as the
+forward loads them: each consumer warpgroup reads the ids of its own rows once (dQ: its q ids; dK/dV: its kv ids), a
+vector in the row layout of the wgmma accumulator, and the producer streams the ids of each PARTIAL tile's other axis
+with TMA beside its first operand (dQ: kv ids beside K; dK/dV: q ids beside Q) through one more ring, one more
+barrier per slot; FULL tiles load none. Head dim 256 is not taken (its dK and dV accumulators do not fit the
+registers; ``supports_backward`` sends it to the Triton kernels).
 
 Shape suffixes follow the legend in docs/architecture.md.
 """
@@ -27,7 +31,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .mosaic_attention import _LOG2E, _SHARED_MEMORY, BlockList, _accumulate, id_slots, like, stream, vary_like
+from .mosaic_attention import (
+    _LOG2E,
+    _SHARED_MEMORY,
+    BlockList,
+    _accumulate,
+    _id_arrays,
+    id_slots,
+    like,
+    stream,
+    vary_like,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +56,18 @@ class BackwardTiles:
     dkv_stages: int
 
 
+def _smem_bytes(rows, tile, stages, head_dim, itemsize, per_slot_extra=0, n_slots=0) -> int:
+    """One kernel's shared memory: the two warpgroups' resident tiles (q, dO or k, v) and, per document / position
+    slot, their ids; ``stages`` ring slots of two streamed tiles, ``per_slot_extra`` bytes and each slot's tile ids."""
+    own = 2 * 2 * rows * head_dim * itemsize + n_slots * 2 * rows * 4
+    slot = 2 * tile * head_dim * itemsize + per_slot_extra + n_slots * tile * 4
+    return own + stages * slot
+
+
+def _dkv_slot_extra(tiles: BackwardTiles) -> int:
+    return 2 * tiles.dkv_q * 4  # lse and delta
+
+
 def backward_tiles(head_dim: int, dtype, block_q: int, block_kv: int) -> BackwardTiles | None:
     """Tiles for this head dim and blocks, or None when these kernels cannot take them. Streamed tiles are 64 wide
     from head dim 128 on, so that the score tiles, the float32 accumulators and the softmax fit 232 registers."""
@@ -51,10 +77,8 @@ def backward_tiles(head_dim: int, dtype, block_q: int, block_kv: int) -> Backwar
     stream = 128 if head_dim <= 64 else 64
 
     def stages(rows, tile, per_slot_extra):
-        own = 2 * 2 * rows * head_dim * itemsize  # the two warpgroups' resident tiles (q, dO or k, v)
-        slot = 2 * tile * head_dim * itemsize + per_slot_extra
         for n in (4, 3, 2):
-            if own + n * slot <= _SHARED_MEMORY:
+            if _smem_bytes(rows, tile, n, head_dim, itemsize, per_slot_extra) <= _SHARED_MEMORY:
                 return n
         return None
 
@@ -70,10 +94,14 @@ def supports_backward(static, dtype, head_dim: int) -> str | None:
     """None when these kernels can run this backward, else why not (the Triton kernels run instead)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name}"
-    if backward_tiles(head_dim, dtype, static.block_q, static.block_kv) is None:
+    tiles = backward_tiles(head_dim, dtype, static.block_q, static.block_kv)
+    if tiles is None:
         return f"head dim {head_dim} with blocks {static.block_q}x{static.block_kv}"
-    if id_slots(static.template):
-        return "document / position masks"
+    slots, itemsize = id_slots(static.template), jnp.dtype(dtype).itemsize
+    dq = _smem_bytes(tiles.dq_rows, tiles.dq_kv, tiles.dq_stages, head_dim, itemsize, 0, slots)
+    dkv = _smem_bytes(tiles.dkv_rows, tiles.dkv_q, tiles.dkv_stages, head_dim, itemsize, _dkv_slot_extra(tiles), slots)
+    if max(dq, dkv) > _SHARED_MEMORY:
+        return f"{slots} document / position slots at head dim {head_dim} (their ids do not fit shared memory)"
     return None
 
 
@@ -94,7 +122,8 @@ class _Modes:
         return self.plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=self.plgpu.Layout.WGMMA)
 
     def vector(self, smem, axis):
-        """A [n] float32 vector from shared memory, laid out to broadcast along ``axis`` of a wgmma tile."""
+        """A [n] vector (float32, or int32 ids) from shared memory, laid out to broadcast along ``axis`` of a wgmma
+        tile."""
         if self.interpret:
             return smem[...]
         return self.plgpu.load(smem, (), layout=self.plgpu.Layout.WGMMA.reduce(1 - axis))
@@ -123,12 +152,27 @@ class _Modes:
         return pl.run_scoped(run, self.plgpu.ACC(shape, jnp.float32))
 
 
-def _scores(static, s, q_pos, kv_pos, head, masked):
-    """Scaled, score-modded scores (masked to -inf on PARTIAL tiles) and d mod / d s (None without a mod)."""
+def _scores(static, s, q_pos, kv_pos, head, masked, doc_tiles):
+    """Scaled, score-modded scores (masked to -inf on PARTIAL tiles) and d mod / d s (None without a mod).
+    ``doc_tiles()`` gives the mask's (q ids, kv ids) tiles per slot, shaped like ``s``; called on PARTIAL tiles
+    only, where the mask needs them."""
     s, d_mod = static.mod_scores(s * static.scale, q_pos, kv_pos, head, with_grad=True)
     if masked:
-        s = jnp.where(static.keep([], q_pos, kv_pos), s, -jnp.inf)
+        s = jnp.where(static.keep(doc_tiles(), q_pos, kv_pos), s, -jnp.inf)
     return s, d_mod
+
+
+def _ids(name, static, doc_arrays, Tp: int, Sp: int):
+    """(slots, (q ids [Bd, slots, Tp], kv ids [Bd, slots, Sp]) or (), ids per batch row) from the forward's
+    ``doc_arrays`` (``mosaic_forward`` describes them)."""
+    n_ids = len(doc_arrays) // 2
+    if len(doc_arrays) % 2 or n_ids != id_slots(static.template):
+        raise ValueError(
+            f"{name}: {len(doc_arrays)} id arrays for a mask with {id_slots(static.template)} document / "
+            f"position slots (want a q and a kv array per slot)"
+        )
+    id_arrays = _id_arrays(doc_arrays, Tp, Sp) if n_ids else ()
+    return n_ids, id_arrays, bool(n_ids) and id_arrays[0].shape[0] > 1
 
 
 def _params(interpret: bool) -> dict:
@@ -146,36 +190,66 @@ def _layout(plgpu):
 # ----------------------------------------------------------------------------- dQ
 
 
-def mosaic_dq(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arrays, *, interpret: bool = False):
-    """dQ [B, H, Tp, E] in q.dtype; lse and delta [B, H, Tp, 1] float32 as the Triton kernels take them."""
+def mosaic_dq(
+    static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays=(), *, interpret: bool = False
+):
+    """dQ [B, H, Tp, E] in q.dtype; lse and delta [B, H, Tp, 1] float32 as the Triton kernels take them.
+    ``doc_arrays``: the forward's (``mosaic_forward``), per document / position slot its q ids and kv ids."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     B, H, Tp, E = q.shape
+    Sp = k.shape[2]
     G, rows, tkv, stages = static.groups, tiles.dq_rows, tiles.dq_kv, tiles.dq_stages
     dtype = q.dtype
     kv_idx, kv_np, kv_cnt = (a.astype(jnp.int32) for a in mask_arrays[:3])
+    n_ids, id_arrays, ids_batched = _ids("mosaic_dq", static, doc_arrays, Tp, Sp)
+    n_ready = 4 + bool(n_ids)  # a consumer's own copies: q, dO, lse, delta (and its q ids)
     modes = _Modes(plgpu, interpret)
+    # Registers per thread of a consumer / the producer warpgroup. With id slots the consumers take the forward's
+    # 240 / 24 (sm_90 ptxas, head dim 64, document and position slots: dQ spilled 20 bytes at 232 / 40, 4 at 240 / 24).
+    consumer_regs, producer_regs = (240, 24) if n_ids else (232, 40)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, idx_ref, np_ref, cnt_ref, dq_ref, scoped):
-        smem, ready, (k_ready, v_ready), (k_free, v_free) = scoped
-        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, t_smem2, a_smem2 = smem
+    def kernel(
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, idx_ref, np_ref, cnt_ref, qid_ref, kvid_ref, dq_ref, scoped
+    ):
+        smem, ready, (k_ready, v_ready), (k_free, v_free), kvid_ready = scoped
+        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, t_smem2, a_smem2, qid_smem2, kvid_smem = smem
         b, h, row, wg = (lax.axis_index(n) for n in ("batch", "heads", "rows", "wg"))
+        bd = b if ids_batched else 0
         blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, row, static.block_kv, tkv)
         n_tiles, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
 
         @pl.when(wg < 2)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(consumer_regs, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             base = row * (2 * rows) + wg * rows
-            for i, (src, dst) in enumerate(
-                ((q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem2.at[wg]), (delta_ref, delta_smem2.at[wg]))
-            ):
-                plgpu.copy_gmem_to_smem(src.at[b, h, pl.ds(base, rows)], dst, ready.at[4 * wg + i])
-            for i in range(4):
-                plgpu.barrier_wait(ready.at[4 * wg + i])
+            own = [(q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem2.at[wg]), (delta_ref, delta_smem2.at[wg])]
+            copies = [(src.at[b, h, pl.ds(base, rows)], dst) for src, dst in own]
+            if n_ids:
+                copies.append((qid_ref.at[bd, slice(None), pl.ds(base, rows)], qid_smem2.at[wg]))
+            for i, (src, dst) in enumerate(copies):
+                plgpu.copy_gmem_to_smem(src, dst, ready.at[n_ready * wg + i])
+            for i in range(n_ready):
+                plgpu.barrier_wait(ready.at[n_ready * wg + i])
             lse2 = lax.broadcast_in_dim(modes.vector(lse_smem2.at[wg], 0), (rows, tkv), [0]) * _LOG2E
             delta = lax.broadcast_in_dim(modes.vector(delta_smem2.at[wg], 0), (rows, tkv), [0])
+            # [rows] per slot, read once; broadcast over a tile's columns where a PARTIAL tile needs them
+            q_ids = [modes.vector(qid_smem2.at[wg, i], 0) for i in range(n_ids)]
+
+            def doc_tiles(slot):
+                """(q ids, kv ids) per slot as [rows, tkv] tiles; the kv ids came with the tile's K (PARTIAL tiles
+                only) and their ring slot frees with K's."""
+                if not n_ids:
+                    return []
+                plgpu.barrier_wait(kvid_ready.at[slot])
+                return [
+                    (
+                        lax.broadcast_in_dim(q_id, (rows, tkv), [0]),
+                        lax.broadcast_in_dim(modes.vector(kvid_smem.at[slot, i], 1), (rows, tkv), [1]),
+                    )
+                    for i, q_id in enumerate(q_ids)
+                ]
 
             def step(j, dq, masked):
                 slot = lax.rem(j, stages)
@@ -186,7 +260,7 @@ def mosaic_dq(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arr
                 if masked or static.score_mod is not None:
                     q_pos = modes.iota((rows, tkv), 0) + base
                     kv_pos = modes.iota((rows, tkv), 1) + tile_start(j)
-                    s, d_mod = _scores(static, s, q_pos, kv_pos, h, masked)
+                    s, d_mod = _scores(static, s, q_pos, kv_pos, h, masked, functools.partial(doc_tiles, slot))
                     p = jnp.exp2(s * _LOG2E - lse2)
                 else:
                     s, d_mod = s, None
@@ -211,17 +285,27 @@ def mosaic_dq(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arr
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(producer_regs, action="decrease")
             kv_head = lax.div(h, G)
 
             def load(j, slot):
-                at = (b, kv_head, pl.ds(tile_start(j), tkv))
+                start = tile_start(j)
+                at = (b, kv_head, pl.ds(start, tkv))
                 plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
+                if n_ids:  # every slot's kv ids of a PARTIAL tile, beside its K
+
+                    @pl.when(j < n_partial)
+                    def _():
+                        ids_at = (bd, slice(None), pl.ds(start, tkv))
+                        plgpu.copy_gmem_to_smem(kvid_ref.at[ids_at], kvid_smem.at[slot], kvid_ready.at[slot])
+
                 plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
 
             stream(plgpu, n_tiles, stages, load, (k_free, v_free))
 
     def entry(*refs):
+        ins, (dq_ref,) = refs[:-1], refs[-1:]
+        refs = (*ins, *((None, None) if not n_ids else ()), dq_ref)
         layout = _layout(plgpu)
         scratch = (
             plgpu.SMEM((2, rows, E), dtype, transforms=layout),
@@ -232,13 +316,16 @@ def mosaic_dq(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arr
             plgpu.SMEM((stages, tkv, E), dtype, transforms=layout),
             plgpu.SMEM((2, E, tkv), dtype) if interpret else None,
             plgpu.SMEM((2, rows, tkv), dtype) if interpret else None,
+            plgpu.SMEM((2, n_ids, rows), jnp.int32) if n_ids else None,
+            plgpu.SMEM((stages, n_ids, tkv), jnp.int32) if n_ids else None,
         )
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped),
             scratch,
-            plgpu.Barrier(num_barriers=8),
+            plgpu.Barrier(num_barriers=2 * n_ready),
             (plgpu.Barrier(num_barriers=stages),) * 2,
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_barriers=stages) if n_ids else None,
             collective_axes="wg",
         )
 
@@ -251,15 +338,17 @@ def mosaic_dq(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arr
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **_params(interpret),
-    )(q, k, v, d_out, lse[..., 0], delta[..., 0], kv_idx, kv_np, kv_cnt)
+    )(q, k, v, d_out, lse[..., 0], delta[..., 0], kv_idx, kv_np, kv_cnt, *id_arrays)
     return vary_like(dq, q)
 
 
 # ----------------------------------------------------------------------------- dK, dV
 
 
-def mosaic_dkv(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arrays, *, interpret: bool = False):
-    """(dK, dV) [B, K, Sp, E] in k.dtype, summed over each kv head's query heads."""
+def mosaic_dkv(
+    static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays=(), *, interpret: bool = False
+):
+    """(dK, dV) [B, K, Sp, E] in k.dtype, summed over each kv head's query heads. ``doc_arrays`` as ``mosaic_dq``'s."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     B, H, Tp, E = q.shape
@@ -267,24 +356,64 @@ def mosaic_dkv(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_ar
     G, rows, tq, stages = static.groups, tiles.dkv_rows, tiles.dkv_q, tiles.dkv_stages
     dtype = q.dtype
     q_idx, q_np, q_cnt = (a.astype(jnp.int32) for a in mask_arrays[3:6])
+    n_ids, id_arrays, ids_batched = _ids("mosaic_dkv", static, doc_arrays, Tp, Sp)
+    n_ready = 2 + bool(n_ids)  # a consumer's own copies: k, v (and its kv ids)
     modes = _Modes(plgpu, interpret)
+    # As dQ's. At head dim 64 a document slot spilled 8 bytes at 232 / 40 and none at 240 / 24; at head dim 128 dK/dV
+    # still spills a few bytes on masked steps (as it does without slots where G > 1).
+    consumer_regs, producer_regs = (240, 24) if n_ids else (232, 40)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, idx_ref, np_ref, cnt_ref, dk_ref, dv_ref, scoped):
-        smem, ready, slot_ready, slot_free = scoped
-        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, t_smem2, a_smem2 = smem
+    def kernel(
+        q_ref,
+        k_ref,
+        v_ref,
+        do_ref,
+        lse_ref,
+        delta_ref,
+        idx_ref,
+        np_ref,
+        cnt_ref,
+        qid_ref,
+        kvid_ref,
+        dk_ref,
+        dv_ref,
+        scoped,
+    ):
+        smem, ready, slot_ready, slot_free, qid_ready = scoped
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, t_smem2, a_smem2, kvid_smem2, qid_smem = smem
         b, hk, col, wg = (lax.axis_index(n) for n in ("batch", "heads", "cols", "wg"))
+        bd = b if ids_batched else 0
         blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, col, static.block_q, tq)
         per_head, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
 
         @pl.when(wg < 2)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(consumer_regs, action="increase")
             k_own, v_own = k_smem2.at[wg], v_smem2.at[wg]
             base = col * (2 * rows) + wg * rows
-            plgpu.copy_gmem_to_smem(k_ref.at[b, hk, pl.ds(base, rows)], k_own, ready.at[2 * wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, hk, pl.ds(base, rows)], v_own, ready.at[2 * wg + 1])
-            plgpu.barrier_wait(ready.at[2 * wg])
-            plgpu.barrier_wait(ready.at[2 * wg + 1])
+            copies = [(k_ref.at[b, hk, pl.ds(base, rows)], k_own), (v_ref.at[b, hk, pl.ds(base, rows)], v_own)]
+            if n_ids:
+                copies.append((kvid_ref.at[bd, slice(None), pl.ds(base, rows)], kvid_smem2.at[wg]))
+            for i, (src, dst) in enumerate(copies):
+                plgpu.copy_gmem_to_smem(src, dst, ready.at[n_ready * wg + i])
+            for i in range(n_ready):
+                plgpu.barrier_wait(ready.at[n_ready * wg + i])
+            # [kv rows] per slot, read once; broadcast over a tile's q columns where a PARTIAL tile needs them
+            kv_ids = [modes.vector(kvid_smem2.at[wg, i], 0) for i in range(n_ids)]
+
+            def doc_tiles(slot):
+                """(q ids, kv ids) per slot as [kv rows, tq] tiles (transposed: q along axis 1); the q ids came with
+                the tile's Q (PARTIAL tiles only) and their ring slot frees with Q's."""
+                if not n_ids:
+                    return []
+                plgpu.barrier_wait(qid_ready.at[slot])
+                return [
+                    (
+                        lax.broadcast_in_dim(modes.vector(qid_smem.at[slot, i], 1), (rows, tq), [1]),
+                        lax.broadcast_in_dim(kv_id, (rows, tq), [0]),
+                    )
+                    for i, kv_id in enumerate(kv_ids)
+                ]
 
             def step(t, carry, g, masked):
                 dk, dv = carry
@@ -294,16 +423,18 @@ def mosaic_dkv(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_ar
                     plgpu.barrier_wait(r.at[slot])
                 q_t = modes.transposed(q_smem.at[slot], t_smem2, wg)
                 s = modes.product(k_own, q_t, (rows, tq))  # s^T [kv rows, q]
-                lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1]) * _LOG2E
                 head = hk * G + g
                 if masked or static.score_mod is not None:
                     kv_pos = modes.iota((rows, tq), 0) + base
                     q_pos = modes.iota((rows, tq), 1) + tile_start(t)
-                    s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked)
-                    p = jnp.exp2(s * _LOG2E - lse2)
+                    s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked, functools.partial(doc_tiles, slot))
+                    s2 = s * _LOG2E
                 else:
                     d_mod = None
-                    p = jnp.exp2(s * (static.scale * _LOG2E) - lse2)
+                    s2 = s * (static.scale * _LOG2E)
+                # lse is read after the mask: read before it, its [q] vector was held beside a tile's q ids
+                lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1]) * _LOG2E
+                p = jnp.exp2(s2 - lse2)
                 p16 = modes.operand(p.astype(dtype), a_smem2, wg)
                 dv = _accumulate(plgpu, dv, p16, do_smem.at[slot], lambda: None, interpret)
                 do_t = modes.transposed(do_smem.at[slot], t_smem2, wg)
@@ -333,20 +464,29 @@ def mosaic_dkv(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_ar
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(producer_regs, action="decrease")
             n_steps = G * per_head
 
             def load(j, slot):
                 head = hk * G + lax.div(j, jnp.maximum(per_head, 1))
-                start = tile_start(lax.rem(j, jnp.maximum(per_head, 1)))
+                t = lax.rem(j, jnp.maximum(per_head, 1))
+                start = tile_start(t)
                 for src, dst, r in zip(
                     (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem), slot_ready
                 ):
                     plgpu.copy_gmem_to_smem(src.at[b, head, pl.ds(start, tq)], dst.at[slot], r.at[slot])
+                if n_ids:  # every slot's q ids of a PARTIAL q tile, beside its Q (the slot frees with Q's)
+
+                    @pl.when(t < n_partial)
+                    def _():
+                        ids_at = (bd, slice(None), pl.ds(start, tq))
+                        plgpu.copy_gmem_to_smem(qid_ref.at[ids_at], qid_smem.at[slot], qid_ready.at[slot])
 
             stream(plgpu, n_steps, stages, load, slot_free)
 
     def entry(*refs):
+        ins, outs = refs[:-2], refs[-2:]
+        refs = (*ins, *((None, None) if not n_ids else ()), *outs)
         layout = _layout(plgpu)
         scratch = (
             plgpu.SMEM((2, rows, E), dtype, transforms=layout),
@@ -357,13 +497,16 @@ def mosaic_dkv(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_ar
             plgpu.SMEM((stages, tq), jnp.float32),
             plgpu.SMEM((2, E, tq), dtype) if interpret else None,
             plgpu.SMEM((2, rows, tq), dtype) if interpret else None,
+            plgpu.SMEM((2, n_ids, rows), jnp.int32) if n_ids else None,
+            plgpu.SMEM((stages, n_ids, tq), jnp.int32) if n_ids else None,
         )
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped),
             scratch,
-            plgpu.Barrier(num_barriers=4),
+            plgpu.Barrier(num_barriers=2 * n_ready),
             (plgpu.Barrier(num_barriers=stages),) * 4,
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),),
+            plgpu.Barrier(num_barriers=stages) if n_ids else None,
             collective_axes="wg",
         )
 
@@ -377,5 +520,5 @@ def mosaic_dkv(static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_ar
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **_params(interpret),
-    )(q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt)
+    )(q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt, *id_arrays)
     return vary_like(dk, k), vary_like(dv, k)

@@ -193,7 +193,8 @@ _logged: set = set()
 def _mosaic_tiles(static, lowering: str | None, dtype, E: int, explicit_tiles: bool = False) -> dict:
     """{"mosaic": forward tiles, "mosaic_bwd": backward tiles}, each None where that pass runs on Triton (or the
     Pallas interpreter). An explicit "mosaic" raises when the forward cannot take the case; the backward then still
-    falls back to Triton where its kernels cannot (head dim 256, document masks). Which ran is logged once."""
+    falls back to Triton where its kernels cannot (head dim 256). Masks with document / position slots take the
+    Mosaic kernels only when asked (not yet run on a GPU). Which ran is logged once."""
     if lowering not in (None, *LOWERINGS):
         raise ValueError(f"block_sparse_attention: unknown lowering {lowering!r}; choose one of {LOWERINGS}")
     if lowering == "triton" or (static.backend == "interpret" and lowering is None):
@@ -250,7 +251,7 @@ def _attention_bwd(static, residuals, cotangents):
     # d lse / d s = p, so a cotangent on lse enters every ds = p * (dp - delta) as -d_lse in delta.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True) - d_lse
     if static.mosaic_bwd is not None:
-        args = (static, static.mosaic_bwd, q, k, v, d_out, lse, delta, mask_arrays)
+        args = (static, static.mosaic_bwd, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
         interpret = static.backend == "interpret"
         return (*_mosaic_dq_dkv(args, interpret), None, None)
     dq = _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
