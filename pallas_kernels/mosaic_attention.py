@@ -140,6 +140,28 @@ def stream(plgpu, n_steps, stages: int, load, free) -> None:
         load(j, slot)
 
 
+def stream_kv(plgpu, blocks: BlockList, stages: int, b, kv_head, kv, free, ids=None) -> None:
+    """The producer of the forward and dQ kernels: each tile of the row's list, K then V, into the ring
+    (``kv`` = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))); on PARTIAL tiles every slot's kv ids too,
+    beside K (``ids`` = (this batch row's ids [slots, Sp], their ring, its barriers); their slot frees with K's)."""
+
+    def load(j, slot):
+        start = blocks.start(j)
+        (k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready) = kv
+        at = (b, kv_head, pl.ds(start, blocks.tile))
+        plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
+        if ids is not None:
+            ids_ref, ids_smem, ids_ready = ids
+
+            @pl.when(j < blocks.partial)
+            def _():
+                plgpu.copy_gmem_to_smem(ids_ref.at[:, pl.ds(start, blocks.tile)], ids_smem.at[slot], ids_ready.at[slot])
+
+        plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
+
+    stream(plgpu, blocks.count, stages, load, free)
+
+
 def _accumulate(plgpu, acc, a, b, then, interpret: bool):
     """acc + a @ b on the tensor cores, running ``then`` while the wgmma is in flight. On the device the product
     accumulates into ``acc`` in place; the interpreter has no ``run_state``, so there it lands in a fresh
@@ -338,22 +360,9 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(producer_regs, action="decrease")
-            kv_head = lax.div(h, G)
-
-            def load(j, slot):
-                start = tile_start(j)
-                at = (b, kv_head, pl.ds(start, tkv))
-                plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
-                if n_ids:  # every slot's kv ids of a PARTIAL tile, beside its K (the slot frees with V's)
-
-                    @pl.when(j < n_partial)
-                    def _():
-                        ids_at = (bd, slice(None), pl.ds(start, tkv))
-                        plgpu.copy_gmem_to_smem(kvid_ref.at[ids_at], kvid_smem.at[slot], kvid_ready.at[slot])
-
-                plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
-
-            stream(plgpu, n_tiles, stages, load, (k_free, v_free))
+            ids = (kvid_ref.at[bd], kvid_smem, kvid_ready) if n_ids else None
+            kv = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))
+            stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids)
 
     def entry(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, *refs):
         qid_ref, kvid_ref = refs[:2] if n_ids else (None, None)

@@ -40,6 +40,7 @@ from .mosaic_attention import (
     id_slots,
     like,
     stream,
+    stream_kv,
     vary_like,
 )
 
@@ -286,22 +287,9 @@ def mosaic_dq(
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(producer_regs, action="decrease")
-            kv_head = lax.div(h, G)
-
-            def load(j, slot):
-                start = tile_start(j)
-                at = (b, kv_head, pl.ds(start, tkv))
-                plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
-                if n_ids:  # every slot's kv ids of a PARTIAL tile, beside its K
-
-                    @pl.when(j < n_partial)
-                    def _():
-                        ids_at = (bd, slice(None), pl.ds(start, tkv))
-                        plgpu.copy_gmem_to_smem(kvid_ref.at[ids_at], kvid_smem.at[slot], kvid_ready.at[slot])
-
-                plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
-
-            stream(plgpu, n_tiles, stages, load, (k_free, v_free))
+            ids = (kvid_ref.at[bd], kvid_smem, kvid_ready) if n_ids else None
+            kv = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))
+            stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids)
 
     def entry(*refs):
         ins, (dq_ref,) = refs[:-1], refs[-1:]
