@@ -346,6 +346,18 @@ def test_streaming_diloco_in_a_zbv_pipeline_equals_diloco_without_one():
     assert np.ptp(plain_losses) > 1e-3
 
 
+def test_diloco_replicas_with_a_context_axis_equal_replicas_without_one():
+    """Each replica's sequences split over a context axis (the ring, a sliding-window mask) train and sync exactly as
+    replicas on data parallelism alone: the replica axis and the context axis do not meet."""
+    model = dict(attention_impl="xla_blocksparse", attention_mask="causal & sliding_window(8)")
+    cfg = tiny_config(optim=SGD, steps=2, model=model)
+    dl_cfg = with_diloco(cfg, replicas=2, inner_steps=2, outer_lr=0.7, outer_momentum=0.9)
+    plain_state, plain_losses = run(DiLoCoProgram(dl_cfg, mesh(replica=2, data=4)), 2)
+    context_state, context_losses = run(DiLoCoProgram(dl_cfg, mesh(replica=2, data=2, context=2)), 2)
+    assert max_diff(context_state.global_params, plain_state.global_params) <= 1e-6
+    np.testing.assert_allclose(context_losses, plain_losses, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- resume and data
 
 
