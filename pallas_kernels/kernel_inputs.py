@@ -133,6 +133,11 @@ def resolve_backend(name: str, interpret: bool | None, backend: str | None) -> s
     return backend
 
 
+def like(shape, dtype, x) -> jax.ShapeDtypeStruct:
+    """An output type that varies over the same manual mesh axes as ``x`` (kernels run inside shard_map too)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(x).mat)
+
+
 def pad_axis(x, axis: int, size: int, value=0):
     """Pad ``x`` along ``axis`` up to ``size`` with ``value`` (zeros by default)."""
     widths = [(0, 0)] * x.ndim

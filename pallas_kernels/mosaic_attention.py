@@ -33,14 +33,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .kernel_inputs import like
 from .kernel_mask import DocumentSlot, PositionSlot
 from .masks import And, Or
+from .targets import H100_SHARED_MEMORY_PER_BLOCK
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # What a kernel may ask for on an H100 / H200 (227 KiB), less room for barriers and alignment (three ring slots
 # at head dim 128 asked for 232,568 B).
-_SHARED_MEMORY = 232448 - 4096
+_SHARED_MEMORY = H100_SHARED_MEMORY_PER_BLOCK - 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +100,6 @@ def supports(static, dtype, head_dim: int) -> str | None:
     if _smem_bytes(tiles, head_dim, jnp.dtype(dtype).itemsize, slots) > _SHARED_MEMORY:
         return f"{slots} document / position slots at head dim {head_dim} (their ids do not fit shared memory)"
     return None
-
-
-def like(shape, dtype, x) -> jax.ShapeDtypeStruct:
-    """An output type that varies over the same manual mesh axes as ``x`` (the kernels run inside shard_map)."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(x).mat)
 
 
 def vary_like(out, x):
@@ -195,6 +192,90 @@ def _id_arrays(doc_arrays, Tp: int, Sp: int):
     return stack(flat[0::2], Tp), stack(flat[1::2], Sp)
 
 
+class Modes:
+    """What differs between the device and the Mosaic GPU interpreter (no layouts, no transposed shared-memory
+    views, no register operands for wgmma), kept out of the kernels' math."""
+
+    def __init__(self, plgpu, interpret: bool):
+        self.plgpu, self.interpret = plgpu, interpret
+
+    def cast(self, x, layout):
+        return x if self.interpret else self.plgpu.layout_cast(x, layout)
+
+    def zeros(self, shape):
+        return self.cast(jnp.full(shape, 0.0, jnp.float32), self.plgpu.Layout.WGMMA)
+
+    def iota(self, shape, axis):
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, axis)
+        return self.plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=self.plgpu.Layout.WGMMA)
+
+    def vector(self, smem, axis):
+        """A [n] vector (float32, or int32 ids) from shared memory, laid out to broadcast along ``axis`` of a wgmma
+        tile."""
+        if self.interpret:
+            return smem[...]
+        return self.plgpu.load(smem, (), layout=self.plgpu.Layout.WGMMA.reduce(1 - axis))
+
+    def transposed(self, ref, scratch2, wg):
+        """``ref`` transposed as wgmma's right operand (in the interpreter a copy in this warpgroup's scratch)."""
+        if not self.interpret:
+            return self.plgpu.transpose_ref(ref, (1, 0))
+        scratch2.at[wg][...] = ref[...].T
+        return scratch2.at[wg]
+
+    def operand(self, x, scratch2, wg):
+        """A register tile as wgmma's left operand (shared memory in the interpreter)."""
+        if not self.interpret:
+            return x
+        scratch2.at[wg][...] = x
+        return scratch2.at[wg]
+
+    def product(self, a, b, shape):
+        """a @ b on the tensor cores into a fresh float32 accumulator."""
+
+        def run(acc_ref):
+            self.plgpu.wgmma(acc_ref, a, b)
+            return acc_ref[...]
+
+        return pl.run_scoped(run, self.plgpu.ACC(shape, jnp.float32))
+
+    def id_tiles(self, own, ring, ready, slot, shape, own_are_q: bool):
+        """Per document / position slot, the (q ids, kv ids) tiles of ``shape`` a PARTIAL tile's mask compares:
+        ``own`` the program's own ids (a vector per slot along axis 0, read once), the other axis's from ``ring``'s
+        ``slot`` once its ``ready`` barrier fires (they came with the tile's first operand). [] without slots."""
+        if not own:
+            return []
+        self.plgpu.barrier_wait(ready.at[slot])
+        pairs = []
+        for i, x in enumerate(own):
+            mine = lax.broadcast_in_dim(x, shape, [0])
+            theirs = lax.broadcast_in_dim(self.vector(ring.at[slot, i], 1), shape, [1])
+            pairs.append((mine, theirs) if own_are_q else (theirs, mine))
+        return pairs
+
+
+def id_inputs(name, static, doc_arrays, Tp: int, Sp: int):
+    """(slots, (q ids [Bd, slots, Tp], kv ids [Bd, slots, Sp]) or (), ids per batch row) from ``doc_arrays``
+    (``mosaic_forward`` describes them); ValueError naming ``name`` when they do not match the mask's slots."""
+    n_ids = len(doc_arrays) // 2
+    if len(doc_arrays) % 2 or n_ids != id_slots(static.template):
+        raise ValueError(
+            f"{name}: {len(doc_arrays)} id arrays for a mask with {id_slots(static.template)} document / "
+            f"position slots (want a q and a kv array per slot)"
+        )
+    id_arrays = _id_arrays(doc_arrays, Tp, Sp) if n_ids else ()
+    return n_ids, id_arrays, bool(n_ids) and id_arrays[0].shape[0] > 1
+
+
+def interpret_params(interpret: bool) -> dict:
+    if not interpret:
+        return {}
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return {"interpret": InterpretGPUParams()}
+
+
 def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=(), *, interpret: bool = False):
     """(out [B, H, Tp, E] in q.dtype, lse [B, H, Tp, 1] float32) over the padded q/k/v, like the Triton forward.
 
@@ -210,32 +291,11 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
     rows, tkv, stages = tiles.rows, tiles.kv, tiles.stages
     dtype = q.dtype
     kv_idx, kv_np, kv_cnt = mask_arrays[:3]
-    n_ids = len(doc_arrays) // 2
-    if len(doc_arrays) % 2 or n_ids != id_slots(static.template):
-        raise ValueError(
-            f"mosaic_forward: {len(doc_arrays)} id arrays for a mask with {id_slots(static.template)} document / "
-            f"position slots (want a q and a kv array per slot)"
-        )
-    id_arrays = _id_arrays(doc_arrays, Tp, Sp) if n_ids else ()
-    ids_batched = bool(n_ids) and id_arrays[0].shape[0] > 1
+    n_ids, id_arrays, ids_batched = id_inputs("mosaic_forward", static, doc_arrays, Tp, Sp)
+    modes = Modes(plgpu, interpret)
     # Registers per thread of a consumer / the producer warpgroup (2 x consumer + producer <= 504). With id slots the
     # consumers take FlashAttention-3's 240 / 24: at head dim 256 two slots' ids spilled 8 bytes at 232 / 40.
     consumer_regs, producer_regs = (240, 24) if n_ids else (232, 40)
-
-    def in_layout(x, layout):  # the interpreter runs plain arrays and has no layout casts
-        return x if interpret else plgpu.layout_cast(x, layout)
-
-    def tile_iota(axis):  # positions along one axis of a score tile, in the wgmma accumulator's layout
-        if interpret:
-            return lax.broadcasted_iota(jnp.int32, (rows, tkv), axis)
-        return plgpu.broadcasted_iota(jnp.int32, (rows, tkv), axis, layout=plgpu.Layout.WGMMA)
-
-    def load_ids(smem, kept_axis):
-        """One slot's ids from shared memory: the q ids of a warpgroup's rows (kept_axis 0) or a tile's kv ids (1),
-        in the layout that broadcasts along the other axis of the wgmma accumulator."""
-        if interpret:  # the interpreter has no layouts
-            return smem[...]
-        return plgpu.load(smem, (), layout=plgpu.Layout.WGMMA.reduce(1 - kept_axis))
 
     def kernel(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, qid_ref, kvid_ref, out_ref, lse_ref, scoped):
         smem, (k_ready, v_ready, q_ready), (k_free, v_free), turn, (kvid_ready, qid_ready) = scoped
@@ -264,11 +324,11 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
             q_ids = []
             if n_ids:  # [rows] per slot, read once; broadcast over a tile's columns where a PARTIAL tile needs them
                 plgpu.barrier_wait(qid_ready.at[wg])
-                q_ids = [load_ids(qid_smem2.at[wg, i], 0) for i in range(n_ids)]
+                q_ids = [modes.vector(qid_smem2.at[wg, i], 0) for i in range(n_ids)]
 
-            m = in_layout(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l = in_layout(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = in_layout(jnp.full((rows, E), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            m = modes.cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = modes.cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = modes.zeros((rows, E))
 
             @pl.when(n_tiles > 0)
             def _():
@@ -276,30 +336,11 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
 
             pl.when(wg == 1)(take_turn)  # warpgroup 1 starts half a turn behind
 
-            def doc_tiles(slot):
-                """(q ids, kv ids) per slot as [rows, tkv] tiles. The kv ids came with the tile's K (PARTIAL tiles
-                only); their ring slot frees with V's, so they are read here, where the mask needs them (read
-                sooner, a tile's kv ids of two slots held 64 more registers across the wgmma wait and spilled)."""
-                if not n_ids:
-                    return []
-                plgpu.barrier_wait(kvid_ready.at[slot])
-                return [
-                    (
-                        lax.broadcast_in_dim(q_id, (rows, tkv), [0]),
-                        lax.broadcast_in_dim(load_ids(kvid_smem.at[slot, i], 1), (rows, tkv), [1]),
-                    )
-                    for i, q_id in enumerate(q_ids)
-                ]
-
             def step(j, carry, masked: bool):
                 acc, m, l = carry
                 slot = lax.rem(j, stages)
 
-                if interpret:  # the interpreter reads no transposed views: a plain [E, tkv] copy instead
-                    kt_smem.at[wg][...] = k_smem.at[slot][...].T
-                    k_t = kt_smem.at[wg]
-                else:
-                    k_t = plgpu.transpose_ref(k_smem.at[slot], (1, 0))
+                k_t = modes.transposed(k_smem.at[slot], kt_smem, wg)
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, qo_smem, k_t)
@@ -309,11 +350,14 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
                 s = pl.run_scoped(qk, plgpu.ACC((rows, tkv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked or static.score_mod is not None:
-                    q_pos = tile_iota(0) + q_base
-                    kv_pos = tile_iota(1) + tile_start(j)
+                    q_pos = modes.iota((rows, tkv), 0) + q_base
+                    kv_pos = modes.iota((rows, tkv), 1) + tile_start(j)
                     s, _ = static.mod_scores(s * static.scale, q_pos, kv_pos, h)
                     if masked:
-                        s = jnp.where(static.keep(doc_tiles(slot), q_pos, kv_pos), s, -jnp.inf)
+                        # the kv ids are read here, where the mask needs them (their ring slot frees with V's;
+                        # read sooner, two slots' ids held 64 more registers across the wgmma wait and spilled)
+                        ids = modes.id_tiles(q_ids, kvid_smem, kvid_ready, slot, s.shape, True)
+                        s = jnp.where(static.keep(ids, q_pos, kv_pos), s, -jnp.inf)
                     s2 = s * _LOG2E
                 else:
                     s2 = s * (static.scale * _LOG2E)
@@ -336,9 +380,7 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
                     def _():
                         plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
 
-                if interpret:  # the interpreter's wgmma reads its left operand from shared memory only
-                    p_smem.at[wg][...] = p16
-                    p16 = p_smem.at[wg]
+                p16 = modes.operand(p16, p_smem, wg)
                 acc = _accumulate(plgpu, acc, p16, v_smem.at[slot], wait_next_k, interpret)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
@@ -393,11 +435,6 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
             collective_axes="wg",
         )
 
-    params = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        params["interpret"] = InterpretGPUParams()
     out, lse = plgpu.kernel(
         entry,
         out_type=(
@@ -409,6 +446,6 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        **params,
+        **interpret_params(interpret),
     )(q, k, v, kv_idx.astype(jnp.int32), kv_np.astype(jnp.int32), kv_cnt.astype(jnp.int32), *id_arrays)
     return vary_like(out, q), vary_like(lse[..., None], q)

@@ -31,14 +31,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .kernel_inputs import like
 from .mosaic_attention import (
     _LOG2E,
     _SHARED_MEMORY,
     BlockList,
+    Modes,
     _accumulate,
-    _id_arrays,
+    id_inputs,
     id_slots,
-    like,
+    interpret_params,
     stream,
     stream_kv,
     vary_like,
@@ -106,53 +108,6 @@ def supports_backward(static, dtype, head_dim: int) -> str | None:
     return None
 
 
-class _Modes:
-    """What differs between the device and the Mosaic GPU interpreter (no layouts, no transposed shared-memory
-    views, no register operands for wgmma), kept out of the kernels' math."""
-
-    def __init__(self, plgpu, interpret: bool):
-        self.plgpu, self.interpret = plgpu, interpret
-
-    def zeros(self, shape):
-        x = jnp.full(shape, 0.0, jnp.float32)
-        return x if self.interpret else self.plgpu.layout_cast(x, self.plgpu.Layout.WGMMA)
-
-    def iota(self, shape, axis):
-        if self.interpret:
-            return lax.broadcasted_iota(jnp.int32, shape, axis)
-        return self.plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=self.plgpu.Layout.WGMMA)
-
-    def vector(self, smem, axis):
-        """A [n] vector (float32, or int32 ids) from shared memory, laid out to broadcast along ``axis`` of a wgmma
-        tile."""
-        if self.interpret:
-            return smem[...]
-        return self.plgpu.load(smem, (), layout=self.plgpu.Layout.WGMMA.reduce(1 - axis))
-
-    def transposed(self, ref, scratch2, wg):
-        """``ref`` transposed as wgmma's right operand (in the interpreter a copy in this warpgroup's scratch)."""
-        if not self.interpret:
-            return self.plgpu.transpose_ref(ref, (1, 0))
-        scratch2.at[wg][...] = ref[...].T
-        return scratch2.at[wg]
-
-    def operand(self, x, scratch2, wg):
-        """A register tile as wgmma's left operand (shared memory in the interpreter)."""
-        if not self.interpret:
-            return x
-        scratch2.at[wg][...] = x
-        return scratch2.at[wg]
-
-    def product(self, a, b, shape):
-        """a @ b on the tensor cores into a fresh float32 accumulator."""
-
-        def run(acc_ref):
-            self.plgpu.wgmma(acc_ref, a, b)
-            return acc_ref[...]
-
-        return pl.run_scoped(run, self.plgpu.ACC(shape, jnp.float32))
-
-
 def _scores(static, s, q_pos, kv_pos, head, masked, doc_tiles):
     """Scaled, score-modded scores (masked to -inf on PARTIAL tiles) and d mod / d s (None without a mod).
     ``doc_tiles()`` gives the mask's (q ids, kv ids) tiles per slot, shaped like ``s``; called on PARTIAL tiles
@@ -161,27 +116,6 @@ def _scores(static, s, q_pos, kv_pos, head, masked, doc_tiles):
     if masked:
         s = jnp.where(static.keep(doc_tiles(), q_pos, kv_pos), s, -jnp.inf)
     return s, d_mod
-
-
-def _ids(name, static, doc_arrays, Tp: int, Sp: int):
-    """(slots, (q ids [Bd, slots, Tp], kv ids [Bd, slots, Sp]) or (), ids per batch row) from the forward's
-    ``doc_arrays`` (``mosaic_forward`` describes them)."""
-    n_ids = len(doc_arrays) // 2
-    if len(doc_arrays) % 2 or n_ids != id_slots(static.template):
-        raise ValueError(
-            f"{name}: {len(doc_arrays)} id arrays for a mask with {id_slots(static.template)} document / "
-            f"position slots (want a q and a kv array per slot)"
-        )
-    id_arrays = _id_arrays(doc_arrays, Tp, Sp) if n_ids else ()
-    return n_ids, id_arrays, bool(n_ids) and id_arrays[0].shape[0] > 1
-
-
-def _params(interpret: bool) -> dict:
-    if not interpret:
-        return {}
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return {"interpret": InterpretGPUParams()}
 
 
 def _layout(plgpu):
@@ -203,9 +137,9 @@ def mosaic_dq(
     G, rows, tkv, stages = static.groups, tiles.dq_rows, tiles.dq_kv, tiles.dq_stages
     dtype = q.dtype
     kv_idx, kv_np, kv_cnt = (a.astype(jnp.int32) for a in mask_arrays[:3])
-    n_ids, id_arrays, ids_batched = _ids("mosaic_dq", static, doc_arrays, Tp, Sp)
+    n_ids, id_arrays, ids_batched = id_inputs("mosaic_dq", static, doc_arrays, Tp, Sp)
     n_ready = 4 + bool(n_ids)  # a consumer's own copies: q, dO, lse, delta (and its q ids)
-    modes = _Modes(plgpu, interpret)
+    modes = Modes(plgpu, interpret)
     # Registers per thread of a consumer / the producer warpgroup. With id slots the consumers take the forward's
     # 240 / 24 (sm_90 ptxas, head dim 64, document and position slots: dQ spilled 20 bytes at 232 / 40, 4 at 240 / 24).
     consumer_regs, producer_regs = (240, 24) if n_ids else (232, 40)
@@ -238,20 +172,6 @@ def mosaic_dq(
             # [rows] per slot, read once; broadcast over a tile's columns where a PARTIAL tile needs them
             q_ids = [modes.vector(qid_smem2.at[wg, i], 0) for i in range(n_ids)]
 
-            def doc_tiles(slot):
-                """(q ids, kv ids) per slot as [rows, tkv] tiles; the kv ids came with the tile's K (PARTIAL tiles
-                only) and their ring slot frees with K's."""
-                if not n_ids:
-                    return []
-                plgpu.barrier_wait(kvid_ready.at[slot])
-                return [
-                    (
-                        lax.broadcast_in_dim(q_id, (rows, tkv), [0]),
-                        lax.broadcast_in_dim(modes.vector(kvid_smem.at[slot, i], 1), (rows, tkv), [1]),
-                    )
-                    for i, q_id in enumerate(q_ids)
-                ]
-
             def step(j, dq, masked):
                 slot = lax.rem(j, stages)
                 plgpu.barrier_wait(k_ready.at[slot])
@@ -261,7 +181,8 @@ def mosaic_dq(
                 if masked or static.score_mod is not None:
                     q_pos = modes.iota((rows, tkv), 0) + base
                     kv_pos = modes.iota((rows, tkv), 1) + tile_start(j)
-                    s, d_mod = _scores(static, s, q_pos, kv_pos, h, masked, functools.partial(doc_tiles, slot))
+                    ids = functools.partial(modes.id_tiles, q_ids, kvid_smem, kvid_ready, slot, s.shape, True)
+                    s, d_mod = _scores(static, s, q_pos, kv_pos, h, masked, ids)
                     p = jnp.exp2(s * _LOG2E - lse2)
                 else:
                     s, d_mod = s, None
@@ -325,7 +246,7 @@ def mosaic_dq(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        **_params(interpret),
+        **interpret_params(interpret),
     )(q, k, v, d_out, lse[..., 0], delta[..., 0], kv_idx, kv_np, kv_cnt, *id_arrays)
     return vary_like(dq, q)
 
@@ -344,9 +265,9 @@ def mosaic_dkv(
     G, rows, tq, stages = static.groups, tiles.dkv_rows, tiles.dkv_q, tiles.dkv_stages
     dtype = q.dtype
     q_idx, q_np, q_cnt = (a.astype(jnp.int32) for a in mask_arrays[3:6])
-    n_ids, id_arrays, ids_batched = _ids("mosaic_dkv", static, doc_arrays, Tp, Sp)
+    n_ids, id_arrays, ids_batched = id_inputs("mosaic_dkv", static, doc_arrays, Tp, Sp)
     n_ready = 2 + bool(n_ids)  # a consumer's own copies: k, v (and its kv ids)
-    modes = _Modes(plgpu, interpret)
+    modes = Modes(plgpu, interpret)
     # As dQ's. At head dim 64 a document slot spilled 8 bytes at 232 / 40 and none at 240 / 24; at head dim 128 dK/dV
     # still spills a few bytes on masked steps (as it does without slots where G > 1).
     consumer_regs, producer_regs = (240, 24) if n_ids else (232, 40)
@@ -389,20 +310,6 @@ def mosaic_dkv(
             # [kv rows] per slot, read once; broadcast over a tile's q columns where a PARTIAL tile needs them
             kv_ids = [modes.vector(kvid_smem2.at[wg, i], 0) for i in range(n_ids)]
 
-            def doc_tiles(slot):
-                """(q ids, kv ids) per slot as [kv rows, tq] tiles (transposed: q along axis 1); the q ids came with
-                the tile's Q (PARTIAL tiles only) and their ring slot frees with Q's."""
-                if not n_ids:
-                    return []
-                plgpu.barrier_wait(qid_ready.at[slot])
-                return [
-                    (
-                        lax.broadcast_in_dim(modes.vector(qid_smem.at[slot, i], 1), (rows, tq), [1]),
-                        lax.broadcast_in_dim(kv_id, (rows, tq), [0]),
-                    )
-                    for i, kv_id in enumerate(kv_ids)
-                ]
-
             def step(t, carry, g, masked):
                 dk, dv = carry
                 j = g * per_head + t
@@ -415,7 +322,8 @@ def mosaic_dkv(
                 if masked or static.score_mod is not None:
                     kv_pos = modes.iota((rows, tq), 0) + base
                     q_pos = modes.iota((rows, tq), 1) + tile_start(t)
-                    s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked, functools.partial(doc_tiles, slot))
+                    ids = functools.partial(modes.id_tiles, kv_ids, qid_smem, qid_ready, slot, s.shape, False)
+                    s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked, ids)
                     s2 = s * _LOG2E
                 else:
                     d_mod = None
@@ -507,6 +415,6 @@ def mosaic_dkv(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        **_params(interpret),
+        **interpret_params(interpret),
     )(q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt, *id_arrays)
     return vary_like(dk, k), vary_like(dv, k)

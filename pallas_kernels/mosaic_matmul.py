@@ -31,9 +31,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .kernel_inputs import like
+from .targets import H100_SHARED_MEMORY_PER_BLOCK
+
 FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-SMEM_BYTES = 232448  # an H100's opt-in shared memory per block (227 KiB)
+SMEM_BYTES = H100_SHARED_MEMORY_PER_BLOCK  # an H100's opt-in shared memory per block (227 KiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +219,7 @@ def mosaic_scaled_matmul(
             acc_dtype=jnp.int32 if kind == "int8" else jnp.float32,
             interpret=params is not None,
         ),
-        out_type=jax.ShapeDtypeStruct((Mp, Np), out_dtype, manual_axis_type=jax.typeof(a_MK).mat),
+        out_type=like((Mp, Np), out_dtype, a_MK),
         grid=(Mp // tiles.tile_m, Np // tiles.tile_n),
         grid_names=("m", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=_lowering_semantics()),

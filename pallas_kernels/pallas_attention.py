@@ -33,6 +33,7 @@ from .kernel_inputs import (
     AttentionStatic,
     check_attention_inputs,
     hopper_target,
+    like,
     list_arrays,
     pad_axis,
     resolve_backend,
@@ -348,7 +349,7 @@ def _forward(static, q, k, v, mask_arrays, doc_arrays):
         grid=(B, H, Tp // tq),
         in_specs=[q_spec, kv_spec, kv_spec, *[_index_spec(static)] * 3, *doc_specs],
         out_specs=[q_spec, pl.BlockSpec((None, None, tq, 1), lambda b, h, i: (b, h, i, 0))],
-        out_shape=[_like(q.shape, q.dtype, q), _like((B, H, Tp, 1), jnp.float32, q)],
+        out_shape=[like(q.shape, q.dtype, q), like((B, H, Tp, 1), jnp.float32, q)],
         interpret=static.backend == "interpret",
         compiler_params=_compiler_params(static, static.tiles.forward),
         name="block_sparse_attention_fwd",
@@ -399,7 +400,7 @@ def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
         grid=(B, H, Tp // tq),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *[_index_spec(static)] * 3, *doc_specs],
         out_specs=q_spec,
-        out_shape=_like(q.shape, q.dtype, q),
+        out_shape=like(q.shape, q.dtype, q),
         interpret=static.backend == "interpret",
         compiler_params=_compiler_params(static, static.tiles.dq),
         name="block_sparse_attention_dq",
@@ -471,7 +472,7 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
         grid=(B, K, Sp // tkv),
         in_specs=[group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec, *[_index_spec(static)] * 3, *doc_specs],
         out_specs=[kv_spec, kv_spec],
-        out_shape=[_like(k.shape, k.dtype, k), _like(v.shape, v.dtype, v)],
+        out_shape=[like(k.shape, k.dtype, k), like(v.shape, v.dtype, v)],
         interpret=static.backend == "interpret",
         compiler_params=_compiler_params(static, static.tiles.dkv),
         name="block_sparse_attention_dkv",
@@ -479,11 +480,6 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
 
 
 # ----------------------------------------------------------------------------- backends
-
-
-def _like(shape, dtype, like):
-    """An output type that varies over the same manual mesh axes as ``like`` (needed inside shard_map)."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
 
 
 def _row_doc_specs(static, tq, Sp):

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .block_mask import BlockMask, coarsen
-from .kernel_inputs import AttentionStatic, check_attention_inputs, list_arrays, pad_axis, segment_arrays
+from .kernel_inputs import AttentionStatic, check_attention_inputs, like, list_arrays, pad_axis, segment_arrays
 from .kernel_mask import split_documents
 from .masks import ScoreMod
 from .tile_math import dot, iota, masked_scores
@@ -175,11 +175,6 @@ def _params(static, *semantics):
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
-def _like(shape, dtype, like):
-    """An output type that varies over the same manual mesh axes as ``like`` (needed inside shard_map)."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
-
-
 def _row(x_BT):
     """[B, T] ids -> [B, 1, T]: a row per tile, lane-dense."""
     return x_BT[:, None, :]
@@ -261,7 +256,7 @@ def _forward(static, q, k, v, mask_arrays, segments):
                 pltpu.VMEM((tq, E), jnp.float32),
             ],
         ),
-        out_shape=[_like(q.shape, q.dtype, q), _like((B, H, 1, Tp), jnp.float32, q)],
+        out_shape=[like(q.shape, q.dtype, q), like((B, H, 1, Tp), jnp.float32, q)],
         interpret=static.interpret,
         compiler_params=_params(static, "parallel", "parallel", "parallel", "arbitrary"),
         name="block_sparse_attention_fwd_tpu",
@@ -333,7 +328,7 @@ def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, segments):
             out_specs=q_spec,
             scratch_shapes=[pltpu.VMEM((tq, E), jnp.float32)],
         ),
-        out_shape=_like(q.shape, q.dtype, q),
+        out_shape=like(q.shape, q.dtype, q),
         interpret=static.interpret,
         compiler_params=_params(static, "parallel", "parallel", "parallel", "arbitrary"),
         name="block_sparse_attention_dq_tpu",
@@ -404,7 +399,7 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, segments):
             out_specs=[kv_spec, kv_spec],
             scratch_shapes=[pltpu.VMEM((tkv, E), jnp.float32), pltpu.VMEM((tkv, E), jnp.float32)],
         ),
-        out_shape=[_like(k.shape, k.dtype, k), _like(v.shape, v.dtype, v)],
+        out_shape=[like(k.shape, k.dtype, k), like(v.shape, v.dtype, v)],
         interpret=static.interpret,
         compiler_params=_params(static, "parallel", "parallel", "parallel", "arbitrary"),
         name="block_sparse_attention_dkv_tpu",
