@@ -25,6 +25,8 @@ import pallas_kernels as pk
 from experiments.cli import exit_with
 from experiments.report_speed import _peer, kept_pairs
 from experiments.timing import best_time
+from pallas_kernels.mosaic_attention import forward_candidates
+from pallas_kernels.mosaic_attention_bwd import backward_candidates
 from pallas_kernels.targets import first_line
 
 TOLERANCE = 2e-2  # relative L2 error of a bfloat16 attention output against the float32 reference
@@ -42,7 +44,35 @@ def check_cases() -> dict:
         "full, T=512 S=1024": (pk.full(), 512, 1024, 4, 4, 64, None),
         "causal, soft_cap(30)": (pk.causal(), 1024, 1024, 4, 4, 128, pk.soft_cap(30.0)),
         "causal, head dim 256": (pk.causal(), 1024, 1024, 2, 2, 256, None),
+        "causal & document(8)": (pk.causal() & pk.document(doc_ids(2, 1024, 8)), 1024, 1024, 4, 4, 128, None),
+        "document(8), GQA 8 on 2": (pk.document(doc_ids(2, 1024, 8, seed=1)), 1024, 1024, 8, 2, 64, None),
+        "causal & document(8), T=1000": (
+            pk.causal() & pk.document(doc_ids(2, 1000, 8, seed=2)),
+            1000,
+            1000,
+            4,
+            2,
+            128,
+            None,
+        ),
     }
+
+
+def doc_ids(B: int, T: int, n_docs: int, seed: int = 0) -> np.ndarray:
+    """[B, T] int32 segment ids: each row packs ``n_docs`` documents of seeded random lengths (each at least T / 4n)."""
+    r = np.random.default_rng(seed)
+    ids = np.empty((B, T), np.int32)
+    for b in range(B):
+        free = T - n_docs * (T // (4 * n_docs))
+        cuts = np.sort(r.integers(0, free + 1, n_docs - 1)) + np.arange(1, n_docs) * (T // (4 * n_docs))
+        ids[b] = np.searchsorted(cuts, np.arange(T), side="right")
+    return ids
+
+
+def causal_document_pairs(ids: np.ndarray) -> int:
+    """Score pairs causal & document keeps over all rows: sum over documents of L (L + 1) / 2."""
+    lengths = np.concatenate([np.bincount(row) for row in ids])
+    return int((lengths * (lengths + 1) // 2).sum())
 
 
 def _grad_errors(q, k, v, bm, mask, mod) -> list[float]:
@@ -123,25 +153,89 @@ def run_speed(
                 flops = kept_pairs(mask_name, T, 0) * B * H * E
                 for impl, (fn, args) in impls_here.items():
                     row = {"T": T, "E": E, "B": B, "H": H, "mask": mask_name, "impl": impl}
+                    rows.append(_time_row(row, fn, args, flops, repeats, log))
+    return rows
+
+
+def run_documents(seqs=(2048, 8192), head_dims=(64, 128), tokens=16384, width=2048, n_docs=8, repeats=10, log=print):
+    """causal & document (``n_docs`` per sequence) on the Mosaic and Triton kernels, against cuDNN given the same
+    mask as a dense [B, 1, T, T] array (what a user of jax.nn.dot_product_attention would pass) and cuDNN's causal
+    mask alone (more work than needed: its fastest path, for scale). Throughput counts the pairs the mask keeps."""
+    rows = []
+    for T in seqs:
+        for E in head_dims:
+            B, H = max(1, tokens // T), width // E
+            ids = doc_ids(B, T, n_docs)
+            mask = pk.causal() & pk.document(ids)
+            bm = pk.make_block_mask(mask, T, T, pk.BlockSizes(128, 128))
+            dense = jnp.asarray((ids[:, :, None] == ids[:, None, :]) & np.tril(np.ones((T, T), bool)))[:, None]
+            r = np.random.default_rng(0)
+            q, k, v = (jnp.asarray(r.normal(size=(B, H, T, E)), jnp.bfloat16) for _ in range(3))
+            bthe = tuple(x.transpose(0, 2, 1, 3) for x in (q, k, v))
+            impls = {
+                "mosaic": (lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic")[0], (q, k, v)),
+                "triton": (lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="triton")[0], (q, k, v)),
+                "cudnn_dense": (
+                    lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense, implementation="cudnn"),
+                    bthe,
+                ),
+                "cudnn_causal": (_peer("cudnn", "causal", 0), bthe),
+            }
+            flops = causal_document_pairs(ids) * H * E
+            for impl, (fn, args) in impls.items():
+                row = {"T": T, "E": E, "B": B, "H": H, "mask": f"causal & document({n_docs})", "impl": impl}
+                rows.append(_time_row(row, fn, args, flops, repeats, log))
+    return rows
+
+
+def _time_row(row: dict, fn, args, flops: int, repeats: int, log) -> dict:
+    """``row`` with forward and forward + backward times and TFLOP/s (or the error)."""
+    try:
+        train = jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+        t_fwd = best_time(jax.jit(fn), *args, repeats=repeats)
+        t_train = best_time(jax.jit(train), *args, repeats=repeats)
+        row |= {
+            "forward_ms": t_fwd * 1e3,
+            "train_ms": t_train * 1e3,
+            "forward_tflops": 4 * flops / t_fwd / 1e12,
+            "train_tflops": 14 * flops / t_train / 1e12,
+        }
+        detail = f"forward {row['forward_tflops']:7.1f} fwd+bwd {row['train_tflops']:7.1f} TFLOP/s"
+    except Exception as e:  # noqa: BLE001 - a failing row is recorded and the run goes on
+        row["error"] = first_line(e)
+        detail = f"FAILED {row['error']}"
+    log(f"speed T={row['T']} E={row['E']} {row['mask']} {row['impl']} {detail}")
+    return row
+
+
+def run_sweep(T=8192, head_dims=(64, 128), width=2048, tokens=16384, backward_top=4, repeats=10, log=print):
+    """Every forward tiling (timed forward only) and the first ``backward_top`` backward tilings (timed forward +
+    backward with the default forward) of the Mosaic kernels, full and causal masks. The first candidate of each
+    list is what the kernels use today."""
+    rows = []
+    for E in head_dims:
+        B, H = max(1, tokens // T), width // E
+        r = np.random.default_rng(0)
+        q, k, v = (jnp.asarray(r.normal(size=(B, H, T, E)), jnp.bfloat16) for _ in range(3))
+        for mask_name, mask in {"full": pk.full(), "causal": pk.causal()}.items():
+            bm = pk.make_block_mask(mask, T, T, pk.BlockSizes(128, 128))
+            flops = kept_pairs(mask_name, T, 0) * B * H * E
+            fwd = forward_candidates(E, jnp.bfloat16, 128, 128)
+            bwd = backward_candidates(E, jnp.bfloat16, 128, 128)[:backward_top]
+            for kind, candidates in (("forward", fwd), ("backward", bwd)):
+                for rank, tiles in enumerate(candidates):
+                    fn = lambda q, k, v, tiles=tiles: pk.block_sparse_attention(q, k, v, bm, tiles=tiles)[0]  # noqa: E731
+                    if kind == "backward":
+                        fn = jax.grad(lambda q, k, v, f=fn: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+                    row = {"T": T, "E": E, "mask": mask_name, "pass": kind, "rank": rank, "tiles": repr(tiles)}
                     try:
-                        train = jax.grad(
-                            lambda q, k, v, fn=fn: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)
-                        )
-                        t_fwd = best_time(jax.jit(fn), *args, repeats=repeats)
-                        t_train = best_time(jax.jit(train), *args, repeats=repeats)
-                        row |= {
-                            "forward_ms": t_fwd * 1e3,
-                            "train_ms": t_train * 1e3,
-                            "forward_tflops": 4 * flops / t_fwd / 1e12,
-                            "train_tflops": 14 * flops / t_train / 1e12,
-                        }
-                        log(
-                            f"speed T={T} E={E} {mask_name:6s} {impl:6s} forward {row['forward_tflops']:7.1f} "
-                            f"fwd+bwd {row['train_tflops']:7.1f} TFLOP/s"
-                        )
+                        t = best_time(jax.jit(fn), q, k, v, repeats=repeats)
+                        row |= {"ms": t * 1e3, "tflops": (4 if kind == "forward" else 14) * flops / t / 1e12}
+                        detail = f"{row['tflops']:7.1f} TFLOP/s"
                     except Exception as e:  # noqa: BLE001
                         row["error"] = first_line(e)
-                        log(f"speed T={T} E={E} {mask_name:6s} {impl:6s} FAILED {row['error']}")
+                        detail = f"FAILED {row['error']}"
+                    log(f"sweep E={E} {mask_name:6s} {kind:8s} #{rank} {tiles} {detail}")
                     rows.append(row)
     return rows
 
@@ -155,7 +249,7 @@ def ratios(rows: list[dict]) -> list[dict]:
         if "mosaic" not in by:
             continue
         entry = {"T": T, "E": E, "mask": mask}
-        for peer in ("cudnn", "triton"):
+        for peer in ("cudnn", "triton", "cudnn_dense", "cudnn_causal"):
             if peer in by:
                 for key in ("forward_tflops", "train_tflops"):
                     entry[f"{key.split('_')[0]}_vs_{peer}"] = by["mosaic"][key] / by[peer][key]
@@ -165,13 +259,13 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.hopper_attention", description=__doc__.split("\n")[0])
-    p.add_argument("--only", default="check,speed", help="check, speed or both, comma-separated")
+    p.add_argument("--only", default="check,speed", help="check, speed, documents, sweep, comma-separated")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--impls", default="mosaic,triton,cudnn", help="speed rows to time, comma-separated")
     args = p.parse_args(argv)
     only = set(args.only.split(","))
-    if not only or only - {"check", "speed"}:
-        print(f"hopper_attention: error: --only {args.only!r}: give check, speed or both", file=sys.stderr)
+    if not only or only - {"check", "speed", "documents", "sweep"}:
+        print(f"hopper_attention: error: --only {args.only!r}: give check, speed, documents or sweep", file=sys.stderr)
         return 2
     if jax.devices()[0].platform != "gpu":
         print(
@@ -187,8 +281,13 @@ def main(argv=None) -> int:
     if "speed" in only:
         result["speed"] = run_speed(impls=tuple(args.impls.split(",")))
         result["ratios"] = ratios(result["speed"])
-        for r in result["ratios"]:
-            print("ratio", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
+    if "documents" in only:
+        result["documents"] = run_documents()
+        result["ratios"] = result.get("ratios", []) + ratios(result["documents"])
+    for r in result.get("ratios", []):
+        print("ratio", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
+    if "sweep" in only:
+        result["sweep"] = run_sweep()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -62,22 +62,22 @@ def _smem_bytes(tiles: MosaicTiles, head_dim: int, itemsize: int, n_slots: int =
     return qo + kv + 2 * tiles.rows * 4 + ids
 
 
-def mosaic_tiles(head_dim: int, dtype, block_q: int, block_kv: int) -> MosaicTiles | None:
-    """The tiles for this head dim and blocks, or None when the kernel cannot take them: the rows of a program are
+def forward_candidates(head_dim: int, dtype, block_q: int, block_kv: int) -> list[MosaicTiles]:
+    """Every tiling the kernel can take for this head dim and blocks, best guess first: the rows of a program are
     one block row of 128 split between two warpgroups (wgmma's 64 rows each), kv tiles divide the block, and the
-    deepest ring that fits shared memory (at least two slots) is used."""
+    K/V ring (two slots at least) fits shared memory. ``experiments.hopper_attention --only sweep`` times them."""
     itemsize = jnp.dtype(dtype).itemsize
     if block_q != 128 or head_dim % 64 or head_dim > 256:  # block_q 256 (128 rows a warpgroup) spills
-        return None
+        return []
     rows = block_q // 2
-    for kv in (128, 64):
-        if block_kv % kv:
-            continue
-        for stages in (4, 3, 2):
-            tiles = MosaicTiles(rows, kv, stages)
-            if _smem_bytes(tiles, head_dim, itemsize) <= _SHARED_MEMORY:
-                return tiles
-    return None
+    candidates = [MosaicTiles(rows, kv, stages) for kv in (128, 64) if block_kv % kv == 0 for stages in (4, 3, 2)]
+    return [t for t in candidates if _smem_bytes(t, head_dim, itemsize) <= _SHARED_MEMORY]
+
+
+def mosaic_tiles(head_dim: int, dtype, block_q: int, block_kv: int) -> MosaicTiles | None:
+    """The tiles for this head dim and blocks (the widest kv tile with the deepest ring that fits), or None when the
+    kernel cannot take them."""
+    return next(iter(forward_candidates(head_dim, dtype, block_q, block_kv)), None)
 
 
 def id_slots(mask) -> int:
@@ -125,16 +125,23 @@ class BlockList:
 
 def stream(plgpu, n_steps, stages: int, load, free) -> None:
     """The producer warpgroup's loop: fill the ring's ``stages`` slots, then refill each slot once both consumer
-    warpgroups have arrived on its ``free`` barriers. ``load(j, slot)`` issues step j's TMA copies."""
+    warpgroups have arrived on its ``free`` barriers; at the end, wait for the last ``stages`` steps' releases too,
+    so that every arrival is observed (the interpreter checks this once a row is longer than the ring).
+    ``load(j, slot)`` issues step j's TMA copies."""
     for i in range(stages):
         pl.when(i < n_steps)(functools.partial(load, i, i))
 
+    def release(j):  # step j - stages has left its slot
+        for barrier in free:
+            plgpu.barrier_wait(barrier.at[lax.rem(j, stages)])
+
     @pl.loop(stages, jnp.maximum(n_steps, stages))
     def _(j):
-        slot = lax.rem(j, stages)
-        for barrier in free:
-            plgpu.barrier_wait(barrier.at[slot])
-        load(j, slot)
+        release(j)
+        load(j, lax.rem(j, stages))
+
+    for i in range(stages):
+        pl.when(n_steps + i >= stages)(functools.partial(release, n_steps + i))
 
 
 def stream_kv(plgpu, blocks: BlockList, stages: int, b, kv_head, kv, free, ids=None) -> None:

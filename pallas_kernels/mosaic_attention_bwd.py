@@ -71,26 +71,30 @@ def _dkv_slot_extra(tiles: BackwardTiles) -> int:
     return 2 * tiles.dkv_q * 4  # lse and delta
 
 
-def backward_tiles(head_dim: int, dtype, block_q: int, block_kv: int) -> BackwardTiles | None:
-    """Tiles for this head dim and blocks, or None when these kernels cannot take them. Streamed tiles are 64 wide
-    from head dim 128 on, so that the score tiles, the float32 accumulators and the softmax fit 232 registers."""
+def backward_candidates(head_dim: int, dtype, block_q: int, block_kv: int) -> list[BackwardTiles]:
+    """Every tiling these kernels can take for this head dim and blocks, best guess first. Streamed tiles are 64 wide
+    from head dim 128 on in the first guess, so that the score tiles, the float32 accumulators and the softmax fit
+    232 registers; ``experiments.hopper_attention --only sweep`` times the rest."""
     itemsize = jnp.dtype(dtype).itemsize
     if head_dim % 64 or head_dim > 128 or block_q % 128 or block_kv % 128 or max(block_q, block_kv) > 256:
-        return None
-    stream = 128 if head_dim <= 64 else 64
-
-    def stages(rows, tile, per_slot_extra):
-        for n in (4, 3, 2):
-            if _smem_bytes(rows, tile, n, head_dim, itemsize, per_slot_extra) <= _SHARED_MEMORY:
-                return n
-        return None
-
+        return []
     dq_rows, dkv_rows = block_q // 2, block_kv // 2
-    dq_stages = stages(dq_rows, stream, 0)
-    dkv_stages = stages(dkv_rows, stream, 2 * stream * 4)
-    if dq_stages is None or dkv_stages is None:
-        return None
-    return BackwardTiles(dq_rows, stream, dq_stages, dkv_rows, stream, dkv_stages)
+    out = []
+    for wide in (128, 64) if head_dim <= 64 else (64, 128):
+        fitting = [
+            BackwardTiles(dq_rows, wide, a, dkv_rows, wide, b)
+            for a in (4, 3, 2)
+            for b in (4, 3, 2)
+            if _smem_bytes(dq_rows, wide, a, head_dim, itemsize) <= _SHARED_MEMORY
+            and _smem_bytes(dkv_rows, wide, b, head_dim, itemsize, 2 * wide * 4) <= _SHARED_MEMORY
+        ]
+        out += sorted(fitting, key=lambda t: -(t.dq_stages + t.dkv_stages))  # the deepest rings first
+    return out
+
+
+def backward_tiles(head_dim: int, dtype, block_q: int, block_kv: int) -> BackwardTiles | None:
+    """The tiles these kernels use for this head dim and blocks (the first candidate), or None when they cannot."""
+    return next(iter(backward_candidates(head_dim, dtype, block_q, block_kv)), None)
 
 
 def supports_backward(static, dtype, head_dim: int) -> str | None:

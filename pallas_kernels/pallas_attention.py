@@ -41,7 +41,7 @@ from .kernel_inputs import (
 )
 from .kernel_mask import split_documents
 from .masks import ScoreMod
-from .mosaic_attention import MosaicTiles, id_slots, mosaic_forward, mosaic_tiles, supports
+from .mosaic_attention import MosaicTiles, mosaic_forward, mosaic_tiles, supports
 from .mosaic_attention_bwd import BackwardTiles, backward_tiles, mosaic_dkv, mosaic_dq, supports_backward
 from .tile_math import dot, iota, masked_scores
 from .tpu_attention import block_sparse_attention_tpu
@@ -135,7 +135,7 @@ def block_sparse_attention(
     score_mod: ScoreMod | None = None,
     interpret: bool | None = None,
     backend: str | None = None,
-    tiles: KernelTiles | None = None,
+    tiles: KernelTiles | MosaicTiles | BackwardTiles | tuple | None = None,
     lowering: str | None = None,
 ):
     """Attention over the non-empty tiles of ``block_mask``, as Pallas kernels; differentiable.
@@ -148,7 +148,9 @@ def block_sparse_attention(
     Pallas interpreter's slices do not track varying mesh axes in jax 0.10). ``interpret`` defaults to True on
     CPU. ``backend`` ("gpu", "tpu") picks the lowering; it defaults to the default JAX backend, and setting it lets
     a CPU machine lower (export) the kernels for an accelerator. ``tiles`` overrides ``kernel_tiles`` (each tile
-    must divide its block). On TPU the kernels are ``tpu_attention``'s, which choose their own tiles.
+    must divide its block). On TPU the kernels are ``tpu_attention``'s, which choose their own tiles. A
+    ``MosaicTiles`` and / or ``BackwardTiles`` (one, or a tuple of both) instead override the Mosaic kernels' tiles
+    and imply ``lowering="mosaic"`` (``forward_candidates`` / ``backward_candidates`` list them; the tile sweep).
 
     ``lowering`` picks the GPU forward: "mosaic" (``mosaic_attention``, Hopper and newer; in interpret mode the
     Mosaic GPU interpreter), "triton", or None: Mosaic on sm_90+ where it supports the case, else Triton (also
@@ -166,6 +168,9 @@ def block_sparse_attention(
     template, docs = split_documents(block_mask.mask)
 
     bs = block_mask.block_sizes
+    mosaic_given = _given_mosaic_tiles(tiles, lowering, bs)
+    if mosaic_given:
+        tiles, lowering = None, "mosaic"
     explicit_tiles = tiles is not None
     tiles = kernel_tiles(backend, E, q.dtype, bs) if tiles is None else tiles
     _check_tiles(tiles, bs)
@@ -181,7 +186,12 @@ def block_sparse_attention(
         backend=backend,
         tiles=tiles,
     )
-    static = dataclasses.replace(static, **_mosaic_tiles(static, lowering, q.dtype, E, explicit_tiles))
+    chosen = _mosaic_tiles(static, lowering, q.dtype, E, explicit_tiles)
+    if "mosaic_bwd" in mosaic_given and chosen["mosaic_bwd"] is None:
+        raise ValueError(
+            f"block_sparse_attention: the Mosaic GPU backward cannot take head dim {E}; give no BackwardTiles"
+        )
+    static = dataclasses.replace(static, **(chosen | mosaic_given))
     qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
     return out[:, :, :T], lse[:, :, :T, 0]
@@ -194,8 +204,7 @@ _logged: set = set()
 def _mosaic_tiles(static, lowering: str | None, dtype, E: int, explicit_tiles: bool = False) -> dict:
     """{"mosaic": forward tiles, "mosaic_bwd": backward tiles}, each None where that pass runs on Triton (or the
     Pallas interpreter). An explicit "mosaic" raises when the forward cannot take the case; the backward then still
-    falls back to Triton where its kernels cannot (head dim 256). Masks with document / position slots take the
-    Mosaic kernels only when asked (not yet run on a GPU). Which ran is logged once."""
+    falls back to Triton where its kernels cannot (head dim 256). Which ran is logged once."""
     if lowering not in (None, *LOWERINGS):
         raise ValueError(f"block_sparse_attention: unknown lowering {lowering!r}; choose one of {LOWERINGS}")
     if lowering == "triton" or (static.backend == "interpret" and lowering is None):
@@ -204,8 +213,6 @@ def _mosaic_tiles(static, lowering: str | None, dtype, E: int, explicit_tiles: b
         return {}
     older = None if lowering == "mosaic" or hopper_target() else "the GPU is older than Hopper (sm_90)"
     why_not = older or supports(static, dtype, E)
-    if why_not is None and lowering is None and id_slots(static.template):
-        why_not = "document / position masks (not yet run on a GPU on Mosaic; lowering='mosaic' takes them)"
     if why_not is not None and lowering == "mosaic":
         raise ValueError(f"block_sparse_attention: the Mosaic GPU forward cannot take {why_not}")
     why_not_bwd = why_not or supports_backward(static, dtype, E)
@@ -215,6 +222,32 @@ def _mosaic_tiles(static, lowering: str | None, dtype, E: int, explicit_tiles: b
         "mosaic": None if why_not else mosaic_tiles(E, dtype, static.block_q, static.block_kv),
         "mosaic_bwd": None if why_not_bwd else backward_tiles(E, dtype, static.block_q, static.block_kv),
     }
+
+
+def _given_mosaic_tiles(tiles, lowering: str | None, bs) -> dict:
+    """{"mosaic": forward tiles, "mosaic_bwd": backward tiles} as far as ``tiles`` gives Mosaic tiles, checked
+    against the blocks; {} for Triton tiles or None."""
+    parts = tiles if isinstance(tiles, tuple) else (tiles,)
+    given = {}
+    for t in parts:
+        if isinstance(t, MosaicTiles):
+            given["mosaic"] = t
+            ok = t.rows == bs.block_q // 2 and bs.block_kv % t.kv == 0
+        elif isinstance(t, BackwardTiles):
+            given["mosaic_bwd"] = t
+            ok = (t.dq_rows, t.dkv_rows) == (bs.block_q // 2, bs.block_kv // 2) and not (
+                bs.block_kv % t.dq_kv or bs.block_q % t.dkv_q
+            )
+        else:
+            ok = t is None or (isinstance(t, KernelTiles) and len(parts) == 1)
+        if not ok:
+            raise ValueError(
+                f"block_sparse_attention: tiles {t!r} do not fit blocks {bs.block_q}x{bs.block_kv} (Mosaic rows are "
+                "half a block; tiles divide the block they walk)"
+            )
+    if given and lowering == "triton":
+        raise ValueError("block_sparse_attention: Mosaic tiles were given with lowering='triton'")
+    return given
 
 
 def _log_once(kernel: str, why_not: str | None) -> None:

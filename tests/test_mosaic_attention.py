@@ -20,6 +20,8 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels import targets
 from pallas_kernels.masks import at_positions
+from pallas_kernels.mosaic_attention import MosaicTiles
+from pallas_kernels.mosaic_attention_bwd import BackwardTiles
 
 BLOCKS = pk.BlockSizes(128, 128)
 
@@ -156,6 +158,42 @@ def test_unsupported_cases_are_refused_with_the_reason(dtype, E, blocks, reason)
     bm = pk.make_block_mask(pk.causal(), 128, 128, blocks)
     with pytest.raises(ValueError, match=f"Mosaic GPU forward cannot take .*{reason}"):
         pk.block_sparse_attention(q, q, q, bm, lowering="mosaic")
+
+
+def test_rows_longer_than_the_ring_with_given_tiles_forward_and_backward():
+    """The tile sweep's override, and rows of more tiles than ring slots (the producer reuses each slot; every other
+    case here fits its ring): a forward of 64-wide kv tiles in two slots walks six tiles per row of T = S = 384; the
+    dQ and dK/dV kernels with two-slot rings walk three. Equal to the reference, forward and gradients, without
+    asking for lowering="mosaic"."""
+    q, k, v = _qkv(1, 1, 1, 384, 384, seed=3)
+    bm = pk.make_block_mask(pk.full(), 384, 384, BLOCKS)
+    tiles = (MosaicTiles(64, 64, 2), BackwardTiles(64, 128, 2, 64, 128, 2))
+    (out, lse), vjp = jax.vjp(lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, tiles=tiles), q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (ref_out, ref_lse), ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, pk.full()), *f32)
+    _close(out, ref_out, 1e-2, "out")
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-3)
+    d_out = jnp.asarray(np.random.default_rng(5).normal(size=q.shape), jnp.bfloat16)
+    zero_lse = jnp.zeros(q.shape[:3], jnp.float32)
+    for name, got, want in zip(
+        ("dq", "dk", "dv"), vjp((d_out, zero_lse)), ref_vjp((d_out.astype(jnp.float32), zero_lse))
+    ):
+        _close(got, want, 2e-2, name)
+
+
+@pytest.mark.parametrize(
+    "tiles, lowering, message",
+    [
+        (MosaicTiles(128, 128, 2), None, "do not fit blocks 128x128"),
+        (BackwardTiles(64, 96, 2, 64, 128, 2), None, "do not fit blocks 128x128"),
+        (MosaicTiles(64, 128, 2), "triton", "Mosaic tiles were given with lowering='triton'"),
+    ],
+)
+def test_mosaic_tiles_that_cannot_run_are_refused(tiles, lowering, message):
+    q = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
+    bm = pk.make_block_mask(pk.causal(), 128, 128, BLOCKS)
+    with pytest.raises(ValueError, match=message):
+        pk.block_sparse_attention(q, q, q, bm, tiles=tiles, lowering=lowering)
 
 
 def test_the_device_benchmark_refuses_a_machine_without_a_gpu(capsys):
