@@ -103,6 +103,27 @@ def _compile_attention(mask, E: int, dtype: str) -> str:
     return _kernels_in(compiled, triton=3) if dtype == "float32" else _kernels_in(compiled, total=3)
 
 
+def _compile_relative_bias() -> str:
+    """Causal attention with T5's relative bias table [H, 32] as an input, gradients to it included: the Triton
+    kernels take captured arrays (the Mosaic GPU ones refuse them, so all three are Triton's on sm_90 too)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    from pallas_kernels.targets import compile_for_gpu
+
+    bm = pk.make_block_mask(pk.causal(), SEQ, SEQ, pk.BlockSizes(BLOCK, BLOCK))
+
+    def loss(q, k, v, table):
+        out, _ = pk.block_sparse_attention(q, k, v, bm, score_mod=pk.relative_bias(table))
+        return jnp.sum(out.astype(jnp.float32))
+
+    q = jax.ShapeDtypeStruct((1, HEADS, SEQ, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, KV_HEADS, SEQ, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((HEADS, 32), jnp.float32)
+    return _kernels_in(compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3)), q, kv, kv, table), triton=3)
+
+
 def kernel_counts(hlo_text: str) -> tuple[int, int]:
     """(Triton kernels, Mosaic GPU kernels) that a compiled program's HLO text calls."""
     return hlo_text.count(f'custom_call_target="{TRITON_CALL}"'), len(MOSAIC_CALL.findall(hlo_text))
@@ -149,6 +170,11 @@ def attention_cases(quick: bool, core: bool = False) -> list[Case]:
                         lambda mask=mask, E=E, dtype=dtype: _compile_attention(mask, E, dtype),
                     )
                 )
+    cases.append(
+        Case(
+            "attention", "causal, relative_bias (T5 table as an input), head dim 128, bfloat16", _compile_relative_bias
+        )
+    )
     return cases
 
 

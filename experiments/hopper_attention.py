@@ -1,14 +1,16 @@
-"""The Mosaic GPU attention forward on a Hopper GPU: right numbers first, then speed against cuDNN and the Triton
+"""The Mosaic GPU attention kernels on a Hopper GPU: right numbers first, then speed against cuDNN and the Triton
 kernels, measured in one run.
 
     python -m experiments.hopper_attention                      # check + speed (about 3 minutes on an H200)
-    python -m experiments.hopper_attention --only check --json out.json
+    python -m experiments.hopper_attention --only check,speed,documents,sweep --json out.json
 
-``check`` compares the Mosaic forward (``block_sparse_attention(..., lowering="mosaic")``) with the float32
-reference on bfloat16 inputs for each static mask kind, GQA, T != S, a ragged length and a score mod. ``speed``
-times forward and forward + backward (the backward is the Triton dQ / dK/dV kernels for both Pallas rows) for the
-full and causal masks at T = 2k and 8k, head dims 64 and 128, and prints the Mosaic rows' ratio to cuDNN.
-Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
+``check`` compares the Mosaic kernels (``block_sparse_attention(..., lowering="mosaic")``), forward and gradients,
+with the float32 reference on bfloat16 inputs for each static mask kind, packed documents, GQA, T != S, a ragged
+length and score mods (a T5 bias table, which runs on the Triton kernels, with its gradient). ``speed`` times forward
+and forward + backward for the full and causal masks at T = 2k and 8k, head dims 64 and 128, and prints the Mosaic
+rows' ratio to cuDNN and Triton. ``documents`` does the same for 8 packed documents per sequence against cuDNN given
+the equivalent dense mask; ``sweep`` times the Mosaic kernels' candidate tiles. Throughput counts the score pairs
+the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def check_cases() -> dict:
         "full, T=512 S=1024": (pk.full(), 512, 1024, 4, 4, 64, None),
         "causal, soft_cap(30)": (pk.causal(), 1024, 1024, 4, 4, 128, pk.soft_cap(30.0)),
         "causal, head dim 256": (pk.causal(), 1024, 1024, 2, 2, 256, None),
+        "causal, relative_bias (Triton)": (pk.causal(), 1024, 1024, 4, 2, 128, pk.relative_bias(_table(4, 32))),
         "causal & document(8)": (pk.causal() & pk.document(doc_ids(2, 1024, 8)), 1024, 1024, 4, 4, 128, None),
         "document(8), GQA 8 on 2": (pk.document(doc_ids(2, 1024, 8, seed=1)), 1024, 1024, 8, 2, 64, None),
         "causal & document(8), T=1000": (
@@ -56,6 +59,10 @@ def check_cases() -> dict:
             None,
         ),
     }
+
+
+def _table(H: int, n: int):
+    return jnp.asarray(np.random.default_rng(7).normal(size=(H, n)), jnp.float32)
 
 
 def doc_ids(B: int, T: int, n_docs: int, seed: int = 0) -> np.ndarray:
@@ -75,18 +82,27 @@ def causal_document_pairs(ids: np.ndarray) -> int:
     return int((lengths * (lengths + 1) // 2).sum())
 
 
+def _lowering(mod) -> str | None:
+    """ "mosaic", but the automatic choice (Triton) for a score mod that captures arrays, which Mosaic refuses."""
+    return None if mod is not None and mod.arrays() else "mosaic"
+
+
 def _grad_errors(q, k, v, bm, mask, mod) -> list[float]:
-    """Relative L2 errors of dQ, dK, dV (Mosaic forward and backward) against the float32 reference's."""
+    """Relative L2 errors of dQ, dK, dV (Mosaic forward and backward) against the float32 reference's, and of the
+    gradients to the mod's captured arrays when it has some."""
     d_out = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
+    arrays = mod.arrays() if mod is not None else ()
 
     def loss(fn):
-        return lambda q, k, v: (fn(q, k, v).astype(jnp.float32) * d_out).sum()
+        return lambda q, k, v, arrays: (fn(q, k, v, mod and mod.with_arrays(arrays)).astype(jnp.float32) * d_out).sum()
 
-    mosaic = loss(lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, score_mod=mod, lowering="mosaic")[0])
-    ref = loss(lambda q, k, v: pk.reference_attention(q, k, v, mask, score_mod=mod)[0])
-    got = jax.jit(jax.grad(mosaic, argnums=(0, 1, 2)))(q, k, v)
-    want = jax.grad(ref, argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
-    return [float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b)) for a, b in zip(got, want)]
+    lowering = _lowering(mod)
+    kernel = loss(lambda q, k, v, m: pk.block_sparse_attention(q, k, v, bm, score_mod=m, lowering=lowering)[0])
+    ref = loss(lambda q, k, v, m: pk.reference_attention(q, k, v, mask, score_mod=m)[0])
+    got = jax.jit(jax.grad(kernel, argnums=(0, 1, 2, 3)))(q, k, v, arrays)
+    want = jax.grad(ref, argnums=(0, 1, 2, 3))(*(x.astype(jnp.float32) for x in (q, k, v)), arrays)
+    pairs = list(zip(got[:3], want[:3])) + list(zip(got[3], want[3]))
+    return [float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b)) for a, b in pairs]
 
 
 def run_check(log=print) -> list[dict]:
@@ -97,8 +113,9 @@ def run_check(log=print) -> list[dict]:
         k, v = (jnp.asarray(r.normal(size=(2, K, S, E)), jnp.bfloat16) for _ in range(2))
         bm = pk.make_block_mask(mask, T, S, pk.BlockSizes(128, 128))
         try:
+            lowering = _lowering(mod)
             fn = jax.jit(
-                lambda q, k, v, bm=bm, mod=mod: pk.block_sparse_attention(q, k, v, bm, score_mod=mod, lowering="mosaic")
+                lambda q, k, v, bm=bm, mod=mod: pk.block_sparse_attention(q, k, v, bm, score_mod=mod, lowering=lowering)
             )
             out, lse = fn(q, k, v)
             f32 = (x.astype(jnp.float32) for x in (q, k, v))

@@ -23,6 +23,7 @@ from .masks import (
 )
 from .pallas_attention import block_sparse_attention
 from .reference import reference_attention
+from .score_tables import learned_alibi, relative_bias
 from .xla_attention import block_sparse_attention_xla
 from .xla_tiled_attention import tiled_attention_xla
 
@@ -47,6 +48,8 @@ __all__ = [
     "prefix_lm",
     "sliding_window",
     "soft_cap",
+    "learned_alibi",
+    "relative_bias",
     "reference_attention",
     "block_sparse_attention",
     "block_sparse_attention_xla",

@@ -46,15 +46,17 @@ class AttentionStatic:
             kv_len=block_mask.kv_len,
         )
 
-    def mod_scores(self, s, q_pos, kv_pos, head, with_grad: bool = False):
+    def mod_scores(self, s, q_pos, kv_pos, head, with_grad: bool = False, arrays=()):
         """(the score mod applied to scores ``s``, d mod / d s when ``with_grad``), positions and head broadcasting
         against ``s``; (s, None) without a score mod. Score mods are elementwise in the score, so a jvp with ones is
-        the derivative."""
+        the derivative. A mod that captures arrays reads ``arrays`` (``score_tables``: HeadRows in a kernel, the
+        arrays in their own shapes elsewhere)."""
         if self.score_mod is None:
             return s, None
+        score_mod = self.score_mod.with_arrays(arrays) if arrays else self.score_mod
 
         def mod(x):
-            return self.score_mod(x, q_pos, kv_pos, head)
+            return score_mod(x, q_pos, kv_pos, head)
 
         if with_grad:
             return jax.jvp(mod, (s,), (jnp.ones_like(s),))

@@ -353,10 +353,23 @@ def document(segment_ids, kv_segment_ids=None) -> Mask:
 
 
 class ScoreMod:
-    """Base class: ``score_mod(score, q_idx, kv_idx, head) -> score`` (all broadcastable; numpy or jax)."""
+    """Base class: ``score_mod(score, q_idx, kv_idx, head) -> score`` (all broadcastable; numpy or jax).
+
+    A mod may capture arrays (a learnable bias table, per-head slopes): ``arrays()`` lists them, ``with_arrays``
+    rebuilds the mod around other values (what the kernels hand it), and it reads them through
+    ``score_tables.head_lookup`` only. The kernels take them as inputs and return gradients to the float ones
+    (``score_tables``)."""
 
     def __call__(self, score, q_idx, kv_idx, head=0):
         raise NotImplementedError
+
+    def arrays(self) -> tuple:
+        """The arrays this mod captures, each [H, ...] (first dim: the query head)."""
+        return ()
+
+    def with_arrays(self, arrays) -> ScoreMod:
+        """This mod reading ``arrays`` (as many as ``arrays()``, in its order) instead of its own."""
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,6 +420,17 @@ class Chain(ScoreMod):
         for m in self.mods:
             score = m(score, q_idx, kv_idx, head)
         return score
+
+    def arrays(self) -> tuple:
+        return tuple(a for m in self.mods for a in m.arrays())
+
+    def with_arrays(self, arrays) -> ScoreMod:
+        arrays, mods = tuple(arrays), []
+        for m in self.mods:
+            n = len(m.arrays())
+            mods.append(m.with_arrays(arrays[:n]))
+            arrays = arrays[n:]
+        return Chain(tuple(mods))
 
     def __repr__(self):
         return f"chain({', '.join(map(repr, self.mods))})"

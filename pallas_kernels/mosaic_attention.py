@@ -93,6 +93,8 @@ def supports(static, dtype, head_dim: int) -> str | None:
     """None when the Mosaic forward can run this attention, else why not (the Triton kernel runs instead)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name} (wgmma takes bfloat16 / float16 here)"
+    if static.score_mod is not None and static.score_mod.arrays():
+        return "a score mod that captures arrays"
     tiles = mosaic_tiles(head_dim, dtype, static.block_q, static.block_kv)
     if tiles is None:
         return f"head dim {head_dim} with blocks {static.block_q}x{static.block_kv}"

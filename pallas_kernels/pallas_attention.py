@@ -43,6 +43,7 @@ from .kernel_mask import split_documents
 from .masks import ScoreMod
 from .mosaic_attention import MosaicTiles, mosaic_forward, mosaic_tiles, supports
 from .mosaic_attention_bwd import BackwardTiles, backward_tiles, mosaic_dkv, mosaic_dq, supports_backward
+from .score_tables import load_rows, row_grads, rows_as_vector, split_arrays, vector_as_grads
 from .tile_math import dot, iota, masked_scores
 from .tpu_attention import block_sparse_attention_tpu
 
@@ -166,6 +167,7 @@ def block_sparse_attention(
     B, H, T, E = q.shape
     _, K, S, _ = k.shape
     template, docs = split_documents(block_mask.mask)
+    score_mod, mod_arrays = split_arrays("block_sparse_attention", score_mod, H)
 
     bs = block_mask.block_sizes
     mosaic_given = _given_mosaic_tiles(tiles, lowering, bs)
@@ -193,7 +195,7 @@ def block_sparse_attention(
         )
     static = dataclasses.replace(static, **(chosen | mosaic_given))
     qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
-    out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
+    out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays), mod_arrays)
     return out[:, :, :T], lse[:, :, :T, 0]
 
 
@@ -270,27 +272,28 @@ def _check_tiles(tiles: KernelTiles, bs) -> None:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, mask_arrays, doc_arrays):
-    return _forward(static, q, k, v, mask_arrays, doc_arrays)
+def _attention(static, q, k, v, mask_arrays, doc_arrays, mod_arrays):
+    return _forward(static, q, k, v, mask_arrays, doc_arrays, mod_arrays)
 
 
-def _attention_fwd(static, q, k, v, mask_arrays, doc_arrays):
-    out, lse = _forward(static, q, k, v, mask_arrays, doc_arrays)
-    return (out, lse), (q, k, v, out, lse, mask_arrays, doc_arrays)
+def _attention_fwd(static, q, k, v, mask_arrays, doc_arrays, mod_arrays):
+    out, lse = _forward(static, q, k, v, mask_arrays, doc_arrays, mod_arrays)
+    return (out, lse), (q, k, v, out, lse, mask_arrays, doc_arrays, mod_arrays)
 
 
 def _attention_bwd(static, residuals, cotangents):
-    q, k, v, out, lse, mask_arrays, doc_arrays = residuals
+    q, k, v, out, lse, mask_arrays, doc_arrays, mod_arrays = residuals
     d_out, d_lse = cotangents
     # d lse / d s = p, so a cotangent on lse enters every ds = p * (dp - delta) as -d_lse in delta.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True) - d_lse
-    if static.mosaic_bwd is not None:
+    if static.mosaic_bwd is not None:  # never with mod arrays (mosaic_attention.supports)
         args = (static, static.mosaic_bwd, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
         interpret = static.backend == "interpret"
-        return (*_mosaic_dq_dkv(args, interpret), None, None)
-    dq = _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
-    dk, dv = _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
-    return dq, dk, dv, None, None
+        return (*_mosaic_dq_dkv(args, interpret), None, None, ())
+    dq, d_rows = _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
+    dk, dv = _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
+    d_mod_arrays = vector_as_grads(d_rows, mod_arrays) if mod_arrays else ()
+    return dq, dk, dv, None, None, d_mod_arrays
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -305,9 +308,27 @@ def _mosaic_dq_dkv(args, interpret: bool):
 # ----------------------------------------------------------------------------- shared tile math
 
 
-def _scores(static, q, k, q_pos, kv_pos, head, masked, doc_tiles, with_grad=False):
-    """Scaled scores of q against k, one tile [bq, bkv] (float32), score-modded and masked (tile_math)."""
-    return masked_scores(static, dot(q, k, 1, 1) * static.scale, q_pos, kv_pos, head, masked, doc_tiles, with_grad)
+def _scores(static, q, k, q_pos, kv_pos, head, masked, doc_tiles, with_grad=False, rows=()):
+    """Scaled scores of q against k, one tile [bq, bkv] (float32), score-modded (reading ``rows``, the head's
+    rows of the mod's arrays) and masked (tile_math)."""
+    s = dot(q, k, 1, 1) * static.scale
+    return masked_scores(static, s, q_pos, kv_pos, head, masked, doc_tiles, with_grad, rows)
+
+
+def _n_mod_arrays(static) -> int:
+    return len(static.score_mod.arrays()) if static.score_mod is not None else 0
+
+
+def _split_refs(static, refs, n_out: int):
+    """(document refs, mod array refs, output refs) of a kernel's trailing refs."""
+    n_mod = _n_mod_arrays(static)
+    doc_and_mod, outs = refs[: len(refs) - n_out], refs[len(refs) - n_out :]
+    return doc_and_mod[: len(doc_and_mod) - n_mod], doc_and_mod[len(doc_and_mod) - n_mod :], outs
+
+
+def _rows_width(mod_arrays) -> int:
+    """Lanes of a program's row-gradient vector: every entry of the rows, rounded up to a power of two (Triton)."""
+    return max(16, 1 << (sum(a.shape[1] for a in mod_arrays) - 1).bit_length())
 
 
 def _two_loops(body, n_partial, n_total, carry):
@@ -329,8 +350,9 @@ def _tiles_of_block(tile_body, block_start, block, tile, carry):
 
 
 def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_ref, *refs):
-    *doc_refs, o_ref, lse_ref = refs
+    doc_refs, mod_refs, (o_ref, lse_ref) = _split_refs(static, refs, 2)
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = load_rows(static.score_mod, mod_refs, h) if mod_refs else ()
     bm = b if static.mask_batched else 0
     tq, tkv = static.tiles.forward.rows, static.tiles.forward.loop
     row = i * tq // static.block_q  # the block-mask row this program's tile lies in
@@ -344,7 +366,7 @@ def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_r
             k = k_ref[pl.ds(start, tkv), :]
             v = v_ref[pl.ds(start, tkv), :]
             tiles = [(qs, r[:, pl.ds(start, tkv)]) for qs, r in zip(q_segs, doc_refs[1::2])]
-            s, _ = _scores(static, q, k, q_pos, start + iota(tkv, 1), h, masked, tiles)
+            s, _ = _scores(static, q, k, q_pos, start + iota(tkv, 1), h, masked, tiles, rows=rows)
             m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet in this row
             alpha = jnp.exp(m_prev - m_safe)
@@ -367,7 +389,7 @@ def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_r
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
 
 
-def _forward(static, q, k, v, mask_arrays, doc_arrays):
+def _forward(static, q, k, v, mask_arrays, doc_arrays, mod_arrays=()):
     if static.mosaic is not None:
         interpret = static.backend == "interpret"
         return mosaic_forward(static, static.mosaic, q, k, v, mask_arrays, doc_arrays, interpret=interpret)
@@ -380,21 +402,24 @@ def _forward(static, q, k, v, mask_arrays, doc_arrays):
     return pl.pallas_call(
         functools.partial(_forward_kernel, static),
         grid=(B, H, Tp // tq),
-        in_specs=[q_spec, kv_spec, kv_spec, *[_index_spec(static)] * 3, *doc_specs],
+        in_specs=[q_spec, kv_spec, kv_spec, *[_index_spec(static)] * 3, *doc_specs, *_mod_specs(mod_arrays)],
         out_specs=[q_spec, pl.BlockSpec((None, None, tq, 1), lambda b, h, i: (b, h, i, 0))],
         out_shape=[like(q.shape, q.dtype, q), like((B, H, Tp, 1), jnp.float32, q)],
         interpret=static.backend == "interpret",
         compiler_params=_compiler_params(static, static.tiles.forward),
         name="block_sparse_attention_fwd",
-    )(q, k, v, *mask_arrays[:3], *doc_arrays)
+    )(q, k, v, *mask_arrays[:3], *doc_arrays, *mod_arrays)
 
 
 # ----------------------------------------------------------------------------- backward: dQ
 
 
 def _dq_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_idx_ref, kv_np_ref, kv_cnt_ref, *refs):
-    *doc_refs, dq_ref = refs
+    """dQ of one q tile; with a score mod that captures arrays also the gradient to this head's rows of them, over
+    this tile's scores (one vector per program, summed outside)."""
+    doc_refs, mod_refs, out_refs = _split_refs(static, refs, 2 if _n_mod_arrays(static) else 1)
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = load_rows(static.score_mod, mod_refs, h) if mod_refs else ()
     bm = b if static.mask_batched else 0
     tq, tkv = static.tiles.dq.rows, static.tiles.dq.loop
     row = i * tq // static.block_q
@@ -402,25 +427,34 @@ def _dq_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_idx_r
     q_pos = i * tq + iota(tq, 0)
     q_segs = [r[...] for r in doc_refs[0::2]]
 
-    def body(j, dq, masked):
-        def tile(start, dq):
+    def body(j, carry, masked):
+        def tile(start, carry):
+            dq, d_rows = carry
             k = k_ref[pl.ds(start, tkv), :]
             v = v_ref[pl.ds(start, tkv), :]
+            kv_pos = start + iota(tkv, 1)
             tiles = [(qs, r[:, pl.ds(start, tkv)]) for qs, r in zip(q_segs, doc_refs[1::2])]
-            s, d_mod = _scores(static, q, k, q_pos, start + iota(tkv, 1), h, masked, tiles, with_grad=True)
+            s, d_mod = _scores(static, q, k, q_pos, kv_pos, h, masked, tiles, with_grad=True, rows=rows)
             p = jnp.exp(s - lse)
-            ds = p * (dot(do, v, 1, 1) - delta)
+            ds = p * (dot(do, v, 1, 1) - delta)  # d loss / d (modded scores)
+            if rows:
+                s_raw = dot(q, k, 1, 1) * static.scale
+                d_rows = jax.tree.map(jnp.add, d_rows, row_grads(static.score_mod, rows, s_raw, q_pos, kv_pos, h, ds))
             if d_mod is not None:
                 ds = ds * d_mod
-            return dq + dot(ds.astype(k.dtype), k, 1, 0)
+            return dq + dot(ds.astype(k.dtype), k, 1, 0), d_rows
 
-        return _tiles_of_block(tile, kv_idx_ref[bm, row, j] * static.block_kv, static.block_kv, tkv, dq)
+        return _tiles_of_block(tile, kv_idx_ref[bm, row, j] * static.block_kv, static.block_kv, tkv, carry)
 
-    dq = _two_loops(body, kv_np_ref[bm, row], kv_cnt_ref[bm, row], jnp.zeros(q.shape, jnp.float32))
-    dq_ref[...] = (dq * static.scale).astype(dq_ref.dtype)
+    init = (jnp.zeros(q.shape, jnp.float32), jax.tree.map(jnp.zeros_like, rows))
+    dq, d_rows = _two_loops(body, kv_np_ref[bm, row], kv_cnt_ref[bm, row], init)
+    out_refs[0][...] = (dq * static.scale).astype(out_refs[0].dtype)
+    if rows:
+        out_refs[1][...] = rows_as_vector(d_rows, out_refs[1].shape[-1])
 
 
-def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
+def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays=()):
+    """(dQ, per-program gradient vectors of the mod's rows [B, H, programs, width], or None without mod arrays)."""
     B, H, Tp, E = q.shape
     Sp = k.shape[2]
     G, tq = static.groups, static.tiles.dq.rows
@@ -428,23 +462,34 @@ def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
     row_spec = pl.BlockSpec((None, None, tq, 1), lambda b, h, i: (b, h, i, 0))
     kv_spec = pl.BlockSpec((None, None, Sp, E), lambda b, h, i: (b, h // G, 0, 0))
     doc_specs = _row_doc_specs(static, tq, Sp)
-    return pl.pallas_call(
+    out_specs, out_shape = [q_spec], [like(q.shape, q.dtype, q)]
+    if mod_arrays:
+        width = _rows_width(mod_arrays)
+        out_specs.append(pl.BlockSpec((None, None, None, width), lambda b, h, i: (b, h, i, 0)))
+        out_shape.append(like((B, H, Tp // tq, width), jnp.float32, q))
+    outs = pl.pallas_call(
         functools.partial(_dq_kernel, static),
         grid=(B, H, Tp // tq),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *[_index_spec(static)] * 3, *doc_specs],
-        out_specs=q_spec,
-        out_shape=like(q.shape, q.dtype, q),
+        in_specs=[
+            *(q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec),
+            *[_index_spec(static)] * 3,
+            *doc_specs,
+            *_mod_specs(mod_arrays),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=static.backend == "interpret",
         compiler_params=_compiler_params(static, static.tiles.dq),
         name="block_sparse_attention_dq",
-    )(q, k, v, d_out, lse, delta, *mask_arrays[:3], *doc_arrays)
+    )(q, k, v, d_out, lse, delta, *mask_arrays[:3], *doc_arrays, *mod_arrays)
+    return outs[0], (outs[1] if mod_arrays else None)
 
 
 # ----------------------------------------------------------------------------- backward: dK, dV
 
 
 def _dkv_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_ref, q_np_ref, q_cnt_ref, *refs):
-    *doc_refs, dk_ref, dv_ref = refs
+    doc_refs, mod_refs, (dk_ref, dv_ref) = _split_refs(static, refs, 2)
     b, hk, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm = b if static.mask_batched else 0
     tkv, tq = static.tiles.dkv.rows, static.tiles.dkv.loop
@@ -455,6 +500,7 @@ def _dkv_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_r
 
     def per_head(g, carry):
         head = hk * static.groups + g
+        rows = load_rows(static.score_mod, mod_refs, head) if mod_refs else ()
 
         def body(t, carry, masked):
             def tile(start, carry):
@@ -464,7 +510,8 @@ def _dkv_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_r
                 lse = lse_ref[g, pl.ds(start, tq), :]
                 delta = delta_ref[g, pl.ds(start, tq), :]
                 tiles = [(r[pl.ds(start, tq), :], ks) for r, ks in zip(doc_refs[0::2], kv_segs)]
-                s, d_mod = _scores(static, q, k, start + iota(tq, 0), kv_pos, head, masked, tiles, with_grad=True)
+                q_pos = start + iota(tq, 0)
+                s, d_mod = _scores(static, q, k, q_pos, kv_pos, head, masked, tiles, with_grad=True, rows=rows)
                 p = jnp.exp(s - lse)
                 # p stays float32 here: dV sums p over every query of the column and has the tightest error budget
                 dv = dv + dot(p, do.astype(jnp.float32), 0, 0)
@@ -483,7 +530,7 @@ def _dkv_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_r
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
+def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays=()):
     B, H, Tp, E = q.shape
     K, Sp = k.shape[1], k.shape[2]
     G, tkv = static.groups, static.tiles.dkv.rows
@@ -503,13 +550,18 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays):
     return pl.pallas_call(
         functools.partial(_dkv_kernel, static),
         grid=(B, K, Sp // tkv),
-        in_specs=[group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec, *[_index_spec(static)] * 3, *doc_specs],
+        in_specs=[
+            *(group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec),
+            *[_index_spec(static)] * 3,
+            *doc_specs,
+            *_mod_specs(mod_arrays),
+        ],
         out_specs=[kv_spec, kv_spec],
         out_shape=[like(k.shape, k.dtype, k), like(v.shape, v.dtype, v)],
         interpret=static.backend == "interpret",
         compiler_params=_compiler_params(static, static.tiles.dkv),
         name="block_sparse_attention_dkv",
-    )(grouped(q), k, v, grouped(d_out), grouped(lse), grouped(delta), *mask_arrays[3:], *doc_arrays)
+    )(grouped(q), k, v, grouped(d_out), grouped(lse), grouped(delta), *mask_arrays[3:], *doc_arrays, *mod_arrays)
 
 
 # ----------------------------------------------------------------------------- backends
@@ -529,6 +581,11 @@ def _row_doc_specs(static, tq, Sp):
 def _index_spec(static):
     """Block lists and counts: whole arrays, read as scalars."""
     return pl.BlockSpec()
+
+
+def _mod_specs(mod_arrays):
+    """A score mod's arrays [H, n]: whole, read as scalars (a program reads its head's row)."""
+    return [pl.BlockSpec()] * len(mod_arrays)
 
 
 def _compiler_params(static, tiles: PassTiles):

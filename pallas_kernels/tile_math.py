@@ -20,10 +20,11 @@ def iota(n: int, axis: int):
     return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-def masked_scores(static, s, q_pos, kv_pos, head, masked: bool, doc_tiles, with_grad: bool = False):
-    """Scaled scores ``s`` of one tile (either orientation: the positions broadcast) -> score-modded, -inf outside
-    the mask where ``masked`` (a PARTIAL tile); and d mod / d s when ``with_grad`` (None without a score mod)."""
-    s, d_mod = static.mod_scores(s, q_pos, kv_pos, head, with_grad)
+def masked_scores(static, s, q_pos, kv_pos, head, masked: bool, doc_tiles, with_grad: bool = False, rows=()):
+    """Scaled scores ``s`` of one tile (either orientation: the positions broadcast) -> score-modded (reading
+    ``rows``: this head's rows of the mod's arrays), -inf outside the mask where ``masked`` (a PARTIAL tile); and
+    d mod / d s when ``with_grad`` (None without a score mod)."""
+    s, d_mod = static.mod_scores(s, q_pos, kv_pos, head, with_grad, rows)
     if masked:
         s = jnp.where(static.keep(doc_tiles, q_pos, kv_pos), s, -jnp.inf)
     return s, d_mod

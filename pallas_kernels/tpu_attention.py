@@ -103,6 +103,11 @@ def block_sparse_attention_tpu(
     ``tiles`` overrides ``tpu_tiles`` (each a multiple of its block and of 128, or the whole padded sequence).
     """
     check_attention_inputs("block_sparse_attention_tpu", q, k, v, block_mask)
+    if score_mod is not None and score_mod.arrays():
+        raise ValueError(
+            f"block_sparse_attention_tpu: the TPU kernels do not take a score mod that captures arrays ({score_mod!r})"
+            " yet; block_sparse_attention_xla (attention_impl=xla_blocksparse) does"
+        )
     B, H, T, E = q.shape
     _, K, S, _ = k.shape
     template, docs = split_documents(block_mask.mask)

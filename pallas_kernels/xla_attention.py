@@ -13,7 +13,8 @@ stay in float32 (the flash-attention recurrences), so memory is O(T * block_kv) 
 
 Backward (``jax.custom_vjp``, FlashAttention-2 style): probabilities are recomputed from the saved log-sum-exp; dQ
 scans the same kv lists, dK/dV scan the transposed q lists. Both only gather: autodiff of the forward scan would
-store every step's probabilities and scatter-add dK/dV over every visiting q block.
+store every step's probabilities and scatter-add dK/dV over every visiting q block. A score mod's captured arrays
+(``score_tables``) are differentiable inputs; the dQ scan, which visits every live tile once, sums their gradient.
 
 Sequences that are not whole blocks are padded; padded keys are masked, padded queries dropped.
 
@@ -38,7 +39,8 @@ from .block_mask import EMPTY, BlockMask
 from .kernel_inputs import AttentionStatic, check_attention_inputs, list_arrays, pad_axis, segment_arrays
 from .kernel_mask import split_documents
 from .masks import ScoreMod
-from .xla_tiled_attention import plan_block_mask, tiled_attention_xla
+from .score_tables import bind_shapes, split_arrays
+from .xla_tiled_attention import mod_array_grads, plan_block_mask, tiled_attention_xla
 
 #: The tiled path computes whole pieces of the union of a per-batch block mask; past this multiple of the blocks one
 #: batch element needs, the scan's exact lists win (the tiled path's FLOPs run ~2x faster, measured on CPU).
@@ -58,7 +60,8 @@ def block_sparse_attention_xla(
     q [B, H, T, E], k/v [B, K, S, E] (K divides H); ``block_mask`` from ``make_block_mask(mask, T, S, ...)``.
     Returns (out [B, H, T, E] in q.dtype, lse [B, H, T] float32), equal to
     ``reference_attention(q, k, v, block_mask.mask, ...)``. Host block masks take ``tiled_attention_xla``, traced ones
-    (and per-batch ones whose union would compute too much) ``block_sparse_attention_scan``.
+    (and per-batch ones whose union would compute too much) ``block_sparse_attention_scan``. Arrays a ``score_mod``
+    captures (``score_tables``: a relative-bias table, learned slopes) get gradients too.
     """
     check_attention_inputs("block_sparse_attention_xla", q, k, v, block_mask)
     fn = tiled_attention_xla if uses_tiled_path(block_mask) else block_sparse_attention_scan
@@ -88,34 +91,40 @@ def block_sparse_attention_scan(
         for pair in segment_arrays("block_sparse_attention_xla", docs, block_mask, B)
         for ids in pair
     ]
+    score_mod, mod_arrays = split_arrays("block_sparse_attention_xla", score_mod, H)
     static = _Static(**AttentionStatic.shared(template, score_mod, scale, block_mask, E), groups=H // K)
     qp = pad_axis(q, 2, block_mask.padded_q_len)
     kp, vp = (pad_axis(x, 2, block_mask.padded_kv_len) for x in (k, v))
-    out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays))
+    out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays), mod_arrays)
     return out[:, :, :T], lse[:, :, :T]
 
 
 # ----------------------------------------------------------------------------- custom_vjp
 
 
+# mod_arrays: the score mod's arrays [H, n] float32 (``split_arrays``), shared by the batch (vmap's in_axes None).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, mask_arrays, doc_arrays):
-    return jax.vmap(functools.partial(_forward, static))(q, k, v, mask_arrays, doc_arrays)
+def _attention(static, q, k, v, mask_arrays, doc_arrays, mod_arrays):
+    in_axes = (0,) * 5 + (None,)
+    return jax.vmap(functools.partial(_forward, static), in_axes)(q, k, v, mask_arrays, doc_arrays, mod_arrays)
 
 
-def _attention_fwd(static, q, k, v, mask_arrays, doc_arrays):
-    out, lse = _attention(static, q, k, v, mask_arrays, doc_arrays)
-    return (out, lse), (q, k, v, out, lse, mask_arrays, doc_arrays)
+def _attention_fwd(static, q, k, v, mask_arrays, doc_arrays, mod_arrays):
+    out, lse = _attention(static, q, k, v, mask_arrays, doc_arrays, mod_arrays)
+    return (out, lse), (q, k, v, out, lse, mask_arrays, doc_arrays, mod_arrays)
 
 
 def _attention_bwd(static, residuals, cotangents):
-    q, k, v, out, lse, mask_arrays, doc_arrays = residuals
+    q, k, v, out, lse, mask_arrays, doc_arrays, mod_arrays = residuals
     d_out, d_lse = cotangents
     # d lse / d s = p, so a cotangent on lse enters ds = p * (dp - delta) as -d_lse in delta.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
-    dq = jax.vmap(functools.partial(_dq, static))(q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
-    dk, dv = jax.vmap(functools.partial(_dkv, static))(q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    args = (q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
+    in_axes = (0,) * 8 + (None,)
+    dq, d_mod_arrays = jax.vmap(functools.partial(_dq, static), in_axes)(*args)
+    dk, dv = jax.vmap(functools.partial(_dkv, static), in_axes)(*args)
+    d_mod_arrays = tuple(d.sum(0) for d in d_mod_arrays)  # [B, H, n]: every batch element's tiles
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_mod_arrays
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -141,12 +150,22 @@ def _kv_blocks(static, x_KSE):
     return x_KSE.astype(jnp.float32).reshape(K, S // static.block_kv, static.block_kv, E).transpose(1, 0, 2, 3)
 
 
-def _scores(static, q_NKGQE, k_NKWE, q_pos_NQ1, kv_pos_N1W, live, masked, doc_tiles, with_grad=False):
-    """Scaled, score-modded scores [N, K, G, Q, W], -inf outside the mask; optionally d mod / d s."""
-    s = jnp.einsum("nkgqe,nkwe->nkgqw", q_NKGQE, k_NKWE) * static.scale
-    K, G = q_NKGQE.shape[1], q_NKGQE.shape[2]
+def _raw_scores(static, q_NKGQE, k_NKWE):
+    """Scaled scores [N, K, G, Q, W] before the score mod (what the mod's array gradient is taken at)."""
+    return jnp.einsum("nkgqe,nkwe->nkgqw", q_NKGQE, k_NKWE) * static.scale
+
+
+def _coords(s_NKGQW, q_pos_NQ1, kv_pos_N1W):
+    """(q positions, kv positions, query head), each broadcasting against the scores [N, K, G, Q, W]."""
+    K, G = s_NKGQW.shape[1], s_NKGQW.shape[2]
     head = jnp.arange(K * G, dtype=jnp.int32).reshape(1, K, G, 1, 1)
-    s, d_mod = static.mod_scores(s, q_pos_NQ1[:, None, None], kv_pos_N1W[:, None, None], head, with_grad)
+    return q_pos_NQ1[:, None, None], kv_pos_N1W[:, None, None], head
+
+
+def _scores(static, s, q_pos_NQ1, kv_pos_N1W, live, masked, doc_tiles, mod_arrays=(), with_grad=False):
+    """Raw scores [N, K, G, Q, W] -> score-modded, -inf outside the mask; optionally d mod / d s."""
+    arrays = bind_shapes(static.score_mod, mod_arrays) if mod_arrays else ()
+    s, d_mod = static.mod_scores(s, *_coords(s, q_pos_NQ1, kv_pos_N1W), with_grad, arrays)
     elem = static.keep(doc_tiles, q_pos_NQ1, kv_pos_N1W)
     keep = live[:, None, None] & (~masked[:, None, None] | elem)  # [N, Q, W]
     return jnp.where(keep[:, None, None], s, -jnp.inf), d_mod
@@ -167,7 +186,7 @@ def _positions(blocks_N, block):
     return blocks_N[:, None] * block + jnp.arange(block, dtype=jnp.int32)  # [N, block]
 
 
-def _forward(static, q_HTE, k_KSE, v_KSE, mask_arrays, doc_arrays):
+def _forward(static, q_HTE, k_KSE, v_KSE, mask_arrays, doc_arrays, mod_arrays):
     H, T, E = q_HTE.shape
     bq, bkv = static.block_q, static.block_kv
     xs = _entries(*mask_arrays[:3])
@@ -181,13 +200,13 @@ def _forward(static, q_HTE, k_KSE, v_KSE, mask_arrays, doc_arrays):
         kv_pos_N1W = _positions(blocks_N, bkv)[:, None, :]
         s, _ = _scores(
             static,
-            q_NKGQE,
-            k_OKWE[blocks_N],
+            _raw_scores(static, q_NKGQE, k_OKWE[blocks_N]),
             q_pos_NQ1,
             kv_pos_N1W,
             live_N,
             masked_N,
             _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W),
+            mod_arrays,
         )
         m_new = jnp.maximum(m_prev, s.max(-1))
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # a row with nothing seen yet
@@ -206,7 +225,9 @@ def _forward(static, q_HTE, k_KSE, v_KSE, mask_arrays, doc_arrays):
     return (out.transpose(1, 2, 0, 3, 4).reshape(H, T, E).astype(q_HTE.dtype), lse.transpose(1, 2, 0, 3).reshape(H, T))
 
 
-def _dq(static, q_HTE, k_KSE, v_KSE, do_HTE, lse_HT, delta_HT, mask_arrays, doc_arrays):
+def _dq(static, q_HTE, k_KSE, v_KSE, do_HTE, lse_HT, delta_HT, mask_arrays, doc_arrays, mod_arrays):
+    """(dQ, d mod_arrays): the scan over kv lists visits every live tile once, so it also sums the arrays'
+    gradient."""
     H, T, E = q_HTE.shape
     bq, bkv = static.block_q, static.block_kv
     xs = _entries(*mask_arrays[:3])
@@ -215,32 +236,38 @@ def _dq(static, q_HTE, k_KSE, v_KSE, do_HTE, lse_HT, delta_HT, mask_arrays, doc_
     k_OKWE, v_OKWE = _kv_blocks(static, k_KSE), _kv_blocks(static, v_KSE)
     q_pos_NQ1 = jnp.arange(T, dtype=jnp.int32).reshape(-1, bq, 1)
 
-    def step(dq, xs):
+    def step(carry, xs):
+        dq, d_arrays = carry
         blocks_N, live_N, masked_N = xs
         kv_pos_N1W = _positions(blocks_N, bkv)[:, None, :]
         k_NKWE, v_NKWE = k_OKWE[blocks_N], v_OKWE[blocks_N]
+        s_raw = _raw_scores(static, q_NKGQE, k_NKWE)
         s, d_mod = _scores(
             static,
-            q_NKGQE,
-            k_NKWE,
+            s_raw,
             q_pos_NQ1,
             kv_pos_N1W,
             live_N,
             masked_N,
             _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W),
+            mod_arrays,
             with_grad=True,
         )
-        p = jnp.exp(s - lse_NKGQ[..., None])
+        p = jnp.exp(s - lse_NKGQ[..., None])  # 0 outside the mask and on padding rows (lse +inf): so is ds
         ds = p * (jnp.einsum("nkgqe,nkwe->nkgqw", do_NKGQE, v_NKWE) - delta_NKGQ[..., None])
+        if mod_arrays:  # ds is the gradient to the modded scores here
+            grads = mod_array_grads(static.score_mod, mod_arrays, s_raw, *_coords(s, q_pos_NQ1, kv_pos_N1W), ds)
+            d_arrays = tuple(a + b for a, b in zip(d_arrays, grads))
         if d_mod is not None:
             ds = ds * d_mod
-        return dq + jnp.einsum("nkgqw,nkwe->nkgqe", ds, k_NKWE), None
+        return (dq + jnp.einsum("nkgqw,nkwe->nkgqe", ds, k_NKWE), d_arrays), None
 
-    dq, _ = lax.scan(step, jnp.zeros_like(q_NKGQE), xs)
-    return (dq * static.scale).transpose(1, 2, 0, 3, 4).reshape(H, T, E)
+    zeros = (jnp.zeros_like(q_NKGQE), tuple(jnp.zeros_like(a) for a in mod_arrays))
+    (dq, d_arrays), _ = lax.scan(step, zeros, xs)
+    return (dq * static.scale).transpose(1, 2, 0, 3, 4).reshape(H, T, E), d_arrays
 
 
-def _dkv(static, q_HTE, k_KSE, v_KSE, do_HTE, lse_HT, delta_HT, mask_arrays, doc_arrays):
+def _dkv(static, q_HTE, k_KSE, v_KSE, do_HTE, lse_HT, delta_HT, mask_arrays, doc_arrays, mod_arrays):
     K, S, E = k_KSE.shape
     bq, bkv = static.block_q, static.block_kv
     xs = _entries(*mask_arrays[3:])
@@ -256,13 +283,13 @@ def _dkv(static, q_HTE, k_KSE, v_KSE, do_HTE, lse_HT, delta_HT, mask_arrays, doc
         q_NKGQE, do_NKGQE = q_OKGQE[blocks_N], do_OKGQE[blocks_N]
         s, d_mod = _scores(
             static,
-            q_NKGQE,
-            k_NKWE,
+            _raw_scores(static, q_NKGQE, k_NKWE),
             q_pos_NQ1,
             kv_pos_N1W,
             live_N,
             masked_N,
             _doc_tiles(doc_arrays, q_pos_NQ1, kv_pos_N1W),
+            mod_arrays,
             with_grad=True,
         )
         p = jnp.exp(s - lse_OKGQ[blocks_N][..., None])

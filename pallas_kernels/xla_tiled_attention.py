@@ -15,7 +15,8 @@ Backward (``jax.custom_vjp``, FlashAttention-2 style): per piece the probabiliti
 log-sum-exp, and that one score tile feeds dQ, dK and dV; the pieces' gradients are summed per block through tables
 like the forward's. Nothing of size [T, S] is saved beyond ``KEEP_PROBS_MAX_LEN`` query positions (up to it the
 forward's probability tiles are kept, which saves a product and an exp per tile); the transients are the score tiles
-of one group of pieces.
+of one group of pieces. A score mod's captured arrays (``score_tables``) are differentiable inputs: their gradient is
+the mod's vjp in them, summed over the pieces.
 
 Shape suffixes follow the legend in docs/architecture.md, plus: A batch x query heads (flattened), N pieces of a
 group, Q / W query / key positions of a piece, O every block of an axis, R the blocks of all groups' pieces stacked
@@ -35,6 +36,7 @@ from .block_mask import EMPTY, FULL, PARTIAL, BlockMask
 from .kernel_inputs import AttentionStatic, check_attention_inputs, pad_axis, segment_arrays
 from .kernel_mask import split_documents
 from .masks import ScoreMod
+from .score_tables import bind_shapes, split_arrays
 
 #: Largest piece side, in positions: bigger squares are split (a score tile stays <= 16 MiB per head; 4096-wide
 #: ones measured no faster).
@@ -201,19 +203,32 @@ def tiled_attention_xla(
 
     q [B, H, T, E], k/v [B, K, S, E] (K divides H); ``block_mask`` from ``make_block_mask(mask, T, S, ...)`` with a
     static mask or host (numpy) segment ids. Returns (out [B, H, T, E] in q.dtype, lse [B, H, T] float32), equal to
-    ``reference_attention(q, k, v, block_mask.mask, ...)``.
+    ``reference_attention(q, k, v, block_mask.mask, ...)``; arrays a ``score_mod`` captures get gradients too.
     """
     check_attention_inputs("tiled_attention_xla", q, k, v, block_mask)
     B, H, T, E = q.shape
     template, docs = split_documents(block_mask.mask)
     doc_arrays = tuple(ids for pair in segment_arrays("tiled_attention_xla", docs, block_mask, B) for ids in pair)
+    score_mod, mod_arrays = split_arrays("tiled_attention_xla", score_mod, H)
     static = _Static(
         **AttentionStatic.shared(template, score_mod, scale, block_mask, E), plan=plan_block_mask(block_mask)
     )
     qp = pad_axis(q, 2, block_mask.padded_q_len)
     kp, vp = (pad_axis(x, 2, block_mask.padded_kv_len) for x in (k, v))
-    out, lse = _attention(static, qp, kp, vp, doc_arrays)
+    out, lse = _attention(static, qp, kp, vp, doc_arrays, mod_arrays)
     return out[:, :, :T], lse[:, :, :T]
+
+
+def mod_array_grads(score_mod: ScoreMod, mod_arrays, s, q_pos, kv_pos, head, ds) -> tuple:
+    """d loss / d ``mod_arrays`` (a mod's arrays [H, n], ``split_arrays``') from one set of tiles: the vjp of the
+    mod in its arrays at the raw scores ``s``, ``ds`` = d loss / d (modded scores). ``ds`` is 0 (never NaN) outside
+    the mask and on padding, so those entries add nothing."""
+
+    def mod(arrays):
+        return score_mod.with_arrays(bind_shapes(score_mod, arrays))(s, q_pos, kv_pos, head)
+
+    _, vjp = jax.vjp(mod, tuple(mod_arrays))
+    return vjp(ds)[0]
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -223,25 +238,25 @@ def tiled_attention_xla(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, doc_arrays):
-    return _forward(static, q, k, v, doc_arrays)[:2]
+def _attention(static, q, k, v, doc_arrays, mod_arrays):
+    return _forward(static, q, k, v, doc_arrays, mod_arrays)[:2]
 
 
-def _attention_fwd(static, q, k, v, doc_arrays):
-    out, lse, probs = _forward(static, q, k, v, doc_arrays)
+def _attention_fwd(static, q, k, v, doc_arrays, mod_arrays):
+    out, lse, probs = _forward(static, q, k, v, doc_arrays, mod_arrays)
     keep = static.score_mod is None and q.shape[2] <= KEEP_PROBS_MAX_LEN  # a score mod's gradient needs the scores
-    return (out, lse), (q, k, v, out, lse, doc_arrays, probs if keep else None)
+    return (out, lse), (q, k, v, out, lse, doc_arrays, mod_arrays, probs if keep else None)
 
 
 def _attention_bwd(static, residuals, cotangents):
-    q, k, v, out, lse, doc_arrays, probs = residuals
+    q, k, v, out, lse, doc_arrays, mod_arrays, probs = residuals
     d_out, d_lse = cotangents
     # d lse / d s = p, so a cotangent on lse enters ds = p * (dp - delta) as -d_lse in delta.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
     # materialized: XLA otherwise fuses lse's merge (gathers and an exp per piece) into every score element's exp
     lse, delta = jax.lax.optimization_barrier((lse, delta))
-    dq, dk, dv = _backward(static, q, k, v, d_out, lse, delta, doc_arrays, probs)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    dq, dk, dv, d_mod_arrays = _backward(static, q, k, v, d_out, lse, delta, doc_arrays, mod_arrays, probs)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_mod_arrays
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -306,26 +321,37 @@ def _positions(starts, size, block):
     return np.asarray(starts, np.int32)[:, None] * block + np.arange(size * block, dtype=np.int32)
 
 
-def _mask_and_mod(static, group, s, B, doc_arrays, transposed=False, with_grad=False):
-    """Score tiles [A, N, Q, W] (or [A, N, W, Q] ``transposed``) -> score-modded, -inf outside the mask (masked
-    groups only); optionally d mod / d s."""
+def _tile_coords(static, group, H, transposed=False):
+    """(q positions [N, Q, 1], kv positions [N, 1, W], query head [1, H, 1, 1, 1]), broadcasting against a group's
+    tiles as [B, H, N, Q, W] (positions [N, 1, Q] / [N, W, 1] when ``transposed``)."""
     q_pos = _positions(group.q_starts, group.rows, static.block_q)
     kv_pos = _positions(group.kv_starts, group.cols, static.block_kv)
     q_pos, kv_pos = (q_pos[:, None, :], kv_pos[:, :, None]) if transposed else (q_pos[:, :, None], kv_pos[:, None])
+    return jnp.asarray(q_pos), jnp.asarray(kv_pos), jnp.arange(H, dtype=jnp.int32).reshape(1, H, 1, 1, 1)
+
+
+def _by_head(x_AN__, B):
+    """[A, N, ., .] -> [B, H, N, ., .] (a reshape): what score mods read heads from."""
+    return x_AN__.reshape(B, -1, *x_AN__.shape[1:])
+
+
+def _mask_and_mod(static, group, s, B, doc_arrays, mod_arrays=(), transposed=False, with_grad=False):
+    """Score tiles [A, N, Q, W] (or [A, N, W, Q] ``transposed``) -> score-modded, -inf outside the mask (masked
+    groups only); optionally d mod / d s."""
     shape = s.shape
-    s = s.reshape(B, -1, *shape[1:])  # [B, H, N, ., .]
-    head = jnp.arange(s.shape[1], dtype=jnp.int32).reshape(1, -1, 1, 1, 1)
-    s, d_mod = static.mod_scores(s, jnp.asarray(q_pos), jnp.asarray(kv_pos), head, with_grad)
+    s = _by_head(s, B)
+    q_pos, kv_pos, head = _tile_coords(static, group, s.shape[1], transposed)
+    arrays = bind_shapes(static.score_mod, mod_arrays) if mod_arrays else ()
+    s, d_mod = static.mod_scores(s, q_pos, kv_pos, head, with_grad, arrays)
     d_mod = None if d_mod is None else d_mod.reshape(shape)
     if group.masked:
-        qp, kvp = jnp.asarray(q_pos), jnp.asarray(kv_pos)
-        tiles = [(q_ids[:, qp], kv_ids[:, kvp]) for q_ids, kv_ids in zip(doc_arrays[0::2], doc_arrays[1::2])]
-        keep = static.keep(tiles, qp, kvp)  # [(B,) N, ., .]
+        tiles = [(q_ids[:, q_pos], kv_ids[:, kv_pos]) for q_ids, kv_ids in zip(doc_arrays[0::2], doc_arrays[1::2])]
+        keep = static.keep(tiles, q_pos, kv_pos)  # [(B,) N, ., .]
         s = jnp.where(keep[:, None] if keep.ndim == 4 else keep, s, -jnp.inf)
     return s.reshape(shape), d_mod
 
 
-def _forward(static, q, k, v, doc_arrays):
+def _forward(static, q, k, v, doc_arrays, mod_arrays=()):
     B, H, T, E = q.shape
     q_blocks = _blocks(q * static.scale, static.block_q)  # scaling q: no pass over the score tiles
     k_blocks, v_blocks = _kv_blocks(static, k, H), _kv_blocks(static, v, H)
@@ -333,7 +359,7 @@ def _forward(static, q, k, v, doc_arrays):
     for g in static.plan.groups:
         q_ANQE = _pieces(q_blocks, g.q_starts, g.rows)
         k_ANWE, v_ANWE = (_pieces(x, g.kv_starts, g.cols) for x in (k_blocks, v_blocks))
-        s, _ = _mask_and_mod(static, g, _dot("bqe,bwe->bqw", q_ANQE, k_ANWE), B, doc_arrays)
+        s, _ = _mask_and_mod(static, g, _dot("bqe,bwe->bqw", q_ANQE, k_ANWE), B, doc_arrays, mod_arrays)
         m = s.max(-1)
         m_safe = jnp.where(jnp.isneginf(m), 0.0, m)  # a row the piece's mask leaves empty
         p = jnp.exp(s - m_safe[..., None])
@@ -354,19 +380,19 @@ def _forward(static, q, k, v, doc_arrays):
     return out.reshape(B, H, T, E).astype(q.dtype), lse.reshape(B, H, T), probs
 
 
-def _backward(static, q, k, v, do, lse, delta, doc_arrays, probs=None):
-    """FlashAttention-2's backward per piece. Recomputed from q, k and the log-sum-exp, the probability tiles are
-    transposed [W, Q]: dK and dV contract the tile's last axis, as XLA:CPU's fast products want; only dQ's [E, Q]
-    result is transposed, and it is small. Rescaled from the forward's ``probs`` (per group: tiles [A, N, Q, W] and
-    their rows' max) when it kept them, they stay [Q, W] as the forward made them: transposing them cost more than
-    it saved (causal, T = 256, batch 4 x 6 heads, head dim 64: 1.01-1.05x without, in-process)."""
+def _backward(static, q, k, v, do, lse, delta, doc_arrays, mod_arrays=(), probs=None):
+    """(dQ, dK, dV, d mod_arrays): FlashAttention-2's backward per piece. Recomputed from q, k and the log-sum-exp,
+    the probability tiles are transposed [W, Q]: dK and dV contract the tile's last axis, as XLA:CPU's fast products
+    want; only dQ's [E, Q] result is transposed, and it is small. Rescaled from the forward's ``probs`` (per group:
+    tiles [A, N, Q, W] and their rows' max) when it kept them, they stay [Q, W] as the forward made them: transposing
+    them cost more than it saved (causal, T = 256, batch 4 x 6 heads, head dim 64: 1.01-1.05x without, in-process)."""
     B, H, T, E = q.shape
     K, S = k.shape[1], k.shape[2]
     bq = static.block_q
     q_blocks, do_blocks = _blocks(q * static.scale, bq), _blocks(do, bq)
     lse_blocks, delta_blocks = _blocks(lse, bq), _blocks(delta, bq)
     k_blocks, v_blocks = _kv_blocks(static, k, H), _kv_blocks(static, v, H)
-    dqs, dks, dvs = [], [], []
+    dqs, dks, dvs, d_arrays = [], [], [], tuple(jnp.zeros_like(a) for a in mod_arrays)
     for i, g in enumerate(static.plan.groups):
         q_ANQE, do_ANQE, lse_ANQ, delta_ANQ = (
             _pieces(x, g.q_starts, g.rows) for x in (q_blocks, do_blocks, lse_blocks, delta_blocks)
@@ -380,10 +406,14 @@ def _backward(static, q, k, v, do, lse, delta, doc_arrays, probs=None):
             dq = _dot("bqw,bwe->bqe", ds, k_ANWE)
         else:  # recomputed, tiles [W, Q]
             tile = "bwq"
-            s = _dot("bwe,bqe->bwq", k_ANWE, q_ANQE)
-            s, d_mod = _mask_and_mod(static, g, s, B, doc_arrays, transposed=True, with_grad=True)
-            p = jnp.exp(s - lse_ANQ[:, :, None])
+            s_raw = _dot("bwe,bqe->bwq", k_ANWE, q_ANQE)
+            s, d_mod = _mask_and_mod(static, g, s_raw, B, doc_arrays, mod_arrays, transposed=True, with_grad=True)
+            p = jnp.exp(s - lse_ANQ[:, :, None])  # 0 outside the mask and on padding rows (lse +inf): so is ds
             ds = p * (_dot("bwe,bqe->bwq", v_ANWE, do_ANQE) - delta_ANQ[:, :, None])
+            if mod_arrays:  # ds is the gradient to the modded scores here
+                coords = _tile_coords(static, g, H, transposed=True)
+                grads = mod_array_grads(static.score_mod, mod_arrays, _by_head(s_raw, B), *coords, _by_head(ds, B))
+                d_arrays = tuple(a + b for a, b in zip(d_arrays, grads))
             if d_mod is not None:
                 ds = ds * d_mod
             dq = _dot("bwe,bwq->beq", k_ANWE, ds).swapaxes(-1, -2)
@@ -393,4 +423,4 @@ def _backward(static, q, k, v, do, lse, delta, doc_arrays, probs=None):
     q_table, kv_table = _tables(static.plan)
     dq = sum(_slots(_stack(dqs, 0.0), q_table)) * static.scale
     dk, dv = (sum(_slots(_stack(x, 0.0), kv_table)).reshape(B, K, H // K, S, E).sum(2) for x in (dks, dvs))
-    return dq.reshape(B, H, T, E), dk, dv
+    return dq.reshape(B, H, T, E), dk, dv, d_arrays

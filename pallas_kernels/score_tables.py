@@ -1,0 +1,218 @@
+"""Score mods that capture arrays (FlexAttention's captured buffers): T5's relative-position bias table and learnable
+ALiBi slopes, and what the kernels do to take such arrays as inputs and return their gradients.
+
+Every captured array is [H, ...], one row per query head, float, and its row is small (``MAX_ROW`` entries). A
+kernel program works on one head, so it loads that head's row as scalars (a ``HeadRow``) and the mod reads entries
+with ``head_lookup``: inside a kernel a select chain over the row (kernels cannot gather from registers), elsewhere
+an indexing gather. The gradient to a row is the vjp of the mod in those scalars: a sum of dS per entry, per tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .masks import ScoreMod
+
+MAX_ROW = 64  # entries per head a kernel reads as scalars: each costs a select per score, a sum per tile (backward)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class HeadRow:
+    """One head's row of a captured array inside a kernel: its entries as float32 scalars (row-major)."""
+
+    values: tuple
+    shape: tuple[int, ...]
+
+    def tree_flatten(self):
+        return self.values, self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape, values):
+        return cls(tuple(values), shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """A captured array's shape and dtype: what stands for it in the kernels' static (hashable) description."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def head_lookup(array, head, index=None):
+    """``array[head]`` (a per-head value), or ``array[head, index]`` for an int array ``index`` of positions in a
+    1-D row, broadcasting against the scores; inside a kernel ``array`` is this program's HeadRow."""
+    if isinstance(array, HeadRow):
+        if index is None:
+            return array.values[0]
+        out = jnp.zeros(jnp.shape(index), jnp.float32)
+        for i, value in enumerate(array.values):
+            out = jnp.where(index == i, value, out)
+        return out
+    array, head = jnp.asarray(array, jnp.float32), jnp.asarray(head)
+    return array[head] if index is None else array[head, index]
+
+
+# ----------------------------------------------------------------------------- the mods
+
+
+@dataclasses.dataclass(frozen=True)
+class RelativeBias(ScoreMod):
+    """score + table[head, bucket(kv_idx - q_idx)]: T5's learned relative-position bias (Raffel et al. 2020), its
+    buckets exact for distances under half of them (a quarter when bidirectional), logarithmic up to
+    ``max_distance``."""
+
+    table: Any  # [H, num_buckets]
+    bidirectional: bool
+    max_distance: int
+
+    def __call__(self, score, q_idx, kv_idx, head=0):
+        bucket = relative_bucket(kv_idx - q_idx, self.table.shape[-1], self.bidirectional, self.max_distance)
+        return score + head_lookup(self.table, head, bucket).astype(score.dtype)
+
+    def arrays(self) -> tuple:
+        return (self.table,)
+
+    def with_arrays(self, arrays) -> ScoreMod:
+        return dataclasses.replace(self, table=arrays[0])
+
+    def __repr__(self):
+        shape, args = list(self.table.shape), f"bidirectional={self.bidirectional}, max_distance={self.max_distance}"
+        return f"relative_bias({shape}, {args})"
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedAlibi(ScoreMod):
+    """score - slopes[head] * (q_idx - kv_idx) with the slopes an array [H] (ALiBi whose slopes train)."""
+
+    slopes: Any  # [H]
+
+    def __call__(self, score, q_idx, kv_idx, head=0):
+        slope = head_lookup(self.slopes, head).astype(score.dtype)
+        return score - slope * jnp.asarray(q_idx - kv_idx).astype(score.dtype)
+
+    def arrays(self) -> tuple:
+        return (self.slopes,)
+
+    def with_arrays(self, arrays) -> ScoreMod:
+        return dataclasses.replace(self, slopes=arrays[0])
+
+    def __repr__(self):
+        return f"learned_alibi({list(self.slopes.shape)})"
+
+
+def relative_bucket(relative, num_buckets: int, bidirectional: bool, max_distance: int):
+    """T5's bucket of each relative position kv - q (int32, broadcastable)."""
+    relative = jnp.asarray(relative, jnp.int32)
+    bucket = jnp.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + jnp.where(relative > 0, num_buckets, 0)
+        distance = jnp.abs(relative)
+    else:
+        distance = jnp.maximum(-relative, 0)
+    exact = num_buckets // 2
+    ratio = jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / exact) / math.log(max_distance / exact)
+    large = jnp.minimum(exact + (ratio * (num_buckets - exact)).astype(jnp.int32), num_buckets - 1)
+    return bucket + jnp.where(distance < exact, distance, large)
+
+
+def relative_bias(table, *, bidirectional: bool = False, max_distance: int = 128) -> ScoreMod:
+    """score + table[head, bucket(kv - q)]; ``table`` [H, num_buckets] (T5: 32 buckets, max distance 128; decoders
+    are not bidirectional)."""
+    shape = jnp.shape(table)
+    smallest = 4 if bidirectional else 2
+    if len(shape) != 2 or shape[1] < smallest:
+        raise ValueError(f"relative_bias: table must be [heads, num_buckets >= {smallest}], got shape {list(shape)}")
+    exact = (shape[1] // 2 if bidirectional else shape[1]) // 2
+    if not isinstance(max_distance, int) or max_distance <= exact:
+        raise ValueError(
+            f"relative_bias: max_distance must be an int above the exact buckets ({exact}), got {max_distance!r}"
+        )
+    return RelativeBias(_float_array("relative_bias", table), bool(bidirectional), max_distance)
+
+
+def learned_alibi(slopes) -> ScoreMod:
+    """score - slopes[head] * (q - kv); ``slopes`` [H] (``alibi_slopes(H)`` is the paper's start)."""
+    if len(jnp.shape(slopes)) != 1:
+        raise ValueError(f"learned_alibi: slopes must be [heads], got shape {list(jnp.shape(slopes))}")
+    return LearnedAlibi(_float_array("learned_alibi", slopes))
+
+
+def _float_array(name: str, x):
+    x = x if isinstance(x, jax.Array) else jnp.asarray(np.asarray(x, np.float32))
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name}: the array must be floating (it is learnable), got {x.dtype}")
+    return x
+
+
+# ----------------------------------------------------------------------------- what the kernels do with them
+
+
+def split_arrays(name: str, score_mod: ScoreMod | None, heads: int) -> tuple[ScoreMod | None, tuple]:
+    """(the mod with ArraySpecs for its arrays: hashable, for a kernel's static description; its arrays [H, n]).
+    Raises ValueError naming ``name`` for arrays the kernels cannot take."""
+    arrays = score_mod.arrays() if score_mod is not None else ()
+    if not arrays:
+        return score_mod, ()
+    flat = []
+    for a in arrays:
+        shape = tuple(jnp.shape(a))
+        if not shape or shape[0] != heads:
+            raise ValueError(f"{name}: a score mod's array {list(shape)} must have one row per query head ({heads})")
+        if not jnp.issubdtype(jnp.result_type(a), jnp.floating):
+            raise ValueError(f"{name}: a score mod's arrays must be floating, got {jnp.result_type(a)}")
+        if math.prod(shape[1:]) > MAX_ROW:
+            raise ValueError(f"{name}: a score mod's array rows hold at most {MAX_ROW} entries, got {list(shape)}")
+        flat.append(jnp.reshape(a, (heads, -1)).astype(jnp.float32))
+    specs = tuple(ArraySpec(tuple(jnp.shape(a)), str(jnp.result_type(a))) for a in arrays)
+    return score_mod.with_arrays(specs), tuple(flat)
+
+
+def bind_shapes(static_mod: ScoreMod, flat) -> tuple:
+    """The [H, n] arrays ``split_arrays`` returned, back in the shapes the mod captured (for paths that gather)."""
+    return tuple(jnp.reshape(a, spec.shape) for spec, a in zip(static_mod.arrays(), flat))
+
+
+def load_rows(static_mod: ScoreMod, refs, head) -> tuple[HeadRow, ...]:
+    """This head's rows of the captured arrays from their [H, n] refs, as scalars."""
+    specs = static_mod.arrays()
+    return tuple(
+        HeadRow(tuple(ref[head, i] for i in range(math.prod(spec.shape[1:]))), spec.shape[1:])
+        for spec, ref in zip(specs, refs)
+    )
+
+
+def row_grads(static_mod: ScoreMod, rows, s, q_pos, kv_pos, head, ds) -> tuple[HeadRow, ...]:
+    """d loss / d rows for one tile: the vjp of the mod in the rows' scalars, ``ds`` = d loss / d (modded scores)."""
+    _, vjp = jax.vjp(lambda rows: static_mod.with_arrays(rows)(s, q_pos, kv_pos, head), rows)
+    return vjp(ds)[0]
+
+
+def rows_as_vector(rows, width: int):
+    """The rows' entries, concatenated, as one float32 vector [width] (zero past them): what a program writes."""
+    values = [v for row in rows for v in row.values]
+    lane = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+    out = jnp.zeros((width,), jnp.float32)
+    for i, v in enumerate(values):
+        out = jnp.where(lane == i, v, out)
+    return out
+
+
+def vector_as_grads(partials_BHPW, flat) -> tuple:
+    """Per-program gradient vectors [B, H, programs, width] summed over batch rows and programs, split into the
+    gradients of the [H, n] arrays ``flat`` (``split_arrays``')."""
+    total = partials_BHPW.sum(axis=(0, 2))  # [H, width]
+    out, at = [], 0
+    for a in flat:
+        n = math.prod(jnp.shape(a)[1:])
+        out.append(total[:, at : at + n].reshape(jnp.shape(a)).astype(jnp.result_type(a)))
+        at += n
+    return tuple(out)

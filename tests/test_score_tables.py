@@ -1,0 +1,93 @@
+"""Score mods that capture arrays (pallas_kernels.score_tables): T5's buckets against transformers' own, the Pallas
+kernels (Triton's code, in the interpreter) taking a bias table and learnable slopes as inputs with gradients to
+them, against the float32 reference, and the cases that are refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels.score_tables import relative_bucket, split_arrays
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_relative_buckets_equal_t5s(bidirectional):
+    torch = pytest.importorskip("torch")
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    relative = np.arange(-700, 700)
+    for num_buckets, max_distance in ((32, 128), (16, 40)):
+        want = t5.T5Attention._relative_position_bucket(
+            torch.tensor(relative), bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+        ).numpy()
+        got = np.asarray(relative_bucket(relative, num_buckets, bidirectional, max_distance))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_pallas_kernels_take_a_bias_table_and_slopes_with_their_gradients():
+    """T5's bias table [H, 32] and learnable ALiBi slopes [H] chained, causal, two query heads per kv head, T = 130
+    in blocks of 64 (a ragged last block): output, lse and the gradients to q, k, v, the table and the slopes equal
+    the float32 reference's."""
+    B, H, K, T, E = 1, 4, 2, 130, 32
+    r = np.random.default_rng(0)
+    q = jnp.asarray(r.normal(size=(B, H, T, E)), jnp.float32)
+    k, v = (jnp.asarray(r.normal(size=(B, K, T, E)), jnp.float32) for _ in range(2))
+    table = jnp.asarray(r.normal(size=(H, 32)), jnp.float32)
+    slopes = jnp.asarray(pk.alibi_slopes(H), jnp.float32)
+    d_out = jnp.asarray(r.normal(size=q.shape), jnp.float32)
+    bm = pk.make_block_mask(pk.causal(), T, T, pk.BlockSizes(64, 64))
+
+    def mod(table, slopes):
+        return pk.chain(pk.relative_bias(table), pk.learned_alibi(slopes))
+
+    def pallas(q, k, v, table, slopes):
+        return pk.block_sparse_attention(q, k, v, bm, score_mod=mod(table, slopes))
+
+    def reference(q, k, v, table, slopes):
+        return pk.reference_attention(q, k, v, pk.causal(), score_mod=mod(table, slopes))
+
+    args = (q, k, v, table, slopes)
+    for got, want in zip(pallas(*args), reference(*args)):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a)[0] * d_out) + jnp.sum(fn(*a)[1])
+
+    got = jax.grad(loss(pallas), argnums=range(5))(*args)
+    want = jax.grad(loss(reference), argnums=range(5))(*args)
+    for name, g, w in zip(("dq", "dk", "dv", "d table", "d slopes"), got, want):
+        assert g.shape == w.shape, name
+        np.testing.assert_allclose(g, w, atol=5e-5 * float(jnp.abs(w).max()), err_msg=name)
+
+
+def _inputs(H=2, T=128, E=64, dtype=jnp.bfloat16):
+    q = jnp.zeros((1, H, T, E), dtype)
+    return q, pk.make_block_mask(pk.causal(), T, T, pk.BlockSizes(128, 128))
+
+
+def test_mosaic_and_tpu_kernels_refuse_captured_arrays_naming_the_way_that_takes_them():
+    from pallas_kernels.tpu_attention import block_sparse_attention_tpu
+
+    q, bm = _inputs()
+    mod = pk.relative_bias(jnp.zeros((2, 32)))
+    with pytest.raises(ValueError, match="Mosaic GPU forward cannot take a score mod that captures arrays"):
+        pk.block_sparse_attention(q, q, q, bm, score_mod=mod, lowering="mosaic")
+    refusal = "TPU kernels do not take a score mod that captures arrays .*attention_impl=xla_blocksparse"
+    with pytest.raises(ValueError, match=refusal):
+        block_sparse_attention_tpu(q, q, q, bm, score_mod=mod, interpret=True)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: pk.relative_bias(jnp.zeros(32)), r"table must be \[heads, num_buckets >= 2\], got shape \[32\]"),
+        (lambda: pk.relative_bias(jnp.zeros((2, 32), jnp.int32)), "must be floating"),
+        (lambda: pk.relative_bias(jnp.zeros((2, 32)), max_distance=16), "max_distance must be an int above"),
+        (lambda: pk.learned_alibi(jnp.zeros((2, 2))), r"slopes must be \[heads\]"),
+        (lambda: split_arrays("f", pk.relative_bias(jnp.zeros((3, 32))), 2), r"one row per query head \(2\)"),
+        (lambda: split_arrays("f", pk.relative_bias(jnp.zeros((2, 128))), 2), "at most 64 entries"),
+    ],
+)
+def test_bad_tables_are_refused_in_one_line(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
