@@ -124,6 +124,11 @@ VALUES = (
         fast=True,
     ),
     Case(
+        "more experts per token than experts",
+        ("experiments.tiny_lm", "--workdir", "{dir}/w", *TINY, "--set", "model.num_experts=4")
+        + ("--set", "model.experts_per_token=5"),
+    ),
+    Case(
         "`eval_sample_tokens` beyond the model's length",
         ("experiments.tiny_lm", "--workdir", "{dir}/w", *TINY, "--set", "eval_sample_tokens=100"),
     ),

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from data.corpus import bpe_vocab_size
-from jaxlm.config_checks import ConfigError, Section, check_choice, check_non_negative, check_positive
+from jaxlm.config_checks import ConfigError, Section, check_choice, check_moe, check_non_negative, check_positive
 from jaxlm.diloco.config import DiLoCoConfig
 from sharding.user_file import call_user_function, exec_python_file
 
@@ -105,6 +105,18 @@ class ModelConfig(Section):
     quant_backward: str = "quantized"  # quantized (dY in e5m2 / int8) | high (backward in the compute dtype)
     quant_amax_history: int = 16  # steps of amax history for delayed scaling
     matmul_impl: str = "auto"  # auto (Pallas kernel on one TPU, else XLA) | pallas | xla
+    # Mixture of experts (jaxlm.moe): 0 experts is a dense model. Every layer's MLP is then num_experts SwiGLU experts
+    # of expert_mlp_dim, experts_per_token of them per token, plus num_shared_experts always on.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    num_shared_experts: int = 0
+    expert_mlp_dim: int = 256
+    router: str = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid_bias (DeepSeek-V3's load-steering bias)
+    router_norm_topk: bool = True  # softmax: renormalize the top-k weights to sum to 1 (Mixtral; Qwen3-MoE's flag)
+    router_bias_rate: float = 1e-3  # sigmoid_bias: how far each step moves an expert's bias toward uniform load
+    moe_aux_loss: float = 0.01  # the Switch / Mixtral load-balancing loss's weight (0: none)
+    moe_z_loss: float = 0.001  # the router z-loss's weight (0: none)
+    capacity_factor: float = 0.0  # 0: dropless; > 0: each expert takes ceil(f * tokens * k / experts), drops the rest
 
     @property
     def resolved_head_dim(self) -> int:
@@ -188,6 +200,7 @@ class ModelConfig(Section):
         check_choice("model.quant_scaling", m.quant_scaling, QUANT_SCALINGS, how="comma")
         check_choice("model.quant_backward", m.quant_backward, QUANT_BACKWARDS, how="comma")
         check_choice("model.matmul_impl", m.matmul_impl, MATMUL_IMPLS, how="comma")
+        check_moe(m)
 
 
 @functools.lru_cache(maxsize=32)

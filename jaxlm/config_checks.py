@@ -48,5 +48,28 @@ def check_choice(key: str, value: str, allowed, how: str = "list") -> None:
         raise ConfigError(f"{key} must be one of {shown}, got {value!r}")
 
 
+ROUTERS = ("softmax", "sigmoid_bias")
+
+
+def check_moe(m) -> None:
+    """A ModelConfig's mixture-of-experts fields (jaxlm.moe); nothing to check for a dense model."""
+    check_non_negative(
+        model__num_experts=m.num_experts,
+        model__num_shared_experts=m.num_shared_experts,
+        model__moe_aux_loss=m.moe_aux_loss,
+        model__moe_z_loss=m.moe_z_loss,
+        model__capacity_factor=m.capacity_factor,
+        model__router_bias_rate=m.router_bias_rate,
+    )
+    if not m.num_experts:
+        return
+    check_positive(model__experts_per_token=m.experts_per_token, model__expert_mlp_dim=m.expert_mlp_dim)
+    if m.experts_per_token > m.num_experts:
+        raise ConfigError(
+            f"model.experts_per_token ({m.experts_per_token}) must be at most model.num_experts ({m.num_experts})"
+        )
+    check_choice("model.router", m.router, ROUTERS, how="comma")
+
+
 def _dotted(key: str) -> str:
     return key.replace("__", ".")

@@ -160,6 +160,11 @@ def check_exportable(cfg: ModelConfig) -> None:
     training documents)."""
     if cfg.attention_softcap:
         raise HFError(f"model.attention_softcap is {cfg.attention_softcap}; HF's Llama has no attention soft cap")
+    if cfg.num_experts:
+        raise HFError(
+            f"model.num_experts is {cfg.num_experts}: a mixture of experts, not a Llama; its export "
+            "(Mixtral / Qwen3-MoE) is not built yet"
+        )
     if cfg.attention_mask.replace(" ", "") not in ("causal", "causal&document", "document&causal"):
         raise HFError(f"model.attention_mask is {cfg.attention_mask!r}; HF's Llama attends causally only")
 

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxlm.attention import attention
 from jaxlm.config import REMAT_CHOICES, ModelConfig
+from jaxlm.moe import MoE, RouterBias
 from jaxlm.quantized import PROJECTION_NAME, AmaxHistory, amax_history, layer_recipe, project
 from pallas_kernels import BlockSizes, Mask, full, soft_cap
 from pallas_kernels.kernel_mask import DocumentSlot
@@ -298,17 +299,25 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if cfg.num_experts else SwiGLU(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD, sin, cos, segment_ids_BT=None, positions_BT=None):
+    def __call__(self, x_BTD, sin, cos, segment_ids_BT=None, positions_BT=None, inference=False):
+        """(the layer's output, its MoE routing statistics: {} for a dense MLP). `inference`: MoE routes dropless
+        whatever the capacity factor (generation and scoring never drop a token's experts)."""
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), sin, cos, segment_ids_BT, positions_BT)
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+        y_BTD, stats = self._mlp(self.mlp_norm(x_BTD), inference=inference)
+        return x_BTD + y_BTD, stats
+
+    def _mlp(self, x_BTD, w_out_DF=None, inference=False):
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x_BTD, dropless=inference)
+        return self.mlp(x_BTD, w_out_DF=w_out_DF), {}
 
     def prefill(self, x_BTD, sin, cos, segment_ids_BT=None):
         """The layer as in training, plus its keys and values (Attention.prefill)."""
         h_BTD, k_BTKE, v_BTKE = self.attn.prefill(self.attn_norm(x_BTD), sin, cos, segment_ids_BT)
         x_BTD = x_BTD + h_BTD
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), k_BTKE, v_BTKE
+        return x_BTD + self._mlp(self.mlp_norm(x_BTD), inference=True)[0], k_BTKE, v_BTKE
 
     def decode(self, x_BTD, sin, cos, positions_BT, k_BKSE, v_BKSE, rows=None):
         """The layer for new tokens over this layer's KV cache (Attention.decode); `rows`: its `row_weights`."""
@@ -317,7 +326,7 @@ class Block(nnx.Module):
             self.attn_norm(x_BTD), sin, cos, positions_BT, k_BKSE, v_BKSE, wo_DX=wo_DX
         )
         x_BTD = x_BTD + h_BTD
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD), w_out_DF=w_out_DF), k_BKSE, v_BKSE
+        return x_BTD + self._mlp(self.mlp_norm(x_BTD), w_out_DF=w_out_DF, inference=True)[0], k_BKSE, v_BKSE
 
 
 class Transformer(nnx.Module):
@@ -335,12 +344,16 @@ class Transformer(nnx.Module):
             self.lm_head = _param(rngs.params(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
         self.head_amax = amax_history(cfg, layer_recipe(cfg, "lm_head"))
 
-    def __call__(self, tokens_BT: jax.Array, *, segment_ids_BT=None, positions_BT=None) -> jax.Array:
-        """Returns float32 logits [B, T, V]."""
+    def __call__(self, tokens_BT: jax.Array, *, segment_ids_BT=None, positions_BT=None, inference=False):
+        """Returns float32 logits [B, T, V]; `inference`: as generation and scoring run (MoE dropless)."""
+        return self.forward(tokens_BT, segment_ids_BT=segment_ids_BT, positions_BT=positions_BT, inference=inference)[0]
+
+    def forward(self, tokens_BT, *, segment_ids_BT=None, positions_BT=None, inference=False) -> tuple[jax.Array, dict]:
+        """(float32 logits [B, T, V], the MoE layers' routing statistics stacked [L, ...]: {} for a dense model)."""
         x_BTD = self.embed_tokens(tokens_BT)
         graphdef, stacked = nnx.split(self.blocks)
-        x_BTD = apply_layers(self.cfg, graphdef, stacked, x_BTD, segment_ids_BT, positions_BT)
-        return self.logits(x_BTD)
+        x_BTD, stats = apply_layers(self.cfg, graphdef, stacked, x_BTD, segment_ids_BT, positions_BT, inference)
+        return self.logits(x_BTD), stats
 
     # The three pieces below are what a pipeline schedule needs separately: the embedding before the first stage,
     # the layers (split over stages by `apply_layers`), the head after the last one.
@@ -411,27 +424,30 @@ def apply_layers(
     x_BTD: jax.Array,
     segment_ids_BT=None,
     positions_BT=None,
-) -> jax.Array:
-    """Runs the layers whose params are stacked along a leading axis (all of them, or one pipeline stage's)."""
+    inference: bool = False,
+) -> tuple[jax.Array, dict]:
+    """Runs the layers whose params are stacked along a leading axis (all of them, or one pipeline stage's):
+    (output, their MoE routing statistics stacked [L, ...], {} for dense layers)."""
     sin, cos = rotary_tables(positions_BT, x_BTD.shape[1], cfg)
 
     def layer(x, layer_state):
-        x = nnx.merge(graphdef, layer_state)(x, sin, cos, segment_ids_BT, positions_BT)
-        return constrain(x, ACTIVATION_AXES), None
+        x, stats = nnx.merge(graphdef, layer_state)(x, sin, cos, segment_ids_BT, positions_BT, inference)
+        return constrain(x, ACTIVATION_AXES), stats
 
     if cfg.remat != "none":
         layer = jax.checkpoint(layer, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
     if cfg.scan_layers:
-        x_BTD, _ = jax.lax.scan(layer, x_BTD, stacked, unroll=cfg.scan_unroll)
-        return x_BTD
+        return jax.lax.scan(layer, x_BTD, stacked, unroll=cfg.scan_unroll)
     # Unrolled: split the stacked params once (its gradient is one concatenate, where per-layer indexing would
     # pad every layer's gradient to the full stack and add them up).
     leaves, treedef = jax.tree.flatten(stacked)
     num_layers = leaves[0].shape[0]
     split_leaves = [jnp.split(leaf, num_layers) for leaf in leaves]
+    per_layer = []
     for i in range(num_layers):
-        x_BTD, _ = layer(x_BTD, treedef.unflatten([parts[i].squeeze(0) for parts in split_leaves]))
-    return x_BTD
+        x_BTD, stats = layer(x_BTD, treedef.unflatten([parts[i].squeeze(0) for parts in split_leaves]))
+        per_layer.append(stats)
+    return x_BTD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
 
 def prefill_layers(cfg: ModelConfig, graphdef, stacked, x_BTD, segment_ids_BT=None, layers=None):
@@ -477,7 +493,7 @@ def row_weights(cfg: ModelConfig, stacked: nnx.State) -> tuple[tuple, ...] | Non
     transpose ([1024, 384] down projection: 0.070 against 0.123 ms); gpt-bench's batch-1 decode step 1.07-1.12x
     (in-process A/B). From two rows on the stored layout was faster (16 rows: 0.87-0.90x). None for quantized
     layers, whose products go through `project`'s recipe."""
-    if layer_recipe(cfg, "attention") is not None or layer_recipe(cfg, "mlp") is not None:
+    if layer_recipe(cfg, "attention") is not None or layer_recipe(cfg, "mlp") is not None or cfg.num_experts:
         return None
     wo_LHED, w_out_LFD = stacked["attn"]["wo"][...], stacked["mlp"]["w_out"][...]
     wo_LDX = wo_LHED.reshape(wo_LHED.shape[0], -1, wo_LHED.shape[-1]).swapaxes(1, 2)
@@ -500,7 +516,7 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
 
     blocks = make(rngs)
     for _, variable in nnx.iter_graph(blocks):
-        if isinstance(variable, (nnx.Param, AmaxHistory)):
+        if isinstance(variable, (nnx.Param, AmaxHistory, RouterBias)):
             variable.set_metadata(LOGICAL_AXES, ("layers",) + tuple(variable.get_metadata(LOGICAL_AXES)))
     return blocks
 
@@ -510,6 +526,10 @@ def count_params(model: nnx.Module) -> int:
 
 
 def model_flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12*L*H*E*T for attention scores
-    and values (the PaLM / nanoGPT convention, counting the full T x T, not only the causal half)."""
+    """Training FLOPs per token: 6N for the matmuls (forward + backward; N the params a token uses: an MoE layer's
+    unchosen experts do not count) plus 12*L*H*E*T for attention scores and values (the PaLM / nanoGPT convention,
+    counting the full T x T, not only the causal half)."""
+    if cfg.num_experts:
+        per_expert = 3 * cfg.d_model * cfg.expert_mlp_dim
+        num_params -= cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * per_expert
     return 6 * num_params + 12 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len

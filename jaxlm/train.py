@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxlm import config as config_lib
 from jaxlm.config import OptimConfig, TrainConfig
 from jaxlm.model import LOGICAL_AXES, Transformer, apply_layers, head_logits
+from jaxlm.moe import RouterBias
 from pallas_kernels.mask_spec import parse_mask
 from sharding.context import balance, sequence_order
 from sharding.distributed import process_rows, put_process_rows
@@ -101,14 +102,27 @@ def loss_sums(
     """(sum of masked next-token cross-entropies, number of unmasked tokens): sums, so microbatches add up exactly.
 
     With a layout of more than one pipeline stage, the layers run pipelined (`sharding.pipeline`)."""
+    _, (ce_sum, count, _) = objective_sums(params, graphdef, batch, layout)
+    return ce_sum, count
+
+
+def objective_sums(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, layout: MeshLayout | None = None):
+    """(what the step minimises, summed like the cross-entropy: its sum plus count x the MoE routers' weighted aux
+    and z losses; (cross-entropy sum, count, MoE routing statistics per layer: {} for a dense model))."""
     model = nnx.merge(graphdef, params)
     if layout is not None and layout.pipeline > 1:
-        return _pipelined_loss_sums(model, batch, layout)
+        ce_sum, count = _pipelined_loss_sums(model, batch, layout)
+        return ce_sum, (ce_sum, count, {})
     order = _context_order(model.cfg, layout, batch["inputs"].shape[1])
     if order is not None:  # every [B, T] field in the order the context axis deals tokens; the sums do not change
         batch = {k: v[:, order] for k, v in batch.items()}
-    logits_BTV = model(batch["inputs"], segment_ids_BT=batch.get("segment_ids"), positions_BT=order)
-    return cross_entropy_sums(logits_BTV, batch["targets"], batch["loss_mask"])
+    logits_BTV, stats = model.forward(batch["inputs"], segment_ids_BT=batch.get("segment_ids"), positions_BT=order)
+    ce_sum, count = cross_entropy_sums(logits_BTV, batch["targets"], batch["loss_mask"])
+    objective = ce_sum
+    if stats:
+        router = model.cfg.moe_aux_loss * stats["aux"].mean() + model.cfg.moe_z_loss * stats["z"].mean()
+        objective = ce_sum + jax.lax.stop_gradient(count) * router
+    return objective, (ce_sum, count, stats)
 
 
 def _context_balance(model_cfg, layout: MeshLayout, batch: Batch) -> dict:
@@ -148,7 +162,7 @@ def _pipelined_loss_sums(model: Transformer, batch: Batch, layout: MeshLayout) -
     micro = split_microbatches({**batch, "x": model.embed_tokens(batch["inputs"])}, layout.num_microbatches)
 
     def stage_fn(stage_layers, x_BTD, segment_ids_BT):
-        return apply_layers(cfg, block_graphdef, stage_layers, x_BTD, segment_ids_BT)
+        return apply_layers(cfg, block_graphdef, stage_layers, x_BTD, segment_ids_BT)[0]
 
     def head_fn(head, y_BTD, side):
         return cross_entropy_sums(head_logits(cfg, head, y_BTD), side["targets"], side["loss_mask"])
@@ -183,18 +197,26 @@ def split_microbatches(batch: Batch, k: int) -> Batch:
 def train_step(
     state: TrainState, batch: Batch, *, graphdef, tx, schedule, microbatches: int, layout: MeshLayout | None = None
 ):
-    grad_fn = jax.value_and_grad(loss_sums, has_aux=True)
+    grad_fn = jax.value_and_grad(objective_sums, has_aux=True)
     if microbatches == 1:
-        (loss_sum, count), grads = grad_fn(state.params, graphdef, batch, layout)
+        (_, (loss_sum, count, stats)), grads = grad_fn(state.params, graphdef, batch, layout)
     else:
 
         def accumulate(carry, microbatch):
-            g_acc, l_acc, n_acc = carry
-            (l, n), g = grad_fn(state.params, graphdef, microbatch, layout)
-            return (combine_microbatch_grads(g_acc, g), l_acc + l, n_acc + n), None
+            g_acc, l_acc, n_acc, s_acc = carry
+            (_, (l, n, s)), g = grad_fn(state.params, graphdef, microbatch, layout)
+            s = jax.tree.map(lambda a, b: a + b / microbatches, s_acc, s)
+            return (combine_microbatch_grads(g_acc, g, microbatches), l_acc + l, n_acc + n, s), None
 
-        zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(()))
-        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, zeros, split_microbatches(batch, microbatches))
+        first = jax.tree.map(lambda x: x[0], split_microbatches(batch, microbatches))
+        abstract_stats = jax.eval_shape(lambda p, b: objective_sums(p, graphdef, b, layout)[1][2], state.params, first)
+        zeros = (
+            jax.tree.map(jnp.zeros_like, state.params),
+            jnp.zeros(()),
+            jnp.zeros(()),
+            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), abstract_stats),
+        )
+        (grads, loss_sum, count, stats), _ = jax.lax.scan(accumulate, zeros, split_microbatches(batch, microbatches))
     count = jnp.maximum(count, 1.0)
     grads, new_histories = split_trainable(grads)
     params, _ = split_trainable(state.params)
@@ -214,14 +236,40 @@ def train_step(
     }
     if layout is not None and layout.context > 1:
         metrics |= _context_balance(nnx.merge(graphdef, state.params).cfg, layout, batch)
+    if stats:
+        metrics |= moe_metrics(stats, new_params)
     return TrainState(state.step + 1, keep(new_params, state.params), keep(opt_state, state.opt_state)), metrics
 
 
-def combine_microbatch_grads(acc: nnx.State, g: nnx.State) -> nnx.State:
+def moe_metrics(stats: dict, params: nnx.State) -> dict:
+    """Step metrics of the MoE layers from their routing statistics [L, ...]: the routers' aux and z losses (means
+    over layers), per layer the load of the busiest expert over the mean, the load's entropy over its maximum
+    (1: uniform) and the copies dropped over capacity, and the spread of the load-steering biases."""
+    load_LX = stats["load"]
+    X = load_LX.shape[-1]
+    entropy_L = -jnp.sum(load_LX * jnp.log(jnp.where(load_LX > 0, load_LX, 1.0)), axis=-1) / jnp.log(X)
+    out = {"moe_aux_loss": stats["aux"].mean(), "moe_z_loss": stats["z"].mean()}
+    for i in range(load_LX.shape[0]):
+        out[f"moe_load_max_over_mean/{i}"] = load_LX[i].max() * X
+        out[f"moe_load_entropy/{i}"] = entropy_L[i]
+        out[f"moe_dropped/{i}"] = stats["dropped"][i].astype(jnp.float32)
+    biases = jax.tree.leaves(nnx.split_state(params, RouterBias, ...)[0])
+    if biases:
+        out["moe_bias_range"] = jnp.max(jnp.stack([jnp.max(b.max(-1) - b.min(-1)) for b in biases]))
+    return out
+
+
+def combine_microbatch_grads(acc: nnx.State, g: nnx.State, microbatches: int = 1) -> nnx.State:
     """Param gradients add up. Amax histories take the max: every microbatch returns the same shifted history
-    with its own amaxes in front, so the max is the history the whole batch would have written."""
-    (acc_p, acc_h), (g_p, g_h) = split_trainable(acc), split_trainable(g)
-    return nnx.merge_state(jax.tree.map(jnp.add, acc_p, g_p), jax.tree.map(jnp.maximum, acc_h, g_h))
+    with its own amaxes in front, so the max is the history the whole batch would have written. A router bias's
+    new values (jaxlm.moe.steer) average: each microbatch moves it by its own load."""
+    acc_p, acc_bias, acc_h = nnx.split_state(acc, nnx.Param, RouterBias, ...)
+    g_p, g_bias, g_h = nnx.split_state(g, nnx.Param, RouterBias, ...)
+    return nnx.merge_state(
+        jax.tree.map(jnp.add, acc_p, g_p),
+        jax.tree.map(lambda a, b: a + b / microbatches, acc_bias, g_bias),
+        jax.tree.map(jnp.maximum, acc_h, g_h),
+    )
 
 
 def eval_step(params: nnx.State, batch: Batch, *, graphdef, layout: MeshLayout | None = None):
@@ -266,6 +314,11 @@ class Program:
             raise config_lib.ConfigError(
                 "delayed-scaling quantization (model.quant_scaling=delayed) does not run in "
                 "a pipeline layout; set model.quant_scaling=current"
+            )
+        if layout.pipeline > 1 and cfg.model.num_experts:
+            raise config_lib.ConfigError(
+                "a mixture of experts (model.num_experts) does not run in a pipeline layout yet: its routers' "
+                "losses and statistics do not cross the stages"
             )
         rules = layout.rules
         self.cfg, self.mesh, self.layout = cfg, mesh, layout

@@ -33,6 +33,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "expert": None,  # the experts of an MoE layer (jaxlm.moe): whole on every device until an `expert` axis exists
     "head_dim": None,
     "layers": "pipeline",
     "seq": "context",  # context parallelism (sharding.context); whole when the layout has no context axis

@@ -38,7 +38,7 @@ def model_of(seed: int = 0, **overrides) -> Transformer:
 def recomputed_greedy(model: Transformer, prompt, n: int) -> list[int]:
     """Greedy tokens by a full forward pass over the whole sequence for every new token (no cache)."""
     length = model.cfg.max_seq_len
-    forward = jax.jit(lambda tokens: model(tokens)[0])
+    forward = jax.jit(lambda tokens: model(tokens, inference=True)[0])
     seq = list(prompt)
     for _ in range(n):
         padded = np.zeros((1, length), np.int32)
@@ -47,9 +47,16 @@ def recomputed_greedy(model: Transformer, prompt, n: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
-def test_greedy_decode_with_cache_equals_full_recompute(scan_layers):
-    model = model_of(scan_layers=scan_layers)
+MOE = dict(num_experts=4, experts_per_token=2, expert_mlp_dim=32, capacity_factor=0.5)
+
+
+@pytest.mark.parametrize(
+    "overrides", [dict(scan_layers=True), dict(scan_layers=False), MOE], ids=["scan", "unrolled", "moe"]
+)
+def test_greedy_decode_with_cache_equals_full_recompute(overrides):
+    """The MoE model trains with capacity dispatch, but prefill and decode route dropless (the full recompute
+    below too: `inference=True`), so generation never drops a token's experts."""
+    model = model_of(**overrides)
     prompt = [5, 17, 3, 60, 22, 9, 41]
     (new,) = gen.generate(model, [prompt], max_new_tokens=40)
     assert new.tolist() == recomputed_greedy(model, prompt, 40)

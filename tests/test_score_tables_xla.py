@@ -103,6 +103,7 @@ def test_relative_bias_causal(path):
     check(path, relative_bias, table(4, 32), causal())
 
 
+@pytest.mark.slow  # the causal and chained cases cover both paths in the default suite
 @paths
 def test_relative_bias_bidirectional(path):
     """prefix_lm: bidirectional over the prefix (keys after the query get their own buckets), causal after it."""
@@ -113,6 +114,7 @@ def test_relative_bias_bidirectional(path):
     check(path, make_mod, table(2, 16, seed=2), prefix_lm(40), H=2, K=1, T=96, seed=3)
 
 
+@pytest.mark.slow  # the causal and chained cases cover both paths in the default suite
 @paths
 def test_learned_alibi_batched(path):
     """Slopes [H] (flattened to [H, 1] inside); B = 2: the gradient sums over the batch."""

@@ -1,0 +1,161 @@
+"""jaxlm.moe: dropless and capacity dispatch against a per-token loop (forward and gradients, float32), the
+DeepSeek-style bias moving load toward uniform, config refusals, and an MoE model training end to end."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import one_device_mesh, random_batch, tiny_config
+
+from jaxlm.config import ConfigError, ModelConfig
+from jaxlm.moe import MoE, RouterBias, capacity, capacity_experts, dropless_experts, route
+from jaxlm.train import Program
+
+N, D, X, K, F = 12, 8, 4, 2, 6
+
+
+def _weights(seed=0):
+    r = np.random.default_rng(seed)
+    x = jnp.asarray(r.normal(size=(N, D)), jnp.float32)
+    router = jnp.asarray(r.normal(size=(D, X)), jnp.float32)
+    w_in = jnp.asarray(r.normal(size=(X, D, 2, F)) * 0.5, jnp.float32)
+    w_out = jnp.asarray(r.normal(size=(X, F, D)) * 0.5, jnp.float32)
+    return x, router, w_in, w_out
+
+
+def _expert(x_D, w_in_D2F, w_out_FD):
+    h = jnp.einsum("d,dcf->cf", x_D, w_in_D2F)
+    return (jax.nn.silu(h[0]) * h[1]) @ w_out_FD
+
+
+def chosen_experts(x, router):
+    """Each token's top K experts, by its softmax (host numpy: the reference loops over them)."""
+    probs = np.asarray(jax.nn.softmax(x @ router, axis=-1))
+    return np.argsort(-probs, axis=-1, kind="stable")[:, :K]
+
+
+def reference_moe(x, router, w_in, w_out, chosen, kept=None):
+    """Token by token: the softmax's ``chosen`` top K renormalized, each chosen expert's SwiGLU weighted;
+    ``kept[n][j]`` False drops token n's j-th choice."""
+    out = []
+    for n in range(N):
+        probs = jax.nn.softmax(x[n] @ router)
+        weights = probs[chosen[n]] / probs[chosen[n]].sum()
+        terms = [
+            weights[j] * _expert(x[n], w_in[e], w_out[e]) for j, e in enumerate(chosen[n]) if kept is None or kept[n][j]
+        ]
+        out.append(sum(terms) if terms else jnp.zeros(D))
+    return jnp.stack(out)
+
+
+def _moe(dispatch):
+    def run(x, router, w_in, w_out):
+        weights, experts, _ = route(x @ router, K, "softmax", True)
+        return dispatch(x, weights, experts, w_in, w_out)
+
+    return run
+
+
+def test_dropless_dispatch_equals_a_per_token_loop_forward_and_gradients():
+    args = _weights()
+    chosen = chosen_experts(*args[:2])
+    got = _moe(dropless_experts)(*args)
+    np.testing.assert_allclose(got, reference_moe(*args, chosen), atol=1e-5, rtol=1e-5)
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=(N, D)), jnp.float32)
+    g = jax.grad(lambda *a: jnp.sum(_moe(dropless_experts)(*a) * cotangent), argnums=range(4))(*args)
+    w = jax.grad(lambda *a: jnp.sum(reference_moe(*a, chosen) * cotangent), argnums=range(4))(*args)
+    for name, a, b in zip(("x", "router", "w_in", "w_out"), g, w):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0])
+def test_capacity_dispatch_drops_exactly_the_overflow(factor):
+    """Each expert keeps its first C copies in token order (token n's choices in rank order); the rest add nothing."""
+    args = _weights(2)
+    x, router = args[:2]
+    weights, experts, _ = route(x @ router, K, "softmax", True)
+    C = capacity(N, K, X, factor)
+    seen, kept = {}, []
+    for n in range(N):
+        row = []
+        for e in np.asarray(experts[n]):
+            seen[e] = seen.get(e, 0) + 1
+            row.append(seen[e] <= C)
+        kept.append(row)
+    out, dropped = capacity_experts(x, weights, experts, *args[2:], factor)
+    assert int(dropped) == sum(not k for row in kept for k in row) > 0
+    np.testing.assert_allclose(out, reference_moe(*args, np.asarray(experts), kept=kept), atol=1e-5, rtol=1e-5)
+
+
+def _skewed_layer(router: str):
+    cfg = ModelConfig(d_model=D, num_layers=1, num_experts=X, experts_per_token=1, expert_mlp_dim=F, router=router)
+    cfg = dataclasses.replace(cfg, router_bias_rate=0.02)
+    layer = MoE(cfg, rngs=nnx.Rngs(0))
+    layer.router[...] = layer.router[...].at[:, 0].add(1.0)  # with inputs of mean 0.5, expert 0 wins most tokens
+    return layer
+
+
+def test_the_router_bias_moves_load_toward_uniform():
+    """The bias's gradient is its update (as the train step applies it): from a router that sends most tokens to
+    one expert, 100 updates bring the busiest expert's load much nearer the mean."""
+    layer = _skewed_layer("sigmoid_bias")
+    x = jnp.asarray(np.random.default_rng(3).normal(0.5, 1.0, size=(2, 64, D)), jnp.float32)
+    graphdef, state = nnx.split(layer)
+
+    def output_sum(state):
+        y, stats = nnx.merge(graphdef, state)(x)
+        return y.sum(), stats["load"]
+
+    grad = jax.jit(jax.grad(output_sum, has_aux=True))
+    _, load0 = grad(state)
+    for _ in range(100):
+        g, load = grad(state)
+        new_bias = nnx.split_state(g, RouterBias, ...)[0]
+        state = nnx.merge_state(state, new_bias)
+    assert float(load0.max()) * X > 2.0, load0
+    assert float(load.max()) * X < 1.5, load
+
+
+def test_bad_moe_configs_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"model.experts_per_token \(5\) must be at most model.num_experts \(4\)"):
+        ModelConfig(num_experts=4, experts_per_token=5).validate()
+    with pytest.raises(ConfigError, match="model.router must be one of softmax, sigmoid_bias, got 'top1'"):
+        ModelConfig(num_experts=4, router="top1").validate()
+    with pytest.raises(ConfigError, match="model.capacity_factor must be >= 0"):
+        ModelConfig(num_experts=4, capacity_factor=-1.0).validate()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(router="softmax", microbatches=1),
+        dict(router="sigmoid_bias", capacity_factor=1.0, num_shared_experts=1, microbatches=2),
+    ],
+    ids=["softmax-dropless", "bias-capacity-shared-2micro"],
+)
+def test_an_moe_model_trains_and_logs_its_routing(overrides):
+    overrides = dict(overrides)
+    micro = overrides.pop("microbatches")
+    cfg = tiny_config(
+        model=dict(num_experts=4, experts_per_token=2, expert_mlp_dim=32, **overrides),
+        data=dict(microbatches=micro),
+        optim=dict(learning_rate=1e-2, warmup_steps=2),
+    )
+    program = Program(cfg, one_device_mesh())
+    state = program.init()
+    batch = program.device_batch(random_batch(0))
+    losses = []
+    for _ in range(8):
+        state, metrics = program.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] - 0.3, losses
+    L = cfg.model.num_layers
+    assert {f"moe_load_max_over_mean/{i}" for i in range(L)} <= set(metrics)
+    assert 0 < float(metrics["moe_load_entropy/0"]) <= 1 and float(metrics["moe_aux_loss"]) >= 1 - 1e-3
+    if overrides["router"] == "sigmoid_bias":
+        assert float(metrics["moe_bias_range"]) > 0  # the biases moved
+        assert all(math.isfinite(float(metrics[f"moe_dropped/{i}"])) for i in range(L))
