@@ -159,12 +159,13 @@ def check_layout(layout: MeshLayout, model: ModelConfig | None = None) -> None:
         )
     if model is not None:
         layout.check_divisibility(
-            batch_size=layout.data * layout.fsdp * layout.replica,
+            batch_size=layout.batch_shards,
             microbatches=1,
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,
             mlp_dim=model.mlp_dim,
             num_layers=model.num_layers,
+            num_experts=model.num_experts,
         )
 
 

@@ -284,10 +284,10 @@ def step_microbatches(
 ) -> int:
     """Gradient-accumulation microbatches of one step: data.microbatches, or the platform's fastest for 0 (auto;
     1 under a pipeline, which splits the batch itself). `rows` / `shards`: the batch rows one step splits and the
-    data-parallel shards they spread over (default: the whole batch, over replica x data x fsdp)."""
+    data-parallel shards they spread over (default: the whole batch, over replica x data x fsdp x expert)."""
     if layout.pipeline > 1 and not cfg.data.microbatches:
         return 1
-    shards = layout.replica * layout.data * layout.fsdp if shards is None else shards
+    shards = layout.batch_shards if shards is None else shards
     return cfg.data.resolved_microbatches(platform, rows, shards)
 
 
@@ -319,6 +319,16 @@ class Program:
             raise config_lib.ConfigError(
                 "a mixture of experts (model.num_experts) does not run in a pipeline layout yet: its routers' "
                 "losses and statistics do not cross the stages"
+            )
+        if layout.expert > 1 and cfg.model.num_experts % layout.expert:
+            raise config_lib.ConfigError(
+                f"model.num_experts = {cfg.model.num_experts} is not divisible by mesh axis 'expert' = "
+                f"{layout.expert} (each device holds num_experts / expert experts of every MoE layer)"
+            )
+        if layout.expert > 1 and cfg.model.capacity_factor > 0:
+            raise config_lib.ConfigError(
+                "model.capacity_factor > 0 does not run with an expert axis yet; the expert axis exchanges tokens "
+                "dropless (capacity_factor=0)"
             )
         rules = layout.rules
         self.cfg, self.mesh, self.layout = cfg, mesh, layout

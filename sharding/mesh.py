@@ -17,7 +17,7 @@ from jax.sharding import AxisType, Mesh
 
 from sharding.user_file import call_user_function, exec_python_file
 
-MESH_AXES = ("replica", "data", "fsdp", "pipeline", "context", "tensor")  # outermost (slowest links) first
+MESH_AXES = ("replica", "data", "fsdp", "pipeline", "context", "expert", "tensor")  # outermost (slowest links) first
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")  # sharding.schedules.NAMES
 
 
@@ -33,6 +33,9 @@ class MeshLayout:
     pipeline: int = 1
     context: int = 1  # the sequence of every row split over it (sharding.context: ring or all-gather attention)
     replica: int = 1  # DiLoCo replicas are split over it; without DiLoCo it is one more data-parallel axis
+    # an MoE layer's experts split over it, token copies exchanged by all-to-all (sharding.experts); the batch splits
+    # over it too, so for dense layers it is one more data-parallel axis
+    expert: int = 1
     rules: dict = field(default_factory=dict)  # logical axis -> mesh axis (or tuple, or None); overrides DEFAULT_RULES
     pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES (sharding.schedules); used when pipeline > 1
     pipeline_microbatches: int = 0  # microbatches per pipelined step; 0 -> 2 * pipeline
@@ -60,6 +63,11 @@ class MeshLayout:
         if self.pipeline_schedule == "interleaved-1f1b":
             return self.pipeline_virtual_stages or 2
         return 1
+
+    @property
+    def batch_shards(self) -> int:
+        """Ways the batch splits: replica x data x fsdp x expert (the default `batch` rule)."""
+        return self.replica * self.data * self.fsdp * self.expert
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -109,6 +117,7 @@ class MeshLayout:
         mlp_dim: int,
         num_layers: int,
         seq_len: int = 0,
+        num_experts: int = 0,
     ) -> None:
         """Model and batch dimensions must split evenly over the mesh axes they are sharded on (`seq_len` 0: no
         sequence to check)."""
@@ -117,7 +126,12 @@ class MeshLayout:
                 f"data.seq_len = {seq_len} is not divisible by mesh axis 'context' = {self.context} (each device "
                 f"holds seq_len / context tokens of every row)"
             )
-        batch_shards = self.replica * self.data * self.fsdp
+        if num_experts and num_experts % self.expert:
+            raise LayoutError(
+                f"model.num_experts = {num_experts} is not divisible by mesh axis 'expert' = {self.expert} (each "
+                f"device holds num_experts / expert experts of every MoE layer)"
+            )
+        batch_shards = self.batch_shards
         splits = microbatches * self.num_microbatches
         if batch_size % splits:
             raise LayoutError(
@@ -128,7 +142,7 @@ class MeshLayout:
             raise LayoutError(
                 f"microbatch size {batch_size // splits} (batch {batch_size} / {microbatches} "
                 f"accumulation x {self.num_microbatches} pipeline microbatches) is not divisible by "
-                f"replica x data x fsdp = {batch_shards}"
+                f"replica x data x fsdp x expert = {batch_shards}"
             )
         for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("mlp_dim", mlp_dim)):
             if size % self.tensor:

@@ -27,13 +27,13 @@ from sharding.mesh import LayoutError
 LOGICAL_AXES_KEY = "logical_axes"  # the metadata key jaxlm.model writes
 
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("replica", "data", "fsdp"),
+    "batch": ("replica", "data", "fsdp", "expert"),
     "embed": "fsdp",  # a layout with a context axis adds it here (MeshLayout): its devices share the params too
     "vocab": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
-    "expert": None,  # the experts of an MoE layer (jaxlm.moe): whole on every device until an `expert` axis exists
+    "expert": "expert",  # the experts of an MoE layer (jaxlm.moe; sharding.experts exchanges their tokens)
     "head_dim": None,
     "layers": "pipeline",
     "seq": "context",  # context parallelism (sharding.context); whole when the layout has no context axis

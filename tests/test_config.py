@@ -339,7 +339,8 @@ def test_load_layout_forms(tmp_path, source):
     layout = load_layout(write(tmp_path, "mesh.py", source), 8)
     assert layout == MeshLayout(data=2, fsdp=4)
     mesh = build_mesh(layout)
-    assert dict(mesh.shape) == {"replica": 1, "data": 2, "fsdp": 4, "pipeline": 1, "context": 1, "tensor": 1}
+    shape = {"replica": 1, "data": 2, "fsdp": 4, "pipeline": 1, "context": 1, "expert": 1, "tensor": 1}
+    assert dict(mesh.shape) == shape
     assert mesh.devices.size == len(jax.devices()) == 8
 
 
@@ -352,6 +353,7 @@ def test_shipped_layout_files():
     assert load_layout(root / "dp2_fsdp2_tp2.py", 8) == MeshLayout(data=2, fsdp=2, tensor=2)
     pp = load_layout(root / "fsdp2_tp2_pp2.py", 8)
     assert (pp.fsdp, pp.tensor, pp.pipeline, pp.pipeline_schedule, pp.num_microbatches) == (2, 2, 2, "1f1b", 4)
+    assert load_layout(root / "expert4_dp2.py", 8) == MeshLayout(data=2, expert=4)
     pp = load_layout(root / "dp4_pp2.py", 8)
     assert (pp.data, pp.pipeline, pp.pipeline_schedule, pp.num_microbatches) == (4, 2, "gpipe", 4)
 

@@ -2,6 +2,7 @@
 DeepSeek-style bias moving load toward uniform, config refusals, and an MoE model training end to end."""
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -11,9 +12,11 @@ import pytest
 from flax import nnx
 from helpers import one_device_mesh, random_batch, tiny_config
 
+from jaxlm import grouped_matmul
 from jaxlm.config import ConfigError, ModelConfig
 from jaxlm.moe import MoE, RouterBias, capacity, capacity_experts, dropless_experts, route
 from jaxlm.train import Program
+from sharding import MeshLayout, build_mesh
 
 N, D, X, K, F = 12, 8, 4, 2, 6
 
@@ -60,13 +63,17 @@ def _moe(dispatch):
     return run
 
 
-def test_dropless_dispatch_equals_a_per_token_loop_forward_and_gradients():
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiles", "ragged_dot"])
+def test_dropless_dispatch_equals_a_per_token_loop_forward_and_gradients(tiled, monkeypatch):
+    """Both grouped matmuls (jaxlm.grouped_matmul): tiles of 4 rows here, so groups span several tiles and pad."""
+    monkeypatch.setattr(grouped_matmul, "TILE", 4)
     args = _weights()
     chosen = chosen_experts(*args[:2])
-    got = _moe(dropless_experts)(*args)
+    dispatch = functools.partial(dropless_experts, tiled=tiled)
+    got = _moe(dispatch)(*args)
     np.testing.assert_allclose(got, reference_moe(*args, chosen), atol=1e-5, rtol=1e-5)
     cotangent = jnp.asarray(np.random.default_rng(1).normal(size=(N, D)), jnp.float32)
-    g = jax.grad(lambda *a: jnp.sum(_moe(dropless_experts)(*a) * cotangent), argnums=range(4))(*args)
+    g = jax.grad(lambda *a: jnp.sum(_moe(dispatch)(*a) * cotangent), argnums=range(4))(*args)
     w = jax.grad(lambda *a: jnp.sum(reference_moe(*a, chosen) * cotangent), argnums=range(4))(*args)
     for name, a, b in zip(("x", "router", "w_in", "w_out"), g, w):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=name)
@@ -159,3 +166,50 @@ def test_an_moe_model_trains_and_logs_its_routing(overrides):
     if overrides["router"] == "sigmoid_bias":
         assert float(metrics["moe_bias_range"]) > 0  # the biases moved
         assert all(math.isfinite(float(metrics[f"moe_dropped/{i}"])) for i in range(L))
+
+
+# ----------------------------------------------------------------------------- expert parallelism == one device
+
+
+def _moe_program(layout):
+    cfg = tiny_config(
+        model=dict(num_experts=8, experts_per_token=2, expert_mlp_dim=32),
+        data=dict(microbatches=1),
+        optim=dict(learning_rate=1e-2, warmup_steps=2),
+    )
+    return Program(cfg, build_mesh(layout) if layout else one_device_mesh())
+
+
+def _three_steps(program):
+    """(loss and gradients of one batch at init, the losses of three training steps)."""
+    state = program.init()
+    (loss_sum, _), grads = program.loss_and_grads(state.params, program.device_batch(random_batch(20)))
+    losses = []
+    for i in range(3):
+        state, metrics = program.train_step(state, program.device_batch(random_batch(20 + i)))
+        losses.append(float(metrics["loss"]))
+    return float(loss_sum), grads, losses, state
+
+
+@pytest.fixture(scope="module")
+def one_device_moe():
+    return _three_steps(_moe_program(None))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [MeshLayout(expert=8), MeshLayout(expert=4, data=2), MeshLayout(expert=2, fsdp=2, tensor=2)],
+    ids=["expert8", "expert4_data2", "expert2_fsdp2_tensor2"],
+)
+def test_expert_parallel_training_equals_one_device(layout, one_device_moe):
+    """One batch's loss and every gradient (experts split over the expert axis: all-to-all both ways), then three
+    training steps' losses, against one device."""
+    assert len(jax.devices()) == 8
+    want_loss, want_grads, want_losses, _ = one_device_moe
+    loss, grads, losses, state = _three_steps(_moe_program(layout))
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
+        error = float(np.linalg.norm(np.asarray(g) - np.asarray(w)) / max(np.linalg.norm(np.asarray(w)), 1e-30))
+        assert error < 1e-5, (jax.tree_util.keystr(path), error)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert state.params["blocks"]["mlp"]["w_in"].sharding.spec[1] == "expert"  # [L, X, D, C, F]: experts split

@@ -1,0 +1,96 @@
+"""Expert parallelism: an MoE layer's experts split over the `expert` mesh axis, each token copy sent to the device
+that holds its expert and its output sent back, with all-to-all inside ``shard_map``. The model routes (jaxlm.moe)
+and hands its per-device expert computation to ``dispatch``; it never learns where the experts are.
+
+Tokens split over the batch axes (the default rules put `expert` among them, so each device of the expert axis
+routes its own tokens, as data parallelism does). A device sorts its copies by expert, which is by destination,
+and places them in a [E, A, D] send buffer (E devices of the expert axis, A its copies: the most any one
+destination can get, so nothing is dropped); one all-to-all delivers every source's buffer to its destination,
+which runs its own experts over what arrived (empty slots are zero rows, given no expert's weight), and a second
+all-to-all brings the outputs home, where they are unsorted and mixed as on one device. Buffers and transfers are
+worst-case sized (E x a device's copies); capacity-limited dispatch bounds them (not under this axis yet).
+
+Shape letters: those of jaxlm.moe (U tokens, Z experts per token, A copies, X experts) and E devices of the
+expert axis, W = X / E experts per device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from sharding.rules import active_mesh_axes
+
+
+def expert_axes() -> tuple[str, ...]:
+    """The mesh axes the active rules split experts over (empty: every device holds every expert)."""
+    return active_mesh_axes("expert")
+
+
+def dispatch(local: Callable, x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD):
+    """``local(x_UD, weights_UZ, experts_UZ, w_in, w_out) -> y_UD`` over the experts the weights hold, run where
+    the experts are: as it is without an expert axis, else per device with the copies exchanged."""
+    axes = expert_axes()
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not axes:
+        return local(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)
+    E, X = math.prod(mesh.shape[a] for a in axes), w_in_XDCF.shape[0]
+    if X % E:
+        raise ValueError(f"model.num_experts = {X} does not split over the expert axis of {E} devices")
+    batch = _dividing(mesh, active_mesh_axes("batch"), x_UD.shape[0])
+    rows, experts = P(batch or None, None), P(axes, None, None, None)
+    free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
+
+    def shard(x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD):
+        return _exchange(local, axes, E, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD)
+
+    return jax.shard_map(
+        shard,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, experts, P(axes, None, None)),
+        out_specs=rows,
+        axis_names=free,
+        check_vma=False,
+    )(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)
+
+
+def _exchange(local, axes, E: int, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD):
+    """One device's part: send copies to their experts' devices, compute what arrives, bring the outputs back."""
+    U, Z = experts_UZ.shape
+    D, W = x_UD.shape[-1], w_in_WDCF.shape[0]
+    A = U * Z
+    experts_A = experts_UZ.reshape(-1)
+    order_A = jnp.argsort(experts_A, stable=True)  # by expert, so by destination device
+    sorted_A = experts_A[order_A]
+    dest_A = sorted_A // W
+    counts_E = jnp.bincount(dest_A, length=E)
+    slot_A = jnp.arange(A) - (jnp.cumsum(counts_E) - counts_E)[dest_A]
+    send_EAD = jnp.zeros((E, A, D), x_UD.dtype).at[dest_A, slot_A].set(x_UD[order_A // Z])
+    # the expert each slot is for, on its destination; W (no expert) for an empty slot
+    send_EA = jnp.full((E, A), W, jnp.int32).at[dest_A, slot_A].set(sorted_A - dest_A * W)
+    recv_EAD = jax.lax.all_to_all(send_EAD, axes, 0, 0)
+    recv_EA = jax.lax.all_to_all(send_EA, axes, 0, 0)
+    # empty slots go to a zero expert W: a zero row through zero weights adds nothing
+    w_in = jnp.concatenate([w_in_WDCF, jnp.zeros_like(w_in_WDCF[:1])])
+    w_out = jnp.concatenate([w_out_WFD, jnp.zeros_like(w_out_WFD[:1])])
+    ones = jnp.ones((E * A, 1), jnp.float32)
+    out_EAD = local(recv_EAD.reshape(E * A, D), ones, recv_EA.reshape(E * A, 1), w_in, w_out).reshape(E, A, D)
+    back_EAD = jax.lax.all_to_all(out_EAD, axes, 0, 0)
+    y_AD = back_EAD[dest_A, slot_A]  # in sorted order
+    y_UZD = y_AD[jnp.argsort(order_A)].reshape(U, Z, D)
+    return jnp.einsum("uzd,uz->ud", y_UZD, weights_UZ.astype(y_UZD.dtype))
+
+
+def _dividing(mesh, axes, size: int) -> tuple[str, ...]:
+    """``axes`` in order, less any that would leave their product no longer dividing ``size``."""
+    kept, shards = [], 1
+    for a in axes:
+        if size % (shards * mesh.shape[a]) == 0:
+            kept.append(a)
+            shards *= mesh.shape[a]
+    return tuple(kept)
