@@ -1,4 +1,5 @@
-"""Hugging Face Llama <-> jaxlm: the config fields and the parameter mapping, by renaming, reshaping, transposing.
+"""Hugging Face Llama and Mixtral <-> jaxlm: the config fields and the parameter mapping, by renaming, reshaping,
+transposing.
 
 jaxlm's model computes what `transformers`' LlamaForCausalLM computes (half-split RoPE, GQA, pre-norm RMSNorm,
 SwiGLU), so a conversion moves numbers and never changes one. Two layouts differ:
@@ -6,6 +7,10 @@ SwiGLU), so a conversion moves numbers and never changes one. Two layouts differ
   [D, K, G+2, E]: per kv head its G query heads, then k, then v) and gate/up (w_in [D, 2, F]). HF orders query
   heads h = k*G + g, which is wqkv's [K, G] flattened.
 - jaxlm stacks layers on a leading axis; HF names each layer's tensors `model.layers.{i}.`.
+- Mixtral (a Llama whose MLPs are mixtures of experts: softmax top-k, renormalized, as `model.router=softmax`)
+  keeps its router as `block_sparse_moe.gate` [X, D] and each expert as w1 (gate), w3 (up) [F, D] and w2 (down)
+  [D, F], the Hub's layout (transformers 5 fuses them on load); jaxlm stacks the experts (w_in [X, D, 2, F],
+  w_out [X, F, D], router [D, X]).
 
 The vocabulary: jaxlm's may be padded past the tokenizer's (ids that are never predicted); HF files carry the
 tokenizer's. Export slices the padding off, import pads with zero rows up to a multiple of VOCAB_MULTIPLE
@@ -23,6 +28,7 @@ import numpy as np
 from jaxlm.config import VOCAB_MULTIPLE, ModelConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
+MOE_ARCHITECTURE = "MixtralForCausalLM"
 # Tensors some Llama checkpoints carry that are not weights (older transformers saved the RoPE table).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -37,11 +43,14 @@ class HFError(ValueError):
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """ModelConfig of a Llama-family config.json (Llama 2 / 3 / 3.1: GQA, tied or not, any head_dim, `llama3`
     RoPE scaling); HFError naming the first field it cannot express."""
-    archs = hf.get("architectures") or [ARCHITECTURE]
-    if ARCHITECTURE not in archs:
-        raise HFError(f"architectures is {archs}; only {ARCHITECTURE} (the Llama family) is supported")
-    if hf.get("model_type", "llama") != "llama":
-        raise HFError(f"model_type is {hf['model_type']!r}; only 'llama' is supported")
+    archs = hf.get("architectures") or [MOE_ARCHITECTURE if hf.get("model_type") == "mixtral" else ARCHITECTURE]
+    moe = MOE_ARCHITECTURE in archs
+    if ARCHITECTURE not in archs and not moe:
+        raise HFError(f"architectures is {archs}; supported: {ARCHITECTURE} (the Llama family), {MOE_ARCHITECTURE}")
+    if hf.get("model_type", "mixtral" if moe else "llama") != ("mixtral" if moe else "llama"):
+        raise HFError(f"model_type is {hf['model_type']!r}; supported: 'llama', 'mixtral'")
+    if moe and hf.get("sliding_window"):
+        raise HFError(f"sliding_window is {hf['sliding_window']}; jaxlm's Mixtral attends causally over the whole row")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise HFError(f"{flag} is true; jaxlm's Llama has no biases")
@@ -63,12 +72,27 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         norm_eps=_float(hf, "rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **rope,
+        **(_moe_fields(hf) if moe else {}),
     )
     try:
         cfg.validate()
     except ValueError as e:
         raise HFError(f"config.json describes a model jaxlm cannot build: {e}") from None
     return cfg
+
+
+def _moe_fields(hf: dict) -> dict:
+    """Mixtral's experts: every layer's MLP, softmax top-k renormalized, dropless."""
+    F = _int(hf, "intermediate_size")
+    return {
+        "num_experts": _int(hf, "num_local_experts"),
+        "experts_per_token": _int(hf, "num_experts_per_tok"),
+        "expert_mlp_dim": F,
+        "router": "softmax",
+        "router_norm_topk": True,
+        "moe_aux_loss": _float(hf, "router_aux_loss_coef", 0.02),
+        "capacity_factor": 0.0,
+    }
 
 
 def _rope(hf: dict) -> dict:
@@ -128,9 +152,9 @@ def hf_config(cfg: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: int | N
             "high_freq_factor": cfg.rope_high_freq_factor,
             "original_max_position_embeddings": cfg.rope_original_max_seq_len,
         }
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+    config = {
+        "architectures": [MOE_ARCHITECTURE if cfg.num_experts else ARCHITECTURE],
+        "model_type": "mixtral" if cfg.num_experts else "llama",
         "vocab_size": vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.mlp_dim,
@@ -153,6 +177,19 @@ def hf_config(cfg: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: int | N
         "use_cache": True,
         "torch_dtype": dtype,
     }
+    if cfg.num_experts:
+        for key in ("attention_bias", "mlp_bias"):
+            del config[key]
+        config |= {
+            "intermediate_size": cfg.expert_mlp_dim,
+            "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token,
+            "router_aux_loss_coef": cfg.moe_aux_loss,
+            "output_router_logits": False,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+    return config
 
 
 def check_exportable(cfg: ModelConfig) -> None:
@@ -160,10 +197,10 @@ def check_exportable(cfg: ModelConfig) -> None:
     training documents)."""
     if cfg.attention_softcap:
         raise HFError(f"model.attention_softcap is {cfg.attention_softcap}; HF's Llama has no attention soft cap")
-    if cfg.num_experts:
+    if cfg.num_experts and (cfg.router != "softmax" or not cfg.router_norm_topk or cfg.num_shared_experts):
         raise HFError(
-            f"model.num_experts is {cfg.num_experts}: a mixture of experts, not a Llama; its export "
-            "(Mixtral / Qwen3-MoE) is not built yet"
+            f"model.router {cfg.router!r} (router_norm_topk {cfg.router_norm_topk}, num_shared_experts "
+            f"{cfg.num_shared_experts}) is not Mixtral's: it exports softmax top-k, renormalized, no shared experts"
         )
     if cfg.attention_mask.replace(" ", "") not in ("causal", "causal&document", "document&causal"):
         raise HFError(f"model.attention_mask is {cfg.attention_mask!r}; HF's Llama attends causally only")
@@ -197,7 +234,16 @@ def _layer_tensors(cfg: ModelConfig, i: int, get) -> Iterator[tuple[str, np.ndar
     yield p + "self_attn.v_proj.weight", wqkv[:, :, G + 1].reshape(D, K * E).T
     yield p + "self_attn.o_proj.weight", get("attn", "wo").reshape(K * G * E, D).T
     yield p + "post_attention_layernorm.weight", get("mlp_norm", "scale")
-    w_in = get("mlp", "w_in")  # [D, 2, F]: gate, up
+    w_in = get("mlp", "w_in")  # [D, 2, F] (Mixtral: [X, D, 2, F]): gate, up
+    if cfg.num_experts:
+        yield p + "block_sparse_moe.gate.weight", get("mlp", "router").T
+        w_out = get("mlp", "w_out")
+        for e in range(cfg.num_experts):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            yield q + "w1.weight", w_in[e, :, 0].T
+            yield q + "w2.weight", w_out[e].T
+            yield q + "w3.weight", w_in[e, :, 1].T
+        return
     yield p + "mlp.gate_proj.weight", w_in[:, 0].T
     yield p + "mlp.up_proj.weight", w_in[:, 1].T
     yield p + "mlp.down_proj.weight", get("mlp", "w_out").T
@@ -205,7 +251,7 @@ def _layer_tensors(cfg: ModelConfig, i: int, get) -> Iterator[tuple[str, np.ndar
 
 def hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """{HF name: shape} of every tensor a model of `cfg` has (what an import must find)."""
-    D, F, H, K, E = cfg.d_model, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     shapes = {"model.embed_tokens.weight": (vocab_size, D), "model.norm.weight": (D,)}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -216,12 +262,27 @@ def hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (K * E, D),
             p + "self_attn.o_proj.weight": (D, H * E),
             p + "post_attention_layernorm.weight": (D,),
+        }
+        shapes |= _mlp_shapes(cfg, p)
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (vocab_size, D)
+    return shapes
+
+
+def _mlp_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    D = cfg.d_model
+    if not cfg.num_experts:
+        F = cfg.mlp_dim
+        return {
             p + "mlp.gate_proj.weight": (F, D),
             p + "mlp.up_proj.weight": (F, D),
             p + "mlp.down_proj.weight": (D, F),
         }
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (vocab_size, D)
+    X, F = cfg.num_experts, cfg.expert_mlp_dim
+    shapes = {p + "block_sparse_moe.gate.weight": (X, D)}
+    for e in range(X):
+        q = f"{p}block_sparse_moe.experts.{e}."
+        shapes |= {q + "w1.weight": (F, D), q + "w2.weight": (D, F), q + "w3.weight": (F, D)}
     return shapes
 
 
@@ -246,12 +307,17 @@ def params_from_hf(cfg: ModelConfig, vocab_size: int, read: Callable[[str], np.n
     )
     G = H // K
     f32 = lambda shape: np.zeros(shape, np.float32)
+    X = cfg.num_experts
+    F = cfg.expert_mlp_dim if X else F
+    experts = (X,) if X else ()
     blocks = {
         "attn": {"wqkv": f32((L, D, K, G + 2, E)), "wo": f32((L, H, E, D))},
         "attn_norm": {"scale": f32((L, D))},
-        "mlp": {"w_in": f32((L, D, 2, F)), "w_out": f32((L, F, D))},
+        "mlp": {"w_in": f32((L, *experts, D, 2, F)), "w_out": f32((L, *experts, F, D))},
         "mlp_norm": {"scale": f32((L, D))},
     }
+    if X:
+        blocks["mlp"]["router"] = f32((L, D, X))
     for i in range(L):
         p = f"model.layers.{i}."
         blocks["attn_norm"]["scale"][i] = read(p + "input_layernorm.weight")
@@ -261,9 +327,18 @@ def params_from_hf(cfg: ModelConfig, vocab_size: int, read: Callable[[str], np.n
         wqkv[:, :, G + 1] = read(p + "self_attn.v_proj.weight").T.reshape(D, K, E)
         blocks["attn"]["wo"][i] = read(p + "self_attn.o_proj.weight").T.reshape(H, E, D)
         blocks["mlp_norm"]["scale"][i] = read(p + "post_attention_layernorm.weight")
-        blocks["mlp"]["w_in"][i, :, 0] = read(p + "mlp.gate_proj.weight").T
-        blocks["mlp"]["w_in"][i, :, 1] = read(p + "mlp.up_proj.weight").T
-        blocks["mlp"]["w_out"][i] = read(p + "mlp.down_proj.weight").T
+        mlp = blocks["mlp"]
+        if X:
+            mlp["router"][i] = read(p + "block_sparse_moe.gate.weight").T
+            for e in range(X):
+                q = f"{p}block_sparse_moe.experts.{e}."
+                mlp["w_in"][i, e, :, 0] = read(q + "w1.weight").T
+                mlp["w_in"][i, e, :, 1] = read(q + "w3.weight").T
+                mlp["w_out"][i, e] = read(q + "w2.weight").T
+            continue
+        mlp["w_in"][i, :, 0] = read(p + "mlp.gate_proj.weight").T
+        mlp["w_in"][i, :, 1] = read(p + "mlp.up_proj.weight").T
+        mlp["w_out"][i] = read(p + "mlp.down_proj.weight").T
     params = {"embed": f32((cfg.vocab_size, D)), "blocks": blocks, "final_norm": {"scale": f32((D,))}}
     params["embed"][:vocab_size] = read("model.embed_tokens.weight")
     params["final_norm"]["scale"][:] = read("model.norm.weight")

@@ -45,6 +45,11 @@ HF_FIELDS = (
     "rope_original_max_seq_len",
     "norm_eps",
     "tie_embeddings",
+    "num_experts",
+    "experts_per_token",
+    "expert_mlp_dim",
+    "router",
+    "router_norm_topk",
 )
 
 

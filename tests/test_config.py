@@ -414,7 +414,7 @@ def test_check_divisibility():
     layout = MeshLayout(data=2, fsdp=2, tensor=2)
     ok = dict(batch_size=8, microbatches=2, num_heads=4, num_kv_heads=2, mlp_dim=64, num_layers=2)
     layout.check_divisibility(**ok)
-    with pytest.raises(LayoutError, match=r"microbatch size 2 .* not divisible by replica x data x fsdp = 4"):
+    with pytest.raises(LayoutError, match=r"microbatch size 2 .* not divisible by replica x data x fsdp x expert = 4"):
         layout.check_divisibility(**{**ok, "microbatches": 4})
     with pytest.raises(LayoutError, match=r"model.num_kv_heads = 1 is not divisible by mesh axis 'tensor' = 2"):
         layout.check_divisibility(**{**ok, "num_kv_heads": 1})
@@ -426,7 +426,7 @@ def test_check_divisibility():
     with pytest.raises(
         LayoutError,
         match=r"microbatch size 1 .* 4 pipeline microbatches\) is not divisible by "
-        r"replica x data x fsdp = 2",
+        r"replica x data x fsdp x expert = 2",
     ):
         piped.check_divisibility(**{**ok, "batch_size": 4, "microbatches": 1})
     assert MeshLayout(pipeline=4).num_microbatches == 8 and MeshLayout(data=8).num_microbatches == 1
@@ -450,7 +450,7 @@ def test_logical_spec_defaults_and_overrides():
     assert logical_spec(("layers", "embed", "kv_heads", None, "head_dim")) == P(
         "pipeline", "fsdp", "tensor", None, None
     )
-    assert logical_spec(("batch", "seq")) == P(("replica", "data", "fsdp"), "context")
+    assert logical_spec(("batch", "seq")) == P(("replica", "data", "fsdp", "expert"), "context")
     # a context axis shares the params like FSDP (a layout's own embed rule wins)
     assert MeshLayout(context=2).rules == {"embed": ("fsdp", "context")}
     assert MeshLayout(context=2, rules={"embed": None}).rules == {"embed": None} and MeshLayout().rules == {}

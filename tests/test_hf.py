@@ -406,7 +406,7 @@ def edit_tensors(directory: Path, change) -> None:
 IMPORT_ERRORS = {
     "architecture": (
         lambda d: edit_config(d, architectures=["MistralForCausalLM"], model_type="mistral"),
-        "architectures is ['MistralForCausalLM']; only LlamaForCausalLM",
+        "architectures is ['MistralForCausalLM']; supported: LlamaForCausalLM (the Llama family), MixtralForCausalLM",
     ),
     "attention_bias": (lambda d: edit_config(d, attention_bias=True), "attention_bias is true"),
     "mlp_bias": (lambda d: edit_config(d, mlp_bias=True), "mlp_bias is true"),

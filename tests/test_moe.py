@@ -74,7 +74,7 @@ def test_dropless_dispatch_equals_a_per_token_loop_forward_and_gradients(tiled, 
     np.testing.assert_allclose(got, reference_moe(*args, chosen), atol=1e-5, rtol=1e-5)
     cotangent = jnp.asarray(np.random.default_rng(1).normal(size=(N, D)), jnp.float32)
     g = jax.grad(lambda *a: jnp.sum(_moe(dispatch)(*a) * cotangent), argnums=range(4))(*args)
-    w = jax.grad(lambda *a: jnp.sum(reference_moe(*a, chosen) * cotangent), argnums=range(4))(*args)
+    w = jax.jit(jax.grad(lambda *a: jnp.sum(reference_moe(*a, chosen) * cotangent), argnums=range(4)))(*args)
     for name, a, b in zip(("x", "router", "w_in", "w_out"), g, w):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=name)
 
@@ -139,10 +139,12 @@ def test_bad_moe_configs_are_refused_in_one_line():
 @pytest.mark.parametrize(
     "overrides",
     [
-        dict(router="softmax", microbatches=1),
-        dict(router="sigmoid_bias", capacity_factor=1.0, num_shared_experts=1, microbatches=2),
+        pytest.param(dict(router="softmax", microbatches=1), marks=pytest.mark.slow, id="softmax-dropless"),
+        pytest.param(
+            dict(router="sigmoid_bias", capacity_factor=1.0, num_shared_experts=1, microbatches=2),
+            id="bias-capacity-shared-2micro",
+        ),
     ],
-    ids=["softmax-dropless", "bias-capacity-shared-2micro"],
 )
 def test_an_moe_model_trains_and_logs_its_routing(overrides):
     overrides = dict(overrides)
@@ -198,8 +200,11 @@ def one_device_moe():
 
 @pytest.mark.parametrize(
     "layout",
-    [MeshLayout(expert=8), MeshLayout(expert=4, data=2), MeshLayout(expert=2, fsdp=2, tensor=2)],
-    ids=["expert8", "expert4_data2", "expert2_fsdp2_tensor2"],
+    [
+        pytest.param(MeshLayout(expert=8), marks=pytest.mark.slow, id="expert8"),
+        pytest.param(MeshLayout(expert=4, data=2), marks=pytest.mark.slow, id="expert4_data2"),
+        pytest.param(MeshLayout(expert=2, fsdp=2, tensor=2), id="expert2_fsdp2_tensor2"),
+    ],
 )
 def test_expert_parallel_training_equals_one_device(layout, one_device_moe):
     """One batch's loss and every gradient (experts split over the expert axis: all-to-all both ways), then three
