@@ -33,7 +33,7 @@ from pallas_kernels.kernel_inputs import target_platform
 from pallas_kernels.mask_spec import bind_segments, parse_mask, uses_documents
 from pallas_kernels.xla_tiled_attention import STRIPS_MAX_LEN
 from sharding.context import context_attention
-from sharding.rules import active_mesh_axes
+from sharding.rules import active_mesh_axes, dividing_axes
 
 BLOCK_SPARSE = ("xla_blocksparse", "pallas")
 
@@ -245,9 +245,9 @@ def _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT, seq: tu
     if mesh.empty or mesh.size == 1:
         return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT)
     B, K = q_BTHE.shape[0], k_BSKE.shape[2]
-    batch = _dividing(mesh, [a for a in active_mesh_axes("batch") if a not in seq], B)
+    batch = dividing_axes(mesh, [a for a in active_mesh_axes("batch") if a not in seq], B)
     kv_heads = active_mesh_axes("kv_heads")
-    heads = _dividing(mesh, [a for a in active_mesh_axes("heads") if a in kv_heads and a not in batch + seq], K)
+    heads = dividing_axes(mesh, [a for a in active_mesh_axes("heads") if a in kv_heads and a not in batch + seq], K)
     if not batch and not heads and not seq:
         return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT)
     tokens = seq or None
@@ -264,13 +264,3 @@ def _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT, seq: tu
         axis_names=free,
         check_vma=False,
     )(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT)
-
-
-def _dividing(mesh, axes, size: int) -> tuple[str, ...]:
-    """``axes`` in order, less any that would leave their product no longer dividing ``size``."""
-    kept, shards = [], 1
-    for a in axes:
-        if size % (shards * mesh.shape[a]) == 0:
-            kept.append(a)
-            shards *= mesh.shape[a]
-    return tuple(kept)

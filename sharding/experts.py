@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from sharding.rules import active_mesh_axes
+from sharding.rules import active_mesh_axes, dividing_axes
 
 
 def expert_axes() -> tuple[str, ...]:
@@ -42,7 +42,7 @@ def dispatch(local: Callable, x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD
     E, X = math.prod(mesh.shape[a] for a in axes), w_in_XDCF.shape[0]
     if X % E:
         raise ValueError(f"model.num_experts = {X} does not split over the expert axis of {E} devices")
-    batch = _dividing(mesh, active_mesh_axes("batch"), x_UD.shape[0])
+    batch = dividing_axes(mesh, active_mesh_axes("batch"), x_UD.shape[0])
     rows, experts = P(batch or None, None), P(axes, None, None, None)
     free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
 
@@ -84,13 +84,3 @@ def _exchange(local, axes, E: int, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_ou
     y_AD = back_EAD[dest_A, slot_A]  # in sorted order
     y_UZD = y_AD[jnp.argsort(order_A)].reshape(U, Z, D)
     return jnp.einsum("uzd,uz->ud", y_UZD, weights_UZ.astype(y_UZD.dtype))
-
-
-def _dividing(mesh, axes, size: int) -> tuple[str, ...]:
-    """``axes`` in order, less any that would leave their product no longer dividing ``size``."""
-    kept, shards = [], 1
-    for a in axes:
-        if size % (shards * mesh.shape[a]) == 0:
-            kept.append(a)
-            shards *= mesh.shape[a]
-    return tuple(kept)

@@ -78,6 +78,17 @@ def _splitting(mesh, target) -> tuple[str, ...]:
     return tuple(a for a in (target if isinstance(target, tuple) else (target,)) if a in free)
 
 
+def dividing_axes(mesh, axes, size: int) -> tuple[str, ...]:
+    """``axes`` in order, less any that would leave their product no longer dividing ``size`` (what a
+    ``shard_map`` over a dimension of ``size`` can split it over)."""
+    kept, shards = [], 1
+    for a in axes:
+        if size % (shards * mesh.shape[a]) == 0:
+            kept.append(a)
+            shards *= mesh.shape[a]
+    return tuple(kept)
+
+
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     """Pins an activation's sharding by logical names, e.g. ("batch", "seq", "act_embed") at layer boundaries.
 

@@ -79,7 +79,11 @@ def hf_model(case: str, seed: int = 0, **overrides) -> LlamaForCausalLM:
         **overrides,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().eval()
+    return random_norms(LlamaForCausalLM(config).float().eval())
+
+
+def random_norms(model):
+    """``model`` with its RMSNorm scales drawn around 1 (init makes them 1, which would hide a mapping's errors)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import rel
 from safetensors.numpy import load_file, save_file
-from test_hf import hf_logits, jax_logits, jax_model, random_params, tokens
+from test_hf import hf_logits, jax_logits, jax_model, random_norms, random_params, tokens
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from jaxlm import hf
@@ -41,12 +41,7 @@ def mixtral(seed: int = 0) -> MixtralForCausalLM:
         attn_implementation="eager",
     )
     torch.manual_seed(seed)
-    model = MixtralForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.5 * torch.randn_like(p))
-    return model
+    return random_norms(MixtralForCausalLM(config).float().eval())
 
 
 @pytest.fixture(scope="module")

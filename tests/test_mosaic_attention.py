@@ -162,12 +162,12 @@ def test_unsupported_cases_are_refused_with_the_reason(dtype, E, blocks, reason)
 
 def test_rows_longer_than_the_ring_with_given_tiles_forward_and_backward():
     """The tile sweep's override, and rows of more tiles than ring slots (the producer reuses each slot; every other
-    case here fits its ring): a forward of 64-wide kv tiles in two slots walks six tiles per row of T = S = 384; the
-    dQ and dK/dV kernels with two-slot rings walk three. Equal to the reference, forward and gradients, without
-    asking for lowering="mosaic"."""
-    q, k, v = _qkv(1, 1, 1, 384, 384, seed=3)
-    bm = pk.make_block_mask(pk.full(), 384, 384, BLOCKS)
-    tiles = (MosaicTiles(64, 64, 2), BackwardTiles(64, 128, 2, 64, 128, 2))
+    case here fits its ring): 64-wide tiles in two-slot rings, so the forward, dQ and dK/dV kernels each walk four
+    tiles per row (or column) of T = S = 256. Equal to the reference, forward and gradients, without asking for
+    lowering="mosaic"."""
+    q, k, v = _qkv(1, 1, 1, 256, 256, seed=3)
+    bm = pk.make_block_mask(pk.full(), 256, 256, BLOCKS)
+    tiles = (MosaicTiles(64, 64, 2), BackwardTiles(64, 64, 2, 64, 64, 2))
     (out, lse), vjp = jax.vjp(lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, tiles=tiles), q, k, v)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     (ref_out, ref_lse), ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, pk.full()), *f32)

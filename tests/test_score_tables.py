@@ -24,6 +24,7 @@ def test_relative_buckets_equal_t5s(bidirectional):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow  # 16 s in a full run; docs/testing.md names its cover
 def test_pallas_kernels_take_a_bias_table_and_slopes_with_their_gradients():
     """T5's bias table [H, 32] and learnable ALiBi slopes [H] chained, causal, two query heads on one kv head, T = 40
     in one block of 64 (padded: its padding rows and keys must add nothing to the arrays' gradients): output, lse
