@@ -18,6 +18,7 @@ from typing import Any
 
 from data.corpus import bpe_vocab_size
 from jaxlm.config_checks import ConfigError, Section, check_choice, check_moe, check_non_negative, check_positive
+from jaxlm.config_overrides import apply_overrides  # noqa: F401 - part of this module's interface (CLIs, tests)
 from jaxlm.diloco.config import DiLoCoConfig
 from sharding.user_file import call_user_function, exec_python_file
 
@@ -465,64 +466,6 @@ def _from_python(path: Path) -> TrainConfig:
     if not isinstance(cfg, TrainConfig):
         raise ConfigError(f"config file {path}: `config` is a {type(cfg).__name__}, expected TrainConfig")
     return cfg
-
-
-# ----------------------------------------------------------------------------- overrides
-
-
-def apply_overrides(cfg: TrainConfig, assignments: list[str]) -> TrainConfig:
-    """Applies `dotted.key=value` strings, parsing each value by the field's declared type."""
-    for assignment in assignments:
-        key, sep, raw = assignment.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set expects dotted.key=value, got {assignment!r}")
-        cfg = _set_path(cfg, key.strip().split("."), raw.strip(), key.strip())
-    return cfg
-
-
-def _set_path(obj: Any, parts: list[str], raw: str, full_key: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(obj)}
-    name = parts[0]
-    if name not in fields:
-        where = type(obj).__name__
-        close = difflib.get_close_matches(name, fields, n=1)
-        section = full_key[: len(full_key) - len(".".join(parts))]
-        hint = f"did you mean '{section}{close[0]}'?" if close else f"fields: {', '.join(fields)}"
-        raise ConfigError(f"unknown config key {full_key!r}: {where} has no field {name!r} ({hint})")
-    current = getattr(obj, name)
-    if dataclasses.is_dataclass(current):
-        if len(parts) == 1:
-            raise ConfigError(
-                f"config key {full_key!r} is a section; set one of its fields, e.g. {full_key}.<field>=..."
-            )
-        return dataclasses.replace(obj, **{name: _set_path(current, parts[1:], raw, full_key)})
-    if len(parts) > 1:
-        raise ConfigError(f"unknown config key {full_key!r}: {name!r} is not a section")
-    hint = typing.get_type_hints(type(obj))[name]
-    return dataclasses.replace(obj, **{name: _parse_value(raw, hint, full_key)})
-
-
-def _parse_value(raw: str, hint: Any, key: str) -> Any:
-    try:
-        if hint is bool:
-            lowered = raw.lower()
-            if lowered in ("true", "1", "yes", "on"):
-                return True
-            if lowered in ("false", "0", "no", "off"):
-                return False
-            raise ValueError
-        if hint is int:
-            return int(raw)
-        if hint is float:
-            value = float(raw)
-            if not math.isfinite(value):
-                raise ValueError
-            return value
-        if hint is str:
-            return raw
-    except ValueError:
-        raise ConfigError(f"bad value for {key}: {raw!r} is not a valid {hint.__name__}") from None
-    raise ConfigError(f"config key {key} has unsupported type {hint}")
 
 
 # ----------------------------------------------------------------------------- validation
