@@ -122,6 +122,15 @@ def _scores(static, s, q_pos, kv_pos, head, masked, doc_tiles):
     return s, d_mod
 
 
+def _load_resident(plgpu, copies, ready, n_ready: int, wg):
+    """A consumer warpgroup's resident tiles (``copies``: (source, shared-memory destination) pairs), each on its own
+    barrier of the warpgroup's ``n_ready``, waited for before its loop starts."""
+    for i, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, ready.at[n_ready * wg + i])
+    for i in range(n_ready):
+        plgpu.barrier_wait(ready.at[n_ready * wg + i])
+
+
 def _layout(plgpu):
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -167,10 +176,7 @@ def mosaic_dq(
             copies = [(src.at[b, h, pl.ds(base, rows)], dst) for src, dst in own]
             if n_ids:
                 copies.append((qid_ref.at[bd, slice(None), pl.ds(base, rows)], qid_smem2.at[wg]))
-            for i, (src, dst) in enumerate(copies):
-                plgpu.copy_gmem_to_smem(src, dst, ready.at[n_ready * wg + i])
-            for i in range(n_ready):
-                plgpu.barrier_wait(ready.at[n_ready * wg + i])
+            _load_resident(plgpu, copies, ready, n_ready, wg)
             lse2 = lax.broadcast_in_dim(modes.vector(lse_smem2.at[wg], 0), (rows, tkv), [0]) * _LOG2E
             delta = lax.broadcast_in_dim(modes.vector(delta_smem2.at[wg], 0), (rows, tkv), [0])
             # [rows] per slot, read once; broadcast over a tile's columns where a PARTIAL tile needs them
@@ -307,10 +313,7 @@ def mosaic_dkv(
             copies = [(k_ref.at[b, hk, pl.ds(base, rows)], k_own), (v_ref.at[b, hk, pl.ds(base, rows)], v_own)]
             if n_ids:
                 copies.append((kvid_ref.at[bd, slice(None), pl.ds(base, rows)], kvid_smem2.at[wg]))
-            for i, (src, dst) in enumerate(copies):
-                plgpu.copy_gmem_to_smem(src, dst, ready.at[n_ready * wg + i])
-            for i in range(n_ready):
-                plgpu.barrier_wait(ready.at[n_ready * wg + i])
+            _load_resident(plgpu, copies, ready, n_ready, wg)
             # [kv rows] per slot, read once; broadcast over a tile's q columns where a PARTIAL tile needs them
             kv_ids = [modes.vector(kvid_smem2.at[wg, i], 0) for i in range(n_ids)]
 

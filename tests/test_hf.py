@@ -115,6 +115,19 @@ def random_params(cfg: ModelConfig, seed: int) -> dict:
     return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
+def fetcher(pure: dict):
+    """`hf.hf_tensors`' fetch over a nested dict of params: one param, or one layer of a stacked one."""
+
+    def fetch(path, layer):
+        value = pure
+        for key in path:
+            value = value[key]
+        value = np.asarray(value)
+        return value if layer is None else value[layer]
+
+    return fetch
+
+
 def jax_logits(model: Transformer, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(model(tokens))
 
@@ -159,15 +172,7 @@ def test_jaxlm_to_hf_logits_match_transformers(case):
     cfg = hf.model_config_from_hf(template.config.to_dict())
     pure = random_params(cfg, seed=3)
     model = jax_model(cfg, pure)
-
-    def fetch(path, layer):
-        value = pure
-        for key in path:
-            value = value[key]
-        value = np.asarray(value)
-        return value if layer is None else value[layer]
-
-    tensors = dict(hf.hf_tensors(cfg, V, fetch))
+    tensors = dict(hf.hf_tensors(cfg, V, fetcher(pure)))
     assert {k: v.shape for k, v in tensors.items()} == hf.hf_shapes(cfg, V)
     missing, unexpected = template.load_state_dict({k: torch.tensor(v) for k, v in tensors.items()}, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: transformers ties it to the embedding

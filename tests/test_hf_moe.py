@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import rel
 from safetensors.numpy import load_file, save_file
-from test_hf import hf_logits, jax_logits, jax_model, random_norms, random_params, tokens
+from test_hf import fetcher, hf_logits, jax_logits, jax_model, random_norms, random_params, tokens
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from jaxlm import hf
@@ -73,15 +73,7 @@ def test_jaxlm_moe_to_mixtral_logits_match_transformers(saved_mixtral, tmp_path)
     template, _, _ = saved_mixtral
     cfg = hf.model_config_from_hf(template.config.to_dict())
     pure = random_params(cfg, seed=3)
-
-    def fetch(path, layer):
-        value = pure
-        for key in path:
-            value = value[key]
-        value = np.asarray(value)
-        return value if layer is None else value[layer]
-
-    tensors = dict(hf.hf_tensors(cfg, V, fetch))
+    tensors = dict(hf.hf_tensors(cfg, V, fetcher(pure)))
     assert {k: v.shape for k, v in tensors.items()} == hf.hf_shapes(cfg, V)
     config = hf.hf_config(cfg, vocab_size=V, eos_id=V - 1, bos_id=None, dtype="float32")
     (tmp_path / "config.json").write_text(json.dumps(config))
