@@ -93,6 +93,7 @@ class ModelConfig(Section):
     attention_block_q: int = 128
     attention_block_kv: int = 128
     attention_softcap: float = 0.0  # > 0: cap * tanh(score / cap) on attention logits (Gemma 2 style)
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, OLMo 2): steadier logits
     # under a `context` mesh axis: ring (K/V shards passed around, two in memory) | all_gather (the whole sequence's
     # K/V on every device, one collective) (sharding.context)
     context_parallel: str = "ring"

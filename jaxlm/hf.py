@@ -1,5 +1,5 @@
-"""Hugging Face Llama and Mixtral <-> jaxlm: the config fields and the parameter mapping, by renaming, reshaping,
-transposing.
+"""Hugging Face Llama, Mixtral, Qwen3 and Qwen3-MoE <-> jaxlm: the config fields and the parameter mapping, by
+renaming, reshaping, transposing.
 
 jaxlm's model computes what `transformers`' LlamaForCausalLM computes (half-split RoPE, GQA, pre-norm RMSNorm,
 SwiGLU), so a conversion moves numbers and never changes one. Two layouts differ:
@@ -7,10 +7,14 @@ SwiGLU), so a conversion moves numbers and never changes one. Two layouts differ
   [D, K, G+2, E]: per kv head its G query heads, then k, then v) and gate/up (w_in [D, 2, F]). HF orders query
   heads h = k*G + g, which is wqkv's [K, G] flattened.
 - jaxlm stacks layers on a leading axis; HF names each layer's tensors `model.layers.{i}.`.
-- Mixtral (a Llama whose MLPs are mixtures of experts: softmax top-k, renormalized, as `model.router=softmax`)
-  keeps its router as `block_sparse_moe.gate` [X, D] and each expert as w1 (gate), w3 (up) [F, D] and w2 (down)
-  [D, F], the Hub's layout (transformers 5 fuses them on load); jaxlm stacks the experts (w_in [X, D, 2, F],
-  w_out [X, F, D], router [D, X]).
+The other families are Llamas with one or two differences (`FAMILIES`):
+- Mixtral's MLPs are mixtures of experts (softmax top-k, renormalized: `model.router=softmax`). It keeps its router
+  as `block_sparse_moe.gate` [X, D] and each expert as w1 (gate), w3 (up) [F, D] and w2 (down) [D, F], the Hub's
+  layout (transformers 5 fuses them on load); jaxlm stacks the experts (w_in [X, D, 2, F], w_out [X, F, D], router
+  [D, X]).
+- Qwen3 normalizes each head's query and key before RoPE (`model.qk_norm`: `self_attn.q_norm` / `k_norm` [E]).
+- Qwen3-MoE is both: QK-norm, and experts as `mlp.gate` + `mlp.experts.{e}.gate_proj / up_proj / down_proj`, the
+  top-k renormalized or not (`norm_topk_prob` = `model.router_norm_topk`).
 
 The vocabulary: jaxlm's may be padded past the tokenizer's (ids that are never predicted); HF files carry the
 tokenizer's. Export slices the padding off, import pads with zero rows up to a multiple of VOCAB_MULTIPLE
@@ -21,16 +25,60 @@ This module reads and writes no files (`jaxlm.hf_files` does); tensors are numpy
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
 
 from jaxlm.config import VOCAB_MULTIPLE, ModelConfig
 
-ARCHITECTURE = "LlamaForCausalLM"
-MOE_ARCHITECTURE = "MixtralForCausalLM"
 # Tensors some Llama checkpoints carry that are not weights (older transformers saved the RoPE table).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What tells one HF architecture jaxlm converts from another: its names, QK-norm, and where its experts are."""
+
+    name: str
+    architecture: str
+    model_type: str
+    qk_norm: bool = False
+    moe: str = ""  # the experts' module under a layer ("" for a dense MLP)
+    router: str = ""  # the router's module under a layer
+    expert_names: tuple[str, str, str] = ("", "", "")  # gate, up, down projections of one expert
+
+
+FAMILIES = (
+    Family("Llama", "LlamaForCausalLM", "llama"),
+    Family(
+        "Mixtral",
+        "MixtralForCausalLM",
+        "mixtral",
+        False,
+        "block_sparse_moe.experts",
+        "block_sparse_moe.gate",
+        ("w1", "w3", "w2"),
+    ),
+    Family("Qwen3", "Qwen3ForCausalLM", "qwen3", True),
+    Family(
+        "Qwen3-MoE",
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        True,
+        "mlp.experts",
+        "mlp.gate",
+        ("gate_proj", "up_proj", "down_proj"),
+    ),
+)
+LLAMA, MIXTRAL, QWEN3, QWEN3_MOE = FAMILIES
+
+
+def family_of(cfg: ModelConfig) -> Family:
+    """The HF family that computes `cfg`'s model: QK-norm makes it a Qwen3, experts a mixture."""
+    return {(False, False): LLAMA, (False, True): MIXTRAL, (True, False): QWEN3, (True, True): QWEN3_MOE}[
+        (cfg.qk_norm, bool(cfg.num_experts))
+    ]
 
 
 class HFError(ValueError):
@@ -41,19 +89,14 @@ class HFError(ValueError):
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-    """ModelConfig of a Llama-family config.json (Llama 2 / 3 / 3.1: GQA, tied or not, any head_dim, `llama3`
-    RoPE scaling); HFError naming the first field it cannot express."""
-    archs = hf.get("architectures") or [MOE_ARCHITECTURE if hf.get("model_type") == "mixtral" else ARCHITECTURE]
-    moe = MOE_ARCHITECTURE in archs
-    if ARCHITECTURE not in archs and not moe:
-        raise HFError(f"architectures is {archs}; supported: {ARCHITECTURE} (the Llama family), {MOE_ARCHITECTURE}")
-    if hf.get("model_type", "mixtral" if moe else "llama") != ("mixtral" if moe else "llama"):
-        raise HFError(f"model_type is {hf['model_type']!r}; supported: 'llama', 'mixtral'")
-    if moe and hf.get("sliding_window"):
-        raise HFError(f"sliding_window is {hf['sliding_window']}; jaxlm's Mixtral attends causally over the whole row")
+    """ModelConfig of a config.json of the Llama family (Llama 2 / 3 / 3.1: GQA, tied or not, any head_dim, `llama3`
+    RoPE scaling), Mixtral, Qwen3 or Qwen3-MoE; HFError naming the first field it cannot express."""
+    family = _family(hf)
+    if hf.get("sliding_window") and hf.get("use_sliding_window", True):  # Qwen3's flag; Mistral's has none
+        raise HFError(f"sliding_window is {hf['sliding_window']}; jaxlm's {family.name} attends over the whole row")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
-            raise HFError(f"{flag} is true; jaxlm's Llama has no biases")
+            raise HFError(f"{flag} is true; jaxlm's {family.name} has no biases")
     if hf.get("hidden_act", "silu") != "silu":
         raise HFError(f"hidden_act is {hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
     D, H = _int(hf, "hidden_size"), _int(hf, "num_attention_heads")
@@ -71,8 +114,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         max_seq_len=_int(hf, "max_position_embeddings", 2048),
         norm_eps=_float(hf, "rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=family.qk_norm,
         **rope,
-        **(_moe_fields(hf) if moe else {}),
+        **(_moe_fields(hf, family) if family.moe else {}),
     )
     try:
         cfg.validate()
@@ -81,16 +125,43 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     return cfg
 
 
-def _moe_fields(hf: dict) -> dict:
-    """Mixtral's experts: every layer's MLP, softmax top-k renormalized, dropless."""
-    F = _int(hf, "intermediate_size")
+def _family(hf: dict) -> Family:
+    """The family a config.json names in `architectures` (or, without one, in `model_type`)."""
+    by_type = {f.model_type: f for f in FAMILIES}
+    archs = hf.get("architectures") or [by_type.get(hf.get("model_type"), LLAMA).architecture]
+    found = [f for f in FAMILIES if f.architecture in archs]
+    if not found:
+        supported = ", ".join(f.architecture for f in FAMILIES)
+        raise HFError(f"architectures is {archs}; supported: {supported}")
+    family = found[0]
+    if hf.get("model_type", family.model_type) != family.model_type:
+        raise HFError(f"model_type is {hf['model_type']!r}; {family.architecture} has {family.model_type!r}")
+    return family
+
+
+def _moe_fields(hf: dict, family: Family) -> dict:
+    """The experts of every layer: softmax top-k (Mixtral renormalizes; Qwen3-MoE as `norm_topk_prob` says),
+    dropless."""
+    if family is MIXTRAL:
+        experts, size, norm_topk = _int(hf, "num_local_experts"), _int(hf, "intermediate_size"), True
+    else:
+        step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+        if step != 1 or dense:
+            raise HFError(
+                f"decoder_sparse_step is {step} and mlp_only_layers {dense}: jaxlm's Qwen3-MoE has experts in "
+                f"every layer (decoder_sparse_step 1, no mlp_only_layers)"
+            )
+        # the Hub's configs say num_experts; transformers 5 writes its attribute's name, num_local_experts
+        experts = _int(hf, "num_experts", None) or _int(hf, "num_local_experts")
+        size = _int(hf, "moe_intermediate_size")
+        norm_topk = bool(hf.get("norm_topk_prob", False))
     return {
-        "num_experts": _int(hf, "num_local_experts"),
+        "num_experts": experts,
         "experts_per_token": _int(hf, "num_experts_per_tok"),
-        "expert_mlp_dim": F,
+        "expert_mlp_dim": size,
         "router": "softmax",
-        "router_norm_topk": True,
-        "moe_aux_loss": _float(hf, "router_aux_loss_coef", 0.02),
+        "router_norm_topk": norm_topk,
+        "moe_aux_loss": _float(hf, "router_aux_loss_coef", 0.02 if family is MIXTRAL else 0.001),
         "capacity_factor": 0.0,
     }
 
@@ -140,9 +211,10 @@ def _number(d: dict, key: str, default, kind, prefix: str):
 
 
 def hf_config(cfg: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: int | None, dtype: str) -> dict:
-    """config.json of a LlamaForCausalLM computing `cfg`'s function over the first `vocab_size` ids. RoPE as
-    `rope_theta` + `rope_scaling`, the form every transformers version (and vLLM, llama.cpp) reads."""
+    """config.json of the HF model (`family_of(cfg)`) computing `cfg`'s function over the first `vocab_size` ids.
+    RoPE as `rope_theta` + `rope_scaling`, the form every transformers version (and vLLM, llama.cpp) reads."""
     check_exportable(cfg)
+    family = family_of(cfg)
     rope_scaling = None
     if cfg.rope_scaling == "llama3":
         rope_scaling = {
@@ -153,8 +225,8 @@ def hf_config(cfg: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: int | N
             "original_max_position_embeddings": cfg.rope_original_max_seq_len,
         }
     config = {
-        "architectures": [MOE_ARCHITECTURE if cfg.num_experts else ARCHITECTURE],
-        "model_type": "mixtral" if cfg.num_experts else "llama",
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.mlp_dim,
@@ -169,7 +241,6 @@ def hf_config(cfg: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: int | N
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
-        "mlp_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "bos_token_id": bos_id,
@@ -177,33 +248,53 @@ def hf_config(cfg: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: int | N
         "use_cache": True,
         "torch_dtype": dtype,
     }
-    if cfg.num_experts:
-        for key in ("attention_bias", "mlp_bias"):
-            del config[key]
+    if family is LLAMA:
+        config["mlp_bias"] = False
+    if family.qk_norm:
+        config |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers}
+    if family is MIXTRAL:
+        del config["attention_bias"]
         config |= {
             "intermediate_size": cfg.expert_mlp_dim,
             "num_local_experts": cfg.num_experts,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+    if family is QWEN3_MOE:
+        config |= {
+            "num_experts": cfg.num_experts,
+            "moe_intermediate_size": cfg.expert_mlp_dim,
+            "norm_topk_prob": cfg.router_norm_topk,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+    if family.moe:
+        config |= {
             "num_experts_per_tok": cfg.experts_per_token,
             "router_aux_loss_coef": cfg.moe_aux_loss,
             "output_router_logits": False,
-            "router_jitter_noise": 0.0,
-            "sliding_window": None,
         }
     return config
 
 
 def check_exportable(cfg: ModelConfig) -> None:
-    """HFError naming a model setting HF's Llama does not compute (a mask is fine if it only separates packed
+    """HFError naming a model setting its HF family does not compute (a mask is fine if it only separates packed
     training documents)."""
+    family = family_of(cfg)
     if cfg.attention_softcap:
-        raise HFError(f"model.attention_softcap is {cfg.attention_softcap}; HF's Llama has no attention soft cap")
-    if cfg.num_experts and (cfg.router != "softmax" or not cfg.router_norm_topk or cfg.num_shared_experts):
+        raise HFError(f"model.attention_softcap is {cfg.attention_softcap}; HF's {family.name} has no soft cap")
+    if cfg.num_experts and (cfg.router != "softmax" or cfg.num_shared_experts):
         raise HFError(
-            f"model.router {cfg.router!r} (router_norm_topk {cfg.router_norm_topk}, num_shared_experts "
-            f"{cfg.num_shared_experts}) is not Mixtral's: it exports softmax top-k, renormalized, no shared experts"
+            f"model.router {cfg.router!r} (num_shared_experts {cfg.num_shared_experts}) is not "
+            f"{family.architecture}'s: it exports softmax top-k routers without shared experts"
+        )
+    if family is MIXTRAL and not cfg.router_norm_topk:
+        raise HFError(
+            "model.router_norm_topk is false, and Mixtral always renormalizes the top-k weights "
+            "(Qwen3-MoE does not, but it also normalizes queries and keys: model.qk_norm)"
         )
     if cfg.attention_mask.replace(" ", "") not in ("causal", "causal&document", "document&causal"):
-        raise HFError(f"model.attention_mask is {cfg.attention_mask!r}; HF's Llama attends causally only")
+        raise HFError(f"model.attention_mask is {cfg.attention_mask!r}; HF's {family.name} attends causally only")
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -226,6 +317,7 @@ def hf_tensors(cfg: ModelConfig, vocab_size: int, fetch: Fetch) -> Iterator[tupl
 def _layer_tensors(cfg: ModelConfig, i: int, get) -> Iterator[tuple[str, np.ndarray]]:
     D, K, E = cfg.d_model, cfg.num_kv_heads, cfg.resolved_head_dim
     G = cfg.num_heads // K
+    family = family_of(cfg)
     p = f"model.layers.{i}."
     yield p + "input_layernorm.weight", get("attn_norm", "scale")
     wqkv = get("attn", "wqkv")  # [D, K, G+2, E]
@@ -233,16 +325,20 @@ def _layer_tensors(cfg: ModelConfig, i: int, get) -> Iterator[tuple[str, np.ndar
     yield p + "self_attn.k_proj.weight", wqkv[:, :, G].reshape(D, K * E).T
     yield p + "self_attn.v_proj.weight", wqkv[:, :, G + 1].reshape(D, K * E).T
     yield p + "self_attn.o_proj.weight", get("attn", "wo").reshape(K * G * E, D).T
+    if family.qk_norm:
+        yield p + "self_attn.q_norm.weight", get("attn", "q_norm", "scale")
+        yield p + "self_attn.k_norm.weight", get("attn", "k_norm", "scale")
     yield p + "post_attention_layernorm.weight", get("mlp_norm", "scale")
-    w_in = get("mlp", "w_in")  # [D, 2, F] (Mixtral: [X, D, 2, F]): gate, up
-    if cfg.num_experts:
-        yield p + "block_sparse_moe.gate.weight", get("mlp", "router").T
+    w_in = get("mlp", "w_in")  # [D, 2, F] (experts: [X, D, 2, F]): gate, up
+    if family.moe:
+        yield f"{p}{family.router}.weight", get("mlp", "router").T
         w_out = get("mlp", "w_out")
+        gate, up, down = family.expert_names
         for e in range(cfg.num_experts):
-            q = f"{p}block_sparse_moe.experts.{e}."
-            yield q + "w1.weight", w_in[e, :, 0].T
-            yield q + "w2.weight", w_out[e].T
-            yield q + "w3.weight", w_in[e, :, 1].T
+            q = f"{p}{family.moe}.{e}."
+            yield f"{q}{gate}.weight", w_in[e, :, 0].T
+            yield f"{q}{up}.weight", w_in[e, :, 1].T
+            yield f"{q}{down}.weight", w_out[e].T
         return
     yield p + "mlp.gate_proj.weight", w_in[:, 0].T
     yield p + "mlp.up_proj.weight", w_in[:, 1].T
@@ -263,6 +359,8 @@ def hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
             p + "self_attn.o_proj.weight": (D, H * E),
             p + "post_attention_layernorm.weight": (D,),
         }
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (E,), p + "self_attn.k_norm.weight": (E,)}
         shapes |= _mlp_shapes(cfg, p)
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (vocab_size, D)
@@ -270,8 +368,8 @@ def hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
 
 
 def _mlp_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    D = cfg.d_model
-    if not cfg.num_experts:
+    D, family = cfg.d_model, family_of(cfg)
+    if not family.moe:
         F = cfg.mlp_dim
         return {
             p + "mlp.gate_proj.weight": (F, D),
@@ -279,10 +377,11 @@ def _mlp_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
             p + "mlp.down_proj.weight": (D, F),
         }
     X, F = cfg.num_experts, cfg.expert_mlp_dim
-    shapes = {p + "block_sparse_moe.gate.weight": (X, D)}
+    gate, up, down = family.expert_names
+    shapes = {f"{p}{family.router}.weight": (X, D)}
     for e in range(X):
-        q = f"{p}block_sparse_moe.experts.{e}."
-        shapes |= {q + "w1.weight": (F, D), q + "w2.weight": (D, F), q + "w3.weight": (F, D)}
+        q = f"{p}{family.moe}.{e}."
+        shapes |= {f"{q}{gate}.weight": (F, D), f"{q}{up}.weight": (F, D), f"{q}{down}.weight": (D, F)}
     return shapes
 
 
@@ -297,18 +396,11 @@ def unexpected_tensors(cfg: ModelConfig, vocab_size: int, names) -> list[str]:
 def params_from_hf(cfg: ModelConfig, vocab_size: int, read: Callable[[str], np.ndarray]) -> dict:
     """jaxlm params (the nested dict `nnx.to_pure_dict` gives, float32 numpy) from HF tensors; `read(name)` returns
     one tensor, already checked against `hf_shapes`. The vocabulary is zero-padded to cfg.vocab_size."""
-    L, D, F, H, K, E = (
-        cfg.num_layers,
-        cfg.d_model,
-        cfg.mlp_dim,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.resolved_head_dim,
-    )
+    L, D, H, K, E = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     G = H // K
     f32 = lambda shape: np.zeros(shape, np.float32)
-    X = cfg.num_experts
-    F = cfg.expert_mlp_dim if X else F
+    family, X = family_of(cfg), cfg.num_experts
+    F = cfg.expert_mlp_dim if X else cfg.mlp_dim
     experts = (X,) if X else ()
     blocks = {
         "attn": {"wqkv": f32((L, D, K, G + 2, E)), "wo": f32((L, H, E, D))},
@@ -316,25 +408,31 @@ def params_from_hf(cfg: ModelConfig, vocab_size: int, read: Callable[[str], np.n
         "mlp": {"w_in": f32((L, *experts, D, 2, F)), "w_out": f32((L, *experts, F, D))},
         "mlp_norm": {"scale": f32((L, D))},
     }
+    attn, mlp = blocks["attn"], blocks["mlp"]
+    if family.qk_norm:
+        attn |= {"q_norm": {"scale": f32((L, E))}, "k_norm": {"scale": f32((L, E))}}
     if X:
-        blocks["mlp"]["router"] = f32((L, D, X))
+        mlp["router"] = f32((L, D, X))
     for i in range(L):
         p = f"model.layers.{i}."
         blocks["attn_norm"]["scale"][i] = read(p + "input_layernorm.weight")
-        wqkv = blocks["attn"]["wqkv"][i]
+        wqkv = attn["wqkv"][i]
         wqkv[:, :, :G] = read(p + "self_attn.q_proj.weight").T.reshape(D, K, G, E)
         wqkv[:, :, G] = read(p + "self_attn.k_proj.weight").T.reshape(D, K, E)
         wqkv[:, :, G + 1] = read(p + "self_attn.v_proj.weight").T.reshape(D, K, E)
-        blocks["attn"]["wo"][i] = read(p + "self_attn.o_proj.weight").T.reshape(H, E, D)
+        attn["wo"][i] = read(p + "self_attn.o_proj.weight").T.reshape(H, E, D)
+        if family.qk_norm:
+            attn["q_norm"]["scale"][i] = read(p + "self_attn.q_norm.weight")
+            attn["k_norm"]["scale"][i] = read(p + "self_attn.k_norm.weight")
         blocks["mlp_norm"]["scale"][i] = read(p + "post_attention_layernorm.weight")
-        mlp = blocks["mlp"]
         if X:
-            mlp["router"][i] = read(p + "block_sparse_moe.gate.weight").T
+            mlp["router"][i] = read(f"{p}{family.router}.weight").T
+            gate, up, down = family.expert_names
             for e in range(X):
-                q = f"{p}block_sparse_moe.experts.{e}."
-                mlp["w_in"][i, e, :, 0] = read(q + "w1.weight").T
-                mlp["w_in"][i, e, :, 1] = read(q + "w3.weight").T
-                mlp["w_out"][i, e] = read(q + "w2.weight").T
+                q = f"{p}{family.moe}.{e}."
+                mlp["w_in"][i, e, :, 0] = read(f"{q}{gate}.weight").T
+                mlp["w_in"][i, e, :, 1] = read(f"{q}{up}.weight").T
+                mlp["w_out"][i, e] = read(f"{q}{down}.weight").T
             continue
         mlp["w_in"][i, :, 0] = read(p + "mlp.gate_proj.weight").T
         mlp["w_in"][i, :, 1] = read(p + "mlp.up_proj.weight").T

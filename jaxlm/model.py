@@ -52,8 +52,8 @@ def _param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str | None, ...],
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = _param(None, (dim,), ("embed",), None)
+    def __init__(self, dim: int, eps: float, axis: str = "embed"):
+        self.scale = _param(None, (dim,), (axis,), None)
         self.eps = eps
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
@@ -129,6 +129,8 @@ class Attention(nnx.Module):
         self.wqkv = _param(rngs.params(), (D, K, G + 2, E), ("embed", "kv_heads", None, "head_dim"), D**-0.5)
         out_std = (cfg.num_heads * E) ** -0.5 / (2 * cfg.num_layers) ** 0.5
         self.wo = _param(rngs.params(), (cfg.num_heads, E, D), ("heads", "head_dim", "embed"), out_std)
+        if cfg.qk_norm:  # Qwen3's per-head RMSNorm of queries and keys, one scale over the head dim each
+            self.q_norm, self.k_norm = RMSNorm(E, cfg.norm_eps, "head_dim"), RMSNorm(E, cfg.norm_eps, "head_dim")
         self.recipe = layer_recipe(cfg, "attention")  # None: plain einsums
         self.qkv_amax, self.out_amax = amax_history(cfg, self.recipe), amax_history(cfg, self.recipe)
 
@@ -184,6 +186,8 @@ class Attention(nnx.Module):
         q_BTKGE, k_BTK1E, v_BTK1E = jnp.split(qkv, [G, G + 1], axis=3)
         q_BTHE = q_BTKGE.reshape(B, T, K * G, E)
         k_BTKE, v_BTKE = k_BTK1E[:, :, :, 0], v_BTK1E[:, :, :, 0]
+        if self.cfg.qk_norm:
+            q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
         return apply_rotary(q_BTHE, sin, cos), apply_rotary(k_BTKE, sin, cos), v_BTKE
 
     def _score_mod(self):

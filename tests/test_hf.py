@@ -415,7 +415,8 @@ def edit_tensors(directory: Path, change) -> None:
 IMPORT_ERRORS = {
     "architecture": (
         lambda d: edit_config(d, architectures=["MistralForCausalLM"], model_type="mistral"),
-        "architectures is ['MistralForCausalLM']; supported: LlamaForCausalLM (the Llama family), MixtralForCausalLM",
+        "architectures is ['MistralForCausalLM']; supported: LlamaForCausalLM, MixtralForCausalLM, Qwen3ForCausalLM, "
+        "Qwen3MoeForCausalLM",
     ),
     "attention_bias": (lambda d: edit_config(d, attention_bias=True), "attention_bias is true"),
     "mlp_bias": (lambda d: edit_config(d, mlp_bias=True), "mlp_bias is true"),

@@ -1,0 +1,204 @@
+"""Mixtral, Qwen3 and Qwen3-MoE <-> jaxlm, proven against transformers' own models on random tiny ones: logits in
+both directions (through the Hub's tensor names, which transformers 5 fuses on load), greedy generation, and an MoE
+checkpoint through the CLIs: export, transformers' logits, import back bit for bit, evaluate, generate."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from flax import traverse_util
+from helpers import one_device_mesh, pure, rel
+from safetensors.numpy import load_file, save_file
+from test_hf import (
+    _evaluate_matches_transformers_loss,
+    fetcher,
+    hf_logits,
+    jax_logits,
+    jax_model,
+    jaxlm_workdir,
+    random_norms,
+    random_params,
+    safetensors_of,
+    tokens,
+)
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from data.text_tokenizer import byte_tokenizer
+from experiments import export_hf, import_hf
+from experiments import generate as generate_cli
+from jaxlm import config as config_lib
+from jaxlm import hf
+from jaxlm.checkpoint import Checkpointer
+from jaxlm.generate import generate
+from jaxlm.train import Program
+
+V = 100
+SHARED = dict(
+    vocab_size=V,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=V - 1,
+    pad_token_id=None,
+    attn_implementation="eager",
+)
+EXPERTS = dict(num_experts_per_tok=2)
+FAMILIES = {  # 4 experts, 2 per token; Qwen3's head dim 16 (not 32 / 4) as its real models' 128 is not D / H
+    "mixtral": lambda: MixtralForCausalLM(
+        MixtralConfig(**SHARED, **EXPERTS, intermediate_size=24, num_local_experts=4, sliding_window=None)
+    ),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SHARED, intermediate_size=48, head_dim=16)),
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            **SHARED, **EXPERTS, intermediate_size=48, head_dim=16, num_experts=4, moe_intermediate_size=24
+        )  # norm_topk_prob False: the top-k weights as the softmax gave them
+    ),
+}
+
+
+def hf_model(family: str, seed: int = 0):
+    """A random float32 model of `family`; norms (QK-norms too) random as well."""
+    torch.manual_seed(seed)
+    return random_norms(FAMILIES[family]().float().eval())
+
+
+def hub_tensors(model, directory) -> dict[str, np.ndarray]:
+    """The model's tensors as save_pretrained writes them: under the Hub's names (its state_dict fuses experts)."""
+    model.save_pretrained(directory)
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors |= load_file(str(file))
+    return tensors
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    """(family, the model, its tensors as save_pretrained writes them)."""
+    model = hf_model(request.param)
+    return request.param, model, hub_tensors(model, tmp_path_factory.mktemp(request.param))
+
+
+def test_hf_to_jaxlm_logits_match_transformers(saved):
+    family, model, tensors = saved
+    cfg = hf.model_config_from_hf(model.config.to_dict())
+    assert hf.family_of(cfg).model_type == family and cfg.qk_norm == family.startswith("qwen3")
+    if family != "qwen3":
+        assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_mlp_dim) == (4, 2, 24)
+        assert cfg.router_norm_topk == (family == "mixtral")
+    assert {k: v.shape for k, v in tensors.items()} == hf.hf_shapes(cfg, V)  # the Hub's names, as saved
+    params = hf.params_from_hf(cfg, V, lambda name: tensors[name])
+    x = tokens()
+    assert rel(jax_logits(jax_model(cfg, params), x)[..., :V], hf_logits(model, x)) < 1e-5
+
+
+def test_jaxlm_to_hf_logits_match_transformers(saved, tmp_path):
+    """A random jaxlm model's tensors, written under the Hub's names with the exported config.json, load in
+    transformers (AutoModelForCausalLM: its fusing converters) as the family's class and compute its logits."""
+    family, template, _ = saved
+    cfg = hf.model_config_from_hf(template.config.to_dict())
+    params = random_params(cfg, seed=3)
+    tensors = dict(hf.hf_tensors(cfg, V, fetcher(params)))
+    assert {k: v.shape for k, v in tensors.items()} == hf.hf_shapes(cfg, V)
+    config = hf.hf_config(cfg, vocab_size=V, eos_id=V - 1, bos_id=None, dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").float().eval()
+    assert type(loaded) is type(template)
+    x = tokens(seed=2)
+    assert rel(hf_logits(loaded, x), jax_logits(jax_model(cfg, params), x)[..., :V]) < 1e-5
+
+
+def test_greedy_generation_on_qwen3_moe_equals_transformers_generate(tmp_path):
+    """jaxlm.generate's decode step routes one token at a time through the experts: the converted Qwen3-MoE picks
+    transformers' greedy tokens, 24 of them, for two prompts of different lengths (a padded batch)."""
+    model = hf_model("qwen3_moe", seed=5)
+    cfg = hf.model_config_from_hf(model.config.to_dict())
+    ours = jax_model(cfg, hf.params_from_hf(cfg, V, hub_tensors(model, tmp_path).__getitem__))
+    prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43]]
+    new = generate(ours, prompts, max_new_tokens=24, vocab_limit=V)
+    for prompt, ids in zip(prompts, new):
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        assert ids.tolist() == out[0, len(prompt) :].tolist()
+
+
+def test_refused_exports_name_the_setting():
+    cfg = hf.model_config_from_hf(hf_model("mixtral").config.to_dict())
+    with pytest.raises(hf.HFError, match="model.router 'sigmoid_bias' .* is not MixtralForCausalLM's"):
+        hf.check_exportable(dataclasses.replace(cfg, router="sigmoid_bias"))
+    with pytest.raises(hf.HFError, match="router_norm_topk is false, and Mixtral always renormalizes"):
+        hf.check_exportable(dataclasses.replace(cfg, router_norm_topk=False))
+    qwen = hf_model("qwen3_moe").config.to_dict()
+    with pytest.raises(hf.HFError, match="decoder_sparse_step is 2 .* experts in every layer"):
+        hf.model_config_from_hf({**qwen, "decoder_sparse_step": 2})
+    with pytest.raises(hf.HFError, match="sliding_window is 16; jaxlm's Qwen3 attends over the whole row"):
+        hf.model_config_from_hf(
+            {**hf_model("qwen3").config.to_dict(), "use_sliding_window": True, "sliding_window": 16}
+        )
+
+
+def test_a_qwen3_moe_checkpoint_exports_imports_back_bit_for_bit_and_evaluates_and_generates(tmp_path, capsys):
+    """A jaxlm MoE with QK-norm (sharded export over 8 devices) -> Qwen3MoeForCausalLM computes its logits; import
+    -> the same params bit for bit; `experiments.evaluate` on the imported workdir gives transformers' loss, and
+    `experiments.generate` (greedy) transformers' continuation."""
+    moe = dict(num_experts=4, experts_per_token=2, expert_mlp_dim=24, qk_norm=True, router_norm_topk=False)
+    workdir, cfg, params = jaxlm_workdir(tmp_path, **moe)
+    out = tmp_path / "hf"
+    assert export_hf.main(["--workdir", str(workdir), "--out", str(out), "--max-shard-mb", "0.02"]) == 0
+    theirs = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
+    assert type(theirs) is Qwen3MoeForCausalLM and theirs.config.norm_topk_prob is False
+    x = np.random.default_rng(0).integers(0, 257, (2, 32)).astype(np.int32)
+    assert rel(hf_logits(theirs, x), jax_logits(jax_model(cfg.model, params), x)[..., :257]) < 1e-5
+
+    imported = tmp_path / "imported"
+    assert import_hf.main(["--hf", str(out), "--workdir", str(imported)]) == 0
+    checkpointer = Checkpointer(imported / "checkpoints", async_save=False, primary=False)
+    saved_config = checkpointer.restore_config(0)
+    new_cfg = config_lib.from_dict({k: v for k, v in saved_config.items() if k != config_lib.TOKENIZER_KEY})
+    assert new_cfg.model == cfg.model
+    state, _, _ = checkpointer.restore(0, Program(new_cfg, one_device_mesh()).abstract_with_shardings())
+    checkpointer.close()
+    flat_a, flat_b = traverse_util.flatten_dict(params), traverse_util.flatten_dict(pure(state.params))
+    assert flat_a.keys() == flat_b.keys()
+    for key in flat_a:
+        a, b = flat_a[key], flat_b[key]
+        if key[0] in ("embed", "lm_head"):  # the padded ids: zero after import
+            a, b = (a[:257], b[:257]) if key[0] == "embed" else (a[:, :257], b[:, :257])
+        np.testing.assert_array_equal(a, b, err_msg=str(key))
+    again = tmp_path / "hf_again"
+    assert export_hf.main(["--workdir", str(imported), "--out", str(again)]) == 0
+    first, second = safetensors_of(out), safetensors_of(again)
+    assert first.keys() == second.keys() and all(np.array_equal(first[n], second[n]) for n in first)
+
+    tok = byte_tokenizer()
+    _evaluate_matches_transformers_loss(imported, theirs, tok, tmp_path, capsys)
+    prompt = "def "
+    assert generate_cli.main(["--workdir", str(imported), "--prompt", prompt, "--max-new-tokens", "12",
+                              "--temperature", "0"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    with torch.no_grad():
+        ids = list(tok.document(prompt))
+        hf_new = theirs.generate(
+            torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_id, pad_token_id=0
+        )[0, len(ids) :].tolist()
+    assert text == tok.decode([t for t in hf_new if t != tok.eos_id], skip_special_tokens=True) + "\n"
