@@ -85,11 +85,12 @@ def model_config(spec: str, seq: int, batch: int, sets: list[str]):
     """A preset's shape as a TrainConfig (bf16, Pallas attention, full remat, scanned layers), or a config file;
     then --set. The sequence and batch are this command's."""
     from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig, apply_overrides, load_config
-    from sharding.model_shape import MODEL_PRESETS
+    from sharding.model_shape import MODEL_PRESETS, PRESET_ROPE_THETA
 
     if spec in MODEL_PRESETS:
         shape = dataclasses.asdict(MODEL_PRESETS[spec])
-        model = ModelConfig(**shape, max_seq_len=seq, scan_layers=True, rope_theta=500_000.0)
+        theta = PRESET_ROPE_THETA.get(spec, 500_000.0)
+        model = ModelConfig(**shape, max_seq_len=seq, scan_layers=True, rope_theta=theta)
         cfg = TrainConfig(model=model, optim=OptimConfig(warmup_steps=100), data=DataConfig(), steps=10_000)
     elif spec.endswith((".py", ".json")) or Path(spec).exists():
         cfg = load_config(spec)

@@ -43,7 +43,22 @@ def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1) -> floa
     else:
         attention = (3 * h + 2 * k) * E * cb + h * 4
     mlp = 6 * f * cb
+    if cfg.num_experts:
+        mlp = moe_residual_bytes(cfg, tensor)
     return norms + attention + mlp
+
+
+def moe_residual_bytes(cfg: ModelShape, tensor: int = 1, expert: int = 1) -> float:
+    """Bytes per token an MoE layer (jaxlm.moe, dropless) keeps for its backward: the router's fp32 logits and
+    probabilities, and per routed copy (experts_per_token of them) its gathered input and a SwiGLU's residuals,
+    plus the shared experts'. Under an `expert` axis of E devices sharding.experts sizes its send and receive
+    buffers and the experts' products for the worst case, E x a device's copies: E x the copies' residuals."""
+    cb = dtype_bytes(cfg)
+    D, Z = cfg.d_model, cfg.experts_per_token
+    f, shared = cfg.expert_mlp_dim / tensor, cfg.num_shared_experts * cfg.expert_mlp_dim / tensor
+    router = 2 * cfg.num_experts * 4
+    copies = Z * expert * ((2 if expert > 1 else 1) * D + 6 * f) * cb
+    return router + copies + 6 * shared * cb
 
 
 def context_kv_bytes(cfg: ModelShape, layout: MeshLayout, tokens: float) -> float:
@@ -121,6 +136,11 @@ def memory_per_device(
     tokens = rows * seq_len // logical_shards("seq", layout)  # a context axis splits every row
     layers = cfg.num_layers // S  # sharding.pipeline runs L/S layers per stage, whatever the `layers` rule
     residuals = layer_residual_bytes(cfg, seq_len, logical_shards("heads", layout)) * tokens  # one layer, no remat
+    if cfg.num_experts and logical_shards("expert", layout) > 1:  # worst-case exchange buffers (sharding.experts)
+        tp = logical_shards("mlp", layout)
+        residuals += (
+            moe_residual_bytes(cfg, tp, logical_shards("expert", layout)) - moe_residual_bytes(cfg, tp)
+        ) * tokens
     layer_input = cfg.d_model * cb * tokens
     kept = layer_input if remat == "full" else residuals  # what a layer keeps per microbatch for the backward
     logits = tokens * cfg.vocab_size / logical_shards("vocab", layout) * 4

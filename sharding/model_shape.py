@@ -29,6 +29,13 @@ class ModelShape:
     attention_impl: str = "reference"  # reference / jax keep T x T residuals; the block-sparse ones do not
     remat: str = "none"
     context_parallel: str = "ring"  # under a context axis: ring (two K/V shards in hand) | all_gather (all of them)
+    qk_norm: bool = False  # per-head query / key RMSNorm scales (Qwen3)
+    # mixture of experts (jaxlm.moe): 0 experts is dense; else every layer's MLP is num_experts experts of
+    # expert_mlp_dim, experts_per_token chosen per token, plus num_shared_experts always on
+    num_experts: int = 0
+    experts_per_token: int = 2
+    expert_mlp_dim: int = 0
+    num_shared_experts: int = 0
 
     @property
     def resolved_head_dim(self) -> int:
@@ -55,7 +62,34 @@ MODEL_PRESETS = {  # Llama-2 shapes; bf16 compute with flash attention (no T x T
     "llama3-8b": ModelShape(d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, mlp_dim=14336, **_LLAMA3),
     "llama3-70b": ModelShape(d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8, mlp_dim=28672, **_LLAMA3),
     "llama3-405b": ModelShape(d_model=16384, num_layers=126, num_heads=128, num_kv_heads=8, mlp_dim=53248, **_LLAMA3),
+    # mixtures of experts: Mixtral 8x7B (46.7B params, 12.9B active), Qwen3-30B-A3B (30.5B, 3.3B active)
+    "mixtral-8x7b": ModelShape(
+        d_model=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        mlp_dim=14336,
+        num_experts=8,
+        experts_per_token=2,
+        expert_mlp_dim=14336,
+        **{**_LLAMA, "remat": "full"},
+    ),
+    "qwen3-30b-a3b": ModelShape(
+        d_model=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        mlp_dim=6144,
+        qk_norm=True,
+        num_experts=128,
+        experts_per_token=8,
+        expert_mlp_dim=768,
+        **{**_LLAMA, "vocab_size": 151936, "remat": "full"},
+    ),
 }
+# RoPE base of the presets that differ from Llama 3's 500,000 (jaxlm's compile of a preset takes it from here)
+PRESET_ROPE_THETA = {"7b": 10_000.0, "13b": 10_000.0, "70b": 10_000.0, "mixtral-8x7b": 1e6, "qwen3-30b-a3b": 1e6}
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -86,10 +120,27 @@ def param_specs(cfg: ModelShape) -> list[ParamSpec]:
         ParamSpec("blocks.attn.wqkv", (L, D, K, H // K + 2, E), ("layers", "embed", "kv_heads", None, "head_dim")),
         ParamSpec("blocks.attn.wo", (L, H, E, D), ("layers", "heads", "head_dim", "embed")),
         ParamSpec("blocks.mlp_norm.scale", (L, D), ("layers", "embed")),
-        ParamSpec("blocks.mlp.w_in", (L, D, 2, F), ("layers", "embed", None, "mlp")),
-        ParamSpec("blocks.mlp.w_out", (L, F, D), ("layers", "mlp", "embed")),
         ParamSpec("final_norm.scale", (D,), ("embed",)),
     ]
+    if cfg.qk_norm:
+        specs += [ParamSpec(f"blocks.attn.{n}.scale", (L, E), ("layers", "head_dim")) for n in ("q_norm", "k_norm")]
+    if not cfg.num_experts:
+        specs += [
+            ParamSpec("blocks.mlp.w_in", (L, D, 2, F), ("layers", "embed", None, "mlp")),
+            ParamSpec("blocks.mlp.w_out", (L, F, D), ("layers", "mlp", "embed")),
+        ]
+    else:  # jaxlm.moe.MoE: the router, the stacked experts, the shared experts fused into one SwiGLU
+        X, F, S = cfg.num_experts, cfg.expert_mlp_dim, cfg.num_shared_experts * cfg.expert_mlp_dim
+        specs += [
+            ParamSpec("blocks.mlp.router", (L, D, X), ("layers", "embed", None)),
+            ParamSpec("blocks.mlp.w_in", (L, X, D, 2, F), ("layers", "expert", "embed", None, "mlp")),
+            ParamSpec("blocks.mlp.w_out", (L, X, F, D), ("layers", "expert", "mlp", "embed")),
+        ]
+        if S:
+            specs += [
+                ParamSpec("blocks.mlp.shared_in", (L, D, 2, S), ("layers", "embed", None, "mlp")),
+                ParamSpec("blocks.mlp.shared_out", (L, S, D), ("layers", "mlp", "embed")),
+            ]
     if not cfg.tie_embeddings:
         specs.append(ParamSpec("lm_head", (D, V), ("embed", "vocab")))
     return specs
@@ -97,6 +148,12 @@ def param_specs(cfg: ModelShape) -> list[ParamSpec]:
 
 def count_params(cfg: ModelShape) -> int:
     return sum(math.prod(p.shape) for p in param_specs(cfg))
+
+
+def active_params(cfg: ModelShape) -> int:
+    """Params one token's forward multiplies by: an MoE layer's unchosen experts do not count (the FLOPs' N)."""
+    idle = cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.expert_mlp_dim
+    return count_params(cfg) - (idle if cfg.num_experts else 0)
 
 
 def _mesh_axes(target) -> tuple[str, ...]:
@@ -119,10 +176,12 @@ def _local_size(spec: ParamSpec, layout: MeshLayout, skip: tuple[str, ...] = ())
 
 
 def _in_group(spec: ParamSpec, cfg: ModelShape, group: str | None) -> bool:
-    """group None: every param; "layers": the stacked layers; "head": what the loss head reads (final norm and
-    lm_head, or the embedding when tied)."""
+    """group None: every param; "layers": the stacked layers; "experts": the MoE layers' experts; "head": what the
+    loss head reads (final norm and lm_head, or the embedding when tied)."""
     if group == "layers":
         return "layers" in spec.axes
+    if group == "experts":
+        return "expert" in spec.axes
     if group == "head":
         return spec.name in ("final_norm.scale", "lm_head") or (cfg.tie_embeddings and spec.name == "embed")
     return True

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sharding.hardware import PRESETS, get_hardware
 from sharding.mesh import LayoutError
-from sharding.model_shape import MODEL_PRESETS, ModelShape, count_params
+from sharding.model_shape import MODEL_PRESETS, ModelShape, active_params, count_params
 from sharding.planner import REMAT_CHOICES, Plan, describe, plan
 from sharding.user_file import call_user_function, exec_python_file
 
@@ -90,6 +90,8 @@ def layout_file(p: Plan, command: str) -> str:
     fields = f"data={lay.data}, fsdp={lay.fsdp}, tensor={lay.tensor}, pipeline={lay.pipeline}"
     if lay.context > 1:
         fields += f", context={lay.context}"
+    if lay.expert > 1:
+        fields += f", expert={lay.expert}"
     if lay.pipeline > 1:
         fields += f", pipeline_schedule={lay.pipeline_schedule!r}, pipeline_microbatches={lay.num_microbatches}"
     accumulate = (
@@ -116,6 +118,7 @@ def table(p: Plan, top: int) -> str:
         "dp s",
         "tp s",
         "pp s",
+        "ep s",
         "step s",
         "bubble",
         "MFU",
@@ -123,7 +126,7 @@ def table(p: Plan, top: int) -> str:
     )
     rows = []
     for i, e in enumerate(p.estimates[:top], 1):
-        times = (e.compute_s, e.fsdp_s, e.dp_s, e.tp_s, e.pp_s, e.step_s)
+        times = (e.compute_s, e.fsdp_s, e.dp_s, e.tp_s, e.pp_s, e.ep_s, e.step_s)
         rows.append(
             (
                 str(i),
@@ -139,7 +142,7 @@ def table(p: Plan, top: int) -> str:
     widths = [max(len(r[i]) for r in rows + [cols]) for i in range(len(cols))]
 
     def line(r):
-        return "  ".join(c.ljust(w) if i in (1, 12) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        return "  ".join(c.ljust(w) if i in (1, 13) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
 
     more = len(p.estimates) - len(rows)
     return "\n".join([line(cols)] + [line(r) for r in rows] + ([f"... {more} more layouts"] if more > 0 else []))
@@ -148,8 +151,10 @@ def table(p: Plan, top: int) -> str:
 def summary(p: Plan, name: str) -> str:
     cfg, hw = p.cfg, p.hardware
     attention = "dense attention" if cfg.attention_impl in ("reference", "jax") else "flash attention"
+    active = f" ({active_params(cfg) / 1e9:.2f}B active: {cfg.experts_per_token} of {cfg.num_experts} experts)"
     return (
-        f"model {name}: {count_params(cfg) / 1e9:.2f}B params, {cfg.dtype} compute, {attention}, remat {p.remat}\n"
+        f"model {name}: {count_params(cfg) / 1e9:.2f}B params{active if cfg.num_experts else ''}, {cfg.dtype} "
+        f"compute, {attention}, remat {p.remat}\n"
         f"batch: {p.batch_tokens:,} tokens = {p.batch_tokens // p.seq_len:,} sequences x {p.seq_len:,}\n"
         f"devices: {p.devices:,} x {hw.name}: {hw.peak_flops / 1e12:.0f} TFLOP/s peak x {hw.mfu:.2f} assumed MFU "
         f"= {hw.flops / 1e12:.0f} TFLOP/s, {hw.hbm_bytes / 1e9:.0f} GB ({hw.usable_memory:.0%} usable), "
@@ -162,6 +167,8 @@ def key_figures(p: Plan, name: str) -> dict:
     layout = {"data": lay.data, "fsdp": lay.fsdp, "tensor": lay.tensor, "pipeline": lay.pipeline}
     if lay.context > 1:
         layout["context"] = lay.context
+    if lay.expert > 1:
+        layout["expert"] = lay.expert
     if lay.pipeline > 1:
         layout |= {"pipeline_schedule": lay.pipeline_schedule, "pipeline_microbatches": lay.num_microbatches}
     return {
@@ -176,7 +183,7 @@ def key_figures(p: Plan, name: str) -> dict:
         "mfu": round(e.mfu, 4),
         "tokens_per_s": round(p.batch_tokens / e.step_s),
         "compute_s": round(e.compute_s, 4),
-        "comm_s": {k: round(getattr(e, f"{k}_s"), 4) for k in ("fsdp", "dp", "cp", "tp", "pp")},
+        "comm_s": {k: round(getattr(e, f"{k}_s"), 4) for k in ("fsdp", "dp", "cp", "tp", "pp", "ep")},
         "comms_hidden": e.hidden,
     }
 

@@ -13,7 +13,9 @@ Formulas, not profiling, so each number can be checked by hand:
 * communication, ring collectives (bandwidth terms, in the compute dtype) at the bandwidth of the link the axis
   spans (inside a node or across): FSDP all-gathers (forward, backward) + gradient reduce-scatter, and the DP
   gradient all-reduce, overlap with compute; tensor-parallel activation all-reduces (2 forward + 2 backward per
-  layer, 2 more when the forward is recomputed) and pipeline sends do not.  step = max(compute, FSDP + DP) + TP + PP.
+  layer, 2 more when the forward is recomputed), pipeline sends and an expert axis' all-to-alls (the copies out and
+  back per MoE layer, forward and backward, in worst-case buffers) do not.  step = max(compute, FSDP + DP) + TP + PP
+  + EP. An MoE model's FLOPs count its active params (the chosen experts).
 
 Not modelled: collective latency, the embedding's and the loss's small vocab-parallel all-reduces, imperfect
 overlap, kernel efficiency changing with microbatch size (all absorbed into the hardware's assumed MFU).
@@ -30,7 +32,7 @@ from sharding.memory_model import Memory, dtype_bytes, memory_per_device
 from sharding.mesh import MESH_AXES, LayoutError, MeshLayout
 from sharding.model_shape import (
     ModelShape,
-    count_params,
+    active_params,
     fsdp_axes,
     fsdp_gathered_params,
     fsdp_size,
@@ -112,6 +114,7 @@ class Estimate:
     step_s: float
     mfu: float  # model FLOPs / (step x devices x datasheet peak)
     cp_s: float = 0.0  # context parallelism's K/V passes (overlapped with compute, as a ring attention is)
+    ep_s: float = 0.0  # expert parallelism's all-to-alls (not overlapped: the experts wait for their tokens)
 
     @property
     def overlapped_s(self) -> float:
@@ -136,7 +139,7 @@ def evaluate(
     gradients (the SPMD program keeps the accumulator sharded like the params), so FSDP and DP comms scale with it."""
     devices = math.prod(layout.axis_sizes.values())
     cb, S, M = dtype_bytes(cfg), layout.pipeline, layout.num_microbatches
-    n_params, attn = count_params(cfg), attention_flops_per_token(cfg, seq_len)
+    n_params, attn = active_params(cfg), attention_flops_per_token(cfg, seq_len)
     recompute = remat == "full" or (S > 1 and layout.pipeline_schedule == "1f1b")
     bubble = bubble_fraction(S, M)
     compute = compute_seconds(n_params, batch_tokens, devices, hw.flops, attn) * (4 / 3 if recompute else 1)
@@ -149,13 +152,22 @@ def evaluate(
         fsdp = accumulation * fsdp_comm_seconds(
             fsdp_gathered_params(cfg, layout), cb, FSDP_COLLECTIVES, gather_bw, fsdp_size(layout)
         )
-    dp = accumulation * ring_all_reduce_seconds(params_per_device(cfg, layout) * cb, layout.data, bw["data"])
-    shard_activation_bytes = batch_tokens / (layout.data * layout.fsdp) * cfg.d_model * cb  # all microbatches
+    # gradients summed over the batch's replicas: the experts' over data, the rest over data x expert too
+    experts = params_per_device(cfg, layout, "experts")
+    dp = accumulation * (
+        ring_all_reduce_seconds(experts * cb, layout.data, bw["data"])
+        + ring_all_reduce_seconds(
+            (params_per_device(cfg, layout) - experts) * cb, layout.data * layout.expert, bw["data"]
+        )
+    )
+    batch_shards = layout.data * layout.fsdp * layout.expert
+    shard_activation_bytes = batch_tokens / batch_shards * cfg.d_model * cb  # all microbatches
     layers = cfg.num_layers // S
     tp = layers * (6 if recompute else 4) * ring_all_reduce_seconds(shard_activation_bytes, layout.tensor, bw["tensor"])
     pp = 2 * shard_activation_bytes / bw["pipeline"] if S > 1 else 0.0  # activations forward, gradients back
     cp = accumulation * context_comm_seconds(cfg, layout, batch_tokens, remat, bw["context"])
-    step = max(compute, fsdp + dp + cp) + tp + pp
+    ep = expert_comm_seconds(cfg, layout, batch_tokens, remat, bw["expert"])
+    step = max(compute, fsdp + dp + cp) + tp + pp + ep
     memory = memory_per_device(cfg, layout, batch_tokens // seq_len, seq_len, remat, accumulation, hw.platform)
     mfu = (6 * n_params + attn) * batch_tokens / (step * devices * hw.peak_flops)
     return Estimate(
@@ -172,6 +184,7 @@ def evaluate(
         step,
         mfu,
         cp,
+        ep,
     )
 
 
@@ -189,6 +202,23 @@ def context_comm_seconds(cfg: ModelShape, layout: MeshLayout, batch_tokens: int,
     return layers * passes * (C - 1) * device_tokens * kv_token / bandwidth
 
 
+def expert_all_to_all_bytes(cfg: ModelShape, layout: MeshLayout, batch_tokens: int, remat: str) -> float:
+    """Bytes one device sends per step in an expert axis' all-to-alls (sharding.experts): per MoE layer the token
+    copies out and the outputs back, forward and backward (and the forward again under remat), each a worst-case
+    [E, A, D] buffer of which (E - 1) / E leaves the device."""
+    E = logical_shards("expert", layout)
+    if not cfg.num_experts or E == 1:
+        return 0.0
+    device_tokens = batch_tokens / logical_shards("batch", layout)  # every microbatch's
+    buffer = E * device_tokens * cfg.experts_per_token * cfg.d_model * dtype_bytes(cfg)
+    passes = 2 * (3 if remat == "full" else 2)  # out and back, in each forward and backward
+    return cfg.num_layers * passes * buffer * (E - 1) / E
+
+
+def expert_comm_seconds(cfg: ModelShape, layout: MeshLayout, batch_tokens: int, remat: str, bandwidth: float):
+    return expert_all_to_all_bytes(cfg, layout, batch_tokens, remat) / bandwidth
+
+
 # ----------------------------------------------------------------------------- candidates and ranking
 
 
@@ -198,7 +228,7 @@ def _divisors(n: int) -> list[int]:
 
 def tensor_sizes(cfg: ModelShape, devices: int, hw: Hardware) -> list[int]:
     """Tensor-parallel sizes: inside the fast domain, splitting heads, kv heads, MLP and vocab evenly."""
-    dims = (cfg.num_heads, cfg.num_kv_heads, cfg.mlp_dim, cfg.vocab_size)
+    dims = (cfg.num_heads, cfg.num_kv_heads, cfg.expert_mlp_dim if cfg.num_experts else cfg.mlp_dim, cfg.vocab_size)
     return [t for t in _divisors(devices) if t <= hw.devices_per_node and all(n % t == 0 for n in dims)]
 
 
@@ -206,18 +236,26 @@ def pipeline_sizes(cfg: ModelShape, devices: int) -> list[int]:
     return [p for p in _divisors(devices) if cfg.num_layers % p == 0]
 
 
+def expert_sizes(cfg: ModelShape, devices: int) -> list[int]:
+    """Expert-parallel sizes: 1 for a dense model, else those dividing the experts (each device holds X / E)."""
+    return [e for e in _divisors(devices) if cfg.num_experts % e == 0] if cfg.num_experts else [1]
+
+
 def candidate_layouts(cfg: ModelShape, devices: int, batch_sequences: int, hw: Hardware) -> list[MeshLayout]:
-    """devices = data x fsdp x tensor x pipeline, each dimension splitting evenly; pipelines in both schedules with
-    every microbatch count M <= 8 S that divides the per-shard batch."""
+    """devices = data x fsdp x expert x tensor x pipeline, each dimension splitting evenly; pipelines in both
+    schedules with every microbatch count M <= 8 S that divides the per-shard batch (not for MoE models, whose
+    pipelines jaxlm refuses)."""
     out = []
     for t in tensor_sizes(cfg, devices, hw):
-        for p in pipeline_sizes(cfg, devices // t):
-            for f in _divisors(devices // (t * p)):
-                d = devices // (t * p * f)
-                if cfg.d_model % f or batch_sequences % (d * f):
+        for p in [1] if cfg.num_experts else pipeline_sizes(cfg, devices // t):
+            for e, f in [
+                (e, f) for e in expert_sizes(cfg, devices // (t * p)) for f in _divisors(devices // (t * p * e))
+            ]:
+                d = devices // (t * p * e * f)
+                if cfg.d_model % f or batch_sequences % (d * f * e):
                     continue
                 if p == 1:
-                    out.append(MeshLayout(data=d, fsdp=f, tensor=t))
+                    out.append(MeshLayout(data=d, fsdp=f, tensor=t, expert=e))
                     continue
                 for m in _divisors(batch_sequences // (d * f)):
                     if m <= 8 * p:
@@ -285,7 +323,7 @@ def plan(cfg: ModelShape, devices: int, batch_tokens: int, seq_len: int, hw: Har
     def consider(layouts):
         for layout in layouts:
             e = fitting_estimate(cfg, layout, hw, batch_tokens, seq_len, remat)
-            key = (layout.data, layout.fsdp, layout.tensor, layout.pipeline, layout.context)
+            key = (layout.data, layout.fsdp, layout.tensor, layout.pipeline, layout.context, layout.expert)
             if key not in best or _rank_key(e) < _rank_key(best[key]):
                 best[key] = e
 
@@ -400,6 +438,8 @@ def describe(layout: MeshLayout, accumulation: int = 1) -> str:
     text = f"d{layout.data} f{layout.fsdp} t{layout.tensor} p{layout.pipeline}"
     if layout.context > 1:
         text += f" c{layout.context}"
+    if layout.expert > 1:
+        text += f" e{layout.expert}"
     if layout.pipeline > 1:
         text += f" {layout.pipeline_schedule} M={layout.num_microbatches}"
     return text + (f" accum={accumulation}" if accumulation > 1 else "")

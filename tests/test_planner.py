@@ -19,11 +19,12 @@ from sharding import LayoutError, MeshLayout, build_mesh, load_layout
 from sharding import plan as plan_cli
 from sharding.hardware import Hardware, get_hardware
 from sharding.memory_model import memory_per_device
-from sharding.model_shape import MODEL_PRESETS, count_params, largest_gathered_param, param_specs
+from sharding.model_shape import MODEL_PRESETS, active_params, count_params, largest_gathered_param, param_specs
 from sharding.planner import (
     axis_spans,
     compute_seconds,
     evaluate,
+    expert_all_to_all_bytes,
     fsdp_comm_seconds,
     fsdp_crossover_devices,
     plan,
@@ -35,10 +36,13 @@ H100 = get_hardware("h100-sxm")
 # ----------------------------------------------------------------------------- parameters
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_param_formula_equals_a_real_model(tie):
+MOE = dict(qk_norm=True, num_experts=4, experts_per_token=2, expert_mlp_dim=32, num_shared_experts=1)
+
+
+@pytest.mark.parametrize("tie, extra", [(True, {}), (False, {}), (False, MOE)], ids=["tied", "untied", "moe_qk_norm"])
+def test_param_formula_equals_a_real_model(tie, extra):
     cfg = ModelConfig(
-        vocab_size=96, d_model=48, num_layers=3, num_heads=6, num_kv_heads=2, mlp_dim=80, tie_embeddings=tie
+        vocab_size=96, d_model=48, num_layers=3, num_heads=6, num_kv_heads=2, mlp_dim=80, tie_embeddings=tie, **extra
     )
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     assert count_params(cfg) == model_count_params(model)
@@ -50,9 +54,31 @@ def test_param_formula_equals_a_real_model(tie):
     assert {p.name: (p.shape, p.axes) for p in param_specs(cfg)} == real
 
 
-def test_presets_have_llama2_sizes():
+def test_presets_have_the_published_sizes():
     assert count_params(MODEL_PRESETS["7b"]) == 6_738_415_616  # Llama-2-7B
     assert count_params(MODEL_PRESETS["70b"]) == 68_976_648_192  # Llama-2-70B
+    assert count_params(MODEL_PRESETS["mixtral-8x7b"]) == 46_702_792_704  # Mixtral-8x7B's 46.7B
+    assert active_params(MODEL_PRESETS["mixtral-8x7b"]) == 12_879_925_248  # its 12.9B active
+    assert count_params(MODEL_PRESETS["qwen3-30b-a3b"]) == 30_532_122_624  # Qwen3-30B-A3B's 30.5B
+    assert round(active_params(MODEL_PRESETS["qwen3-30b-a3b"]) / 1e9, 1) == 3.4  # "A3B": 3.3B active + embeddings
+
+
+def test_expert_parallel_layouts_are_planned_with_their_all_to_all_bytes():
+    """An MoE model gets expert-axis candidates (dividing its experts; no pipelines, which MoE refuses); the
+    all-to-all bytes are the worked example: per layer copies out and back, forward, backward and the remat
+    forward, each an [E, A, D] buffer of which (E - 1) / E leaves the device."""
+    cfg = MODEL_PRESETS["mixtral-8x7b"]
+    p = plan(cfg, 64, 64 * 4096, 4096, H100, "full")
+    experts = {e.layout.expert for e in p.estimates}
+    assert experts == {1, 2, 4, 8} and all(e.layout.pipeline == 1 for e in p.estimates)
+    layout = MeshLayout(fsdp=8, expert=8)
+    tokens = 64 * 4096 / 64  # one device's: the batch splits over data x fsdp x expert
+    buffer = 8 * tokens * 2 * 4096 * 2  # E x copies (k = 2) x D x bf16
+    want = 32 * (2 * 3) * buffer * 7 / 8
+    assert expert_all_to_all_bytes(cfg, layout, 64 * 4096, "full") == want
+    e = evaluate(cfg, layout, H100, 64 * 4096, 4096, "full")
+    assert e.ep_s == pytest.approx(want / H100.bandwidth(axis_spans(layout)["expert"]))
+    assert expert_all_to_all_bytes(MODEL_PRESETS["llama3-8b"], layout, 64 * 4096, "full") == 0
 
 
 # ----------------------------------------------------------------------------- the worked example
