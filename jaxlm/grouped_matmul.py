@@ -1,21 +1,26 @@
 """The grouped matmul of a dropless MoE layer: rows sorted by expert, each group times its own expert's weights.
 
-``jax.lax.ragged_dot`` is the op for it, but XLA:CPU computes it as every row times every expert: 6.3-8.8x one
-product of the same FLOPs forward and 13-14x with its gradient for 8 experts (``experiments.bench_grouped_matmul``,
-2048 and 8192 rows, 256 -> 1024). On CPU the rows are therefore laid out in tiles instead: each group padded to
-whole tiles of ``TILE`` rows, so every tile belongs to one expert, and a scan multiplies tile by tile with that
-expert's weights, skipping the tiles past the last group (the static bound pads up to X of them). A custom_vjp does
-the same for the input gradient and adds each tile's weight gradient into its expert's (autodiff of the scan kept
-every step's weight slice). Measured 1.3-1.8x the plain product forward and 1.8x with the gradient. Other
-platforms take ragged_dot.
+``jax.lax.ragged_dot`` is the op for it, and on TPU XLA runs it as a grouped kernel. Elsewhere it is every row
+times every expert: XLA:CPU computes it so (6.3-8.8x one product of the same FLOPs forward and 13-14x with its
+gradient for 8 experts, ``experiments.bench_grouped_matmul``, 2048 and 8192 rows, 256 -> 1024), and XLA:GPU (jax
+0.10.2, compiled for an H100) rewrites it into one dense product over a [rows, experts x width] masked copy of the
+input: X times the FLOPs, and for Qwen3-30B-A3B's 128 experts on 64 H100s 1.6 TB of temporaries per GPU
+(docs/results/scale-moe-2026-11-26.md). On CPU and GPU the rows are therefore laid out in tiles instead: each
+group padded to whole tiles of ``TILE`` rows, so every tile belongs to one expert, and a scan multiplies a step of
+tiles at a time with their experts' weights (one tile per step on CPU; ``GPU_TILES_PER_STEP`` on a GPU, one
+batched product of that many tiles per step), skipping the steps past the last group (the static bound pads up to
+X tiles). A custom_vjp does the same for the input gradient and adds each tile's weight gradient into its
+expert's (autodiff of the scan kept every step's weight slice). On CPU 1.3-1.8x the plain product forward and 1.8x
+with the gradient. A Pallas grouped GEMM for Hopper is what the GPU still lacks (its speed unmeasured).
 
-Shape letters beyond the legend (docs/architecture.md): A sorted rows, X groups (experts), N tiles, I / O a
-product's input and output widths.
+Shape letters beyond the legend (docs/architecture.md): A sorted rows, X groups (experts), N tiles, S tiles per
+scan step, I / O a product's input and output widths.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +28,7 @@ import jax.numpy as jnp
 from pallas_kernels.kernel_inputs import target_platform
 
 TILE = 128  # rows per tile: an MoE layer of tiny_lm ran 37 ms forward + backward with 128, 45 with 256
+GPU_TILES_PER_STEP = 8  # a GPU's scan step multiplies 8 tiles (1024 rows) at once, gathering their 8 experts' weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +39,7 @@ class Groups:
 
     sizes_X: jax.Array
     tiled: bool
+    step: int  # tiles per scan step (tiled)
     source_P: jax.Array  # the copy (u * Z + z) each row holds; U * Z for a padding row
     position_UZ: jax.Array  # the row each copy sits in
     tile_expert_N: jax.Array | None = None
@@ -40,14 +47,16 @@ class Groups:
 
     @staticmethod
     def of(experts_UZ, num_experts: int, tiled: bool | None = None) -> Groups:
-        """The layout of the copies of tokens routed to ``experts_UZ``; ``tiled`` None: tiles on CPU."""
-        tiled = target_platform() == "cpu" if tiled is None else tiled
+        """The layout of the copies of tokens routed to ``experts_UZ``; ``tiled`` None: tiles except on TPU."""
+        platform = target_platform()
+        tiled = platform != "tpu" if tiled is None else tiled
+        step = GPU_TILES_PER_STEP if platform == "gpu" else 1
         U, Z = experts_UZ.shape
         X, A = num_experts, U * Z
         order_A = jnp.argsort(experts_UZ.reshape(-1), stable=True)  # copies by expert, in token order within one
         sizes_X = jnp.bincount(experts_UZ.reshape(-1), length=X).astype(jnp.int32)
         if tiled:
-            n_tiles = -(-A // TILE) + X
+            n_tiles = -(-(-(-A // TILE) + X) // step) * step  # whole scan steps
             padded_X = (sizes_X + TILE - 1) // TILE * TILE
             ends_X = jnp.cumsum(padded_X)
             expert_A = jnp.repeat(jnp.arange(X), sizes_X, total_repeat_length=A)
@@ -58,7 +67,7 @@ class Groups:
             pos_A, rows, extra = jnp.arange(A), A, ()
         source_P = jnp.full((rows,), A, jnp.int32).at[pos_A].set(order_A.astype(jnp.int32))
         position_UZ = pos_A[jnp.argsort(order_A)].reshape(U, Z)
-        return Groups(sizes_X, tiled, source_P, position_UZ, *extra)
+        return Groups(sizes_X, tiled, step, source_P, position_UZ, *extra)
 
     def gather(self, x_UD):
         """Each row's token ([N, TILE, D] tiles on CPU, [A, D] otherwise); zero on padding rows."""
@@ -73,7 +82,7 @@ class Groups:
         """Each row times its group's [I, O] weights; padding rows stay zero."""
         if not self.tiled:
             return jax.lax.ragged_dot(x, w_XIO, self.sizes_X)
-        return _tile_matmul(x, w_XIO, self.tile_expert_N, self.used)
+        return _tile_matmul(x, w_XIO, self.tile_expert_N, self.used, self.step)
 
 
 def _with_zero_row(x):
@@ -115,41 +124,45 @@ def _copies_out_bwd(residuals, dy_UZO):
 _copies_out.defvjp(_copies_out_fwd, _copies_out_bwd)
 
 
-def _scan_tiles(x_NTI, w_XIO, tile_expert_N, used, transpose: bool = False):
-    """Tile by tile, each times its expert's weights; tiles past ``used`` (all padding) are skipped."""
+def _scan_tiles(x_NTI, w_XIO, tile_expert_N, used, step: int, transpose: bool = False):
+    """``step`` tiles at a time, each times its expert's weights; steps past ``used`` (all padding) are skipped."""
+    N, T, _ = x_NTI.shape
     out_width = w_XIO.shape[1] if transpose else w_XIO.shape[2]
 
-    def tile(n, args):
-        x_TI, expert = args
+    def tiles(n, args):
+        x_STI, experts_S = args
 
         def product():
-            w_IO = jax.lax.dynamic_index_in_dim(w_XIO, expert, keepdims=False)
-            return x_TI @ (w_IO.T if transpose else w_IO)
+            w_SIO = w_XIO[experts_S]
+            return jnp.einsum("sti,soi->sto" if transpose else "sti,sio->sto", x_STI, w_SIO)
 
-        zeros = jnp.zeros((x_TI.shape[0], out_width), x_TI.dtype)
-        return n + 1, jax.lax.cond(n < used, product, lambda: zeros)
+        zeros = jnp.zeros((step, T, out_width), x_STI.dtype)
+        return n + step, jax.lax.cond(n < used, product, lambda: zeros)
 
-    return jax.lax.scan(tile, 0, (x_NTI, tile_expert_N))[1]
-
-
-@jax.custom_vjp
-def _tile_matmul(x_NTI, w_XIO, tile_expert_N, used):
-    return _scan_tiles(x_NTI, w_XIO, tile_expert_N, used)
+    by_step = (x_NTI.reshape(N // step, step, T, -1), tile_expert_N.reshape(-1, step))
+    return jax.lax.scan(tiles, 0, by_step)[1].reshape(N, T, out_width)
 
 
-def _tile_matmul_fwd(x_NTI, w_XIO, tile_expert_N, used):
-    return _scan_tiles(x_NTI, w_XIO, tile_expert_N, used), (x_NTI, w_XIO, tile_expert_N, used)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _tile_matmul(x_NTI, w_XIO, tile_expert_N, used, step):
+    return _scan_tiles(x_NTI, w_XIO, tile_expert_N, used, step)
 
 
-def _tile_matmul_bwd(residuals, dy_NTO):
+def _tile_matmul_fwd(x_NTI, w_XIO, tile_expert_N, used, step):
+    return _scan_tiles(x_NTI, w_XIO, tile_expert_N, used, step), (x_NTI, w_XIO, tile_expert_N, used)
+
+
+def _tile_matmul_bwd(step, residuals, dy_NTO):
     x_NTI, w_XIO, tile_expert_N, used = residuals
-    dx_NTI = _scan_tiles(dy_NTO, w_XIO, tile_expert_N, used, transpose=True)
+    N, T, _ = x_NTI.shape
+    dx_NTI = _scan_tiles(dy_NTO, w_XIO, tile_expert_N, used, step, transpose=True)
 
-    def tile(dw_XIO, args):
-        x_TI, dy_TO, expert = args
-        return dw_XIO.at[expert].add((x_TI.T @ dy_TO).astype(dw_XIO.dtype)), None
+    def tiles(dw_XIO, args):
+        x_STI, dy_STO, experts_S = args
+        return dw_XIO.at[experts_S].add(jnp.einsum("sti,sto->sio", x_STI, dy_STO).astype(dw_XIO.dtype)), None
 
-    dw_XIO, _ = jax.lax.scan(tile, jnp.zeros_like(w_XIO), (x_NTI, dy_NTO, tile_expert_N))
+    by_step = (x_NTI.reshape(N // step, step, T, -1), dy_NTO.reshape(N // step, step, T, -1))
+    dw_XIO, _ = jax.lax.scan(tiles, jnp.zeros_like(w_XIO), (*by_step, tile_expert_N.reshape(-1, step)))
     return dx_NTI, dw_XIO, None, None
 
 

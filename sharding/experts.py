@@ -3,12 +3,13 @@ that holds its expert and its output sent back, with all-to-all inside ``shard_m
 and hands its per-device expert computation to ``dispatch``; it never learns where the experts are.
 
 Tokens split over the batch axes (the default rules put `expert` among them, so each device of the expert axis
-routes its own tokens, as data parallelism does). A device sorts its copies by expert, which is by destination,
-and places them in a [E, A, D] send buffer (E devices of the expert axis, A its copies: the most any one
-destination can get, so nothing is dropped); one all-to-all delivers every source's buffer to its destination,
-which runs its own experts over what arrived (empty slots are zero rows, given no expert's weight), and a second
-all-to-all brings the outputs home, where they are unsorted and mixed as on one device. Buffers and transfers are
-worst-case sized (E x a device's copies); capacity-limited dispatch bounds them (not under this axis yet).
+routes its own tokens, as data parallelism does) and, for the experts' products, over the tensor axes too. A
+device sorts its copies by expert, which is by destination, and places them in a [E, A, D] send buffer (E devices
+of the expert axis, A its copies: the most any one destination can get, so nothing is dropped); one all-to-all
+delivers every source's buffer to its destination, which runs its own experts over what arrived (empty slots are
+zero rows, given no expert's weight), and a second all-to-all brings the outputs home, where they are unsorted and
+mixed as on one device. Buffers and transfers are worst-case sized (E x a device's copies); capacity-limited
+dispatch bounds them (not under this axis yet).
 
 Shape letters: those of jaxlm.moe (U tokens, Z experts per token, A copies, X experts) and E devices of the
 expert axis, W = X / E experts per device.
@@ -33,26 +34,36 @@ def expert_axes() -> tuple[str, ...]:
 
 
 def dispatch(local: Callable, x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD):
-    """``local(x_UD, weights_UZ, experts_UZ, w_in, w_out) -> y_UD`` over the experts the weights hold, run where
-    the experts are: as it is without an expert axis, else per device with the copies exchanged."""
-    axes = expert_axes()
+    """``local(x_UD, weights_UZ, experts_UZ, w_in, w_out) -> y_UD`` over the experts the weights hold, run per
+    device on its own tokens: with the copies exchanged over an expert axis, else as it is. Per device, because
+    routing sorts the copies by expert: over tokens split across devices that sort (and each grouped-matmul step)
+    would be a global one, all-gathers inside every layer (Qwen3-30B-A3B on 64 H100s: 1.2 TB of them per step).
+    The tokens split over the batch axes and the tensor axes too (each tensor rank takes a share of the rows with
+    whole experts, where splitting the experts' width would need a sum of partial outputs), so no expert product
+    is computed twice; weights are gathered as FSDP gathers them."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not axes:
+    if mesh.empty:
+        return local(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)
+    axes = expert_axes()
+    token_axes = active_mesh_axes("batch") + tuple(a for a in active_mesh_axes("mlp") if a not in axes)
+    batch = dividing_axes(mesh, token_axes, x_UD.shape[0])
+    if not axes and not batch:
         return local(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)
     E, X = math.prod(mesh.shape[a] for a in axes), w_in_XDCF.shape[0]
     if X % E:
         raise ValueError(f"model.num_experts = {X} does not split over the expert axis of {E} devices")
-    batch = dividing_axes(mesh, active_mesh_axes("batch"), x_UD.shape[0])
-    rows, experts = P(batch or None, None), P(axes, None, None, None)
+    rows, experts = P(batch or None, None), P(axes or None, None, None, None)
     free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
 
     def shard(x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD):
+        if not axes:
+            return local(x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD)
         return _exchange(local, axes, E, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD)
 
     return jax.shard_map(
         shard,
         mesh=mesh,
-        in_specs=(rows, rows, rows, experts, P(axes, None, None)),
+        in_specs=(rows, rows, rows, experts, P(axes or None, None, None)),
         out_specs=rows,
         axis_names=free,
         check_vma=False,
