@@ -45,7 +45,9 @@ def dispatch(local: Callable, x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD
     if mesh.empty:
         return local(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)
     axes = expert_axes()
-    token_axes = active_mesh_axes("batch") + tuple(a for a in active_mesh_axes("mlp") if a not in axes)
+    # U = B * T tokens, B split over the batch axes and T over the context axis (seq): the rows split as both do
+    batch_and_seq = active_mesh_axes("batch") + active_mesh_axes("seq")
+    token_axes = batch_and_seq + tuple(a for a in active_mesh_axes("mlp") if a not in axes + batch_and_seq)
     batch = dividing_axes(mesh, token_axes, x_UD.shape[0])
     if not axes and not batch:
         return local(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)

@@ -143,9 +143,9 @@ def collectives(hlo_text: str) -> list[Collective]:
                 continue
             group = _group_size(attrs)
             scale = group if kind == "reduce-scatter" and group else 1  # its result is the scattered shard
-            if start and kind in ("all-gather", "reduce-scatter"):  # ((operands...), (outputs...))
+            if start and kind in ("all-gather", "reduce-scatter", "all-to-all"):  # ((operands...), (outputs...))
                 half = len(arrays) // 2
-                arrays, scale = (arrays[half:] if kind == "all-gather" else arrays[:half]), 1
+                arrays, scale = (arrays[:half] if kind == "reduce-scatter" else arrays[half:]), 1
             elif start and kind == "collective-permute":  # (operand, output, contexts...)
                 arrays = arrays[1:2]
             nbytes = scale * sum(_bytes(dtype, dims) for dtype, dims in arrays)  # a tuple: several arrays at once

@@ -159,3 +159,45 @@ def test_plan_verify_names_hardware_it_cannot_compile_for(capsys):
     argv = ["--model", "llama3-8b", "--devices", "8", "--global-batch-tokens", "65536", "--seq", "8192"]
     assert plan.main([*argv, "--hardware", "a100", "--verify", "1"]) == 2
     assert "hardware 'a100' has no compiler description to check against" in capsys.readouterr().err
+
+
+MOE_CONFIG = """from jaxlm.config import DataConfig, ModelConfig, TrainConfig
+
+config = TrainConfig(
+    model=ModelConfig(vocab_size=4096, d_model=512, num_layers=2, num_heads=8, num_kv_heads=4, mlp_dim=1024,
+                      num_experts=8, experts_per_token=2, expert_mlp_dim=512, dtype="bfloat16",
+                      attention_impl="pallas", remat="full"),
+    data=DataConfig(seq_len=1024, batch_size=8),
+)
+"""
+
+
+def test_an_moe_step_compiles_with_the_all_to_all_bytes_the_planner_counts(tmp_path):
+    """A small MoE (8 experts, top 2) on 8 H100s and 8 v5p chips with experts over 4 devices: the step's all-to-alls
+    are the token copies out and back per layer, forward, backward and the remat forward, and their bytes are the
+    planner's (sharding.planner.expert_all_to_all_bytes); on the GPU the grouped matmuls run as tiles (XLA:GPU's
+    ragged_dot would be a dense product over every expert), on the TPU as XLA's ragged dot."""
+    from sharding import MeshLayout
+    from sharding.model_shape import ModelShape
+    from sharding.planner import expert_all_to_all_bytes
+
+    config, layout = tmp_path / "moe.py", tmp_path / "experts.py"
+    config.write_text(MOE_CONFIG)
+    layout.write_text("from sharding import MeshLayout\n\nlayout = MeshLayout(expert=4, fsdp=2)\n")
+    out = tmp_path / "moe"
+    args = ["--model", str(config), "--cluster", "h100x8,v5px8", "--seq", "1024", "--layout", str(layout)]
+    proc = _run([*args, "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from jaxlm.config import load_config
+
+    shape = ModelShape.from_config(load_config(config).model)
+    want = expert_all_to_all_bytes(shape, MeshLayout(expert=4, fsdp=2), 8 * 1024, "full")
+    for row in json.loads(out.with_suffix(".json").read_text())["rows"]:
+        assert row["compiled"] and row["fits"] and row["layout"] == "d1 f2 t1 p1 e4", row
+        (a2a,) = [c for c in row["collectives"] if c["kind"] == "all-to-all" and c["group"] == 4]
+        # the program's arrays whole, of which (E - 1) / E leaves a device; the exchanged expert ids add 0.1%
+        sent = a2a["bytes"] * 3 / 4
+        if row["cluster"] == "h100x8":  # per layer 6 exchanges of copies, 2 of their expert ids
+            assert sent == pytest.approx(want, rel=0.01) and a2a["count"] == 2 * (6 + 2), (a2a, want)
+        else:  # XLA:TPU kept the last layer's forward exchanges instead of recomputing them: 2 fewer of 12
+            assert want * 5 / 6 * 0.99 <= sent <= want * 1.01, (a2a, want)

@@ -358,6 +358,17 @@ def test_diloco_replicas_with_a_context_axis_equal_replicas_without_one():
     np.testing.assert_allclose(context_losses, plain_losses, rtol=1e-6)
 
 
+def test_diloco_replicas_of_an_moe_with_an_expert_axis_equal_replicas_without_one():
+    """Each replica's MoE layers split their experts over an expert axis (token copies exchanged by all-to-all
+    inside the replica), and train and sync exactly as replicas whose devices each route their own tokens."""
+    cfg = tiny_config(optim=SGD, steps=2, model=dict(num_experts=4, experts_per_token=2, expert_mlp_dim=32))
+    dl_cfg = with_diloco(cfg, replicas=2, inner_steps=2, outer_lr=0.7, outer_momentum=0.9)
+    plain_state, plain_losses = run(DiLoCoProgram(dl_cfg, mesh(replica=2, data=4)), 2)
+    expert_state, expert_losses = run(DiLoCoProgram(dl_cfg, mesh(replica=2, data=2, expert=2)), 2)
+    assert max_diff(expert_state.global_params, plain_state.global_params) <= 1e-6
+    np.testing.assert_allclose(expert_losses, plain_losses, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- resume and data
 
 

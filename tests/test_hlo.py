@@ -1,5 +1,6 @@
 """sharding.hlo on HLO text in the forms XLA's GPU and TPU compilers print: loop trip counts (annotated, or read from
-a TPU loop's condition), collectives (async tuples, TPU's mesh replica groups, reduce-scatter's input), kernels."""
+a TPU loop's condition), collectives (async tuples, all-to-all's included, TPU's mesh replica groups,
+reduce-scatter's input), kernels."""
 
 from sharding.hlo import Collective, collectives, computation_runs, custom_kernels
 
@@ -27,6 +28,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   %w = (s32[], f32[8]) while(%t0), condition=%cond, body=%body
   %s = f32[4]{0} reduce-scatter(%a), replica_groups=[1,2]<=[2], dimensions={0}
   %cp = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%a), source_target_pairs={{0,1},{1,0}}
+  %aa = ((bf16[4,32,8]{2,1,0}), bf16[4,32,8]{2,1,0}) all-to-all-start(%a), replica_groups={{0,1,2,3}}, dimensions={0}
   %z = f32[8]{0} custom-call(%a), custom_call_target="AllocateBuffer"
   ROOT %r = f32[8]{0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton"
 }
@@ -50,6 +52,8 @@ def test_collectives_are_counted_per_step_with_the_bytes_of_their_arrays():
     assert got["reduce-scatter", 8].bytes == 12 * (64 + 128) * 4
     assert got["reduce-scatter", 2] == Collective("reduce-scatter", 2, 1, 4 * 4 * 2)
     assert got["collective-permute", 2] == Collective("collective-permute", 2, 1, 8 * 4)
+    # an async all-to-all (GPU): ((operand), output), counted once
+    assert got["all-to-all", 4] == Collective("all-to-all", 4, 1, 4 * 32 * 8 * 2)
 
 
 def test_fp8_and_integer_arrays_count_their_own_width():

@@ -183,7 +183,7 @@ def _moe_program(layout):
         data=dict(microbatches=1),
         optim=dict(learning_rate=1e-2, warmup_steps=2),
     )
-    return Program(cfg, build_mesh(layout) if layout else one_device_mesh())
+    return Program(cfg, build_mesh(layout), layout) if layout else Program(cfg, one_device_mesh())
 
 
 def _three_steps(program):
@@ -207,8 +207,9 @@ def one_device_moe():
     [
         pytest.param(MeshLayout(expert=8), marks=pytest.mark.slow, id="expert8"),
         pytest.param(MeshLayout(expert=4, data=2), marks=pytest.mark.slow, id="expert4_data2"),
-        pytest.param(MeshLayout(expert=2, fsdp=2, tensor=2), id="expert2_fsdp2_tensor2"),
+        pytest.param(MeshLayout(expert=2, fsdp=2, tensor=2), marks=pytest.mark.slow, id="expert2_fsdp2_tensor2"),
         pytest.param(MeshLayout(data=2, fsdp=2, tensor=2), id="no_expert_axis"),  # per-device routing, tokens on tensor
+        pytest.param(MeshLayout(context=2, expert=2, data=2), id="context2_expert2_data2"),
     ],
 )
 def test_expert_parallel_training_equals_one_device(layout, one_device_moe):
