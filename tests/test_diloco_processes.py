@@ -157,6 +157,7 @@ def test_two_replica_processes_train_like_two_replicas_in_one_program(tmp_path, 
     assert sorted(kept) == list(range(10, STEPS + 1, 2)) and all(m == [0, 1] for m in kept.values())
 
 
+@pytest.mark.slow  # covered by the two-process replicas' kill-and-restart test and the replay test (docs/testing.md)
 def test_a_killed_replica_process_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, uninterrupted):
     launcher = subprocess.Popen(
         launch_cmd(tmp_path, "--steps", STEPS, "--checkpoint-every", 4, restart=1),
