@@ -71,6 +71,12 @@ def load_run(workdir: Path):
             f"the run in {workdir} already trained with model.matmul_precision="
             f"{cfg.model.matmul_precision!r}; post-training quantization starts from a float model"
         )
+    if cfg.model.num_experts:
+        checkpointer.close()
+        raise ValueError(
+            f"the run in {workdir} is a mixture of experts (model.num_experts = {cfg.model.num_experts}); "
+            f"post-training quantization covers dense models only (the experts' weights are not quantized yet)"
+        )
     return cfg, checkpointer, step, saved
 
 

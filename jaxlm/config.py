@@ -107,9 +107,11 @@ class ModelConfig(Section):
     quant_backward: str = "quantized"  # quantized (dY in e5m2 / int8) | high (backward in the compute dtype)
     quant_amax_history: int = 16  # steps of amax history for delayed scaling
     matmul_impl: str = "auto"  # auto (Pallas kernel on one TPU, else XLA) | pallas | xla
-    # Mixture of experts (jaxlm.moe): 0 experts is a dense model. Every layer's MLP is then num_experts SwiGLU experts
-    # of expert_mlp_dim, experts_per_token of them per token, plus num_shared_experts always on.
+    # Mixture of experts (jaxlm.moe): 0 experts is a dense model. Every moe_every-th layer's MLP (the rest: dense,
+    # mlp_dim) is then num_experts SwiGLU experts of expert_mlp_dim, experts_per_token of them per token, plus
+    # num_shared_experts always on.
     num_experts: int = 0
+    moe_every: int = 1  # layers k-1, 2k-1, ... are MoE (Qwen3-MoE's decoder_sparse_step, Llama 4's interleave step)
     experts_per_token: int = 2
     num_shared_experts: int = 0
     expert_mlp_dim: int = 256
@@ -123,6 +125,22 @@ class ModelConfig(Section):
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers // self.moe_every if self.num_experts else 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer i's MLP is a mixture of experts: the last of every moe_every layers."""
+        return bool(self.num_experts) and (i + 1) % self.moe_every == 0
+
+    def layer_slot(self, i: int) -> tuple[str, int]:
+        """Where layer i's params are stacked: ("blocks", i), or in a model with dense layers between its MoE ones
+        ("moe_blocks", its index among the MoE layers) / ("blocks", its index among the dense ones)."""
+        k = self.moe_every
+        if not self.num_experts or k == 1:
+            return "blocks", i
+        return ("moe_blocks", i // k) if self.is_moe_layer(i) else ("blocks", i - i // k)
 
     @property
     def keeps_amax_history(self) -> bool:

@@ -63,7 +63,16 @@ def check_moe(m) -> None:
     )
     if not m.num_experts:
         return
-    check_positive(model__experts_per_token=m.experts_per_token, model__expert_mlp_dim=m.expert_mlp_dim)
+    check_positive(
+        model__experts_per_token=m.experts_per_token,
+        model__expert_mlp_dim=m.expert_mlp_dim,
+        model__moe_every=m.moe_every,
+    )
+    if m.num_layers % m.moe_every:
+        raise ConfigError(
+            f"model.moe_every ({m.moe_every}) must divide model.num_layers ({m.num_layers}): the layers run in groups "
+            f"of moe_every, the last of each an MoE layer"
+        )
     if m.experts_per_token > m.num_experts:
         raise ConfigError(
             f"model.experts_per_token ({m.experts_per_token}) must be at most model.num_experts ({m.num_experts})"

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxlm.config import ModelConfig
-from jaxlm.model import Transformer, head_logits, row_weights, split_layers
+from jaxlm.model import Transformer, head_logits, row_weights
 from sharding import MeshLayout
 from sharding.rules import constrain, logical_spec, use_rules
 
@@ -44,7 +44,7 @@ class KVCache:
 
     One array per layer, not one stacked [L, ...] array: the decode step updates and reads each in place, where a
     layer sliced out of a stack is a copy. Keys and values [.., S, E]: attention's two products read them as they
-    lie (model.cached_attention). One unsharded row keeps no row axis (k_KSE, v_KSE): with a row axis
+    lie (kv_cache.cached_attention). One unsharded row keeps no row axis (k_KSE, v_KSE): with a row axis
     of 1, XLA:CPU copied every layer's cache once per token to feed the attention (2.43 vs 3.05 ms a gpt-bench step,
     measured)."""
 
@@ -313,9 +313,8 @@ def _decode_weights(model: Transformer, one_row: bool):
     """The layers' params one state each, the head's arrays ([D, V] even when tied) and, for one row on one
     device, the output projections transposed (`row_weights`): copies made once per generation that the decode
     steps read in place (Transformer.decode)."""
-    stacked = nnx.state(model.blocks)
-    rows = row_weights(model.cfg, stacked) if one_row else None
-    return split_layers(stacked), model.head_params(), rows
+    rows = row_weights(model.cfg, nnx.state(model.blocks)) if one_row else None
+    return model.layer_states(), model.head_params(), rows
 
 
 # ----------------------------------------------------------------------------- ahead of time (jaxlm.deviceless)

@@ -145,11 +145,11 @@ def _moe_fields(hf: dict, family: Family) -> dict:
     if family is MIXTRAL:
         experts, size, norm_topk = _int(hf, "num_local_experts"), _int(hf, "intermediate_size"), True
     else:
-        step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
-        if step != 1 or dense:
+        dense = hf.get("mlp_only_layers") or []
+        if dense:
             raise HFError(
-                f"decoder_sparse_step is {step} and mlp_only_layers {dense}: jaxlm's Qwen3-MoE has experts in "
-                f"every layer (decoder_sparse_step 1, no mlp_only_layers)"
+                f"mlp_only_layers is {dense}: jaxlm's Qwen3-MoE places its dense layers by decoder_sparse_step "
+                f"(model.moe_every) only"
             )
         # the Hub's configs say num_experts; transformers 5 writes its attribute's name, num_local_experts
         experts = _int(hf, "num_experts", None) or _int(hf, "num_local_experts")
@@ -157,6 +157,7 @@ def _moe_fields(hf: dict, family: Family) -> dict:
         norm_topk = bool(hf.get("norm_topk_prob", False))
     return {
         "num_experts": experts,
+        "moe_every": 1 if family is MIXTRAL else _int(hf, "decoder_sparse_step", 1),
         "experts_per_token": _int(hf, "num_experts_per_tok"),
         "expert_mlp_dim": size,
         "router": "softmax",
@@ -265,7 +266,7 @@ def hf_config(cfg: ModelConfig, *, vocab_size: int, eos_id: int, bos_id: int | N
             "num_experts": cfg.num_experts,
             "moe_intermediate_size": cfg.expert_mlp_dim,
             "norm_topk_prob": cfg.router_norm_topk,
-            "decoder_sparse_step": 1,
+            "decoder_sparse_step": cfg.moe_every,
             "mlp_only_layers": [],
         }
     if family.moe:
@@ -288,6 +289,11 @@ def check_exportable(cfg: ModelConfig) -> None:
             f"model.router {cfg.router!r} (num_shared_experts {cfg.num_shared_experts}) is not "
             f"{family.architecture}'s: it exports softmax top-k routers without shared experts"
         )
+    if family is MIXTRAL and cfg.moe_every > 1:
+        raise HFError(
+            f"model.moe_every is {cfg.moe_every}, and Mixtral has experts in every layer (Qwen3-MoE has dense layers "
+            f"between them, and also normalizes queries and keys: model.qk_norm)"
+        )
     if family is MIXTRAL and not cfg.router_norm_topk:
         raise HFError(
             "model.router_norm_topk is false, and Mixtral always renormalizes the top-k weights "
@@ -308,7 +314,8 @@ def hf_tensors(cfg: ModelConfig, vocab_size: int, fetch: Fetch) -> Iterator[tupl
     layer's param at a time."""
     yield "model.embed_tokens.weight", fetch(("embed",), None)[:vocab_size]
     for i in range(cfg.num_layers):
-        yield from _layer_tensors(cfg, i, lambda *path: fetch(("blocks", *path), i))
+        stack, j = cfg.layer_slot(i)
+        yield from _layer_tensors(cfg, i, lambda *path: fetch((stack, *path), j))
     yield "model.norm.weight", fetch(("final_norm", "scale"), None)
     if not cfg.tie_embeddings:
         yield "lm_head.weight", fetch(("lm_head",), None)[:, :vocab_size].T
@@ -330,7 +337,7 @@ def _layer_tensors(cfg: ModelConfig, i: int, get) -> Iterator[tuple[str, np.ndar
         yield p + "self_attn.k_norm.weight", get("attn", "k_norm", "scale")
     yield p + "post_attention_layernorm.weight", get("mlp_norm", "scale")
     w_in = get("mlp", "w_in")  # [D, 2, F] (experts: [X, D, 2, F]): gate, up
-    if family.moe:
+    if family.moe and cfg.is_moe_layer(i):
         yield f"{p}{family.router}.weight", get("mlp", "router").T
         w_out = get("mlp", "w_out")
         gate, up, down = family.expert_names
@@ -361,15 +368,15 @@ def hf_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
         }
         if cfg.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (E,), p + "self_attn.k_norm.weight": (E,)}
-        shapes |= _mlp_shapes(cfg, p)
+        shapes |= _mlp_shapes(cfg, p, cfg.is_moe_layer(i))
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (vocab_size, D)
     return shapes
 
 
-def _mlp_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+def _mlp_shapes(cfg: ModelConfig, p: str, moe: bool) -> dict[str, tuple[int, ...]]:
     D, family = cfg.d_model, family_of(cfg)
-    if not family.moe:
+    if not moe:
         F = cfg.mlp_dim
         return {
             p + "mlp.gate_proj.weight": (F, D),
@@ -396,51 +403,66 @@ def unexpected_tensors(cfg: ModelConfig, vocab_size: int, names) -> list[str]:
 def params_from_hf(cfg: ModelConfig, vocab_size: int, read: Callable[[str], np.ndarray]) -> dict:
     """jaxlm params (the nested dict `nnx.to_pure_dict` gives, float32 numpy) from HF tensors; `read(name)` returns
     one tensor, already checked against `hf_shapes`. The vocabulary is zero-padded to cfg.vocab_size."""
-    L, D, H, K, E = cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     G = H // K
-    f32 = lambda shape: np.zeros(shape, np.float32)
-    family, X = family_of(cfg), cfg.num_experts
-    F = cfg.expert_mlp_dim if X else cfg.mlp_dim
-    experts = (X,) if X else ()
-    blocks = {
-        "attn": {"wqkv": f32((L, D, K, G + 2, E)), "wo": f32((L, H, E, D))},
-        "attn_norm": {"scale": f32((L, D))},
-        "mlp": {"w_in": f32((L, *experts, D, 2, F)), "w_out": f32((L, *experts, F, D))},
-        "mlp_norm": {"scale": f32((L, D))},
-    }
-    attn, mlp = blocks["attn"], blocks["mlp"]
-    if family.qk_norm:
-        attn |= {"q_norm": {"scale": f32((L, E))}, "k_norm": {"scale": f32((L, E))}}
-    if X:
-        mlp["router"] = f32((L, D, X))
-    for i in range(L):
+    family = family_of(cfg)
+    stacks = {}
+    for i in range(cfg.num_layers):
+        name, j = cfg.layer_slot(i)
+        if name not in stacks:
+            count = sum(cfg.layer_slot(n)[0] == name for n in range(cfg.num_layers))
+            stacks[name] = _empty_stack(cfg, count, cfg.is_moe_layer(i))
+        blocks = stacks[name]
+        attn, mlp = blocks["attn"], blocks["mlp"]
         p = f"model.layers.{i}."
-        blocks["attn_norm"]["scale"][i] = read(p + "input_layernorm.weight")
-        wqkv = attn["wqkv"][i]
+        blocks["attn_norm"]["scale"][j] = read(p + "input_layernorm.weight")
+        wqkv = attn["wqkv"][j]
         wqkv[:, :, :G] = read(p + "self_attn.q_proj.weight").T.reshape(D, K, G, E)
         wqkv[:, :, G] = read(p + "self_attn.k_proj.weight").T.reshape(D, K, E)
         wqkv[:, :, G + 1] = read(p + "self_attn.v_proj.weight").T.reshape(D, K, E)
-        attn["wo"][i] = read(p + "self_attn.o_proj.weight").T.reshape(H, E, D)
+        attn["wo"][j] = read(p + "self_attn.o_proj.weight").T.reshape(H, E, D)
         if family.qk_norm:
-            attn["q_norm"]["scale"][i] = read(p + "self_attn.q_norm.weight")
-            attn["k_norm"]["scale"][i] = read(p + "self_attn.k_norm.weight")
-        blocks["mlp_norm"]["scale"][i] = read(p + "post_attention_layernorm.weight")
-        if X:
-            mlp["router"][i] = read(f"{p}{family.router}.weight").T
+            attn["q_norm"]["scale"][j] = read(p + "self_attn.q_norm.weight")
+            attn["k_norm"]["scale"][j] = read(p + "self_attn.k_norm.weight")
+        blocks["mlp_norm"]["scale"][j] = read(p + "post_attention_layernorm.weight")
+        if cfg.is_moe_layer(i):
+            mlp["router"][j] = read(f"{p}{family.router}.weight").T
             gate, up, down = family.expert_names
-            for e in range(X):
+            for e in range(cfg.num_experts):
                 q = f"{p}{family.moe}.{e}."
-                mlp["w_in"][i, e, :, 0] = read(f"{q}{gate}.weight").T
-                mlp["w_in"][i, e, :, 1] = read(f"{q}{up}.weight").T
-                mlp["w_out"][i, e] = read(f"{q}{down}.weight").T
+                mlp["w_in"][j, e, :, 0] = read(f"{q}{gate}.weight").T
+                mlp["w_in"][j, e, :, 1] = read(f"{q}{up}.weight").T
+                mlp["w_out"][j, e] = read(f"{q}{down}.weight").T
             continue
-        mlp["w_in"][i, :, 0] = read(p + "mlp.gate_proj.weight").T
-        mlp["w_in"][i, :, 1] = read(p + "mlp.up_proj.weight").T
-        mlp["w_out"][i] = read(p + "mlp.down_proj.weight").T
-    params = {"embed": f32((cfg.vocab_size, D)), "blocks": blocks, "final_norm": {"scale": f32((D,))}}
+        mlp["w_in"][j, :, 0] = read(p + "mlp.gate_proj.weight").T
+        mlp["w_in"][j, :, 1] = read(p + "mlp.up_proj.weight").T
+        mlp["w_out"][j] = read(p + "mlp.down_proj.weight").T
+    params = {"embed": _zeros((cfg.vocab_size, D)), **stacks, "final_norm": {"scale": _zeros((D,))}}
     params["embed"][:vocab_size] = read("model.embed_tokens.weight")
     params["final_norm"]["scale"][:] = read("model.norm.weight")
     if not cfg.tie_embeddings:
-        params["lm_head"] = f32((D, cfg.vocab_size))
+        params["lm_head"] = _zeros((D, cfg.vocab_size))
         params["lm_head"][:, :vocab_size] = read("lm_head.weight").T
     return params
+
+
+def _zeros(shape) -> np.ndarray:
+    return np.zeros(shape, np.float32)
+
+
+def _empty_stack(cfg: ModelConfig, L: int, moe: bool) -> dict:
+    """A stack of L layers' params (jaxlm.model.Block's), zeros: dense MLPs, or with `moe` experts and router."""
+    D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    X, F = cfg.num_experts, cfg.expert_mlp_dim if moe else cfg.mlp_dim
+    experts = (X,) if moe else ()
+    blocks = {
+        "attn": {"wqkv": _zeros((L, D, K, H // K + 2, E)), "wo": _zeros((L, H, E, D))},
+        "attn_norm": {"scale": _zeros((L, D))},
+        "mlp": {"w_in": _zeros((L, *experts, D, 2, F)), "w_out": _zeros((L, *experts, F, D))},
+        "mlp_norm": {"scale": _zeros((L, D))},
+    }
+    if cfg.qk_norm:
+        blocks["attn"] |= {"q_norm": {"scale": _zeros((L, E))}, "k_norm": {"scale": _zeros((L, E))}}
+    if moe:
+        blocks["mlp"]["router"] = _zeros((L, D, X))
+    return blocks

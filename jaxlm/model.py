@@ -9,6 +9,8 @@ Shape suffixes follow the legend in docs/architecture.md.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,12 +18,11 @@ from flax import nnx
 
 from jaxlm.attention import attention
 from jaxlm.config import REMAT_CHOICES, ModelConfig
+from jaxlm.kv_cache import cached_attention, one_document, write_cache
 from jaxlm.moe import MoE, RouterBias
 from jaxlm.quantized import PROJECTION_NAME, AmaxHistory, amax_history, layer_recipe, project
-from pallas_kernels import BlockSizes, Mask, full, soft_cap
-from pallas_kernels.kernel_mask import DocumentSlot
+from pallas_kernels import BlockSizes, soft_cap
 from pallas_kernels.mask_spec import parse_mask
-from pallas_kernels.masks import And, Or
 from sharding.rules import LOGICAL_AXES_KEY as LOGICAL_AXES
 from sharding.rules import constrain
 
@@ -164,8 +165,8 @@ class Attention(nnx.Module):
         v_KSE) and is returned so. `wo_DX`: the output projection transposed ([D, H*E], see `row_weights`)."""
         B, T, _ = x_BTD.shape
         q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, sin, cos)
-        k_PSE, v_PSE = _write_cache(k_BKSE, v_BKSE, k_BTKE, v_BTKE, positions_BT)
-        mask = _one_document(parse_mask(self.cfg.attention_mask))
+        k_PSE, v_PSE = write_cache(k_BKSE, v_BKSE, k_BTKE, v_BTKE, positions_BT)
+        mask = one_document(parse_mask(self.cfg.attention_mask))
         mask_BTS = mask(positions_BT[:, :, None], jnp.arange(v_BKSE.shape[-2])[None, None, :])
         out_BTHE = cached_attention(q_BTHE, k_PSE, v_PSE, mask_BTS, positions_BT, self._score_mod())
         k_BKSE, v_BKSE = k_PSE.reshape(k_BKSE.shape), v_PSE.reshape(v_BKSE.shape)  # a one-row cache stays [K, ..]
@@ -195,61 +196,6 @@ class Attention(nnx.Module):
 
     def _out(self, out_BTHE):
         return project("bthe,hed->btd", out_BTHE, self.wo[...], self.recipe, _value(self.out_amax))
-
-
-# Cache writes: positions are in bounds and one per (row, token). Said so, XLA writes the slots in place; with the
-# default out-of-bounds handling it copied every layer's cache twice per token (XLA:CPU).
-_IN_PLACE = dict(mode="promise_in_bounds", unique_indices=True)
-
-
-def _write_cache(k_BKSE, v_BKSE, k_BTKE, v_BTKE, positions_BT):
-    """The new tokens' keys and values into their slots; returns the caches with rows and kv heads merged, k_PSE and
-    v_PSE (P = B*K), the shape the attention products read. A one-row cache may come without its row axis (generate
-    keeps it so; see jaxlm.generate.KVCache)."""
-    return _write_slots(k_BKSE, k_BTKE, positions_BT), _write_slots(v_BKSE, v_BTKE, positions_BT)
-
-
-def _write_slots(cache_BKSE, x_BTKE, positions_BT):
-    """One cache (keys or values, both [B, K, S, E]) with x written at its rows' positions -> [B*K, S, E]. One row with
-    one token is a dynamic_update_slice: as a scatter XLA:CPU copied each layer's cache twice per token (measured)."""
-    B, T = positions_BT.shape
-    K, S, E = cache_BKSE.shape[-3:]
-    x_BTKE = x_BTKE.astype(cache_BKSE.dtype)
-    if B == 1 and T == 1:
-        return jax.lax.dynamic_update_slice(
-            cache_BKSE.reshape(K, S, E), x_BTKE[0].transpose(1, 0, 2), (0, positions_BT[0, 0], 0)
-        )
-    rows_B1 = jnp.arange(B)[:, None]
-    cache_BKSE = cache_BKSE.reshape(B, K, S, E).at[rows_B1, :, positions_BT].set(x_BTKE, **_IN_PLACE)  # [B, T, K, E]
-    return cache_BKSE.reshape(B * K, S, E)
-
-
-def cached_attention(q_BTHE, k_PSE, v_PSE, mask_BTS, positions_BT, score_mod=None):
-    """Dense grouped attention over a KV cache (jaxlm.attention's reference, cache-shaped), rows and kv heads
-    merged (P = B*K). Keys and values are both laid out [P, S, E]: the score product contracts the minor axis of q
-    and k, which XLA:CPU ran 1.3x faster than over keys [P, E, S] (and with keys [B, S, K, E] it transposed, i.e.
-    copied, every layer's keys for every token)."""
-    B, T, H, E = q_BTHE.shape
-    P, S, _ = k_PSE.shape
-    K, G = P // B, H // (P // B)
-    q_PJE = q_BTHE.reshape(B, T, K, G, E).transpose(0, 2, 3, 1, 4).reshape(P, G * T, E)  # J = G*T
-    scores = jnp.einsum("pje,pse->pjs", q_PJE * E**-0.5, k_PSE, preferred_element_type=jnp.float32)
-    scores = scores.reshape(B, K, G, T, S)
-    if score_mod is not None:
-        head = jnp.arange(H, dtype=jnp.int32).reshape(1, K, G, 1, 1)
-        scores = score_mod(scores, positions_BT[:, None, None, :, None], jnp.arange(S), head)
-    scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs_PJS = jax.nn.softmax(scores, axis=-1).astype(v_PSE.dtype).reshape(P, G * T, S)
-    out_PJE = jnp.einsum("pjs,pse->pje", probs_PJS, v_PSE)
-    return out_PJE.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4).reshape(B, T, H, E)
-
-
-def _one_document(mask: Mask) -> Mask:
-    if isinstance(mask, DocumentSlot):
-        return full()
-    if isinstance(mask, (And, Or)):
-        return type(mask)(tuple(_one_document(m) for m in mask.masks))
-    return mask
 
 
 class SwiGLU(nnx.Module):
@@ -299,11 +245,13 @@ def _value(variable):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool | None = None):
+        """`moe`: the MLP is a mixture of experts (None: as the config has experts)."""
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MoE(cfg, rngs=rngs) if cfg.num_experts else SwiGLU(cfg, rngs=rngs)
+        moe = bool(cfg.num_experts) if moe is None else moe
+        self.mlp = MoE(cfg, rngs=rngs) if moe else SwiGLU(cfg, rngs=rngs)
 
     def __call__(self, x_BTD, sin, cos, segment_ids_BT=None, positions_BT=None, inference=False):
         """(the layer's output, its MoE routing statistics: {} for a dense MLP). `inference`: MoE routes dropless
@@ -342,7 +290,14 @@ class Transformer(nnx.Module):
             )
         self.cfg = cfg
         self.embed = _param(rngs.params(), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 0.02)
-        self.blocks = _stacked_blocks(cfg, rngs)
+        # With dense layers between MoE ones (model.moe_every > 1) two stacks: `blocks` the dense layers, `moe_blocks`
+        # the MoE ones (ModelConfig.layer_slot says where layer i is); else one stack of all layers.
+        if cfg.num_moe_layers and cfg.moe_every > 1:
+            self.blocks = _stacked_blocks(cfg, rngs, cfg.num_layers - cfg.num_moe_layers, moe=False)
+            self.moe_blocks = _stacked_blocks(cfg, rngs, cfg.num_moe_layers, moe=True)
+        else:
+            self.blocks = _stacked_blocks(cfg, rngs)
+            self.moe_blocks = None
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs.params(), (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), 0.02)
@@ -356,8 +311,23 @@ class Transformer(nnx.Module):
         """(float32 logits [B, T, V], the MoE layers' routing statistics stacked [L, ...]: {} for a dense model)."""
         x_BTD = self.embed_tokens(tokens_BT)
         graphdef, stacked = nnx.split(self.blocks)
-        x_BTD, stats = apply_layers(self.cfg, graphdef, stacked, x_BTD, segment_ids_BT, positions_BT, inference)
+        moe = None if self.moe_blocks is None else nnx.split(self.moe_blocks)
+        x_BTD, stats = apply_layers(self.cfg, graphdef, stacked, x_BTD, segment_ids_BT, positions_BT, inference, moe)
         return self.logits(x_BTD), stats
+
+    def layer_graphdefs(self) -> tuple[nnx.GraphDef, ...]:
+        """Each layer's graphdef, in layer order (dense and MoE layers differ when model.moe_every > 1)."""
+        stacks = {"blocks": nnx.split(self.blocks)[0]}
+        if self.moe_blocks is not None:
+            stacks["moe_blocks"] = nnx.split(self.moe_blocks)[0]
+        return tuple(stacks[self.cfg.layer_slot(i)[0]] for i in range(self.cfg.num_layers))
+
+    def layer_states(self) -> tuple[nnx.State, ...]:
+        """Each layer's params, one state each, in layer order (what generation reads in place)."""
+        stacks = {"blocks": split_layers(nnx.state(self.blocks))}
+        if self.moe_blocks is not None:
+            stacks["moe_blocks"] = split_layers(nnx.state(self.moe_blocks))
+        return tuple(stacks[name][j] for name, j in map(self.cfg.layer_slot, range(self.cfg.num_layers)))
 
     # The three pieces below are what a pipeline schedule needs separately: the embedding before the first stage,
     # the layers (split over stages by `apply_layers`), the head after the last one.
@@ -390,21 +360,23 @@ class Transformer(nnx.Module):
         self, tokens_BT: jax.Array, *, segment_ids_BT=None, layers=None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(final hidden states x_BTD before the head, keys k_LBTKE, values v_LBTKE) of a block at positions 0..T-1.
-        `layers` (`split_layers` of the blocks' params), when a caller has them, are read in place (see decode)."""
-        graphdef, stacked = nnx.split(self.blocks)
+        `layers` (`layer_states()`), when a caller has them, are read in place (see decode)."""
         x_BTD = self.embed_tokens(tokens_BT)
-        return prefill_layers(self.cfg, graphdef, stacked, x_BTD, segment_ids_BT, layers=layers)
+        if self.moe_blocks is None and layers is None:
+            graphdef, stacked = nnx.split(self.blocks)
+            return prefill_layers(self.cfg, graphdef, stacked, x_BTD, segment_ids_BT)
+        layers = self.layer_states() if layers is None else layers
+        return prefill_layers(self.cfg, self.layer_graphdefs(), None, x_BTD, segment_ids_BT, layers=layers)
 
     def decode(self, tokens_BT, positions_BT, keys: tuple, values: tuple, layers=None, head=None, rows=None):
         """(float32 logits [B, T, V], keys, values) for tokens at `positions_BT` over a KV cache (per layer
         k_BKSE / v_BKSE; slot s holds position s), their keys and values written into it. A caller decoding many
-        tokens passes `layers` (`split_layers` of the blocks' params) and `head` (`head_params()`), made once:
+        tokens passes `layers` (`layer_states()`) and `head` (`head_params()`), made once:
         derived here, they would be copies of the weights made for every token; decoding one row, also `rows`
         (`row_weights`)."""
-        graphdef, stacked = nnx.split(self.blocks)
-        layers = split_layers(stacked) if layers is None else layers
+        layers = self.layer_states() if layers is None else layers
         x_BTD, keys, values = decode_layers(
-            self.cfg, graphdef, layers, self.embed_tokens(tokens_BT), positions_BT, keys, values, rows
+            self.cfg, self.layer_graphdefs(), layers, self.embed_tokens(tokens_BT), positions_BT, keys, values, rows
         )
         return head_logits(self.cfg, self.head_params() if head is None else head, x_BTD), keys, values
 
@@ -429,17 +401,26 @@ def apply_layers(
     segment_ids_BT=None,
     positions_BT=None,
     inference: bool = False,
+    moe: tuple[nnx.GraphDef, nnx.State] | None = None,
 ) -> tuple[jax.Array, dict]:
     """Runs the layers whose params are stacked along a leading axis (all of them, or one pipeline stage's):
-    (output, their MoE routing statistics stacked [L, ...], {} for dense layers)."""
+    (output, their MoE routing statistics stacked [L, ...], {} for dense layers). `moe`: the MoE layers' graphdef
+    and stack when dense layers sit between them (model.moe_every = k > 1; `stacked` then holds the dense ones):
+    the layers run in groups of k, k - 1 dense then one MoE, and the statistics are the MoE layers'."""
     sin, cos = rotary_tables(positions_BT, x_BTD.shape[1], cfg)
 
-    def layer(x, layer_state):
-        x, stats = nnx.merge(graphdef, layer_state)(x, sin, cos, segment_ids_BT, positions_BT, inference)
-        return constrain(x, ACTIVATION_AXES), stats
+    def runner(graphdef):
+        def layer(x, layer_state):
+            x, stats = nnx.merge(graphdef, layer_state)(x, sin, cos, segment_ids_BT, positions_BT, inference)
+            return constrain(x, ACTIVATION_AXES), stats
 
-    if cfg.remat != "none":
-        layer = jax.checkpoint(layer, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
+        if cfg.remat != "none":
+            return jax.checkpoint(layer, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
+        return layer
+
+    layer = runner(graphdef)
+    if moe is not None:
+        return _apply_groups(cfg, layer, runner(moe[0]), stacked, moe[1], x_BTD)
     if cfg.scan_layers:
         return jax.lax.scan(layer, x_BTD, stacked, unroll=cfg.scan_unroll)
     # Unrolled: split the stacked params once (its gradient is one concatenate, where per-layer indexing would
@@ -454,36 +435,64 @@ def apply_layers(
     return x_BTD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
 
 
+def _apply_groups(cfg: ModelConfig, dense_layer, moe_layer, dense_stacked, moe_stacked, x_BTD):
+    """Groups of moe_every layers, k - 1 dense then one MoE, scanned over the groups (or unrolled)."""
+    k, groups = cfg.moe_every, cfg.num_moe_layers
+    dense_GK = jax.tree.map(lambda a: a.reshape(groups, k - 1, *a.shape[1:]), dense_stacked)
+
+    def group(x, states):
+        dense_K, moe_state = states
+        for j in range(k - 1):
+            x, _ = dense_layer(x, jax.tree.map(lambda a: a[j], dense_K))
+        return moe_layer(x, moe_state)
+
+    if cfg.scan_layers:
+        return jax.lax.scan(group, x_BTD, (dense_GK, moe_stacked), unroll=cfg.scan_unroll)
+    per_group = []
+    for g in range(groups):
+        x_BTD, stats = group(x_BTD, jax.tree.map(lambda a: a[g], (dense_GK, moe_stacked)))
+        per_group.append(stats)
+    return x_BTD, jax.tree.map(lambda *xs: jnp.stack(xs), *per_group)
+
+
 def prefill_layers(cfg: ModelConfig, graphdef, stacked, x_BTD, segment_ids_BT=None, layers=None):
     """`apply_layers` without remat or pipeline, also returning every layer's keys and values [L, B, T, K, E].
     Given `layers` (one state each, made once by a caller), they are run unrolled and read where they lie: split
     from the stack here, every layer's weights were copied (at batch 1 and 64 tokens, most of gpt-bench's prefill
-    on CPU)."""
+    on CPU). `graphdef`: one for every layer, or with `layers` a tuple of each layer's."""
     sin, cos = rotary_tables(None, x_BTD.shape[1], cfg)
 
-    def layer(x, layer_state):
+    def layer(graphdef, x, layer_state):
         x, k_BTKE, v_BTKE = nnx.merge(graphdef, layer_state).prefill(x, sin, cos, segment_ids_BT)
         return constrain(x, ACTIVATION_AXES), (k_BTKE, v_BTKE)
 
     if cfg.scan_layers and layers is None:
-        x_BTD, (k_LBTKE, v_LBTKE) = jax.lax.scan(layer, x_BTD, stacked, unroll=cfg.scan_unroll)
+        x_BTD, (k_LBTKE, v_LBTKE) = jax.lax.scan(
+            functools.partial(layer, graphdef), x_BTD, stacked, unroll=cfg.scan_unroll
+        )
         return x_BTD, k_LBTKE, v_LBTKE
+    layers = split_layers(stacked) if layers is None else layers
     keys, values = [], []
-    for layer_state in split_layers(stacked) if layers is None else layers:
-        x_BTD, (k_BTKE, v_BTKE) = layer(x_BTD, layer_state)
+    for layer_graphdef, layer_state in zip(_per_layer(graphdef, len(layers)), layers, strict=True):
+        x_BTD, (k_BTKE, v_BTKE) = layer(layer_graphdef, x_BTD, layer_state)
         keys.append(k_BTKE)
         values.append(v_BTKE)
     return x_BTD, jnp.stack(keys), jnp.stack(values)
 
 
+def _per_layer(graphdef, num_layers: int) -> tuple:
+    return graphdef if isinstance(graphdef, tuple) else (graphdef,) * num_layers
+
+
 def decode_layers(cfg: ModelConfig, graphdef, layers, x_BTD, positions_BT, keys: tuple, values: tuple, rows=None):
     """The layers for new tokens, unrolled over per-layer params and caches: every weight and cache entry is read
     where it lies. Slicing one layer out of a stack (scan or not) copied all of its weights every token. `rows`:
-    per layer its `row_weights`, or None."""
+    per layer its `row_weights`, or None. `graphdef`: one for every layer, or a tuple of each layer's."""
     sin, cos = rotary_tables(positions_BT, x_BTD.shape[1], cfg)
     new_keys, new_values = [], []
+    graphdefs = _per_layer(graphdef, len(layers))
     for i, (layer_state, k_BKSE, v_BKSE) in enumerate(zip(layers, keys, values, strict=True)):
-        block = nnx.merge(graphdef, layer_state)
+        block = nnx.merge(graphdefs[i], layer_state)
         x_BTD, k_BKSE, v_BKSE = block.decode(x_BTD, sin, cos, positions_BT, k_BKSE, v_BKSE, rows and rows[i])
         x_BTD = constrain(x_BTD, ACTIVATION_AXES)
         new_keys.append(k_BKSE)
@@ -510,13 +519,13 @@ def split_layers(stacked: nnx.State) -> tuple[nnx.State, ...]:
     return tuple(treedef.unflatten([leaf[i] for leaf in leaves]) for i in range(leaves[0].shape[0]))
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-    """num_layers Blocks whose params carry a leading `layers` axis."""
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, count: int | None = None, moe: bool | None = None) -> Block:
+    """`count` (default num_layers) Blocks whose params carry a leading `layers` axis; `moe` as Block's."""
 
-    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.split_rngs(splits=count or cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
-        return Block(cfg, rngs=rngs)
+        return Block(cfg, rngs=rngs, moe=moe)
 
     blocks = make(rngs)
     for _, variable in nnx.iter_graph(blocks):
@@ -535,5 +544,5 @@ def model_flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int) -> fl
     counting the full T x T, not only the causal half)."""
     if cfg.num_experts:
         per_expert = 3 * cfg.d_model * cfg.expert_mlp_dim
-        num_params -= cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * per_expert
+        num_params -= cfg.num_moe_layers * (cfg.num_experts - cfg.experts_per_token) * per_expert
     return 6 * num_params + 12 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len

@@ -237,22 +237,24 @@ def train_step(
     if layout is not None and layout.context > 1:
         metrics |= _context_balance(nnx.merge(graphdef, state.params).cfg, layout, batch)
     if stats:
-        metrics |= moe_metrics(stats, new_params)
+        metrics |= moe_metrics(stats, new_params, nnx.merge(graphdef, state.params).cfg.moe_every)
     return TrainState(state.step + 1, keep(new_params, state.params), keep(opt_state, state.opt_state)), metrics
 
 
-def moe_metrics(stats: dict, params: nnx.State) -> dict:
+def moe_metrics(stats: dict, params: nnx.State, moe_every: int = 1) -> dict:
     """Step metrics of the MoE layers from their routing statistics [L, ...]: the routers' aux and z losses (means
-    over layers), per layer the load of the busiest expert over the mean, the load's entropy over its maximum
-    (1: uniform) and the copies dropped over capacity, and the spread of the load-steering biases."""
+    over layers), per layer (named by its index in the model: MoE layer i is layer (i + 1) * moe_every - 1) the
+    load of the busiest expert over the mean, the load's entropy over its maximum (1: uniform) and the copies
+    dropped over capacity, and the spread of the load-steering biases."""
     load_LX = stats["load"]
     X = load_LX.shape[-1]
     entropy_L = -jnp.sum(load_LX * jnp.log(jnp.where(load_LX > 0, load_LX, 1.0)), axis=-1) / jnp.log(X)
     out = {"moe_aux_loss": stats["aux"].mean(), "moe_z_loss": stats["z"].mean()}
     for i in range(load_LX.shape[0]):
-        out[f"moe_load_max_over_mean/{i}"] = load_LX[i].max() * X
-        out[f"moe_load_entropy/{i}"] = entropy_L[i]
-        out[f"moe_dropped/{i}"] = stats["dropped"][i].astype(jnp.float32)
+        layer = (i + 1) * moe_every - 1
+        out[f"moe_load_max_over_mean/{layer}"] = load_LX[i].max() * X
+        out[f"moe_load_entropy/{layer}"] = entropy_L[i]
+        out[f"moe_dropped/{layer}"] = stats["dropped"][i].astype(jnp.float32)
     biases = jax.tree.leaves(nnx.split_state(params, RouterBias, ...)[0])
     if biases:
         out["moe_bias_range"] = jnp.max(jnp.stack([jnp.max(b.max(-1) - b.min(-1)) for b in biases]))

@@ -43,8 +43,8 @@ def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1) -> floa
     else:
         attention = (3 * h + 2 * k) * E * cb + h * 4
     mlp = 6 * f * cb
-    if cfg.num_experts:
-        mlp = moe_residual_bytes(cfg, tensor)
+    if cfg.num_experts:  # a layer's share: one MoE layer in every moe_every
+        mlp = (mlp * (cfg.moe_every - 1) + moe_residual_bytes(cfg, tensor)) / cfg.moe_every
     return norms + attention + mlp
 
 
@@ -138,9 +138,8 @@ def memory_per_device(
     residuals = layer_residual_bytes(cfg, seq_len, logical_shards("heads", layout)) * tokens  # one layer, no remat
     if cfg.num_experts and logical_shards("expert", layout) > 1:  # worst-case exchange buffers (sharding.experts)
         tp = logical_shards("mlp", layout)
-        residuals += (
-            moe_residual_bytes(cfg, tp, logical_shards("expert", layout)) - moe_residual_bytes(cfg, tp)
-        ) * tokens
+        exchange = moe_residual_bytes(cfg, tp, logical_shards("expert", layout)) - moe_residual_bytes(cfg, tp)
+        residuals += exchange / cfg.moe_every * tokens
     layer_input = cfg.d_model * cb * tokens
     kept = layer_input if remat == "full" else residuals  # what a layer keeps per microbatch for the backward
     logits = tokens * cfg.vocab_size / logical_shards("vocab", layout) * 4

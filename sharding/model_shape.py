@@ -33,6 +33,7 @@ class ModelShape:
     # mixture of experts (jaxlm.moe): 0 experts is dense; else every layer's MLP is num_experts experts of
     # expert_mlp_dim, experts_per_token chosen per token, plus num_shared_experts always on
     num_experts: int = 0
+    moe_every: int = 1  # experts in layers k-1, 2k-1, ...; the rest dense
     experts_per_token: int = 2
     expert_mlp_dim: int = 0
     num_shared_experts: int = 0
@@ -114,35 +115,47 @@ def param_specs(cfg: ModelShape) -> list[ParamSpec]:
         cfg.mlp_dim,
         cfg.resolved_head_dim,
     )
-    specs = [
-        ParamSpec("embed", (V, D), ("vocab", "embed")),
-        ParamSpec("blocks.attn_norm.scale", (L, D), ("layers", "embed")),
-        ParamSpec("blocks.attn.wqkv", (L, D, K, H // K + 2, E), ("layers", "embed", "kv_heads", None, "head_dim")),
-        ParamSpec("blocks.attn.wo", (L, H, E, D), ("layers", "heads", "head_dim", "embed")),
-        ParamSpec("blocks.mlp_norm.scale", (L, D), ("layers", "embed")),
-        ParamSpec("final_norm.scale", (D,), ("embed",)),
-    ]
-    if cfg.qk_norm:
-        specs += [ParamSpec(f"blocks.attn.{n}.scale", (L, E), ("layers", "head_dim")) for n in ("q_norm", "k_norm")]
-    if not cfg.num_experts:
+    specs = [ParamSpec("embed", (V, D), ("vocab", "embed")), ParamSpec("final_norm.scale", (D,), ("embed",))]
+    moe_layers = L // cfg.moe_every if cfg.num_experts else 0
+    # one stack of every layer, or with dense layers between MoE ones (moe_every > 1) `blocks` and `moe_blocks`
+    stacks = [("blocks", L, moe_layers == L)] if moe_layers in (0, L) else [("blocks", L - moe_layers, False)]
+    if 0 < moe_layers < L:
+        stacks.append(("moe_blocks", moe_layers, True))
+    for stack, n, moe in stacks:
         specs += [
-            ParamSpec("blocks.mlp.w_in", (L, D, 2, F), ("layers", "embed", None, "mlp")),
-            ParamSpec("blocks.mlp.w_out", (L, F, D), ("layers", "mlp", "embed")),
+            ParamSpec(f"{stack}.attn_norm.scale", (n, D), ("layers", "embed")),
+            ParamSpec(
+                f"{stack}.attn.wqkv", (n, D, K, H // K + 2, E), ("layers", "embed", "kv_heads", None, "head_dim")
+            ),
+            ParamSpec(f"{stack}.attn.wo", (n, H, E, D), ("layers", "heads", "head_dim", "embed")),
+            ParamSpec(f"{stack}.mlp_norm.scale", (n, D), ("layers", "embed")),
         ]
-    else:  # jaxlm.moe.MoE: the router, the stacked experts, the shared experts fused into one SwiGLU
-        X, F, S = cfg.num_experts, cfg.expert_mlp_dim, cfg.num_shared_experts * cfg.expert_mlp_dim
-        specs += [
-            ParamSpec("blocks.mlp.router", (L, D, X), ("layers", "embed", None)),
-            ParamSpec("blocks.mlp.w_in", (L, X, D, 2, F), ("layers", "expert", "embed", None, "mlp")),
-            ParamSpec("blocks.mlp.w_out", (L, X, F, D), ("layers", "expert", "mlp", "embed")),
-        ]
-        if S:
+        if cfg.qk_norm:
             specs += [
-                ParamSpec("blocks.mlp.shared_in", (L, D, 2, S), ("layers", "embed", None, "mlp")),
-                ParamSpec("blocks.mlp.shared_out", (L, S, D), ("layers", "mlp", "embed")),
+                ParamSpec(f"{stack}.attn.{q}.scale", (n, E), ("layers", "head_dim")) for q in ("q_norm", "k_norm")
             ]
+        specs += _moe_specs(cfg, stack, n) if moe else [
+            ParamSpec(f"{stack}.mlp.w_in", (n, D, 2, F), ("layers", "embed", None, "mlp")),
+            ParamSpec(f"{stack}.mlp.w_out", (n, F, D), ("layers", "mlp", "embed")),
+        ]  # fmt: skip
     if not cfg.tie_embeddings:
         specs.append(ParamSpec("lm_head", (D, V), ("embed", "vocab")))
+    return specs
+
+
+def _moe_specs(cfg: ModelShape, stack: str, n: int) -> list[ParamSpec]:
+    """jaxlm.moe.MoE's params: the router, the stacked experts, the shared experts fused into one SwiGLU."""
+    D, X, F, S = cfg.d_model, cfg.num_experts, cfg.expert_mlp_dim, cfg.num_shared_experts * cfg.expert_mlp_dim
+    specs = [
+        ParamSpec(f"{stack}.mlp.router", (n, D, X), ("layers", "embed", None)),
+        ParamSpec(f"{stack}.mlp.w_in", (n, X, D, 2, F), ("layers", "expert", "embed", None, "mlp")),
+        ParamSpec(f"{stack}.mlp.w_out", (n, X, F, D), ("layers", "expert", "mlp", "embed")),
+    ]
+    if S:
+        specs += [
+            ParamSpec(f"{stack}.mlp.shared_in", (n, D, 2, S), ("layers", "embed", None, "mlp")),
+            ParamSpec(f"{stack}.mlp.shared_out", (n, S, D), ("layers", "mlp", "embed")),
+        ]
     return specs
 
 
@@ -152,7 +165,8 @@ def count_params(cfg: ModelShape) -> int:
 
 def active_params(cfg: ModelShape) -> int:
     """Params one token's forward multiplies by: an MoE layer's unchosen experts do not count (the FLOPs' N)."""
-    idle = cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.expert_mlp_dim
+    moe_layers = cfg.num_layers // cfg.moe_every
+    idle = moe_layers * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.expert_mlp_dim
     return count_params(cfg) - (idle if cfg.num_experts else 0)
 
 

@@ -212,7 +212,7 @@ def expert_all_to_all_bytes(cfg: ModelShape, layout: MeshLayout, batch_tokens: i
     device_tokens = batch_tokens / logical_shards("batch", layout)  # every microbatch's
     buffer = E * device_tokens * cfg.experts_per_token * cfg.d_model * dtype_bytes(cfg)
     passes = 2 * (3 if remat == "full" else 2)  # out and back, in each forward and backward
-    return cfg.num_layers * passes * buffer * (E - 1) / E
+    return cfg.num_layers // cfg.moe_every * passes * buffer * (E - 1) / E
 
 
 def expert_comm_seconds(cfg: ModelShape, layout: MeshLayout, batch_tokens: int, remat: str, bandwidth: float):
@@ -228,7 +228,9 @@ def _divisors(n: int) -> list[int]:
 
 def tensor_sizes(cfg: ModelShape, devices: int, hw: Hardware) -> list[int]:
     """Tensor-parallel sizes: inside the fast domain, splitting heads, kv heads, MLP and vocab evenly."""
-    dims = (cfg.num_heads, cfg.num_kv_heads, cfg.expert_mlp_dim if cfg.num_experts else cfg.mlp_dim, cfg.vocab_size)
+    dims = (cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size)
+    dims += (cfg.expert_mlp_dim,) if cfg.num_experts else ()
+    dims += (cfg.mlp_dim,) if not cfg.num_experts or cfg.moe_every > 1 else ()
     return [t for t in _divisors(devices) if t <= hw.devices_per_node and all(n % t == 0 for n in dims)]
 
 

@@ -67,9 +67,15 @@ FAMILIES = {  # 4 experts, 2 per token; Qwen3's head dim 16 (not 32 / 4) as its 
     ),
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SHARED, intermediate_size=48, head_dim=16)),
     "qwen3_moe": lambda: Qwen3MoeForCausalLM(
-        Qwen3MoeConfig(
-            **SHARED, **EXPERTS, intermediate_size=48, head_dim=16, num_experts=4, moe_intermediate_size=24
-        )  # norm_topk_prob False: the top-k weights as the softmax gave them
+        Qwen3MoeConfig(  # experts in every second layer (model.moe_every); the top-k weights not renormalized
+            **SHARED,
+            **EXPERTS,
+            intermediate_size=48,
+            head_dim=16,
+            num_experts=4,
+            moe_intermediate_size=24,
+            decoder_sparse_step=2,
+        )
     ),
 }
 
@@ -102,7 +108,7 @@ def test_hf_to_jaxlm_logits_match_transformers(saved):
     assert hf.family_of(cfg).model_type == family and cfg.qk_norm == family.startswith("qwen3")
     if family != "qwen3":
         assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_mlp_dim) == (4, 2, 24)
-        assert cfg.router_norm_topk == (family == "mixtral")
+        assert (cfg.router_norm_topk, cfg.moe_every) == ((True, 1) if family == "mixtral" else (False, 2))
     assert {k: v.shape for k, v in tensors.items()} == hf.hf_shapes(cfg, V)  # the Hub's names, as saved
     params = hf.params_from_hf(cfg, V, lambda name: tensors[name])
     x = tokens()
@@ -149,8 +155,10 @@ def test_refused_exports_name_the_setting():
     with pytest.raises(hf.HFError, match="router_norm_topk is false, and Mixtral always renormalizes"):
         hf.check_exportable(dataclasses.replace(cfg, router_norm_topk=False))
     qwen = hf_model("qwen3_moe").config.to_dict()
-    with pytest.raises(hf.HFError, match="decoder_sparse_step is 2 .* experts in every layer"):
-        hf.model_config_from_hf({**qwen, "decoder_sparse_step": 2})
+    with pytest.raises(hf.HFError, match=r"mlp_only_layers is \[0\]: jaxlm's Qwen3-MoE places its dense layers"):
+        hf.model_config_from_hf({**qwen, "mlp_only_layers": [0]})
+    with pytest.raises(hf.HFError, match="model.moe_every is 2, and Mixtral has experts in every layer"):
+        hf.check_exportable(dataclasses.replace(cfg, moe_every=2))
     with pytest.raises(hf.HFError, match="sliding_window is 16; jaxlm's Qwen3 attends over the whole row"):
         hf.model_config_from_hf(
             {**hf_model("qwen3").config.to_dict(), "use_sliding_window": True, "sliding_window": 16}
@@ -161,12 +169,13 @@ def test_a_qwen3_moe_checkpoint_exports_imports_back_bit_for_bit_and_evaluates_a
     """A jaxlm MoE with QK-norm (sharded export over 8 devices) -> Qwen3MoeForCausalLM computes its logits; import
     -> the same params bit for bit; `experiments.evaluate` on the imported workdir gives transformers' loss, and
     `experiments.generate` (greedy) transformers' continuation."""
-    moe = dict(num_experts=4, experts_per_token=2, expert_mlp_dim=24, qk_norm=True, router_norm_topk=False)
+    moe = dict(num_experts=4, experts_per_token=2, expert_mlp_dim=24, qk_norm=True, router_norm_topk=False, moe_every=2)
     workdir, cfg, params = jaxlm_workdir(tmp_path, **moe)
     out = tmp_path / "hf"
     assert export_hf.main(["--workdir", str(workdir), "--out", str(out), "--max-shard-mb", "0.02"]) == 0
     theirs = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
     assert type(theirs) is Qwen3MoeForCausalLM and theirs.config.norm_topk_prob is False
+    assert theirs.config.decoder_sparse_step == 2 and "moe_blocks" in params  # layer 0 dense, layer 1 experts
     x = np.random.default_rng(0).integers(0, 257, (2, 32)).astype(np.int32)
     assert rel(hf_logits(theirs, x), jax_logits(jax_model(cfg.model, params), x)[..., :257]) < 1e-5
 

@@ -138,15 +138,17 @@ def test_bad_moe_configs_are_refused_in_one_line():
         ModelConfig(num_experts=4, router="top1").validate()
     with pytest.raises(ConfigError, match="model.capacity_factor must be >= 0"):
         ModelConfig(num_experts=4, capacity_factor=-1.0).validate()
+    with pytest.raises(ConfigError, match=r"model.moe_every \(3\) must divide model.num_layers \(4\)"):
+        ModelConfig(num_experts=4, num_layers=4, moe_every=3).validate()
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
         pytest.param(dict(router="softmax", microbatches=1), marks=pytest.mark.slow, id="softmax-dropless"),
-        pytest.param(
-            dict(router="sigmoid_bias", capacity_factor=1.0, num_shared_experts=1, microbatches=2),
-            id="bias-capacity-shared-2micro",
+        pytest.param(  # layer 0 dense, layer 1 MoE
+            dict(router="sigmoid_bias", capacity_factor=1.0, num_shared_experts=1, moe_every=2, microbatches=2),
+            id="bias-capacity-shared-every2-2micro",
         ),
     ],
 )
@@ -166,12 +168,14 @@ def test_an_moe_model_trains_and_logs_its_routing(overrides):
         state, metrics = program.train_step(state, batch)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0] - 0.3, losses
-    L = cfg.model.num_layers
-    assert {f"moe_load_max_over_mean/{i}" for i in range(L)} <= set(metrics)
-    assert 0 < float(metrics["moe_load_entropy/0"]) <= 1 and float(metrics["moe_aux_loss"]) >= 1 - 1e-3
+    k = cfg.model.moe_every
+    moe_layers = [i for i in range(cfg.model.num_layers) if (i + 1) % k == 0]  # named by their index in the model
+    assert {m for m in metrics if m.startswith("moe_load_max")} == {f"moe_load_max_over_mean/{i}" for i in moe_layers}
+    last = moe_layers[-1]
+    assert 0 < float(metrics[f"moe_load_entropy/{last}"]) <= 1 and float(metrics["moe_aux_loss"]) >= 1 - 1e-3
     if overrides["router"] == "sigmoid_bias":
         assert float(metrics["moe_bias_range"]) > 0  # the biases moved
-        assert all(math.isfinite(float(metrics[f"moe_dropped/{i}"])) for i in range(L))
+        assert all(math.isfinite(float(metrics[f"moe_dropped/{i}"])) for i in moe_layers)
 
 
 # ----------------------------------------------------------------------------- expert parallelism == one device

@@ -37,9 +37,10 @@ H100 = get_hardware("h100-sxm")
 
 
 MOE = dict(qk_norm=True, num_experts=4, experts_per_token=2, expert_mlp_dim=32, num_shared_experts=1)
+CASES = [(True, {}), (False, {}), (False, MOE), (False, {**MOE, "moe_every": 3})]
 
 
-@pytest.mark.parametrize("tie, extra", [(True, {}), (False, {}), (False, MOE)], ids=["tied", "untied", "moe_qk_norm"])
+@pytest.mark.parametrize("tie, extra", CASES, ids=["tied", "untied", "moe_qk_norm", "moe_every_3rd_layer"])
 def test_param_formula_equals_a_real_model(tie, extra):
     cfg = ModelConfig(
         vocab_size=96, d_model=48, num_layers=3, num_heads=6, num_kv_heads=2, mlp_dim=80, tie_embeddings=tie, **extra

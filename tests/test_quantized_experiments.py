@@ -144,6 +144,9 @@ def test_the_checkpoint_s_own_config_is_used_not_the_workdir_s(trained, tmp_path
     _edit_saved_config(copy, 20, lambda c: c["model"].update(matmul_precision="fp8"))
     code, _, err = run(capsys, "--workdir", copy)
     assert code == 2 and "already trained with model.matmul_precision='fp8'" in err
+    _edit_saved_config(copy, 20, lambda c: c["model"].update(matmul_precision="default", num_experts=4))
+    code, _, err = run(capsys, "--workdir", copy)
+    assert code == 2 and "is a mixture of experts (model.num_experts = 4); post-training quantization covers" in err
 
 
 def test_quantized_tensor_table_covers_an_untied_head(trained):
