@@ -8,9 +8,10 @@ are chosen, their scores normalized as weights; the bias only steers selection a
 toward uniform load, so no auxiliary loss has to be tuned). Router math is float32.
 
 Dispatch is dropless by default: the token copies are sorted by expert and multiplied with grouped matmuls
-(``jaxlm.grouped_matmul``: ``lax.ragged_dot``, in tiles on CPU), so no token is dropped. ``capacity_factor > 0``
-gives each expert Q = ceil(capacity_factor * U * k / X) slots instead and drops the copies past them (in token
-order), the fixed shapes an all-to-all wants; the dropped count is a metric.
+(``jaxlm.grouped_matmul``: ``lax.ragged_dot`` on TPU, tiles elsewhere), so no token is dropped.
+``capacity_factor > 0`` gives each expert Q = ceil(capacity_factor * U * k / X) slots instead and drops the copies
+past them (in token order), the fixed shapes an all-to-all wants; the dropped count is a metric. Under a mesh both
+run per device on its U tokens (sharding.experts), so capacity is per device, as every sharded MoE counts it.
 
 Shape letters beyond the legend (docs/architecture.md): U tokens (B * T), X experts, Z experts per token,
 A = U * Z token copies, Q slots per expert (capacity); C is the fused gate / up projection's two halves.
@@ -19,7 +20,6 @@ A = U * Z token copies, Q slots per expert (capacity); C is the fused gate / up 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from flax import nnx
 from jaxlm.config import ModelConfig
 from jaxlm.grouped_matmul import Groups
 from sharding import experts
+from sharding.experts import capacity, expert_ranks
 from sharding.rules import LOGICAL_AXES_KEY
 
 
@@ -68,11 +69,10 @@ class MoE(nnx.Module):
             logits_UX, cfg.experts_per_token, cfg.router, cfg.router_norm_topk, bias_X
         )
         w_in, w_out = self.w_in[...].astype(x_UD.dtype), self.w_out[...].astype(x_UD.dtype)
-        if cfg.capacity_factor > 0 and not dropless:
-            y_UD, dropped = capacity_experts(x_UD, weights_UZ, experts_UZ, w_in, w_out, cfg.capacity_factor)
-        else:  # where the experts live is sharding's business: one device, or exchanged over the expert axis
-            y_UD = experts.dispatch(dropless_experts, x_UD, weights_UZ, experts_UZ, w_in, w_out)
-            dropped = jnp.zeros((), jnp.int32)
+        factor = 0.0 if dropless else cfg.capacity_factor
+        # where the experts live is sharding's business: per device, or exchanged over the expert axis
+        local = functools.partial(capacity_experts, factor=factor) if factor > 0 else _dropless
+        y_UD, dropped = experts.dispatch(local, x_UD, weights_UZ, experts_UZ, w_in, w_out, factor)
         if cfg.num_shared_experts:
             y_UD = y_UD + swiglu_mlp(
                 x_UD, self.shared_in[...].astype(x_UD.dtype), self.shared_out[...].astype(x_UD.dtype)
@@ -101,13 +101,6 @@ def route(logits_UX, k: int, router: str, norm_topk: bool, bias_X=None):
 def swiglu_mlp(x_UD, w_in_DCF, w_out_FD):
     h_UCF = jnp.einsum("nd,dcf->ncf", x_UD, w_in_DCF)
     return (jax.nn.silu(h_UCF[:, 0]) * h_UCF[:, 1]) @ w_out_FD
-
-
-def _sort_by_expert(experts_UZ):
-    """(order [A]: token copies sorted by expert, stably; expert of each sorted copy [A]; copies per expert [X])."""
-    experts_A = experts_UZ.reshape(-1)
-    order_A = jnp.argsort(experts_A, stable=True)
-    return order_A, experts_A[order_A]
 
 
 def dropless_experts(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD, tiled: bool | None = None):
@@ -142,20 +135,17 @@ def _swiglu_halves_bwd(h, dy):
 swiglu_halves.defvjp(_swiglu_halves_fwd, _swiglu_halves_bwd)
 
 
-def capacity(num_tokens: int, k: int, num_experts: int, factor: float) -> int:
-    """Slots per expert: ceil(factor * tokens * k / experts)."""
-    return max(1, math.ceil(factor * num_tokens * k / num_experts))
+def _dropless(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD):
+    return dropless_experts(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD), jnp.zeros((), jnp.int32)
 
 
 def capacity_experts(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD, factor: float):
     """(output [U, D], copies dropped): each expert's first Q copies (in token order) go to its buffer, the rest
-    contribute nothing."""
+    contribute nothing. Under a mesh this runs per device on its tokens (sharding.experts.dispatch), Q of each."""
     U, Z = experts_UZ.shape
     X, D, _, F = w_in_XDCF.shape
     Q = capacity(U, Z, X, factor)
-    order_A, sorted_experts_A = _sort_by_expert(experts_UZ)
-    starts_X = jnp.cumsum(jnp.bincount(sorted_experts_A, length=X)) - jnp.bincount(sorted_experts_A, length=X)
-    rank_A = jnp.arange(U * Z) - starts_X[sorted_experts_A]
+    order_A, sorted_experts_A, rank_A = expert_ranks(experts_UZ.reshape(-1), X)
     kept_A = rank_A < Q
     slot_A = jnp.where(kept_A, sorted_experts_A * Q + rank_A, X * Q)  # dropped copies go to a scratch row
     buffer_XQD = jnp.zeros((X * Q + 1, D), x_UD.dtype).at[slot_A].set(x_UD[order_A // Z])[:-1].reshape(X, Q, D)

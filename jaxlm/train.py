@@ -327,11 +327,6 @@ class Program:
                 f"model.num_experts = {cfg.model.num_experts} is not divisible by mesh axis 'expert' = "
                 f"{layout.expert} (each device holds num_experts / expert experts of every MoE layer)"
             )
-        if layout.expert > 1 and cfg.model.capacity_factor > 0:
-            raise config_lib.ConfigError(
-                "model.capacity_factor > 0 does not run with an expert axis yet; the expert axis exchanges tokens "
-                "dropless (capacity_factor=0)"
-            )
         rules = layout.rules
         self.cfg, self.mesh, self.layout = cfg, mesh, layout
         self.microbatches = step_microbatches(cfg, layout, mesh.devices.flat[0].platform)

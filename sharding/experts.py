@@ -9,7 +9,8 @@ of the expert axis, A its copies: the most any one destination can get, so nothi
 delivers every source's buffer to its destination, which runs its own experts over what arrived (empty slots are
 zero rows, given no expert's weight), and a second all-to-all brings the outputs home, where they are unsorted and
 mixed as on one device. Buffers and transfers are worst-case sized (E x a device's copies); capacity-limited
-dispatch bounds them (not under this axis yet).
+dispatch bounds them: each expert takes Q copies per source device, so a device sends [W, Q] slots to each
+destination (``_exchange_slots``).
 
 Shape letters: those of jaxlm.moe (U tokens, Z experts per token, A copies, X experts) and E devices of the
 expert axis, W = X / E experts per device.
@@ -33,14 +34,30 @@ def expert_axes() -> tuple[str, ...]:
     return active_mesh_axes("expert")
 
 
-def dispatch(local: Callable, x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD):
-    """``local(x_UD, weights_UZ, experts_UZ, w_in, w_out) -> y_UD`` over the experts the weights hold, run per
-    device on its own tokens: with the copies exchanged over an expert axis, else as it is. Per device, because
-    routing sorts the copies by expert: over tokens split across devices that sort (and each grouped-matmul step)
-    would be a global one, all-gathers inside every layer (Qwen3-30B-A3B on 64 H100s: 1.2 TB of them per step).
-    The tokens split over the batch axes and the tensor axes too (each tensor rank takes a share of the rows with
-    whole experts, where splitting the experts' width would need a sum of partial outputs), so no expert product
-    is computed twice; weights are gathered as FSDP gathers them."""
+def capacity(num_tokens: int, k: int, num_experts: int, factor: float) -> int:
+    """Slots per expert for ``num_tokens`` tokens: ceil(factor * tokens * k / experts)."""
+    return max(1, math.ceil(factor * num_tokens * k / num_experts))
+
+
+def expert_ranks(experts_A, num_experts: int):
+    """(order [A]: copies sorted by expert, stably (token order within one); their experts; each sorted copy's rank
+    among its expert's copies): what capacity dispatch keeps the first Q of."""
+    order_A = jnp.argsort(experts_A, stable=True)
+    sorted_A = experts_A[order_A]
+    counts_X = jnp.bincount(sorted_A, length=num_experts)
+    return order_A, sorted_A, jnp.arange(experts_A.shape[0]) - (jnp.cumsum(counts_X) - counts_X)[sorted_A]
+
+
+def dispatch(local: Callable, x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD, capacity_factor: float = 0.0):
+    """(y_UD, copies dropped over capacity) of ``local(x_UD, weights_UZ, experts_UZ, w_in, w_out) -> (y_UD,
+    dropped)`` over the experts the weights hold, run per device on its own tokens: with the copies exchanged over
+    an expert axis, else as it is. Per device, because routing sorts the copies by expert: over tokens split across
+    devices that sort (and each grouped-matmul step) would be a global one, all-gathers inside every layer
+    (Qwen3-30B-A3B on 64 H100s: 1.2 TB of them per step). The tokens split over the batch axes and the tensor axes
+    too (each tensor rank takes a share of the rows with whole experts, where splitting the experts' width would
+    need a sum of partial outputs), so no expert product is computed twice; weights are gathered as FSDP gathers
+    them. ``capacity_factor > 0``: ``local`` is capacity dispatch, so each device's experts take capacity_factor x
+    their fair share of that device's copies; over an expert axis the exchange then sends those slots only."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return local(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)
@@ -58,15 +75,20 @@ def dispatch(local: Callable, x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD
     free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
 
     def shard(x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD):
+        args = (x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD)
         if not axes:
-            return local(x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD)
-        return _exchange(local, axes, E, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD)
+            y_UD, dropped = local(*args)
+        elif capacity_factor > 0:
+            y_UD, dropped = _exchange_slots(axes, E, capacity_factor, *args)
+        else:
+            y_UD, dropped = _exchange(local, axes, E, *args), jnp.zeros((), jnp.int32)
+        return y_UD, jax.lax.psum(dropped, batch) if batch else dropped
 
     return jax.shard_map(
         shard,
         mesh=mesh,
         in_specs=(rows, rows, rows, experts, P(axes or None, None, None)),
-        out_specs=rows,
+        out_specs=(rows, P()),
         axis_names=free,
         check_vma=False,
     )(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)
@@ -92,8 +114,31 @@ def _exchange(local, axes, E: int, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_ou
     w_in = jnp.concatenate([w_in_WDCF, jnp.zeros_like(w_in_WDCF[:1])])
     w_out = jnp.concatenate([w_out_WFD, jnp.zeros_like(w_out_WFD[:1])])
     ones = jnp.ones((E * A, 1), jnp.float32)
-    out_EAD = local(recv_EAD.reshape(E * A, D), ones, recv_EA.reshape(E * A, 1), w_in, w_out).reshape(E, A, D)
+    out_EAD = local(recv_EAD.reshape(E * A, D), ones, recv_EA.reshape(E * A, 1), w_in, w_out)[0].reshape(E, A, D)
     back_EAD = jax.lax.all_to_all(out_EAD, axes, 0, 0)
     y_AD = back_EAD[dest_A, slot_A]  # in sorted order
     y_UZD = y_AD[jnp.argsort(order_A)].reshape(U, Z, D)
     return jnp.einsum("uzd,uz->ud", y_UZD, weights_UZ.astype(y_UZD.dtype))
+
+
+def _exchange_slots(axes, E: int, factor: float, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD):
+    """Capacity dispatch over the expert axis: each of the device's experts keeps its first Q copies, and the
+    device sends destination e a [W, Q] block of slots (W experts there), not the worst case. What arrives is
+    [W experts, E sources x Q, D]: one batched product per projection, and the outputs go back the same way."""
+    U, Z = experts_UZ.shape
+    D, W = x_UD.shape[-1], w_in_WDCF.shape[0]
+    Q = capacity(U, Z, W * E, factor)
+    order_A, sorted_A, rank_A = expert_ranks(experts_UZ.reshape(-1), W * E)
+    kept_A = rank_A < Q
+    dest_A = sorted_A // W
+    slot_A = jnp.where(kept_A, (sorted_A - dest_A * W) * Q + rank_A, W * Q)  # dropped copies: a scratch slot
+    send_ESD = jnp.zeros((E, W * Q + 1, D), x_UD.dtype).at[dest_A, slot_A].set(x_UD[order_A // Z])[:, :-1]
+    recv_ESD = jax.lax.all_to_all(send_ESD, axes, 0, 0)
+    recv_WRD = recv_ESD.reshape(E, W, Q, D).transpose(1, 0, 2, 3).reshape(W, E * Q, D)  # R = E * Q rows
+    h_WRCF = jnp.einsum("wrd,wdcf->wrcf", recv_WRD, w_in_WDCF)
+    out_WRD = jnp.einsum("wrf,wfd->wrd", jax.nn.silu(h_WRCF[:, :, 0]) * h_WRCF[:, :, 1], w_out_WFD)
+    out_ESD = out_WRD.reshape(W, E, Q, D).transpose(1, 0, 2, 3).reshape(E, W * Q, D)
+    back_ESD = jnp.concatenate([jax.lax.all_to_all(out_ESD, axes, 0, 0), jnp.zeros((E, 1, D), x_UD.dtype)], axis=1)
+    y_UZD = back_ESD[dest_A, slot_A][jnp.argsort(order_A)].reshape(U, Z, D)
+    y_UD = jnp.einsum("uzd,uz->ud", y_UZD, weights_UZ.astype(y_UZD.dtype))
+    return y_UD, jnp.sum(~kept_A).astype(jnp.int32)

@@ -49,15 +49,17 @@ def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1) -> floa
 
 
 def moe_residual_bytes(cfg: ModelShape, tensor: int = 1, expert: int = 1) -> float:
-    """Bytes per token an MoE layer (jaxlm.moe, dropless) keeps for its backward: the router's fp32 logits and
+    """Bytes per token an MoE layer (jaxlm.moe) keeps for its backward: the router's fp32 logits and
     probabilities, and per routed copy (experts_per_token of them) its gathered input and a SwiGLU's residuals,
-    plus the shared experts'. Under an `expert` axis of E devices sharding.experts sizes its send and receive
-    buffers and the experts' products for the worst case, E x a device's copies: E x the copies' residuals."""
+    plus the shared experts'. Dropless under an `expert` axis of E devices sharding.experts sizes its send and
+    receive buffers and the experts' products for the worst case, E x a device's copies: E x the copies'
+    residuals; with capacity the experts' slots are capacity_factor x the copies, with or without the axis."""
     cb = dtype_bytes(cfg)
     D, Z = cfg.d_model, cfg.experts_per_token
     f, shared = cfg.expert_mlp_dim / tensor, cfg.num_shared_experts * cfg.expert_mlp_dim / tensor
     router = 2 * cfg.num_experts * 4
-    copies = Z * expert * ((2 if expert > 1 else 1) * D + 6 * f) * cb
+    rows = cfg.capacity_factor if cfg.capacity_factor > 0 else expert  # the products' rows per routed copy
+    copies = Z * rows * ((2 if expert > 1 else 1) * D + 6 * f) * cb
     return router + copies + 6 * shared * cb
 
 

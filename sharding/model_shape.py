@@ -37,6 +37,7 @@ class ModelShape:
     experts_per_token: int = 2
     expert_mlp_dim: int = 0
     num_shared_experts: int = 0
+    capacity_factor: float = 0.0  # 0: dropless; > 0: each expert's slots per device (sharding.experts)
 
     @property
     def resolved_head_dim(self) -> int:

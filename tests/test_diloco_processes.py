@@ -245,6 +245,7 @@ def test_replicas_of_two_processes_each_survive_a_killed_process_and_train_like_
     assert sorted(evals[0]) == [steps] and evals[0] == evals[1]
 
 
+@pytest.mark.slow  # covered by the restarted replica's rejoin from a snapshot and the heartbeat tests
 def test_a_replica_gone_for_good_is_left_out_and_rejoins_from_a_snapshot_when_it_comes_back(tmp_path):
     """Replica 0 trains 8 steps alone. Replica 1, started after it finished, rejoins at the final step and records
     the run's final eval and params as its own; both then continue to step 12 together."""

@@ -11,6 +11,7 @@ from experiments import gpu_report
 from experiments.report_speed import kept_pairs
 
 
+@pytest.mark.slow  # covered by each section's own tests and the report's failure / parts tests below (docs/testing.md)
 def test_quick_report_on_cpu_covers_every_section(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.gpu_report", "--quick", "--out", str(tmp_path)],

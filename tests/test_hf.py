@@ -372,13 +372,17 @@ def test_greedy_generation_equals_transformers_generate():
     """jaxlm.generate on the converted model picks transformers' greedy tokens, 40 of them, for two prompts."""
     model = hf_model("llama3", seed=5)
     cfg = hf.model_config_from_hf(model.config.to_dict())
-    ours = jax_model(cfg, hf.params_from_hf(cfg, V, read_checked(hf_state(model), cfg)))
+    assert_greedy_tokens_match(model, jax_model(cfg, hf.params_from_hf(cfg, V, read_checked(hf_state(model), cfg))), 40)
+
+
+def assert_greedy_tokens_match(theirs, ours, new_tokens: int) -> None:
+    """jaxlm.generate (one padded batch of two prompts) picks what transformers' greedy `generate` picks."""
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43]]
-    new = generate(ours, prompts, max_new_tokens=40, vocab_limit=V)
+    new = generate(ours, prompts, max_new_tokens=new_tokens, vocab_limit=V)
     for prompt, ids in zip(prompts, new):
         with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0
+            out = theirs.generate(
+                torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
             )
         assert ids.tolist() == out[0, len(prompt) :].tolist()
 

@@ -15,6 +15,7 @@ from helpers import one_device_mesh, pure, rel
 from safetensors.numpy import load_file, save_file
 from test_hf import (
     _evaluate_matches_transformers_loss,
+    assert_greedy_tokens_match,
     fetcher,
     hf_logits,
     jax_logits,
@@ -41,7 +42,6 @@ from experiments import generate as generate_cli
 from jaxlm import config as config_lib
 from jaxlm import hf
 from jaxlm.checkpoint import Checkpointer
-from jaxlm.generate import generate
 from jaxlm.train import Program
 
 V = 100
@@ -137,15 +137,9 @@ def test_greedy_generation_on_qwen3_moe_equals_transformers_generate(tmp_path):
     transformers' greedy tokens, 24 of them, for two prompts of different lengths (a padded batch)."""
     model = hf_model("qwen3_moe", seed=5)
     cfg = hf.model_config_from_hf(model.config.to_dict())
-    ours = jax_model(cfg, hf.params_from_hf(cfg, V, hub_tensors(model, tmp_path).__getitem__))
-    prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43]]
-    new = generate(ours, prompts, max_new_tokens=24, vocab_limit=V)
-    for prompt, ids in zip(prompts, new):
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
-            )
-        assert ids.tolist() == out[0, len(prompt) :].tolist()
+    assert_greedy_tokens_match(
+        model, jax_model(cfg, hf.params_from_hf(cfg, V, hub_tensors(model, tmp_path).__getitem__)), 24
+    )
 
 
 def test_refused_exports_name_the_setting():

@@ -190,6 +190,26 @@ def _moe_program(layout):
     return Program(cfg, build_mesh(layout), layout) if layout else Program(cfg, one_device_mesh())
 
 
+def test_capacity_over_an_expert_axis_equals_capacity_per_device_without_one():
+    """Capacity is per device: with experts over 4 devices (each sending [W, Q] slots to every other, not the
+    worst case) the loss, every gradient, three steps and the dropped counts equal data parallelism over the same
+    8 devices, where each device runs capacity dispatch on its own row."""
+
+    def program(layout):
+        model = dict(num_experts=8, experts_per_token=2, expert_mlp_dim=32, capacity_factor=0.75)
+        cfg = tiny_config(model=model, data=dict(microbatches=1), optim=dict(learning_rate=1e-2, warmup_steps=2))
+        return Program(cfg, build_mesh(layout), layout)
+
+    want, got = _three_steps(program(MeshLayout(data=8))), _three_steps(program(MeshLayout(expert=4, data=2)))
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
+        error = float(np.linalg.norm(np.asarray(g) - np.asarray(w)) / max(np.linalg.norm(np.asarray(w)), 1e-30))
+        assert error < 1e-5, (jax.tree_util.keystr(path), error)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+    dropped = [{k: float(v) for k, v in m.items() if k.startswith("moe_dropped")} for m in (want[4], got[4])]
+    assert dropped[0] == dropped[1] and sum(dropped[0].values()) > 0  # 0.75 of a fair share: copies were dropped
+
+
 def _three_steps(program):
     """(loss and gradients of one batch at init, the losses of three training steps)."""
     state = program.init()
@@ -198,7 +218,7 @@ def _three_steps(program):
     for i in range(3):
         state, metrics = program.train_step(state, program.device_batch(random_batch(20 + i)))
         losses.append(float(metrics["loss"]))
-    return float(loss_sum), grads, losses, state
+    return float(loss_sum), grads, losses, state, metrics
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +240,8 @@ def test_expert_parallel_training_equals_one_device(layout, one_device_moe):
     """One batch's loss and every gradient (experts split over the expert axis: all-to-all both ways; without one,
     each device routes its own tokens), then three training steps' losses, against one device."""
     assert len(jax.devices()) == 8
-    want_loss, want_grads, want_losses, _ = one_device_moe
-    loss, grads, losses, state = _three_steps(_moe_program(layout))
+    want_loss, want_grads, want_losses, _, _ = one_device_moe
+    loss, grads, losses, state, _ = _three_steps(_moe_program(layout))
     assert loss == pytest.approx(want_loss, rel=1e-6)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
         error = float(np.linalg.norm(np.asarray(g) - np.asarray(w)) / max(np.linalg.norm(np.asarray(w)), 1e-30))

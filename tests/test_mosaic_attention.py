@@ -91,6 +91,7 @@ def _check_forward(q, k, v, mask, score_mod=None):
     np.testing.assert_allclose(lse, ref_lse, atol=1e-3)
 
 
+@pytest.mark.slow  # covered by the document-slot and ring tests' gradients and the device check at T = 1000
 def test_causal_with_grouped_query_heads_at_a_ragged_length_forward_and_mosaic_backward():
     """Two query heads on one kv head, T = 200 padded to 256: two rows of the block mask, three PARTIAL tiles (the
     diagonal ones, and the second row's first, for its padding rows and keys). Then dQ, dK, dV from the Mosaic

@@ -80,6 +80,9 @@ def test_expert_parallel_layouts_are_planned_with_their_all_to_all_bytes():
     e = evaluate(cfg, layout, H100, 64 * 4096, 4096, "full")
     assert e.ep_s == pytest.approx(want / H100.bandwidth(axis_spans(layout)["expert"]))
     assert expert_all_to_all_bytes(MODEL_PRESETS["llama3-8b"], layout, 64 * 4096, "full") == 0
+    # capacity: E blocks of [W, Q] slots, 1.25 x the device's copies, where dropless sent E (8) x them
+    capped = dataclasses.replace(cfg, capacity_factor=1.25)
+    assert expert_all_to_all_bytes(capped, layout, 64 * 4096, "full") == pytest.approx(want * 1.25 / 8)
 
 
 # ----------------------------------------------------------------------------- the worked example
