@@ -132,6 +132,7 @@ def test_bench_attention_prints_table_then_json():
     assert all(r["speedup"] > 0 and 0 < r["blocks"] <= 1 for r in results.values())
 
 
+@pytest.mark.slow  # the DiLoCo programs it runs: test_diloco.py, test_outer_compression.py (docs/testing.md)
 def test_diloco_vs_sync_runs_its_grid_and_continues_where_it_stopped(tmp_path):
     """A two-cell grid: data parallel, M=2 x H=2 x two outer lrs, then 4-bit, streaming and a lost replica at the
     best lr; a table, a plot and the JSON line. A rerun skips every finished run and prints the same results.

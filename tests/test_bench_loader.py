@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from experiments import bench_loader
 
 
+@pytest.mark.slow  # the loader it times: test_loader.py, test_cache_plan.py, test_peers.py (docs/testing.md)
 def test_bench_loader_small(capsys):
     assert (
         bench_loader.main(

@@ -363,7 +363,8 @@ def test_bad_input_fails_fast_with_one_line(tmp_path, case, capsys):
 
 
 # pallas is slow: test_model and test_sharding show it computes what xla_blocksparse does (docs/testing.md)
-@pytest.mark.parametrize("impl", ["xla_blocksparse", pytest.param("pallas", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the masks through Program: test_context.py and test_model.py; the CLI: test_tiny_run_end_to_end
+@pytest.mark.parametrize("impl", ["xla_blocksparse", "pallas"])
 def test_training_with_sliding_window_and_document_masks(tmp_path, impl):
     """The block-sparse implementations train tiny_lm through the CLI with a sliding window over packed documents
     (segment ids from the corpus's EOS tokens), on a 4-device data x fsdp mesh; the loss falls."""
