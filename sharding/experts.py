@@ -3,14 +3,13 @@ that holds its expert and its output sent back, with all-to-all inside ``shard_m
 and hands its per-device expert computation to ``dispatch``; it never learns where the experts are.
 
 Tokens split over the batch axes (the default rules put `expert` among them, so each device of the expert axis
-routes its own tokens, as data parallelism does) and, for the experts' products, over the tensor axes too. A
-device sorts its copies by expert, which is by destination, and places them in a [E, A, D] send buffer (E devices
-of the expert axis, A its copies: the most any one destination can get, so nothing is dropped); one all-to-all
-delivers every source's buffer to its destination, which runs its own experts over what arrived (empty slots are
-zero rows, given no expert's weight), and a second all-to-all brings the outputs home, where they are unsorted and
-mixed as on one device. Buffers and transfers are worst-case sized (E x a device's copies); capacity-limited
-dispatch bounds them: each expert takes Q copies per source device, so a device sends [W, Q] slots to each
-destination (``_exchange_slots``).
+routes its own tokens, as data parallelism does) and over the context axis. A device sorts its copies by expert,
+which is by destination, and places them in a [E, A, D] send buffer (E devices of the expert axis, A its copies:
+the most any one destination can get, so nothing is dropped); one all-to-all delivers every source's buffer to its
+destination, which runs its own experts over what arrived (empty slots are zero rows, given no expert's weight),
+and a second all-to-all brings the outputs home, where they are unsorted and mixed as on one device. Buffers and
+transfers are worst-case sized (E x a device's copies); capacity-limited dispatch bounds them: each expert takes Q
+copies per source device, so a device sends [W, Q] slots to each destination (``_exchange_slots``).
 
 Shape letters: those of jaxlm.moe (U tokens, Z experts per token, A copies, X experts) and E devices of the
 expert axis, W = X / E experts per device.
@@ -53,19 +52,20 @@ def dispatch(local: Callable, x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD
     dropped)`` over the experts the weights hold, run per device on its own tokens: with the copies exchanged over
     an expert axis, else as it is. Per device, because routing sorts the copies by expert: over tokens split across
     devices that sort (and each grouped-matmul step) would be a global one, all-gathers inside every layer
-    (Qwen3-30B-A3B on 64 H100s: 1.2 TB of them per step). The tokens split over the batch axes and the tensor axes
-    too (each tensor rank takes a share of the rows with whole experts, where splitting the experts' width would
-    need a sum of partial outputs), so no expert product is computed twice; weights are gathered as FSDP gathers
-    them. ``capacity_factor > 0``: ``local`` is capacity dispatch, so each device's experts take capacity_factor x
-    their fair share of that device's copies; over an expert axis the exchange then sends those slots only."""
+    (Qwen3-30B-A3B on 64 H100s: 1.2 TB of them per step). The tokens split over the batch and context axes; the
+    ranks of a tensor axis compute the same products over whole (gathered) experts; weights are gathered as FSDP
+    gathers them. ``capacity_factor > 0``: ``local`` is capacity dispatch, so each device's experts take
+    capacity_factor x their fair share of that device's copies; over an expert axis the exchange then sends those
+    slots only."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return local(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)
     axes = expert_axes()
-    # U = B * T tokens, B split over the batch axes and T over the context axis (seq): the rows split as both do
-    batch_and_seq = active_mesh_axes("batch") + active_mesh_axes("seq")
-    token_axes = batch_and_seq + tuple(a for a in active_mesh_axes("mlp") if a not in axes + batch_and_seq)
-    batch = dividing_axes(mesh, token_axes, x_UD.shape[0])
+    # U = B * T tokens, B split over the batch axes and T over the context axis (seq): the rows split as both do.
+    # Not over the tensor axes: each tensor rank routes the same tokens (splitting them over tensor too made XLA
+    # replicate the whole batch's activations and logits: Qwen3-30B-A3B at FSDP 32 x tensor 2 on v5p, 52.5 GiB per
+    # chip against 17.3).
+    batch = dividing_axes(mesh, active_mesh_axes("batch") + active_mesh_axes("seq"), x_UD.shape[0])
     if not axes and not batch:
         return local(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)
     E, X = math.prod(mesh.shape[a] for a in axes), w_in_XDCF.shape[0]

@@ -43,20 +43,21 @@ def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1) -> floa
     else:
         attention = (3 * h + 2 * k) * E * cb + h * 4
     mlp = 6 * f * cb
-    if cfg.num_experts:  # a layer's share: one MoE layer in every moe_every
-        mlp = (mlp * (cfg.moe_every - 1) + moe_residual_bytes(cfg, tensor)) / cfg.moe_every
+    if cfg.num_experts:  # a layer's share: one MoE layer in every moe_every; whole experts on every tensor rank
+        mlp = (mlp * (cfg.moe_every - 1) + moe_residual_bytes(cfg)) / cfg.moe_every
     return norms + attention + mlp
 
 
-def moe_residual_bytes(cfg: ModelShape, tensor: int = 1, expert: int = 1) -> float:
+def moe_residual_bytes(cfg: ModelShape, expert: int = 1) -> float:
     """Bytes per token an MoE layer (jaxlm.moe) keeps for its backward: the router's fp32 logits and
     probabilities, and per routed copy (experts_per_token of them) its gathered input and a SwiGLU's residuals,
     plus the shared experts'. Dropless under an `expert` axis of E devices sharding.experts sizes its send and
     receive buffers and the experts' products for the worst case, E x a device's copies: E x the copies'
-    residuals; with capacity the experts' slots are capacity_factor x the copies, with or without the axis."""
+    residuals; with capacity the experts' slots are capacity_factor x the copies, with or without the axis. Every
+    rank of a tensor axis computes whole experts over the same tokens (sharding.experts.dispatch)."""
     cb = dtype_bytes(cfg)
     D, Z = cfg.d_model, cfg.experts_per_token
-    f, shared = cfg.expert_mlp_dim / tensor, cfg.num_shared_experts * cfg.expert_mlp_dim / tensor
+    f, shared = cfg.expert_mlp_dim, cfg.num_shared_experts * cfg.expert_mlp_dim
     router = 2 * cfg.num_experts * 4
     rows = cfg.capacity_factor if cfg.capacity_factor > 0 else expert  # the products' rows per routed copy
     copies = Z * rows * ((2 if expert > 1 else 1) * D + 6 * f) * cb
@@ -139,8 +140,7 @@ def memory_per_device(
     layers = cfg.num_layers // S  # sharding.pipeline runs L/S layers per stage, whatever the `layers` rule
     residuals = layer_residual_bytes(cfg, seq_len, logical_shards("heads", layout)) * tokens  # one layer, no remat
     if cfg.num_experts and logical_shards("expert", layout) > 1:  # worst-case exchange buffers (sharding.experts)
-        tp = logical_shards("mlp", layout)
-        exchange = moe_residual_bytes(cfg, tp, logical_shards("expert", layout)) - moe_residual_bytes(cfg, tp)
+        exchange = moe_residual_bytes(cfg, logical_shards("expert", layout)) - moe_residual_bytes(cfg)
         residuals += exchange / cfg.moe_every * tokens
     layer_input = cfg.d_model * cb * tokens
     kept = layer_input if remat == "full" else residuals  # what a layer keeps per microbatch for the backward

@@ -142,7 +142,10 @@ def evaluate(
     n_params, attn = active_params(cfg), attention_flops_per_token(cfg, seq_len)
     recompute = remat == "full" or (S > 1 and layout.pipeline_schedule == "1f1b")
     bubble = bubble_fraction(S, M)
-    compute = compute_seconds(n_params, batch_tokens, devices, hw.flops, attn) * (4 / 3 if recompute else 1)
+    # every rank of a tensor axis multiplies the same tokens by whole experts (sharding.experts): FLOPs repeated
+    routed = cfg.num_layers // cfg.moe_every * cfg.experts_per_token * 3 * cfg.d_model * cfg.expert_mlp_dim
+    done = n_params + (layout.tensor - 1) * routed if cfg.num_experts else n_params
+    compute = compute_seconds(done, batch_tokens, devices, hw.flops, attn) * (4 / 3 if recompute else 1)
     compute /= 1 - bubble
     spans = axis_spans(layout)
     bw = {axis: hw.bandwidth(span) for axis, span in spans.items()}

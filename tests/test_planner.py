@@ -21,6 +21,7 @@ from sharding.hardware import Hardware, get_hardware
 from sharding.memory_model import memory_per_device
 from sharding.model_shape import MODEL_PRESETS, active_params, count_params, largest_gathered_param, param_specs
 from sharding.planner import (
+    attention_flops_per_token,
     axis_spans,
     compute_seconds,
     evaluate,
@@ -80,6 +81,14 @@ def test_expert_parallel_layouts_are_planned_with_their_all_to_all_bytes():
     e = evaluate(cfg, layout, H100, 64 * 4096, 4096, "full")
     assert e.ep_s == pytest.approx(want / H100.bandwidth(axis_spans(layout)["expert"]))
     assert expert_all_to_all_bytes(MODEL_PRESETS["llama3-8b"], layout, 64 * 4096, "full") == 0
+    # a tensor axis repeats the experts' products on each of its ranks (whole experts over the same tokens)
+    routed, attn = 32 * 2 * 3 * 4096 * 14336, attention_flops_per_token(cfg, 4096)
+    plain, split = (
+        evaluate(cfg, MeshLayout(**axes), H100, 64 * 4096, 4096, "full")
+        for axes in ({"fsdp": 64}, {"fsdp": 8, "tensor": 8})
+    )
+    n = active_params(cfg)
+    assert split.compute_s / plain.compute_s == pytest.approx((6 * (n + 7 * routed) + attn) / (6 * n + attn))
     # capacity: E blocks of [W, Q] slots, 1.25 x the device's copies, where dropless sent E (8) x them
     capped = dataclasses.replace(cfg, capacity_factor=1.25)
     assert expert_all_to_all_bytes(capped, layout, 64 * 4096, "full") == pytest.approx(want * 1.25 / 8)
