@@ -61,20 +61,26 @@ CASES = {
 }
 
 
+# What every tiny HF model of these tests shares (test_hf_families.py's too): float32-friendly init, eager attention.
+TINY_HF = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,
+    bos_token_id=None,
+    pad_token_id=None,
+    attn_implementation="eager",
+)
+
+
 def hf_model(case: str, seed: int = 0, **overrides) -> LlamaForCausalLM:
     """A random float32 LlamaForCausalLM with eager attention; norms random too, so their mapping is tested."""
     config = LlamaConfig(
         vocab_size=overrides.pop("vocab_size", V),
-        hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        initializer_range=0.2,
-        bos_token_id=None,
         eos_token_id=overrides.pop("eos_token_id", V - 1),
-        pad_token_id=None,
-        attn_implementation="eager",
+        **TINY_HF,
         **CASES[case],
         **overrides,
     )

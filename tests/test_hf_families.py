@@ -14,6 +14,7 @@ from flax import traverse_util
 from helpers import one_device_mesh, pure, rel
 from safetensors.numpy import load_file, save_file
 from test_hf import (
+    TINY_HF,
     _evaluate_matches_transformers_loss,
     assert_greedy_tokens_match,
     fetcher,
@@ -46,19 +47,7 @@ from jaxlm.train import Program
 
 V = 100
 SHARED = dict(
-    vocab_size=V,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-5,
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-    bos_token_id=None,
-    eos_token_id=V - 1,
-    pad_token_id=None,
-    attn_implementation="eager",
+    **TINY_HF, vocab_size=V, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, eos_token_id=V - 1
 )
 EXPERTS = dict(num_experts_per_tok=2)
 FAMILIES = {  # 4 experts, 2 per token; Qwen3's head dim 16 (not 32 / 4) as its real models' 128 is not D / H
