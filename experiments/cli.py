@@ -250,6 +250,7 @@ def _prepare(prog: str, args, default_config: Path):
         mlp_dim=m.mlp_dim,
         num_layers=m.num_layers,
         seq_len=d.seq_len,
+        num_experts=m.num_experts,
     )
     if layout.context > 1 and m.attention_impl == "jax":
         raise LayoutError(

@@ -234,10 +234,12 @@ def train_step(
         "lr": schedule(state.step),
         "skipped": (~finite).astype(jnp.float32),
     }
-    if layout is not None and layout.context > 1:
-        metrics |= _context_balance(nnx.merge(graphdef, state.params).cfg, layout, batch)
+    context = layout is not None and layout.context > 1
+    model_cfg = nnx.merge(graphdef, state.params).cfg if context or stats else None  # at trace time, once
+    if context:
+        metrics |= _context_balance(model_cfg, layout, batch)
     if stats:
-        metrics |= moe_metrics(stats, new_params, nnx.merge(graphdef, state.params).cfg.moe_every)
+        metrics |= moe_metrics(stats, new_params, model_cfg.moe_every)
     return TrainState(state.step + 1, keep(new_params, state.params), keep(opt_state, state.opt_state)), metrics
 
 
@@ -322,11 +324,7 @@ class Program:
                 "a mixture of experts (model.num_experts) does not run in a pipeline layout yet: its routers' "
                 "losses and statistics do not cross the stages"
             )
-        if layout.expert > 1 and cfg.model.num_experts % layout.expert:
-            raise config_lib.ConfigError(
-                f"model.num_experts = {cfg.model.num_experts} is not divisible by mesh axis 'expert' = "
-                f"{layout.expert} (each device holds num_experts / expert experts of every MoE layer)"
-            )
+        layout.check_experts(cfg.model.num_experts)
         rules = layout.rules
         self.cfg, self.mesh, self.layout = cfg, mesh, layout
         self.microbatches = step_microbatches(cfg, layout, mesh.devices.flat[0].platform)

@@ -107,6 +107,14 @@ class MeshLayout:
         check_rules(self.rules)
         return self
 
+    def check_experts(self, num_experts: int) -> None:
+        """An MoE model's experts must split evenly over the expert axis (0 experts: a dense model)."""
+        if num_experts and num_experts % self.expert:
+            raise LayoutError(
+                f"model.num_experts = {num_experts} is not divisible by mesh axis 'expert' = {self.expert} (each "
+                f"device holds num_experts / expert experts of every MoE layer)"
+            )
+
     def check_divisibility(
         self,
         *,
@@ -126,11 +134,7 @@ class MeshLayout:
                 f"data.seq_len = {seq_len} is not divisible by mesh axis 'context' = {self.context} (each device "
                 f"holds seq_len / context tokens of every row)"
             )
-        if num_experts and num_experts % self.expert:
-            raise LayoutError(
-                f"model.num_experts = {num_experts} is not divisible by mesh axis 'expert' = {self.expert} (each "
-                f"device holds num_experts / expert experts of every MoE layer)"
-            )
+        self.check_experts(num_experts)
         batch_shards = self.batch_shards
         splits = microbatches * self.num_microbatches
         if batch_size % splits:

@@ -140,6 +140,9 @@ def test_bad_moe_configs_are_refused_in_one_line():
         ModelConfig(num_experts=4, capacity_factor=-1.0).validate()
     with pytest.raises(ConfigError, match=r"model.moe_every \(3\) must divide model.num_layers \(4\)"):
         ModelConfig(num_experts=4, num_layers=4, moe_every=3).validate()
+    layout = MeshLayout(expert=4, data=2)
+    with pytest.raises(ValueError, match="model.num_experts = 6 is not divisible by mesh axis 'expert' = 4"):
+        Program(tiny_config(model=dict(num_experts=6)), build_mesh(layout), layout)
 
 
 @pytest.mark.parametrize(
