@@ -34,7 +34,7 @@ CPU_TILES_PER_STEP = 4  # XLA:CPU: an MoE layer's forward + backward 10% faster 
 
 @dataclasses.dataclass(frozen=True)
 class Groups:
-    """Where each token copy sits among the rows the grouped matmuls take: sorted by expert, and on CPU padded so
+    """Where each token copy sits among the rows the grouped matmuls take: sorted by expert, and (tiled) padded so
     that each expert's rows fill whole tiles. Copies move in and out by gathers only, forward and backward
     (``_copies_in`` / ``_copies_out``): XLA:CPU runs scatters row by row."""
 
@@ -71,7 +71,7 @@ class Groups:
         return Groups(sizes_X, tiled, step, source_P, position_UZ, *extra)
 
     def gather(self, x_UD):
-        """Each row's token ([N, TILE, D] tiles on CPU, [A, D] otherwise); zero on padding rows."""
+        """Each row's token ([N, TILE, D] tiles, or [A, D] for ragged_dot); zero on padding rows."""
         rows = _copies_in(x_UD, self.source_P, self.position_UZ)
         return rows.reshape(-1, TILE, rows.shape[-1]) if self.tiled else rows
 

@@ -72,7 +72,7 @@ class MoE(nnx.Module):
         factor = 0.0 if dropless else cfg.capacity_factor
         # where the experts live is sharding's business: per device, or exchanged over the expert axis
         local = functools.partial(capacity_experts, factor=factor) if factor > 0 else _dropless
-        y_UD, dropped = experts.dispatch(local, x_UD, weights_UZ, experts_UZ, w_in, w_out, factor)
+        y_UD, dropped = experts.dispatch(local, x_UD, weights_UZ, experts_UZ, w_in, w_out, factor, expert_swiglu)
         if cfg.num_shared_experts:
             y_UD = y_UD + swiglu_mlp(
                 x_UD, self.shared_in[...].astype(x_UD.dtype), self.shared_out[...].astype(x_UD.dtype)
@@ -105,7 +105,8 @@ def swiglu_mlp(x_UD, w_in_DCF, w_out_FD):
 
 def dropless_experts(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD, tiled: bool | None = None):
     """Every token copy through its expert: laid out by expert (``grouped_matmul.Groups``; ``tiled`` None: tiles
-    on CPU, ragged_dot elsewhere), two grouped matmuls, and back to its token, mixed by the router's weights."""
+    except on TPU, which takes ragged_dot), two grouped matmuls, and back to its token, mixed by the router's
+    weights."""
     X, D, _, F = w_in_XDCF.shape
     groups = Groups.of(experts_UZ, X, tiled)
     h = groups.matmul(groups.gather(x_UD), w_in_XDCF.reshape(X, D, 2 * F))
@@ -139,6 +140,12 @@ def _dropless(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD):
     return dropless_experts(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD), jnp.zeros((), jnp.int32)
 
 
+def expert_swiglu(x_XRD, w_in_XDCF, w_out_XFD):
+    """Each expert's SwiGLU over its own R rows: one batched product per projection (capacity buffers)."""
+    h_XRCF = jnp.einsum("xrd,xdcf->xrcf", x_XRD, w_in_XDCF)
+    return jnp.einsum("xrf,xfd->xrd", jax.nn.silu(h_XRCF[:, :, 0]) * h_XRCF[:, :, 1], w_out_XFD)
+
+
 def capacity_experts(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD, factor: float):
     """(output [U, D], copies dropped): each expert's first Q copies (in token order) go to its buffer, the rest
     contribute nothing. Under a mesh this runs per device on its tokens (sharding.experts.dispatch), Q of each."""
@@ -149,8 +156,7 @@ def capacity_experts(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD, factor:
     kept_A = rank_A < Q
     slot_A = jnp.where(kept_A, sorted_experts_A * Q + rank_A, X * Q)  # dropped copies go to a scratch row
     buffer_XQD = jnp.zeros((X * Q + 1, D), x_UD.dtype).at[slot_A].set(x_UD[order_A // Z])[:-1].reshape(X, Q, D)
-    h_XQCF = jnp.einsum("xcd,xdgf->xcgf", buffer_XQD, w_in_XDCF)
-    out_XQD = jnp.einsum("xcf,xfd->xcd", jax.nn.silu(h_XQCF[:, :, 0]) * h_XQCF[:, :, 1], w_out_XFD)
+    out_XQD = expert_swiglu(buffer_XQD, w_in_XDCF, w_out_XFD)
     out_AD = jnp.concatenate([out_XQD.reshape(X * Q, D), jnp.zeros((1, D), out_XQD.dtype)])[slot_A]
     y_UZD = out_AD[jnp.argsort(order_A)].reshape(U, Z, D)
     return jnp.einsum("uzd,uz->ud", y_UZD, weights_UZ.astype(y_UZD.dtype)), jnp.sum(~kept_A).astype(jnp.int32)

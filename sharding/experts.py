@@ -47,7 +47,16 @@ def expert_ranks(experts_A, num_experts: int):
     return order_A, sorted_A, jnp.arange(experts_A.shape[0]) - (jnp.cumsum(counts_X) - counts_X)[sorted_A]
 
 
-def dispatch(local: Callable, x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD, capacity_factor: float = 0.0):
+def dispatch(
+    local: Callable,
+    x_UD,
+    weights_UZ,
+    experts_UZ,
+    w_in_XDCF,
+    w_out_XFD,
+    capacity_factor: float = 0.0,
+    per_expert: Callable | None = None,
+):
     """(y_UD, copies dropped over capacity) of ``local(x_UD, weights_UZ, experts_UZ, w_in, w_out) -> (y_UD,
     dropped)`` over the experts the weights hold, run per device on its own tokens: with the copies exchanged over
     an expert axis, else as it is. Per device, because routing sorts the copies by expert: over tokens split across
@@ -56,7 +65,8 @@ def dispatch(local: Callable, x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD
     ranks of a tensor axis compute the same products over whole (gathered) experts; weights are gathered as FSDP
     gathers them. ``capacity_factor > 0``: ``local`` is capacity dispatch, so each device's experts take
     capacity_factor x their fair share of that device's copies; over an expert axis the exchange then sends those
-    slots only."""
+    slots only, and ``per_expert(x_WRD, w_in, w_out) -> y_WRD`` (each expert's MLP over its rows) computes what
+    arrives."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return local(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)
@@ -79,7 +89,7 @@ def dispatch(local: Callable, x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD
         if not axes:
             y_UD, dropped = local(*args)
         elif capacity_factor > 0:
-            y_UD, dropped = _exchange_slots(axes, E, capacity_factor, *args)
+            y_UD, dropped = _exchange_slots(per_expert, axes, E, capacity_factor, *args)
         else:
             y_UD, dropped = _exchange(local, axes, E, *args), jnp.zeros((), jnp.int32)
         return y_UD, jax.lax.psum(dropped, batch) if batch else dropped
@@ -121,7 +131,7 @@ def _exchange(local, axes, E: int, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_ou
     return jnp.einsum("uzd,uz->ud", y_UZD, weights_UZ.astype(y_UZD.dtype))
 
 
-def _exchange_slots(axes, E: int, factor: float, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD):
+def _exchange_slots(per_expert, axes, E: int, factor: float, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD):
     """Capacity dispatch over the expert axis: each of the device's experts keeps its first Q copies, and the
     device sends destination e a [W, Q] block of slots (W experts there), not the worst case. What arrives is
     [W experts, E sources x Q, D]: one batched product per projection, and the outputs go back the same way."""
@@ -135,8 +145,7 @@ def _exchange_slots(axes, E: int, factor: float, x_UD, weights_UZ, experts_UZ, w
     send_ESD = jnp.zeros((E, W * Q + 1, D), x_UD.dtype).at[dest_A, slot_A].set(x_UD[order_A // Z])[:, :-1]
     recv_ESD = jax.lax.all_to_all(send_ESD, axes, 0, 0)
     recv_WRD = recv_ESD.reshape(E, W, Q, D).transpose(1, 0, 2, 3).reshape(W, E * Q, D)  # R = E * Q rows
-    h_WRCF = jnp.einsum("wrd,wdcf->wrcf", recv_WRD, w_in_WDCF)
-    out_WRD = jnp.einsum("wrf,wfd->wrd", jax.nn.silu(h_WRCF[:, :, 0]) * h_WRCF[:, :, 1], w_out_WFD)
+    out_WRD = per_expert(recv_WRD, w_in_WDCF, w_out_WFD)
     out_ESD = out_WRD.reshape(W, E, Q, D).transpose(1, 0, 2, 3).reshape(E, W * Q, D)
     back_ESD = jnp.concatenate([jax.lax.all_to_all(out_ESD, axes, 0, 0), jnp.zeros((E, 1, D), x_UD.dtype)], axis=1)
     y_UZD = back_ESD[dest_A, slot_A][jnp.argsort(order_A)].reshape(U, Z, D)
