@@ -251,31 +251,46 @@ def test_export_loads_in_transformers_and_imports_back_bit_for_bit(tmp_path, cap
 
     imported = tmp_path / "imported"
     assert import_hf.main(["--hf", str(out), "--workdir", str(imported)]) == 0
-    checkpointer = Checkpointer(imported / "checkpoints", async_save=False, primary=False)
-    saved = checkpointer.restore_config(0)
+    saved, new_cfg, back = restore_imported(imported)
     assert saved[config_lib.TOKENIZER_KEY] == byte_tokenizer().describe()
-    new_cfg = config_lib.from_dict({k: v for k, v in saved.items() if k != config_lib.TOKENIZER_KEY})
     assert new_cfg.model == cfg.model and config_lib.load_config(imported / "config.json") == new_cfg
-    program = Program(new_cfg, one_device_mesh())
-    state, _, _ = checkpointer.restore(0, program.abstract_with_shardings())
+    assert_same_params_but_the_padding(params, back, 257)
+
+    again = tmp_path / "hf_again"
+    assert export_hf.main(["--workdir", str(imported), "--out", str(again), "--max-shard-mb", "0.02"]) == 0
+    assert_same_tensors(out, again)
+    assert "->" in capsys.readouterr().err
+
+
+def restore_imported(workdir: Path) -> tuple[dict, TrainConfig, dict]:
+    """(the saved config, as a dict and as a TrainConfig, and the params) of an imported workdir's step 0."""
+    checkpointer = Checkpointer(workdir / "checkpoints", async_save=False, primary=False)
+    saved = checkpointer.restore_config(0)
+    cfg = config_lib.from_dict({k: v for k, v in saved.items() if k != config_lib.TOKENIZER_KEY})
+    state, _, _ = checkpointer.restore(0, Program(cfg, one_device_mesh()).abstract_with_shardings())
     checkpointer.close()
-    back = pure(state.params)
+    return saved, cfg, pure(state.params)
+
+
+def assert_same_params_but_the_padding(params: dict, back: dict, vocab_size: int) -> None:
+    """Every param bit for bit, the vocabulary's padding ids (past `vocab_size`) zero after an import."""
     flat_a, flat_b = traverse_util.flatten_dict(params), traverse_util.flatten_dict(back)
     assert flat_a.keys() == flat_b.keys()
     for key in flat_a:
         a, b = flat_a[key], flat_b[key]
-        if key[0] in ("embed", "lm_head"):  # the padded ids: zero after import
-            a, b = (a[:257], b[:257]) if key[0] == "embed" else (a[:, :257], b[:, :257])
+        if key[0] in ("embed", "lm_head"):
+            a, b = (a[:vocab_size], b[:vocab_size]) if key[0] == "embed" else (a[:, :vocab_size], b[:, :vocab_size])
         np.testing.assert_array_equal(a, b, err_msg=str(key))
-    assert not back["embed"][257:].any() and not back["lm_head"][:, 257:].any()
+    assert not back["embed"][vocab_size:].any()
+    assert "lm_head" not in back or not back["lm_head"][:, vocab_size:].any()
 
-    again = tmp_path / "hf_again"
-    assert export_hf.main(["--workdir", str(imported), "--out", str(again), "--max-shard-mb", "0.02"]) == 0
-    first, second = safetensors_of(out), safetensors_of(again)
+
+def assert_same_tensors(first_dir: Path, second_dir: Path) -> None:
+    """Two exports hold the same tensors, bit for bit."""
+    first, second = safetensors_of(first_dir), safetensors_of(second_dir)
     assert first.keys() == second.keys()
     for name in first:
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
-    assert "->" in capsys.readouterr().err
 
 
 def test_bfloat16_export_is_the_rounded_float32_export(tmp_path):

@@ -10,13 +10,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from flax import traverse_util
-from helpers import one_device_mesh, pure, rel
+from helpers import rel
 from safetensors.numpy import load_file, save_file
 from test_hf import (
     TINY_HF,
     _evaluate_matches_transformers_loss,
     assert_greedy_tokens_match,
+    assert_same_params_but_the_padding,
+    assert_same_tensors,
     fetcher,
     hf_logits,
     jax_logits,
@@ -24,7 +25,7 @@ from test_hf import (
     jaxlm_workdir,
     random_norms,
     random_params,
-    safetensors_of,
+    restore_imported,
     tokens,
 )
 from transformers import (
@@ -40,10 +41,7 @@ from transformers import (
 from data.text_tokenizer import byte_tokenizer
 from experiments import export_hf, import_hf
 from experiments import generate as generate_cli
-from jaxlm import config as config_lib
 from jaxlm import hf
-from jaxlm.checkpoint import Checkpointer
-from jaxlm.train import Program
 
 V = 100
 SHARED = dict(
@@ -164,23 +162,12 @@ def test_a_qwen3_moe_checkpoint_exports_imports_back_bit_for_bit_and_evaluates_a
 
     imported = tmp_path / "imported"
     assert import_hf.main(["--hf", str(out), "--workdir", str(imported)]) == 0
-    checkpointer = Checkpointer(imported / "checkpoints", async_save=False, primary=False)
-    saved_config = checkpointer.restore_config(0)
-    new_cfg = config_lib.from_dict({k: v for k, v in saved_config.items() if k != config_lib.TOKENIZER_KEY})
+    _, new_cfg, back = restore_imported(imported)
     assert new_cfg.model == cfg.model
-    state, _, _ = checkpointer.restore(0, Program(new_cfg, one_device_mesh()).abstract_with_shardings())
-    checkpointer.close()
-    flat_a, flat_b = traverse_util.flatten_dict(params), traverse_util.flatten_dict(pure(state.params))
-    assert flat_a.keys() == flat_b.keys()
-    for key in flat_a:
-        a, b = flat_a[key], flat_b[key]
-        if key[0] in ("embed", "lm_head"):  # the padded ids: zero after import
-            a, b = (a[:257], b[:257]) if key[0] == "embed" else (a[:, :257], b[:, :257])
-        np.testing.assert_array_equal(a, b, err_msg=str(key))
+    assert_same_params_but_the_padding(params, back, 257)
     again = tmp_path / "hf_again"
     assert export_hf.main(["--workdir", str(imported), "--out", str(again)]) == 0
-    first, second = safetensors_of(out), safetensors_of(again)
-    assert first.keys() == second.keys() and all(np.array_equal(first[n], second[n]) for n in first)
+    assert_same_tensors(out, again)
 
     tok = byte_tokenizer()
     _evaluate_matches_transformers_loss(imported, theirs, tok, tmp_path, capsys)
