@@ -23,6 +23,7 @@ from jaxlm.moe import MoE, RouterBias
 from jaxlm.quantized import PROJECTION_NAME, AmaxHistory, amax_history, layer_recipe, project
 from pallas_kernels import BlockSizes, soft_cap
 from pallas_kernels.mask_spec import parse_mask
+from sharding.model_shape import expert_params
 from sharding.rules import LOGICAL_AXES_KEY as LOGICAL_AXES
 from sharding.rules import constrain
 
@@ -542,7 +543,5 @@ def model_flops_per_token(cfg: ModelConfig, num_params: int, seq_len: int) -> fl
     """Training FLOPs per token: 6N for the matmuls (forward + backward; N the params a token uses: an MoE layer's
     unchosen experts do not count) plus 12*L*H*E*T for attention scores and values (the PaLM / nanoGPT convention,
     counting the full T x T, not only the causal half)."""
-    if cfg.num_experts:
-        per_expert = 3 * cfg.d_model * cfg.expert_mlp_dim
-        num_params -= cfg.num_moe_layers * (cfg.num_experts - cfg.experts_per_token) * per_expert
+    num_params -= cfg.num_moe_layers * (cfg.num_experts - cfg.experts_per_token) * expert_params(cfg)
     return 6 * num_params + 12 * cfg.num_layers * cfg.num_heads * cfg.resolved_head_dim * seq_len

@@ -43,6 +43,10 @@ class ModelShape:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
 
+    @property
+    def num_moe_layers(self) -> int:  # as jaxlm.config.ModelConfig's
+        return self.num_layers // self.moe_every if self.num_experts else 0
+
     @classmethod
     def from_config(cls, model) -> "ModelShape":
         missing = [f.name for f in dataclasses.fields(cls) if not hasattr(model, f.name)]
@@ -117,7 +121,7 @@ def param_specs(cfg: ModelShape) -> list[ParamSpec]:
         cfg.resolved_head_dim,
     )
     specs = [ParamSpec("embed", (V, D), ("vocab", "embed")), ParamSpec("final_norm.scale", (D,), ("embed",))]
-    moe_layers = L // cfg.moe_every if cfg.num_experts else 0
+    moe_layers = cfg.num_moe_layers
     # one stack of every layer, or with dense layers between MoE ones (moe_every > 1) `blocks` and `moe_blocks`
     stacks = [("blocks", L, moe_layers == L)] if moe_layers in (0, L) else [("blocks", L - moe_layers, False)]
     if 0 < moe_layers < L:
@@ -166,9 +170,12 @@ def count_params(cfg: ModelShape) -> int:
 
 def active_params(cfg: ModelShape) -> int:
     """Params one token's forward multiplies by: an MoE layer's unchosen experts do not count (the FLOPs' N)."""
-    moe_layers = cfg.num_layers // cfg.moe_every
-    idle = moe_layers * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.expert_mlp_dim
-    return count_params(cfg) - (idle if cfg.num_experts else 0)
+    return count_params(cfg) - cfg.num_moe_layers * (cfg.num_experts - cfg.experts_per_token) * expert_params(cfg)
+
+
+def expert_params(cfg: ModelShape) -> int:
+    """One expert's SwiGLU weights (gate, up, down)."""
+    return 3 * cfg.d_model * cfg.expert_mlp_dim
 
 
 def _mesh_axes(target) -> tuple[str, ...]:

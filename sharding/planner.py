@@ -33,6 +33,7 @@ from sharding.mesh import MESH_AXES, LayoutError, MeshLayout
 from sharding.model_shape import (
     ModelShape,
     active_params,
+    expert_params,
     fsdp_axes,
     fsdp_gathered_params,
     fsdp_size,
@@ -143,8 +144,7 @@ def evaluate(
     recompute = remat == "full" or (S > 1 and layout.pipeline_schedule == "1f1b")
     bubble = bubble_fraction(S, M)
     # every rank of a tensor axis multiplies the same tokens by whole experts (sharding.experts): FLOPs repeated
-    routed = cfg.num_layers // cfg.moe_every * cfg.experts_per_token * 3 * cfg.d_model * cfg.expert_mlp_dim
-    done = n_params + (layout.tensor - 1) * routed if cfg.num_experts else n_params
+    done = n_params + (layout.tensor - 1) * cfg.num_moe_layers * cfg.experts_per_token * expert_params(cfg)
     compute = compute_seconds(done, batch_tokens, devices, hw.flops, attn) * (4 / 3 if recompute else 1)
     compute /= 1 - bubble
     spans = axis_spans(layout)
@@ -163,8 +163,7 @@ def evaluate(
             (params_per_device(cfg, layout) - experts) * cb, layout.data * layout.expert, bw["data"]
         )
     )
-    batch_shards = layout.data * layout.fsdp * layout.expert
-    shard_activation_bytes = batch_tokens / batch_shards * cfg.d_model * cb  # all microbatches
+    shard_activation_bytes = batch_tokens / layout.batch_shards * cfg.d_model * cb  # all microbatches
     layers = cfg.num_layers // S
     tp = layers * (6 if recompute else 4) * ring_all_reduce_seconds(shard_activation_bytes, layout.tensor, bw["tensor"])
     pp = 2 * shard_activation_bytes / bw["pipeline"] if S > 1 else 0.0  # activations forward, gradients back
@@ -217,7 +216,7 @@ def expert_all_to_all_bytes(cfg: ModelShape, layout: MeshLayout, batch_tokens: i
     rows = cfg.capacity_factor if cfg.capacity_factor > 0 else E  # buffer rows per copy
     buffer = rows * device_tokens * cfg.experts_per_token * cfg.d_model * dtype_bytes(cfg)
     passes = 2 * (3 if remat == "full" else 2)  # out and back, in each forward and backward
-    return cfg.num_layers // cfg.moe_every * passes * buffer * (E - 1) / E
+    return cfg.num_moe_layers * passes * buffer * (E - 1) / E
 
 
 def expert_comm_seconds(cfg: ModelShape, layout: MeshLayout, batch_tokens: int, remat: str, bandwidth: float):
