@@ -337,7 +337,7 @@ def _layer_tensors(cfg: ModelConfig, i: int, get) -> Iterator[tuple[str, np.ndar
         yield p + "self_attn.k_norm.weight", get("attn", "k_norm", "scale")
     yield p + "post_attention_layernorm.weight", get("mlp_norm", "scale")
     w_in = get("mlp", "w_in")  # [D, 2, F] (experts: [X, D, 2, F]): gate, up
-    if family.moe and cfg.is_moe_layer(i):
+    if cfg.is_moe_layer(i):
         yield f"{p}{family.router}.weight", get("mlp", "router").T
         w_out = get("mlp", "w_out")
         gate, up, down = family.expert_names
