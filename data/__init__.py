@@ -8,7 +8,8 @@ text in many formats -> token shards, with `text_sources` and `shard_worker`),
 `iterator` (the simple seeded batches), and the clairvoyant loader: `access_plan`
 (the seed's whole future), `cache_plan` (Belady placement across processes),
 `tiers`, `peers`, `sources` (sharded / throttled datasets), `perf_model` (per-tier timings:
-routing and the keep-up prediction), `loader`. Imports
+routing and the keep-up prediction), `loader`; `mixture` (several datasets at weights and stages as one
+plan) and `mixture_data`. Imports
 numpy (and jax only inside `loader.jax_exchange`), never jaxlm: higher layers
 depend on this one, not the reverse.
 """

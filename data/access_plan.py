@@ -126,6 +126,14 @@ class AccessPlan:
         """Identifies the stream; processes compare it before trusting each other's plans."""
         return f"feistel4:n={self.num_samples}:B={self.global_batch}:seed={self.seed}"
 
+    def state_at(self, step: int) -> dict[str, int]:
+        """What the loader's state needs besides the step to continue this stream: nothing (data.mixture's plan
+        keeps its sources' positions)."""
+        return {}
+
+    def resumed(self, state: dict) -> AccessPlan:
+        return self
+
 
 def process_rows(global_batch: int, process_index: int, process_count: int) -> tuple[int, int]:
     """Rows [lo, hi) of process p of P when processes split the batch into equal contiguous blocks."""

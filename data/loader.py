@@ -54,6 +54,8 @@ class ClairvoyantLoader:
     serve each other's misses over TCP. Without it each process caches alone.
     model: the per-tier timing model that routes reads and predicts whether the loader keeps up (learned as it
     runs; pass one to seed or inspect it).
+    plan: which sample every (step, row) reads (default: an AccessPlan over `source`; data.mixture.MixturePlan
+    over a data.mixture.ConcatSource for a mixture).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class ClairvoyantLoader:
         peer_host: str = "127.0.0.1",
         peer_wait_s: float = 0.5,
         model: TierModel | None = None,
+        plan=None,
     ):
         for name, value, low in (
             ("workers", workers, 1),
@@ -86,7 +89,12 @@ class ClairvoyantLoader:
                 raise ValueError(f"ClairvoyantLoader: {name} must be >= {low}, got {value}")
         self._threads: list[threading.Thread] = []
         self.source, self.eos_id = source, eos_id
-        self.plan = AccessPlan(source.num_samples, batch_size, seed)
+        self.plan = plan or AccessPlan(source.num_samples, batch_size, seed)
+        if (self.plan.num_samples, self.plan.global_batch) != (source.num_samples, batch_size):
+            raise ValueError(
+                f"the plan is for {self.plan.num_samples} samples in batches of {self.plan.global_batch}, the source "
+                f"holds {source.num_samples} and batches are {batch_size}"
+            )
         self.batch_size, self.seed = batch_size, seed
         self.process_index, self.process_count = process_index, process_count
         self.set_rows(*process_rows(batch_size, process_index, process_count))
@@ -148,6 +156,7 @@ class ClairvoyantLoader:
             "step": self.step,
             "num_samples": self.plan.num_samples,
             "global_batch": self.batch_size,
+            **self.plan.state_at(self.step),
         }
 
     def set_state(self, state: dict[str, int]) -> None:
@@ -162,6 +171,7 @@ class ClairvoyantLoader:
             raise ValueError(f"loader state step must be >= 0, got {state['step']}")
         self._stop_pipeline()
         self.step = int(state["step"])
+        self.plan = self.plan.resumed(state)
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters since construction: samples per tier, bytes, stall time, hit rates."""

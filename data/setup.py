@@ -23,7 +23,12 @@ TEXT_GLOBS = ("*.txt", "*.jsonl", "*.jsonl.gz", "*.ndjson", "*.ndjson.gz", "*.pa
 
 
 def data_path(d) -> str:
-    """The token data data section `d` reads: `d.path`, or the default corpus with `d.corpus_tokenizer`."""
+    """The token data data section `d` reads: `d.path`, or the default corpus with `d.corpus_tokenizer`; for a
+    mixture its first dataset (all share its tokenizer)."""
+    if getattr(d, "mixture", None):
+        from data.mixture import parse_mixture
+
+        return parse_mixture(d.mixture)[0].path
     return d.path or str(default_corpus(tokenizer=d.corpus_tokenizer))
 
 
@@ -95,7 +100,12 @@ def data_vocab_size(d) -> int:
 
 
 def data_fingerprint(d) -> dict:
-    """The fingerprint (TokenFile / TokenShards.fingerprint) of the token data data section `d` reads."""
+    """The fingerprint (TokenFile / TokenShards.fingerprint) of the token data data section `d` reads; a mixture's
+    holds each dataset's by name."""
+    if getattr(d, "mixture", None):
+        from data.mixture_data import mixture_fingerprint
+
+        return mixture_fingerprint(d)
     return open_data_path(d).fingerprint()
 
 
@@ -103,7 +113,18 @@ def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None
     """(train batch iterator, eval batches) for data section `d`, checked against the model's `vocab_size`.
 
     `document_mask`: the attention mask spec, when it needs document boundaries (batches then carry segment ids,
-    found at the token file's eos_id); `partitions` > 0: each of that many replicas reads its own slice."""
+    found at the token file's eos_id); `partitions` > 0: each of that many replicas reads its own slice.
+    With `d.mixture` the eval batches are a dict, each source's by name (data.mixture_data.open_mixture)."""
+    if getattr(d, "mixture", None):
+        from data.mixture_data import open_mixture
+
+        return open_mixture(
+            d,
+            vocab_size=vocab_size,
+            seed=seed,
+            eos_id_needed=bool(document_mask),
+            loader=lambda source, eos_id, plan: clairvoyant_loader(d, source, seed, eos_id, plan),
+        )
     token_file = open_data_path(d)  # a token file or token shards: one interface
     if token_file.vocab_size > vocab_size:
         raise ValueError(
@@ -165,7 +186,7 @@ def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None
     return train_iter, eval_data
 
 
-def clairvoyant_loader(d, source, seed: int, eos_id=None):
+def clairvoyant_loader(d, source, seed: int, eos_id=None, plan=None):
     """The plan-driven loader over `source` with the config's tiers, optionally behind a simulated remote filesystem.
 
     In a multi-process run the processes' loaders all-gather their plans over jax.distributed and serve each
@@ -192,4 +213,5 @@ def clairvoyant_loader(d, source, seed: int, eos_id=None):
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         exchange=jax_exchange() if multi else None,
+        plan=plan,
     )

@@ -2,6 +2,7 @@
 
     python -m experiments.bench_loader                     # 100k samples, 3 epochs, 2 ms / 50 MB/s source
     python -m experiments.bench_loader --samples 20000 --epochs 2 --skip-train   # quicker
+    python -m experiments.bench_loader --mixture 0.6,0.3,0.1 --skip-peers --skip-model --skip-train
 
 The dataset (windows of --seq-len + 1 tokens of the default corpus) is written as shards to a temporary directory
 and read through a `ThrottledSource` that adds --latency-ms per request and shares --mb-per-s between concurrent
@@ -20,6 +21,9 @@ requests: a remote filesystem. All in one run:
                predicts fast enough, and one too slow (5x the latency, 1/8 of the workers).
   training     tiny_lm trained through the throttled source (a subprocess): the fraction of wall time the step
                loop waited for data.
+With --mixture W,W,..., the dataset is cut into that many equal sources read at those weights (data.mixture's
+plan: each row's source drawn by the seed); an "epoch" is then as many samples as the dataset holds, and grain
+reads the very same stream of samples (its sampler unshuffled over the plan's order), so both load the same data.
 The last line is a JSON summary.
 """
 
@@ -101,13 +105,34 @@ class _GrainSource:
         return self.source.read([int(i)])[0]
 
 
-def grain_epoch_times(source, batch: int, seed: int, epochs: int) -> list[float]:
+class _StreamSource(_GrainSource):
+    """Record k is the k-th sample of a given stream (a mixture plan's order): grain then reads what we read."""
+
+    def __init__(self, source, stream: np.ndarray):
+        self.source, self.stream = source, stream
+
+    def __len__(self):
+        return len(self.stream)
+
+    def __getitem__(self, k):
+        return self.source.read([int(self.stream[k])])[0]
+
+
+def grain_epoch_times(source, batch: int, seed: int, epochs: int, stream: np.ndarray | None = None) -> list[float]:
+    """grain's DataLoader over `source` (its own shuffle), or over exactly the samples of `stream`, in order."""
     import grain.python as gp
 
     n = source.num_samples
+    data = _GrainSource(source) if stream is None else _StreamSource(source, stream)
     loader = gp.DataLoader(
-        data_source=_GrainSource(source),
-        sampler=gp.IndexSampler(n, shuffle=True, seed=seed, num_epochs=epochs, shard_options=gp.NoSharding()),
+        data_source=data,
+        sampler=gp.IndexSampler(
+            len(data),
+            shuffle=stream is None,
+            seed=seed,
+            num_epochs=1 if stream is not None else epochs,
+            shard_options=gp.NoSharding(),
+        ),
         operations=[gp.Batch(batch, drop_remainder=True)],
     )
     return _epoch_times(iter(loader), n // batch, epochs)
@@ -125,7 +150,7 @@ def _epoch_times(iterator, steps_per_epoch: int, epochs: int, on_epoch_end=lambd
     return times
 
 
-def ours(source, batch: int, seed: int, epochs: int, fraction: float, workers: int):
+def ours(source, batch: int, seed: int, epochs: int, fraction: float, workers: int, plan=None):
     """(epoch times, hit rate over all epochs, hit rate of epochs 2+) of the clairvoyant loader with a RAM tier."""
     loader = ClairvoyantLoader(
         source,
@@ -134,6 +159,7 @@ def ours(source, batch: int, seed: int, epochs: int, fraction: float, workers: i
         workers=workers,
         prefetch_steps=8,
         ram_bytes=int(fraction * source.num_samples) * source.sample_nbytes,
+        plan=plan,
     )
     after_first = []
     times = _epoch_times(
@@ -295,6 +321,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--mixture", default="", help="W,W,...: equal sources of the dataset read at these weights")
     args = p.parse_args(argv)
     summary = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -307,13 +334,15 @@ def main(argv=None) -> int:
             f"{args.epochs} epochs"
         )
 
-        stream = (
-            AccessPlan(raw.num_samples, args.batch, 0).samples(0, args.epochs * (raw.num_samples // args.batch)).ravel()
-        )
+        plan = mixture_plan(args.mixture, raw.num_samples, args.batch) if args.mixture else None
+        if plan is not None:
+            print(f"mixture: {len(plan.names)} sources of {plan.sizes[0]} samples at weights {args.mixture}")
+        plan = plan or AccessPlan(raw.num_samples, args.batch, 0)
+        stream = plan.samples(0, args.epochs * (raw.num_samples // args.batch)).ravel()
         first_epoch = len(stream) // args.epochs
         measured = {}
         for fraction in (0.25, 0.5):
-            measured[fraction] = ours(source, args.batch, 0, args.epochs, fraction, args.workers)
+            measured[fraction] = ours(source, args.batch, 0, args.epochs, fraction, args.workers, plan)
         print("\nhit rate (all epochs | epochs 2+)")
         print(
             f"{'capacity':>9} {'this loader':>17} {'Belady (optimum)':>19} {'LRU':>17} {'ours/Belady':>12} "
@@ -325,7 +354,7 @@ def main(argv=None) -> int:
             if fraction in measured:
                 _, hit, hit_later = measured[fraction]
             else:  # the planner alone (what the loader realizes, as the measured rows show)
-                hit, hit_later = _planned(raw.num_samples, args.batch, args.epochs, cap)
+                hit, hit_later = _planned(plan, args.epochs, cap)
             row = (
                 f"{fraction:>9.0%} {hit:>8.4f} | {hit_later:.4f} {bel.mean():>10.4f} | {bel[first_epoch:].mean():.4f}"
                 f" {lru.mean():>8.4f} | {lru[first_epoch:].mean():.4f} {hit / max(bel.mean(), 1e-12):>12.4f} "
@@ -337,9 +366,10 @@ def main(argv=None) -> int:
             summary[f"hit_vs_lru_{int(fraction * 100)}"] = round(hit / max(lru.mean(), 1e-12), 2)
 
         print("\nepoch times (s)")
-        rows = {"grain DataLoader (default prefetch)": grain_epoch_times(source, args.batch, 0, args.epochs)}
+        same = stream if args.mixture else None  # a mixture: grain reads our stream
+        rows = {"grain DataLoader (default prefetch)": grain_epoch_times(source, args.batch, 0, args.epochs, same)}
         lru_source = LRUCachedSource(source, raw.num_samples // 2)
-        rows["grain + LRU cache 50%"] = grain_epoch_times(lru_source, args.batch, 0, args.epochs)
+        rows["grain + LRU cache 50%"] = grain_epoch_times(lru_source, args.batch, 0, args.epochs, same)
         rows[f"this loader 25% ({args.workers} workers)"] = measured[0.25][0]
         rows[f"this loader 50% ({args.workers} workers)"] = measured[0.5][0]
         grain_later = np.mean(rows["grain DataLoader (default prefetch)"][1:]) if args.epochs > 1 else float("nan")
@@ -416,10 +446,20 @@ def main(argv=None) -> int:
     return 0
 
 
-def _planned(num_samples: int, batch: int, epochs: int, capacity: int) -> tuple[float, float]:
+def mixture_plan(weights: str, num_samples: int, batch: int):
+    """The plan of a mixture of equal contiguous sources of the dataset, read at `weights` ("W,W,...")."""
+    from data.mixture import MixturePlan
+
+    ws = [float(w) for w in weights.split(",")]
+    size = num_samples // len(ws)
+    sizes = [size] * (len(ws) - 1) + [num_samples - size * (len(ws) - 1)]
+    return MixturePlan([f"s{i}" for i in range(len(ws))], sizes, ws, global_batch=batch, seed=0)
+
+
+def _planned(plan, epochs: int, capacity: int) -> tuple[float, float]:
     from data.cache_plan import SOURCE, PlacementPlanner
 
-    plan = AccessPlan(num_samples, batch, 0)
+    batch = plan.global_batch
     planner = PlacementPlanner(plan, [(0, batch)], [(capacity, 0)])
     spe = plan.steps_per_epoch
     fetched = [planner.plan_chunk(e * spe, (e + 1) * spe)[0].fetch_from for e in range(epochs)]

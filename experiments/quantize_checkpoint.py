@@ -163,6 +163,7 @@ def quantize(args, workdir: Path, out: Path, cfg, checkpointer, step: int, saved
     from flax import nnx, traverse_util
 
     from jaxlm.checkpoint import save_tree
+    from jaxlm.data_metrics import EvalSets
     from jaxlm.quantized import quantize_weights
     from jaxlm.run_data import open_run_data
     from jaxlm.train import Program
@@ -178,7 +179,7 @@ def quantize(args, workdir: Path, out: Path, cfg, checkpointer, step: int, saved
             file=sys.stderr,
         )
         return 2
-    _, eval_data = open_run_data(cfg)
+    eval_data = EvalSets(open_run_data(cfg)[1]).all  # a mixture's sets as one
     if not eval_data:
         print(
             f"{PROG}: error: the run's data has no validation split (data.val_fraction = "

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from data.corpus import bpe_vocab_size
+from data.mixture import MixtureError, parse_mixture, parse_stages
 from jaxlm.config_checks import ConfigError, Section, check_choice, check_moe, check_non_negative, check_positive
 from jaxlm.config_overrides import apply_overrides  # noqa: F401 - part of this module's interface (CLIs, tests)
 from jaxlm.diloco.config import DiLoCoConfig
@@ -299,6 +300,11 @@ OptimConfig.RESUME_MAY_CHANGE = tuple(f.name for f in dataclasses.fields(OptimCo
 @dataclass(frozen=True)
 class DataConfig(Section):
     path: str = ""  # token data (python -m data.prepare); "" -> the default stdlib corpus
+    # several token datasets (one tokenizer) read at set proportions instead of `path` (data.mixture):
+    # "PATH:WEIGHT,PATH:WEIGHT", or a {path: weight} dict in a config file
+    mixture: str = ""
+    # weights that change at given steps, in `mixture`'s order: "STEP:W,W;STEP:W,W" (e.g. annealing)
+    mixture_stages: str = ""
     # the default corpus's tokenizer (used when path is ""): "byte", or "bpe<N>" (an N-token BPE trained on the
     # corpus, built once)
     corpus_tokenizer: str = "byte"
@@ -325,6 +331,8 @@ class DataConfig(Section):
     # fields that change how fast batches arrive, never which batches: a resumed run may change them
     RESUME_MAY_CHANGE = (
         "allow_other_data",
+        "mixture",  # its weights take effect from the resumed step; its datasets are checked by their fingerprints
+        "mixture_stages",
         "cache_ram_mb",
         "cache_disk_mb",
         "cache_dir",
@@ -344,6 +352,7 @@ class DataConfig(Section):
         if run is not None and d.seq_len > run.model.max_seq_len:
             raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({run.model.max_seq_len})")
         check_choice("data.loader", d.loader, LOADERS)
+        self._validate_mixture(run)
         if d.corpus_tokenizer != "byte":  # checked even when data.path is set (then unused): a typo surfaces
             try:
                 bpe_vocab_size(d.corpus_tokenizer)
@@ -361,6 +370,22 @@ class DataConfig(Section):
         if d.microbatches and d.batch_size % d.microbatches:
             raise ConfigError(
                 f"data.batch_size ({d.batch_size}) must be divisible by data.microbatches ({d.microbatches})"
+            )
+
+    def _validate_mixture(self, run) -> None:
+        if not self.mixture:
+            if self.mixture_stages:
+                raise ConfigError("data.mixture_stages needs data.mixture (the datasets whose weights it changes)")
+            return
+        if self.path:
+            raise ConfigError("data.path and data.mixture are both set: give one dataset or a mixture")
+        try:
+            parse_stages(self.mixture_stages, len(parse_mixture(self.mixture)))
+        except MixtureError as e:
+            raise ConfigError(str(e)) from None
+        if run is not None and run.diloco.data_partitions:
+            raise ConfigError(
+                "diloco.data=partition cuts one dataset into slices; with data.mixture use diloco.data=iid"
             )
 
     def resolved_microbatches(self, platform: str, rows: int | None = None, shards: int = 1) -> int:

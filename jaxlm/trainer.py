@@ -13,9 +13,7 @@ What it promises a user who reruns the same command after any failure:
 
 from __future__ import annotations
 
-import functools
 import json
-import math
 import time
 from pathlib import Path
 from typing import Iterator
@@ -31,6 +29,7 @@ from jaxlm import diloco
 from jaxlm.checkpoint import Checkpointer, CheckpointSaveError, NonFiniteState, shape_mismatches
 from jaxlm.config import TrainConfig
 from jaxlm.config_resume import resume_changes
+from jaxlm.data_metrics import EvalSets, LoaderMetrics
 from jaxlm.generate import generate
 from jaxlm.goodput import Goodput, append_record, summary
 from jaxlm.metrics import MetricsLogger, NullLogger
@@ -55,28 +54,6 @@ def make_program(cfg: TrainConfig, mesh: Mesh, layout: MeshLayout | None = None)
     if cfg.diloco.enabled:
         return diloco.make_program(cfg, mesh, layout)
     return Program(cfg, mesh, layout)
-
-
-class LoaderMetrics:
-    """The loader's counters for metrics.jsonl: cumulative ones as they are, plus the stall fraction since the
-    last record (time the loop waited in next() / wall time; an upper bound on device idle time, since the
-    asynchronously dispatched step runs meanwhile)."""
-
-    def __init__(self, loader, now: float):
-        self.read = getattr(loader, "metrics", None)
-        self.t, self.stall = now, self._stall()
-
-    def _stall(self) -> float:
-        return self.read()["data_stall_s"] if self.read else 0.0
-
-    def update(self, now: float) -> dict:
-        if self.read is None:
-            return {}
-        record = self.read()
-        stall = record["data_stall_s"]
-        record["data_stall_frac"] = (stall - self.stall) / max(now - self.t, 1e-9)
-        self.t, self.stall = now, stall
-        return record
 
 
 class BadStepCounter:
@@ -131,20 +108,6 @@ class Throughput:
         return {"tokens_per_s": tokens_per_s, "model_gflops_per_s": tokens_per_s * self.flops_per_token / 1e9}
 
 
-def bits_per_nat(eval_batches: list[Batch], token_bytes: np.ndarray) -> float | None:
-    """eval_bits_per_byte / eval_loss: the eval targets' token count / (ln 2 x the UTF-8 bytes they stand for),
-    fixed for a run (its eval batches are). Bits per byte compares runs across tokenizers (Levanter's metric);
-    None without eval batches, or for target ids the tokenizer lacks."""
-    tokens = num_bytes = 0.0
-    for batch in eval_batches:
-        targets, mask = np.asarray(batch["targets"]), np.asarray(batch["loss_mask"], np.float64)
-        if targets.max() >= len(token_bytes):
-            return None
-        tokens += mask.sum()
-        num_bytes += (token_bytes[targets] * mask).sum()
-    return tokens / (math.log(2) * num_bytes) if num_bytes else None
-
-
 def _holds(path: Path, text: str) -> bool:
     """Whether `path` already holds `text` (a resumed run rewrites nothing it has: a full disk fails at the save)."""
     try:
@@ -154,10 +117,29 @@ def _holds(path: Path, text: str) -> bool:
 
 
 def _describe(fingerprint: dict) -> str:
+    if "mixture" in fingerprint:
+        return f"the mixture of {', '.join(sorted(fingerprint['mixture']))}"
     return (
         f"{fingerprint.get('tokens')} tokens, tokenizer {fingerprint.get('tokenizer')}, "
         f"sample sha256 {fingerprint.get('sample_sha256')}"
     )
+
+
+def _difference(saved: dict, now: dict) -> str:
+    """What the data now is, against a checkpoint's fingerprint; for mixtures, which datasets differ."""
+    was, mix = saved.get("mixture"), now.get("mixture")
+    if was is None or mix is None:
+        return f"{'data.mixture' if mix is not None else 'data.path'} now holds {_describe(now)}"
+    parts = [
+        f"{what} {', '.join(names)}"
+        for what, names in (
+            ("data.mixture adds", sorted(set(mix) - set(was))),
+            ("drops", sorted(set(was) - set(mix))),
+            ("has other data under", sorted(k for k in set(was) & set(mix) if was[k] != mix[k])),
+        )
+        if names
+    ]
+    return "; ".join(parts)
 
 
 class Trainer:
@@ -169,7 +151,7 @@ class Trainer:
         mesh: Mesh,
         workdir,
         train_iter: Iterator[Batch],
-        eval_batches: list[Batch],
+        eval_batches: list[Batch] | dict[str, list[Batch]],
         *,
         layout: MeshLayout | None = None,
         progress: bool = True,
@@ -182,10 +164,13 @@ class Trainer:
         with another one is not resumed unless data.allow_other_data.
         `tokenizer` (data.text_tokenizer.TextTokenizer, jaxlm.run_data.run_tokenizer): the data's; saved with each
         checkpoint (a checkpoint is never continued on data of another tokenizer) and as WORKDIR/tokenizer.json,
-        and the UTF-8 bytes behind its tokens turn eval losses into eval_bits_per_byte."""
+        and the UTF-8 bytes behind its tokens turn eval losses into eval_bits_per_byte.
+        `eval_batches`: a list, or a mixture's {source name: list} (each source's loss is logged too)."""
         self.cfg, self.workdir = cfg, workdir
         self.data_fingerprint, self.tokenizer = data_fingerprint, tokenizer
-        self.train_iter, self.eval_batches = train_iter, eval_batches
+        self.train_iter = train_iter
+        self.eval_sets = EvalSets(eval_batches, tokenizer.token_bytes if tokenizer is not None else None)
+        self.eval_batches = self.eval_sets.all
         self.goodput = goodput or Goodput()
         self.program = make_program(cfg, mesh, layout)
         self.primary = jax.process_index() == 0  # the one process that writes logs, plots and config.json
@@ -236,6 +221,8 @@ class Trainer:
             state = self.program.init()
         else:
             _, state, data_state, _ = restored
+            if self.cfg.data.allow_other_data:  # the stream continues at its step on whatever data is there now
+                data_state = {k: v for k, v in data_state.items() if k != "num_samples"}
             self.train_iter.set_state(data_state)
         state, moved_data_state = self.program.start(state, self.train_iter, log=self.log)
         self.moved = moved_data_state is not None
@@ -287,7 +274,7 @@ class Trainer:
             return
         raise config_lib.ConfigError(
             f"checkpoint at step {step} in {self.workdir} was trained on other data: it saw {_describe(saved)}, "
-            f"data.path now holds {_describe(now)}; use the original data, a new --workdir, or "
+            f"{_difference(saved, now)}; use the original data, a new --workdir, or "
             f"--set data.allow_other_data=true to continue on this data"
         )
 
@@ -404,7 +391,7 @@ class Trainer:
         step_fn = self._compile(state, batch)
         bad = self.bad_steps = BadStepCounter(cfg.max_bad_steps)
         speed = Throughput(cfg.data.batch_size * cfg.data.seq_len, flops_per_token)
-        loader_metrics = LoaderMetrics(self.train_iter, speed.t)
+        loader_metrics = LoaderMetrics(self.train_iter, speed.t, start)
         self.last_save, last = speed.t, {}
         for step in range(start + 1, cfg.steps + 1):
             state, metrics = step_fn(state, batch, step)
@@ -456,9 +443,12 @@ class Trainer:
             **speed.record(),
             "skipped_steps": bad.total,
             **values,
-            **loader_metrics.update(speed.t),
+            **loader_metrics.update(speed.t, step),
         }
         self.logger.log(record)
+        for note in loader_metrics.notes:
+            self.logger.info(note)
+        loader_metrics.notes.clear()
         return record
 
     def _stop_or_save(self, step: int, is_log: bool, state, data_state, signals: StopSignals) -> bool:
@@ -489,17 +479,15 @@ class Trainer:
     def _evaluate(self, state, step: int) -> float:
         """The eval loss of `state`'s params, logged at `step` (its time counted as eval, not training)."""
         with self.goodput.timing("eval"):
-            eval_loss = self.program.evaluate(self.program.eval_params(state), self.eval_batches)
+            params = self.program.eval_params(state)
+            record = {"step": step, **self.eval_sets.evaluate(lambda batches: self.program.evaluate(params, batches))}
             samples = self._samples(state)
-        record = {"step": step, "eval_loss": eval_loss}
-        if self._bits_per_nat:
-            record["eval_bits_per_byte"] = eval_loss * self._bits_per_nat
         if samples:
             record["eval_samples"] = samples
             for sample in samples:
                 self.logger.info(f"sample at step {step}: {sample['prompt']!r} -> {sample['continuation'][:120]!r}")
         self.logger.log(record)
-        return eval_loss
+        return record["eval_loss"]
 
     def _samples(self, state) -> list[dict] | None:
         """Greedy continuations of cfg.eval_prompts by `state`'s eval params (jaxlm.generate: compiled once)."""
@@ -521,12 +509,6 @@ class Trainer:
         return [
             {"prompt": p, "continuation": tok.decode(ids, skip_special_tokens=True)} for p, ids in zip(prompts, new_ids)
         ]
-
-    @functools.cached_property
-    def _bits_per_nat(self) -> float | None:
-        if self.tokenizer is None:
-            return None
-        return bits_per_nat(self.eval_batches, self.tokenizer.token_bytes)
 
     def _save(self, step: int, state, data_state: dict, *, wait: bool = False) -> float:
         """Checkpoints `step` (and waits for it to be on disk if `wait`); returns the seconds it blocked."""

@@ -12,9 +12,9 @@ from flax import nnx
 from helpers import random_token_file, tiny_config
 
 from jaxlm.config import ConfigError, DataConfig, ModelConfig, TrainConfig
+from jaxlm.data_metrics import bits_per_nat
 from jaxlm.model import Transformer, head_logits
 from jaxlm.run_data import resolve_vocab
-from jaxlm.trainer import bits_per_nat
 
 
 def config_on(path, **model) -> TrainConfig:
