@@ -301,7 +301,7 @@ OptimConfig.RESUME_MAY_CHANGE = tuple(f.name for f in dataclasses.fields(OptimCo
 class DataConfig(Section):
     path: str = ""  # token data (python -m data.prepare); "" -> the default stdlib corpus
     # several token datasets (one tokenizer) read at set proportions instead of `path` (data.mixture):
-    # "PATH:WEIGHT,PATH:WEIGHT", or a {path: weight} dict in a config file
+    # "PATH:WEIGHT,PATH:WEIGHT", or a {path: weight} dict in a config file (kept as that string)
     mixture: str = ""
     # weights that change at given steps, in `mixture`'s order: "STEP:W,W;STEP:W,W" (e.g. annealing)
     mixture_stages: str = ""
@@ -341,6 +341,10 @@ class DataConfig(Section):
         "throttle_latency_ms",
         "throttle_mb_per_s",
     )
+
+    def __post_init__(self):
+        if isinstance(self.mixture, dict):  # a config file's {path: weight}: kept as the string --set takes
+            object.__setattr__(self, "mixture", ",".join(f"{path}:{weight}" for path, weight in self.mixture.items()))
 
     def validate(self, run=None) -> None:
         d = self
@@ -423,6 +427,12 @@ class TrainConfig(Section):
     # log, metrics.jsonl ("eval_samples") and TensorBoard (text), so a user watches the model learn
     eval_prompts: str = ""
     eval_sample_tokens: int = 32
+    # lm-evaluation-harness tasks (comma list; docs/lm_eval.md) run on the params every eval_harness_every steps and
+    # at the last step (0: the last step only), logged as harness/<task>/<metric>; needs the eval extra
+    eval_harness_tasks: str = ""
+    eval_harness_every: int = 0
+    eval_harness_limit: int = 0  # examples per task; 0: all of them
+    eval_harness_include_path: str = ""  # a directory of your own task YAML files
     checkpoint_every: int = 50
     checkpoint_minutes: float = 0.0  # also checkpoint when this many minutes passed since the last save; 0: off
     keep_checkpoints: int = 3
@@ -447,6 +457,8 @@ class TrainConfig(Section):
         check_non_negative(
             eval_sample_tokens=self.eval_sample_tokens,
             eval_every=self.eval_every,
+            eval_harness_every=self.eval_harness_every,
+            eval_harness_limit=self.eval_harness_limit,
             checkpoint_every=self.checkpoint_every,
             seed=self.seed,
             checkpoint_minutes=self.checkpoint_minutes,
@@ -523,10 +535,23 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def validate_training(cfg: TrainConfig) -> TrainConfig:
-    """`validate`, plus what only a run about to train needs (TrainConfig.check_evaluation)."""
+    """`validate`, plus what only a run about to train needs (TrainConfig.check_evaluation, and the lm-eval tasks
+    it names: known, with the extra installed)."""
     validate(cfg)
     cfg.check_evaluation()
+    if cfg.eval_harness_tasks:
+        from jaxlm.harness import task_manager
+
+        try:
+            task_manager(harness_tasks(cfg), cfg.eval_harness_include_path or None)
+        except ValueError as e:
+            raise ConfigError(f"eval_harness_tasks: {e}") from None
     return cfg
+
+
+def harness_tasks(cfg: TrainConfig) -> list[str]:
+    """The lm-eval task names of `eval_harness_tasks`."""
+    return [t.strip() for t in cfg.eval_harness_tasks.split(",") if t.strip()]
 
 
 def _check_types(obj: Any, prefix: str, where: str = "config") -> None:

@@ -189,6 +189,8 @@ class Trainer:
         ]
         if cfg.eval_prompts and jax.process_count() > 1:
             self.notes.append("eval_prompts: samples are generated in single-process runs only")
+        if cfg.eval_harness_tasks and (jax.process_count() > 1 or tokenizer is None):
+            self.notes.append("eval_harness_tasks: lm-eval runs in single-process runs with a tokenizer only")
 
     def _read_rows(self) -> None:
         """The iterator reads only the rows of each batch this process's program needs (all, on one process)."""
@@ -408,6 +410,10 @@ class Trainer:
             if self.eval_batches and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
                 last["eval_loss"] = self._evaluate(state, step)
                 speed.restart()
+            every = cfg.eval_harness_every
+            if cfg.eval_harness_tasks and ((every and step % every == 0) or step == cfg.steps):
+                self._harness(state, step)
+                speed.restart()
             if self._stop_or_save(step, is_log, state, data_state, signals):
                 speed.restart()
         return last
@@ -509,6 +515,31 @@ class Trainer:
         return [
             {"prompt": p, "continuation": tok.decode(ids, skip_special_tokens=True)} for p, ids in zip(prompts, new_ids)
         ]
+
+    def _harness(self, state, step: int) -> None:
+        """lm-eval's tasks on `state`'s eval params (jaxlm.harness): metrics.jsonl / TensorBoard get
+        harness/<task>/<metric>, WORKDIR/lm_eval lm-eval's results JSON. One process only, as the samples."""
+        from jaxlm.harness import RESULTS_DIR, adapter, flat_metrics, run_tasks, save_results
+
+        cfg = self.cfg
+        if jax.process_count() > 1 or self.tokenizer is None:
+            return
+        with self.goodput.timing("eval"):
+            model = nnx.merge(self.program.graphdef, self.program.eval_params(state))
+            info = {"workdir": str(self.workdir), "step": step}
+            lm = adapter(model, self.tokenizer, rules=self.program.layout.rules, info=info)
+            results = run_tasks(
+                lm,
+                config_lib.harness_tasks(cfg),
+                include_path=cfg.eval_harness_include_path or None,
+                limit=cfg.eval_harness_limit or None,
+                bootstrap_iters=0,  # stderrs by resampling cost more than the tasks on a small model
+            )
+            path = save_results(results, Path(self.workdir) / RESULTS_DIR, step)
+        metrics = flat_metrics(results)
+        self.logger.log({"step": step, **metrics})
+        shown = ", ".join(f"{k.removeprefix('harness/')} {v:.4g}" for k, v in metrics.items())
+        self.logger.info(f"lm-eval at step {step}: {shown} ({path})")
 
     def _save(self, step: int, state, data_state: dict, *, wait: bool = False) -> float:
         """Checkpoints `step` (and waits for it to be on disk if `wait`); returns the seconds it blocked."""

@@ -42,7 +42,10 @@ def run(tmp_path_factory):
     (root / "text" / "train.txt").write_text(Path(textwrap.__file__).read_text())
     assert prepare.main(["--input", str(root / "text"), "--output", str(root / "tokens"), "--no-progress"]) == 0
     sets = tiny_run_sets(data__path=root / "tokens", data__batch_size=8, data__val_fraction=0.05, tensorboard="false")
-    assert tiny_lm.main(["--workdir", str(root / "run"), "--steps", "3", "--no-progress", *sets]) == 0
+    sets += ["--set", f"eval_harness_tasks={CHOICE}", "--set", f"eval_harness_include_path={TASKS}"]  # in the loop
+    with pytest.MonkeyPatch.context() as m:
+        m.chdir(REPO)
+        assert tiny_lm.main(["--workdir", str(root / "run"), "--steps", "3", "--no-progress", *sets]) == 0
     assert export_hf.main(["--workdir", str(root / "run"), "--out", str(root / "hf")]) == 0
     return root
 
@@ -55,6 +58,19 @@ def ours(run):
 @pytest.fixture(scope="module")
 def theirs(run):
     return HFLM(pretrained=str(run / "hf"), device="cpu", batch_size=16, dtype="float32")
+
+
+def test_the_training_loop_logs_the_tasks_metrics_as_the_command_scores_its_checkpoint(run, ours):
+    """eval_harness_tasks: at the last step, metrics.jsonl holds what the adapter gives the saved checkpoint, and
+    WORKDIR/lm_eval lm-eval's JSON."""
+    from jaxlm.metrics import read_metrics
+
+    logged = [r for r in read_metrics(run / "run" / "metrics.jsonl") if any(k.startswith("harness/") for k in r)]
+    assert [r["step"] for r in logged] == [3]
+    standalone = harness.flat_metrics(harness.run_tasks(ours, [CHOICE], include_path=TASKS, bootstrap_iters=0))
+    assert {k: v for k, v in logged[0].items() if k != "step"} == pytest.approx(standalone, abs=1e-6)
+    (saved,) = (run / "run" / harness.RESULTS_DIR).glob("results_step3_*.json")
+    assert json.loads(saved.read_text())["results"][CHOICE]["acc,none"] == standalone[f"harness/{CHOICE}/acc"]
 
 
 def test_tasks_score_as_lm_evals_hugging_face_backend_on_the_exported_model(ours, theirs):
@@ -119,6 +135,7 @@ def test_cli_writes_lm_evals_json_into_the_workdir_beside_what_is_there(run, cap
     theirs_file = run / "run" / "lm_eval" / "notes.json"
     theirs_file.parent.mkdir(exist_ok=True)
     theirs_file.write_text("mine\n")
+    before = sorted(p.name for p in theirs_file.parent.iterdir())  # and the training loop's own results
     code, out, err = cli(capsys, "--workdir", run / "run", "--tasks", CHOICE, "--include-path", TASKS, "--limit", 3)
     assert code == 0, err
     *table, last = out.strip().splitlines()
@@ -129,7 +146,7 @@ def test_cli_writes_lm_evals_json_into_the_workdir_beside_what_is_there(run, cap
     assert Path(record["results"]).parent == run / "run" / "lm_eval"
     assert written["results"][CHOICE]["acc,none"] == record[f"{CHOICE}/acc"] and written["config"]["limit"] == 3
     assert theirs_file.read_text() == "mine\n"
-    assert sorted(p.name for p in theirs_file.parent.iterdir()) == sorted(["notes.json", Path(record["results"]).name])
+    assert sorted(p.name for p in theirs_file.parent.iterdir()) == sorted([*before, Path(record["results"]).name])
 
 
 @pytest.mark.parametrize(
@@ -225,3 +242,13 @@ def test_bench_lm_eval_prints_its_table_then_json(run, capsys):
     figures = json.loads(last)
     assert any(line.startswith("jaxlm adapter") for line in table) and figures["requests"] == 8
     assert figures["max_abs_diff"] < 1e-3 and figures["greedy_agree"] == 8 and figures["speedup"] > 0
+
+
+def test_an_unknown_task_in_the_training_config_is_one_line_exit_2_before_training(tmp_path, capsys, monkeypatch):
+    built = harness._task_manager
+    monkeypatch.setattr(harness, "_task_manager", lambda path, defaults: _Index if defaults else built(path, defaults))
+    sets = ["--set", "eval_harness_tasks=jaxlm_tiny_chioce", "--set", f"eval_harness_include_path={TASKS}"]
+    assert tiny_lm.main(["--workdir", str(tmp_path / "w"), "--steps", "1", *tiny_run_sets(), *sets]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown lm-eval task 'jaxlm_tiny_chioce'" in err and CHOICE in err, err
+    assert not (tmp_path / "w").exists()

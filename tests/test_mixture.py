@@ -12,7 +12,7 @@ from data.loader import ClairvoyantLoader
 from data.mixture import MIX_BLOCK, MixtureError, MixturePlan, parse_mixture, parse_stages
 from data.mixture_data import ConcatSource, PlannedBatches
 from data.sources import TokenWindowSource
-from jaxlm.config import ConfigError, validate
+from jaxlm.config import ConfigError, DataConfig, TrainConfig, validate
 from jaxlm.data_metrics import EvalSets
 from jaxlm.metrics import read_metrics
 from jaxlm.run_data import open_run_data, run_data_fingerprint
@@ -90,7 +90,9 @@ def test_a_bad_mixture_or_stage_is_one_line_naming_it(mixture, stages, message):
 
 
 def test_a_config_file_may_give_the_mixture_as_a_dict():
-    assert [(c.name, c.weight) for c in parse_mixture({"/d/web": 3, "/d/code": 1})] == [("web", 3.0), ("code", 1.0)]
+    d = DataConfig(mixture={"/d/web": 3, "/d/code": 1})
+    assert d.mixture == "/d/web:3,/d/code:1" and validate(TrainConfig(data=d)).data == d
+    assert [(c.name, c.weight) for c in parse_mixture(d.mixture)] == [("web", 3.0), ("code", 1.0)]
 
 
 def _sources():
@@ -178,3 +180,22 @@ def test_eval_sets_weigh_sources_by_tokens_and_give_each_its_bits_per_byte():
     assert record["eval_bits_per_byte/b"] == pytest.approx(6.0 / (math.log(2) * 4))
     assert record["eval_bits_per_byte"] == pytest.approx(12.0 / (math.log(2) * 9))
     assert set(EvalSets([batch], token_bytes).evaluate(lambda b: 1.0)) == {"eval_loss", "eval_bits_per_byte"}
+
+
+@pytest.mark.slow  # fast cover: test_a_mixture_run_logs_its_proportions_and_per_source_eval_... (docs/testing.md)
+def test_compare_mixture_trains_each_variant_and_reports_each_source(tmp_path, capsys):
+    import json
+
+    from experiments import compare_mixture
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(40):
+        (docs / f"page{i}.md").write_text(f"# Page {i}\n\nSome *markdown* text about item {i}.\n" * 40)
+    sets = ["model.num_layers=1", "data.batch_size=4", "data.seq_len=64", "eval_prompts=", "data.val_fraction=0.05"]
+    argv = ["--root", str(tmp_path / "runs"), "--docs", str(docs), "--steps", "10", "--no-progress"]
+    assert compare_mixture.main(argv + [a for s in sets for a in ("--set", s)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary) == {"python", "markdown", "mixture"}
+    assert summary["python"]["markdown_share_before"] == 0 and summary["markdown"]["markdown_share_before"] == 1
+    assert 0 < summary["mixture"]["markdown_share_before"] < 1 and summary["mixture"]["markdown_share_annealing"] == 0
