@@ -15,6 +15,7 @@ from sharding.model_shape import (
     params_per_device,
 )
 from sharding.pipeline import stash_slots
+from sharding.schedules import cached, splits_backward
 
 
 def dtype_bytes(cfg: ModelShape) -> int:
@@ -177,9 +178,17 @@ def memory_per_device(
             activations = (M + S - 1) * layers * kept
             layer_phase += layers * kept
             other += 2 * M * layer_input + M * logits
-        else:
+        elif layout.pipeline_schedule == "1f1b":
             # 1F1B: a ring of stashed stage inputs; each backward recomputes one microbatch's stage forward.
             activations = stash_slots(S) * layer_input + layers * kept
+        else:
+            # sharding.table_runner: each chunk's inputs stashed from F to its last backward op (the table's peak
+            # stash, in stages' worth of layer inputs); split schedules also keep the output gradient B received
+            # until W runs. B and W recompute one chunk's forward at a time.
+            table = cached(layout.pipeline_schedule, S, M, layout.pipeline_virtual_stages or None)
+            stashed = max(table.peak_stash()) * layout.pipeline_chunks  # chunks' inputs: one layer input each
+            activations = stashed * (2 if splits_backward(table.name) else 1) * layer_input
+            activations += layers // layout.pipeline_chunks * kept
     return Memory(
         params=4 * n_params,
         grads=4 * n_params,

@@ -8,8 +8,11 @@ Formulas, not profiling, so each number can be checked by hand:
   layer's backward working set. Each layout gets the fewest gradient-accumulation microbatches that make it fit. The
   loss's and a layer's working sets follow the XLA program of the hardware's platform where they differ (GPU:
   measured against deviceless H100 compiles, docs/scale.md); CPU's rules serve TPU too until TPU's are measured.
-* compute: (6 N + attention) FLOPs per token / (devices x achievable FLOP/s), x 4/3 where the forward is recomputed,
-  / (1 - bubble) with pipelining: bubble = (S - 1) / (M + S - 1) for S stages and M microbatches.
+* compute: (6 N + attention) FLOPs per token / (devices x achievable FLOP/s), x 4/3 where the forward is recomputed
+  (x 5/3 for ZB-H1 and ZB-V, which recompute it for B and for W), / (1 - bubble) with pipelining: bubble = (S - 1) /
+  (M + S - 1) for GPipe and 1F1B with S stages and M microbatches, the table's idle share for the others
+  (`sharding.schedules`: interleaved 1F1B, ZB-H1, ZB-V). Every schedule a pipeline can run is a candidate, so the
+  plan recommends one.
 * communication, ring collectives (bandwidth terms, in the compute dtype) at the bandwidth of the link the axis
   spans (inside a node or across): FSDP all-gathers (forward, backward) + gradient reduce-scatter, and the DP
   gradient all-reduce, overlap with compute; tensor-parallel activation all-reduces (2 forward + 2 backward per
@@ -41,6 +44,7 @@ from sharding.model_shape import (
     params_per_device,
 )
 from sharding.pipeline import bubble_fraction
+from sharding.schedules import cached, splits_backward
 
 FSDP_COLLECTIVES = 3  # all-gather for the forward, again for the backward, reduce-scatter of the gradients
 REMAT_CHOICES = ("none", "full")
@@ -139,13 +143,12 @@ def evaluate(
     """One layout's estimate. With gradient accumulation every microbatch gathers the params again and reduces its
     gradients (the SPMD program keeps the accumulator sharded like the params), so FSDP and DP comms scale with it."""
     devices = math.prod(layout.axis_sizes.values())
-    cb, S, M = dtype_bytes(cfg), layout.pipeline, layout.num_microbatches
+    cb, S = dtype_bytes(cfg), layout.pipeline
     n_params, attn = active_params(cfg), attention_flops_per_token(cfg, seq_len)
-    recompute = remat == "full" or (S > 1 and layout.pipeline_schedule == "1f1b")
-    bubble = bubble_fraction(S, M)
+    bubble, recompute = pipeline_costs(layout, remat)
     # every rank of a tensor axis multiplies the same tokens by whole experts (sharding.experts): FLOPs repeated
     done = n_params + (layout.tensor - 1) * cfg.num_moe_layers * cfg.experts_per_token * expert_params(cfg)
-    compute = compute_seconds(done, batch_tokens, devices, hw.flops, attn) * (4 / 3 if recompute else 1)
+    compute = compute_seconds(done, batch_tokens, devices, hw.flops, attn) * recompute
     compute /= 1 - bubble
     spans = axis_spans(layout)
     bw = {axis: hw.bandwidth(span) for axis, span in spans.items()}
@@ -165,8 +168,10 @@ def evaluate(
     )
     shard_activation_bytes = batch_tokens / layout.batch_shards * cfg.d_model * cb  # all microbatches
     layers = cfg.num_layers // S
-    tp = layers * (6 if recompute else 4) * ring_all_reduce_seconds(shard_activation_bytes, layout.tensor, bw["tensor"])
-    pp = 2 * shard_activation_bytes / bw["pipeline"] if S > 1 else 0.0  # activations forward, gradients back
+    forwards = 3 * recompute - 2  # forward passes per step: 1, and one per recomputation
+    tp = layers * 2 * (forwards + 1) * ring_all_reduce_seconds(shard_activation_bytes, layout.tensor, bw["tensor"])
+    # activations forward, gradients back, at every chunk boundary (interleaved and ZB-V cross the stages v times)
+    pp = 2 * layout.pipeline_chunks * shard_activation_bytes / bw["pipeline"] if S > 1 else 0.0
     cp = accumulation * context_comm_seconds(cfg, layout, batch_tokens, remat, bw["context"])
     ep = expert_comm_seconds(cfg, layout, batch_tokens, remat, bw["expert"])
     step = max(compute, fsdp + dp + cp) + tp + pp + ep
@@ -188,6 +193,21 @@ def evaluate(
         cp,
         ep,
     )
+
+
+def pipeline_costs(layout: MeshLayout, remat: str) -> tuple[float, float]:
+    """(idle share, compute over a step without recomputation) of the layout's pipeline schedule. GPipe and 1F1B
+    idle (S - 1) / (M + S - 1); the table schedules (sharding.schedules) what their table idles. Recomputation
+    (forward = 1, backward = 2): 1F1B and the table's BW ops recompute a stage's forward once (4/3), ZB-H1 and ZB-V
+    twice, once for B and once for W (5/3); `remat` full once, whatever the schedule."""
+    S, M, name = layout.pipeline, layout.num_microbatches, layout.pipeline_schedule
+    once = 4 / 3 if remat == "full" else 1.0
+    if S == 1:
+        return 0.0, once
+    if name in ("gpipe", "1f1b"):
+        return bubble_fraction(S, M), 4 / 3 if name == "1f1b" else once
+    table = cached(name, S, M, layout.pipeline_virtual_stages or None)
+    return table.bubble_fraction, 5 / 3 if splits_backward(name) else 4 / 3
 
 
 def context_comm_seconds(cfg: ModelShape, layout: MeshLayout, batch_tokens: int, remat: str, bandwidth: float):
@@ -248,9 +268,9 @@ def expert_sizes(cfg: ModelShape, devices: int) -> list[int]:
 
 
 def candidate_layouts(cfg: ModelShape, devices: int, batch_sequences: int, hw: Hardware) -> list[MeshLayout]:
-    """devices = data x fsdp x expert x tensor x pipeline, each dimension splitting evenly; pipelines in both
-    schedules with every microbatch count M <= 8 S that divides the per-shard batch (not for MoE models, whose
-    pipelines jaxlm refuses)."""
+    """devices = data x fsdp x expert x tensor x pipeline, each dimension splitting evenly; pipelines in every
+    schedule they can run (`pipeline_schedules`) with every microbatch count M <= 8 S that divides the per-shard
+    batch (not for MoE models, whose pipelines jaxlm refuses)."""
     out = []
     for t in tensor_sizes(cfg, devices, hw):
         for p in [1] if cfg.num_experts else pipeline_sizes(cfg, devices // t):
@@ -269,9 +289,26 @@ def candidate_layouts(cfg: ModelShape, devices: int, batch_sequences: int, hw: H
                             MeshLayout(
                                 data=d, fsdp=f, tensor=t, pipeline=p, pipeline_schedule=s, pipeline_microbatches=m
                             )
-                            for s in ("1f1b", "gpipe")
+                            for s in pipeline_schedules(cfg, p, m)
                         ]
     return out
+
+
+TABLE_LIMIT = (8, 4)  # table schedules are planned for stages <= 8 and microbatches <= 4 x stages
+
+
+def pipeline_schedules(cfg: ModelShape, stages: int, microbatches: int) -> list[str]:
+    """The schedules a pipeline of `stages` can run `microbatches` with: all five where the layers split into
+    two chunks per stage (interleaved 1F1B with v = 2 and ZB-V; interleaved also needs M a multiple of the stages).
+    The table schedules only within TABLE_LIMIT: their tables are simulated (sharding.schedules, ~0.4 s for ZB-V at
+    8 stages and 64 microbatches, growing as S x M x ticks), and past M = 4 S 1F1B's bubble is under 16%."""
+    names = ["1f1b", "gpipe"]
+    if stages > TABLE_LIMIT[0] or microbatches > TABLE_LIMIT[1] * stages:
+        return names
+    names.append("zb-h1")
+    if cfg.num_layers % (2 * stages) == 0:
+        names += ["interleaved-1f1b"] * (microbatches % stages == 0) + ["zbv"]
+    return names
 
 
 def context_layouts(cfg: ModelShape, devices: int, batch_sequences: int, seq_len: int, hw: Hardware) -> list:
@@ -448,4 +485,5 @@ def describe(layout: MeshLayout, accumulation: int = 1) -> str:
         text += f" e{layout.expert}"
     if layout.pipeline > 1:
         text += f" {layout.pipeline_schedule} M={layout.num_microbatches}"
+        text += f" v={layout.pipeline_chunks}" if layout.pipeline_schedule == "interleaved-1f1b" else ""
     return text + (f" accum={accumulation}" if accumulation > 1 else "")

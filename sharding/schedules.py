@@ -19,6 +19,7 @@ flight (each is half a stage).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 
 NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
@@ -124,6 +125,18 @@ def make(name: str, stages: int, microbatches: int, virtual_stages: int | None =
     schedule = Schedule(name, stages, microbatches, chunks, tuple(sorted(ops, key=lambda o: (o.tick, o.stage))))
     check(schedule)
     return schedule
+
+
+@functools.lru_cache(maxsize=None)
+def cached(name: str, stages: int, microbatches: int, virtual_stages: int | None = None) -> Schedule:
+    """`make`, once per settings: the planner asks for the same few tables for many layouts."""
+    return make(name, stages, microbatches, virtual_stages)
+
+
+def splits_backward(name: str) -> bool:
+    """Whether the schedule runs B and W apart (sharding.table_runner then recomputes the chunk's forward for
+    each: two recomputed forwards per microbatch, against one for a BW)."""
+    return name in ("zb-h1", "zbv")
 
 
 def check_settings(name: str, stages: int, microbatches: int, virtual_stages: int | None) -> None:

@@ -446,3 +446,27 @@ def test_a_sequence_no_device_holds_is_split_over_a_context_axis(tmp_path, capsy
     whole = memory_per_device(MODEL_PRESETS["llama3-8b"], MeshLayout(), 1, 1048576, "full", platform="gpu")
     split = memory_per_device(MODEL_PRESETS["llama3-8b"], layout, 1, 1048576, "full", platform="gpu")
     assert split.total < whole.total / 20
+
+
+def test_the_planner_ranks_every_schedule_by_its_table_and_recommends_one():
+    """Each pipeline schedule is a candidate: its bubble is its table's idle share (GPipe and 1F1B their formula),
+    ZB-H1 and ZB-V pay a second recomputed forward (5/3 against 4/3), interleaving and ZB-V cross the stages twice
+    per microbatch; the plan recommends the schedule of its best layout."""
+    from sharding.planner import evaluate
+    from sharding.schedules import make
+
+    cfg, seq = MODEL_PRESETS["70b"], 4096
+    estimates = {}
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"):
+        layout = MeshLayout(fsdp=4, tensor=2, pipeline=4, pipeline_schedule=name, pipeline_microbatches=8)
+        e = estimates[name] = evaluate(cfg, layout, H100, 64 * seq, seq)
+        want = (4 - 1) / (8 + 4 - 1) if name in ("gpipe", "1f1b") else make(name, 4, 8).bubble_fraction
+        assert e.bubble == pytest.approx(want)
+    base = {n: e.compute_s * (1 - e.bubble) for n, e in estimates.items()}  # without the bubble
+    assert base["1f1b"] == pytest.approx(base["gpipe"] * 4 / 3) == pytest.approx(base["interleaved-1f1b"])
+    assert base["zbv"] == pytest.approx(base["gpipe"] * 5 / 3) == pytest.approx(base["zb-h1"])
+    assert estimates["zbv"].pp_s == pytest.approx(2 * estimates["1f1b"].pp_s)
+    assert estimates["gpipe"].memory.activations > estimates["zbv"].memory.activations
+    assert estimates["interleaved-1f1b"].step_s < estimates["1f1b"].step_s  # less idle, the same recomputation
+    best = plan(cfg, 32, 64 * seq, seq, H100).best
+    assert best.fits and best.layout.pipeline > 1 and best.layout.pipeline_schedule == "interleaved-1f1b"
