@@ -69,6 +69,17 @@ def _rewritten_data(d: Path) -> None:
     subprocess.run([*prepare, "--overwrite"], cwd=REPO, check=True, capture_output=True)
 
 
+def _two_tokenizers(d: Path) -> None:
+    """DIR/tokens (the byte tokenizer) and DIR/bpe, the same text through a BPE trained on it."""
+    _dataset(d)
+    train = ["-m", "data.train_tokenizer", "--input", str(d / "text"), "--vocab-size", "300"]
+    subprocess.run([sys.executable, *train, "--output", str(d / "tok" / "tokenizer.json")], cwd=REPO, check=True,
+                   capture_output=True, env=env())  # fmt: skip
+    prepare = ["-m", "data.prepare", "--input", str(d / "text"), "--output", str(d / "bpe"), "--no-progress"]
+    subprocess.run([sys.executable, *prepare, "--tokenizer", str(d / "tok")], cwd=REPO, check=True,
+                   capture_output=True, env=env())  # fmt: skip
+
+
 def _user_files(d: Path) -> None:
     (d / "text").mkdir()
     (d / "text" / "a.txt").write_text("some text\n")
@@ -432,6 +443,32 @@ BEFORE_START = (
         "resuming after the token data was rewritten",
         ("experiments.tiny_lm", "--workdir", "{dir}/run", *TINY, "--set", "data.path={dir}/tokens", "--steps", "3"),
         setup=_rewritten_data,
+    ),
+    Case(
+        "a data mixture with a negative weight",
+        ("experiments.tiny_lm", "--workdir", "{dir}/w", *TINY, "--set", "data.mixture={dir}/a:0.5,{dir}/b:-1"),
+    ),
+    Case(
+        "a data mixture of datasets written with two tokenizers",
+        ("experiments.tiny_lm", "--workdir", "{dir}/w", *TINY, "--set", "data.mixture={dir}/tokens:1,{dir}/bpe:1"),
+        setup=_two_tokenizers,
+    ),
+    Case(
+        "`lm_eval`: an unknown task",
+        ("experiments.lm_eval", "--workdir", "{trained}", "--tasks", "hellaswg"),
+        needs_trained=True,
+    ),
+    Case(
+        "`lm_eval`: a workdir without a checkpoint",
+        (
+            "experiments.lm_eval",
+            "--workdir",
+            "{dir}",
+            "--tasks",
+            "jaxlm_tiny_choice",
+            "--include-path",
+            "tests/lm_eval_tasks",
+        ),
     ),
     Case(
         "`data.prepare`: an input that does not exist",

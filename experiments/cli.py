@@ -237,6 +237,7 @@ def _prepare(prog: str, args, default_config: Path):
     cfg = config_lib.apply_overrides(cfg, [f"{k}={v}" for k, v in flags.items() if v is not None] + args.set)
     cfg, args.workdir = for_this_process(cfg, args.workdir, args.replica_id)  # a DiLoCo replica's own process
     config_lib.validate_training(cfg)  # and what it asks to evaluate and sample can be
+    check_harness_tasks(cfg)
     cfg = resolve_vocab(cfg)  # model.vocab_size from the data's tokenizer, unless set
 
     num_devices = jax.device_count()
@@ -311,6 +312,20 @@ def use_compilation_cache(choice: str | None) -> None:
     if choice or not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(choice or DEFAULT_COMPILATION_CACHE))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the eval step compiles in < 1 s
+
+
+def check_harness_tasks(cfg) -> None:
+    """The lm-eval tasks `eval_harness_tasks` names are known and the eval extra is installed (ConfigError naming
+    the first that is not), before anything compiles."""
+    if not cfg.eval_harness_tasks:
+        return
+    from jaxlm import config as config_lib
+    from jaxlm.harness import task_manager
+
+    try:
+        task_manager(config_lib.harness_tasks(cfg), cfg.eval_harness_include_path or None)
+    except ValueError as e:
+        raise config_lib.ConfigError(f"eval_harness_tasks: {e}") from None
 
 
 def _train(prog, args, cfg, layout, train_iter, eval_data, tokenizer) -> int:

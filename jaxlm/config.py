@@ -535,17 +535,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def validate_training(cfg: TrainConfig) -> TrainConfig:
-    """`validate`, plus what only a run about to train needs (TrainConfig.check_evaluation, and the lm-eval tasks
-    it names: known, with the extra installed)."""
+    """`validate`, plus what only a run about to train needs (TrainConfig.check_evaluation)."""
     validate(cfg)
     cfg.check_evaluation()
-    if cfg.eval_harness_tasks:
-        from jaxlm.harness import task_manager
-
-        try:
-            task_manager(harness_tasks(cfg), cfg.eval_harness_include_path or None)
-        except ValueError as e:
-            raise ConfigError(f"eval_harness_tasks: {e}") from None
     return cfg
 
 

@@ -28,28 +28,32 @@ def _run(args, timeout=900):
     )
 
 
-def test_a_1b_llama_step_compiles_and_fits_on_64_v5p_chips_and_64_h100s(tmp_path):
+@pytest.mark.parametrize("cluster", ["h100x64", pytest.param("v5p-128", marks=pytest.mark.slow)])
+def test_a_1b_llama_step_compiles_and_fits_on_64_v5p_chips_and_64_h100s(tmp_path, cluster):
+    """(v5p slow: its fast cover is test_tpu_compile.py, every kernel for v5p at 8k and 32k, and this test's H100
+    row: the same program's FSDP collectives, compiled for another cluster.)"""
     layout = tmp_path / "half_fsdp.py"
     layout.write_text("from sharding import MeshLayout\n\nlayout = lambda n: MeshLayout(data=2, fsdp=n // 2)\n")
     out = tmp_path / "scale"
-    args = ["--model", "llama3-1b", "--cluster", "v5p-128,h100x64", "--seq", "2048", "--layout", str(layout)]
+    args = ["--model", "llama3-1b", "--cluster", cluster, "--seq", "2048", "--layout", str(layout)]
     proc = _run([*args, "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    tpu, gpu = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert (tpu["cluster"], tpu["chips"], gpu["chips"]) == ("v5p-128", 64, 64)  # Google's name counts TensorCores
-    for row, kernels in ((tpu, ["Mosaic (Pallas TPU)"]), (gpu, ["Mosaic GPU (Pallas)", "Triton (Pallas GPU)"])):
-        assert row["compiled"] and row["fits"] and row["layout"] == "d2 f32 t1 p1"
-        assert 1 < row["xla_gib"]["total"] < row["hbm_gib"]
-        # the attention forward, dQ and dK/dV (Mosaic GPU on an H100 in bfloat16): nothing fell back
-        assert sum(row["kernels"].get(k, 0) for k in kernels) >= 3, row["kernels"]
-        # the FSDP gathers: over 32 devices, once per layer and step at least (16 layers)
-        assert any(c["group"] == 32 and c["count"] >= 16 for c in row["collectives"]), row["collectives"]
-        assert row["planner_mfu"] > 0
+    (row,) = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert (row["cluster"], row["chips"]) == (cluster, 64)  # Google's v5p-128 counts TensorCores
+    tpu = cluster.startswith("v5p")
+    kernels = ["Mosaic (Pallas TPU)"] if tpu else ["Mosaic GPU (Pallas)", "Triton (Pallas GPU)"]
+    assert row["compiled"] and row["fits"] and row["layout"] == "d2 f32 t1 p1"
+    assert 1 < row["xla_gib"]["total"] < row["hbm_gib"]
+    # the attention forward, dQ and dK/dV (Mosaic GPU on an H100 in bfloat16): nothing fell back
+    assert sum(row["kernels"].get(k, 0) for k in kernels) >= 3, row["kernels"]
+    # the FSDP gathers: over 32 devices, once per layer and step at least (16 layers)
+    assert any(c["group"] == 32 and c["count"] >= 16 for c in row["collectives"]), row["collectives"]
+    assert row["planner_mfu"] > 0
     # the planner's memory follows XLA's GPU program (within 10% at 1B-405B); TPU's terms are not measured yet
-    assert 0.9 <= gpu["planner_over_xla"] <= 1.1 and 0.75 <= tpu["planner_over_xla"] <= 1.25
+    assert (0.75 <= row["planner_over_xla"] <= 1.25) if tpu else (0.9 <= row["planner_over_xla"] <= 1.1)
     report = out.with_suffix(".md").read_text()
-    assert "| llama3-1b | v5p-128 | 2048 | d2 f32 t1 p1 | train | yes |" in report and "h100x64" in report
-    assert proc.stdout.strip().splitlines()[-1] == '{"layouts": 2, "fit": 2, "nothing_fits": []}'
+    assert f"| llama3-1b | {cluster} | 2048 | d2 f32 t1 p1 | train | yes |" in report
+    assert proc.stdout.strip().splitlines()[-1] == '{"layouts": 1, "fit": 1, "nothing_fits": []}'
 
 
 def test_a_1b_llama_decode_step_compiles_beside_its_train_step_on_8_h100s(tmp_path):
