@@ -135,6 +135,32 @@ class AccessPlan:
         return self
 
 
+def stream_state(plan, step: int) -> dict[str, int]:
+    """A loader's checkpoint state at `step` of `plan`'s stream (an AccessPlan or a data.mixture.MixturePlan): the
+    step, what identifies the stream, and what the plan needs to continue it. Every loader writes and reads this."""
+    return {
+        "seed": plan.seed,
+        "step": step,
+        "num_samples": plan.num_samples,
+        "global_batch": plan.global_batch,
+        **plan.state_at(step),
+    }
+
+
+def resume_step(plan, state: dict) -> int:
+    """The step a `stream_state` resumes `plan`'s stream at; ValueError naming what does not match this plan."""
+    missing = {"seed", "step"} - set(state)
+    if missing:
+        raise ValueError(f"loader state lacks {sorted(missing)}: {state}")
+    expected = {"seed": plan.seed, "num_samples": plan.num_samples, "global_batch": plan.global_batch}
+    for key, value in expected.items():
+        if key in state and int(state[key]) != value:
+            raise ValueError(f"loader state has {key}={int(state[key])} but this loader has {key}={value}")
+    if int(state["step"]) < 0:
+        raise ValueError(f"loader state step must be >= 0, got {state['step']}")
+    return int(state["step"])
+
+
 def process_rows(global_batch: int, process_index: int, process_count: int) -> tuple[int, int]:
     """Rows [lo, hi) of process p of P when processes split the batch into equal contiguous blocks."""
     if process_count < 1 or not 0 <= process_index < process_count:

@@ -207,3 +207,16 @@ def eval_batches(
     for b in range(min(max_batches, n // batch_size)):
         batches.append(_gather(tokens, np.arange(b * batch_size + lo, b * batch_size + hi), start, seq_len, eos_id))
     return batches
+
+
+def validation_batches(d, tokens, start: int, stop: int, eos_id: int | None) -> list[Batch]:
+    """The eval batches a run's data section `d` (DataConfig's fields) asks for from tokens[start:stop]."""
+    return eval_batches(
+        tokens,
+        batch_size=d.batch_size,
+        seq_len=d.seq_len,
+        start=start,
+        stop=stop,
+        max_batches=d.eval_batches,
+        eos_id=eos_id,
+    )

@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from data.access_plan import AccessPlan, checked_rows, process_rows
+from data.access_plan import AccessPlan, checked_rows, process_rows, resume_step, stream_state
 from data.cache_plan import DEMOTE, DISK, PEER, RAM, SOURCE, TIER_NAMES, PlacementPlanner, ProcessPlan
 from data.iterator import Batch, batch_from_windows
 from data.perf_model import TierModel
@@ -151,27 +151,12 @@ class ClairvoyantLoader:
         return batch
 
     def get_state(self) -> dict[str, int]:
-        return {
-            "seed": self.seed,
-            "step": self.step,
-            "num_samples": self.plan.num_samples,
-            "global_batch": self.batch_size,
-            **self.plan.state_at(self.step),
-        }
+        return stream_state(self.plan, self.step)
 
     def set_state(self, state: dict[str, int]) -> None:
-        missing = {"seed", "step"} - set(state)
-        if missing:
-            raise ValueError(f"loader state lacks {sorted(missing)}: {state}")
-        expected = {"seed": self.seed, "num_samples": self.plan.num_samples, "global_batch": self.batch_size}
-        for key, value in expected.items():
-            if key in state and int(state[key]) != value:
-                raise ValueError(f"loader state has {key}={int(state[key])} but this loader has {key}={value}")
-        if int(state["step"]) < 0:
-            raise ValueError(f"loader state step must be >= 0, got {state['step']}")
+        step = resume_step(self.plan, state)
         self._stop_pipeline()
-        self.step = int(state["step"])
-        self.plan = self.plan.resumed(state)
+        self.step, self.plan = step, self.plan.resumed(state)
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counters since construction: samples per tier, bytes, stall time, hit rates."""

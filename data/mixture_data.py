@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.access_plan import checked_rows, process_rows
-from data.iterator import Batch, batch_from_windows, eval_batches, num_windows, split_train_val
+from data.access_plan import checked_rows, process_rows, resume_step, stream_state
+from data.iterator import Batch, batch_from_windows, num_windows, split_train_val, validation_batches
 from data.mixture import MixtureError, MixturePlan, parse_mixture, parse_stages
 from data.sources import SourceError, TokenWindowSource, _check_indices
 from data.token_file import TokenFileError
@@ -66,19 +66,10 @@ class PlannedBatches:
         self.step += 1
 
     def get_state(self) -> dict[str, int]:
-        return {
-            "seed": self.seed,
-            "step": self.step,
-            "num_samples": self.plan.num_samples,
-            "global_batch": self.batch_size,
-            **self.plan.state_at(self.step),
-        }
+        return stream_state(self.plan, self.step)
 
     def set_state(self, state: dict[str, int]) -> None:
-        if "step" not in state or int(state.get("seed", -1)) != self.seed or int(state["step"]) < 0:
-            raise ValueError(f"data state {state} is not a step of this mixture's stream (seed {self.seed})")
-        self.step = int(state["step"])
-        self.plan = self.plan.resumed(state)
+        self.step, self.plan = resume_step(self.plan, state), self.plan.resumed(state)
 
 
 def mixture_fingerprint(d) -> dict:
@@ -132,15 +123,7 @@ def open_mixture(d, *, vocab_size: int, seed: int, eos_id_needed: bool, loader):
                     f"data.mixture dataset {c.path}: its validation split ({val_hi - val_lo} tokens at "
                     f"data.val_fraction {d.val_fraction}) holds fewer than data.batch_size {d.batch_size} sequences"
                 )
-            evals[c.name] = eval_batches(
-                tokens.tokens,
-                batch_size=d.batch_size,
-                seq_len=d.seq_len,
-                start=val_lo,
-                stop=val_hi,
-                max_batches=d.eval_batches,
-                eos_id=eos_id,
-            )
+            evals[c.name] = validation_batches(d, tokens.tokens, val_lo, val_hi, eos_id)
     if len(eos_ids) > 1:
         raise MixtureError(f"data.mixture datasets record different eos ids {sorted(eos_ids)}")
     source = ConcatSource(train_sources)

@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 
 from data.corpus import default_corpus
-from data.iterator import SeededBatchIterator, eval_batches, num_windows, split_train_val
+from data.iterator import SeededBatchIterator, num_windows, split_train_val, validation_batches
 from data.sources import ThrottledSource, TokenWindowSource
 from data.token_file import TokenFileError
 from data.token_shards import open_tokens
@@ -174,15 +174,7 @@ def open_data(d, *, vocab_size: int, seed: int, document_mask: str | None = None
         )
     eval_data = []
     if d.eval_batches and val_hi > val_lo:
-        eval_data = eval_batches(
-            token_file.tokens,
-            batch_size=d.batch_size,
-            seq_len=d.seq_len,
-            start=val_lo,
-            stop=val_hi,
-            max_batches=d.eval_batches,
-            eos_id=eos_id,
-        )
+        eval_data = validation_batches(d, token_file.tokens, val_lo, val_hi, eos_id)
     return train_iter, eval_data
 
 
