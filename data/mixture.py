@@ -66,6 +66,17 @@ def parse_mixture(spec) -> list[Component]:
     return components
 
 
+def check_mixture(path: str, mixture, stages: str) -> None:
+    """A data section's `path`, `mixture` and `mixture_stages` go together; MixtureError naming what does not."""
+    if not mixture:
+        if stages:
+            raise MixtureError("data.mixture_stages needs data.mixture (the datasets whose weights it changes)")
+        return
+    if path:
+        raise MixtureError("data.path and data.mixture are both set: give one dataset or a mixture")
+    parse_stages(stages, len(parse_mixture(mixture)))
+
+
 def parse_stages(spec: str, num_sources: int) -> list[tuple[int, tuple[float, ...]]]:
     """`data.mixture_stages`: "STEP:W,W;STEP:W,W" (weights in data.mixture's order) -> [(step, weights)] sorted."""
     stages = []

@@ -320,10 +320,10 @@ def check_harness_tasks(cfg) -> None:
     if not cfg.eval_harness_tasks:
         return
     from jaxlm import config as config_lib
-    from jaxlm.harness import task_manager
+    from jaxlm.harness import task_manager, task_names
 
     try:
-        task_manager(config_lib.harness_tasks(cfg), cfg.eval_harness_include_path or None)
+        task_manager(task_names(cfg.eval_harness_tasks), cfg.eval_harness_include_path or None)
     except ValueError as e:
         raise config_lib.ConfigError(f"eval_harness_tasks: {e}") from None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from data.corpus import bpe_vocab_size
-from data.mixture import MixtureError, parse_mixture, parse_stages
+from data.mixture import MixtureError, check_mixture
 from jaxlm.config_checks import ConfigError, Section, check_choice, check_moe, check_non_negative, check_positive
 from jaxlm.config_overrides import apply_overrides  # noqa: F401 - part of this module's interface (CLIs, tests)
 from jaxlm.diloco.config import DiLoCoConfig
@@ -377,17 +377,11 @@ class DataConfig(Section):
             )
 
     def _validate_mixture(self, run) -> None:
-        if not self.mixture:
-            if self.mixture_stages:
-                raise ConfigError("data.mixture_stages needs data.mixture (the datasets whose weights it changes)")
-            return
-        if self.path:
-            raise ConfigError("data.path and data.mixture are both set: give one dataset or a mixture")
         try:
-            parse_stages(self.mixture_stages, len(parse_mixture(self.mixture)))
+            check_mixture(self.path, self.mixture, self.mixture_stages)
         except MixtureError as e:
             raise ConfigError(str(e)) from None
-        if run is not None and run.diloco.data_partitions:
+        if self.mixture and run is not None and run.diloco.data_partitions:
             raise ConfigError(
                 "diloco.data=partition cuts one dataset into slices; with data.mixture use diloco.data=iid"
             )
@@ -539,11 +533,6 @@ def validate_training(cfg: TrainConfig) -> TrainConfig:
     validate(cfg)
     cfg.check_evaluation()
     return cfg
-
-
-def harness_tasks(cfg: TrainConfig) -> list[str]:
-    """The lm-eval task names of `eval_harness_tasks`."""
-    return [t.strip() for t in cfg.eval_harness_tasks.split(",") if t.strip()]
 
 
 def _check_types(obj: Any, prefix: str, where: str = "config") -> None:

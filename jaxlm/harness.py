@@ -26,6 +26,11 @@ class MissingExtra(ValueError):
     """lm-eval (the `eval` extra) is not installed."""
 
 
+def task_names(text: str) -> list[str]:
+    """The task names of a comma list (the training config's `eval_harness_tasks`)."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 def require_lm_eval() -> None:
     try:
         import lm_eval  # noqa: F401

@@ -519,7 +519,7 @@ class Trainer:
     def _harness(self, state, step: int) -> None:
         """lm-eval's tasks on `state`'s eval params (jaxlm.harness): metrics.jsonl / TensorBoard get
         harness/<task>/<metric>, WORKDIR/lm_eval lm-eval's results JSON. One process only, as the samples."""
-        from jaxlm.harness import RESULTS_DIR, adapter, flat_metrics, run_tasks, save_results
+        from jaxlm.harness import RESULTS_DIR, adapter, flat_metrics, run_tasks, save_results, task_names
 
         cfg = self.cfg
         if jax.process_count() > 1 or self.tokenizer is None:
@@ -530,7 +530,7 @@ class Trainer:
             lm = adapter(model, self.tokenizer, rules=self.program.layout.rules, info=info)
             results = run_tasks(
                 lm,
-                config_lib.harness_tasks(cfg),
+                task_names(cfg.eval_harness_tasks),
                 include_path=cfg.eval_harness_include_path or None,
                 limit=cfg.eval_harness_limit or None,
                 bootstrap_iters=0,  # stderrs by resampling cost more than the tasks on a small model
