@@ -72,6 +72,11 @@ class PlannedBatches:
         self.step, self.plan = resume_step(self.plan, state), self.plan.resumed(state)
 
 
+def _short(tokenizer: str) -> str:
+    """A tokenizer's name in a message: a sha256 (data.token_shards' fingerprint) cut to 12 hex digits."""
+    return f"sha256 {tokenizer[:12]}" if len(tokenizer) == 64 else tokenizer
+
+
 def mixture_fingerprint(d) -> dict:
     """What identifies a mixture's data: each source's fingerprint by name (weights may change on resume)."""
     return {"mixture": {c.name: open_tokens(c.path).fingerprint() for c in parse_mixture(d.mixture)}}
@@ -96,8 +101,9 @@ def open_mixture(d, *, vocab_size: int, seed: int, eos_id_needed: bool, loader):
         theirs = tokens.fingerprint()["tokenizer"]
         if theirs != first:
             raise MixtureError(
-                f"data.mixture dataset {c.path} was written with tokenizer {theirs}, {components[0].path} with "
-                f"{first}: prepare every dataset of a mixture with one tokenizer (python -m data.prepare --tokenizer)"
+                f"data.mixture dataset {c.path} was written with tokenizer {_short(theirs)}, {components[0].path} "
+                f"with {_short(first)}: prepare every dataset of a mixture with one tokenizer "
+                f"(python -m data.prepare --tokenizer)"
             )
     train_sources, evals, eos_ids = [], {}, set()
     for c, tokens in zip(components, opened):
