@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import sysconfig
 from pathlib import Path
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     py, md = python.name, markdown.name
     final = {}
     for name in names:
-        sets = mixes[name] + [f"eval_every={max(1, args.steps // 4)}"] + args.set
+        # a record's data_mix covers the steps since the last one: the annealing starts at a record's boundary
+        sets = mixes[name] + [f"eval_every={max(1, args.steps // 4)}", f"log_every={math.gcd(anneal_at, 10)}"]
+        sets += args.set
         flags = ["--workdir", str(root / name), "--steps", str(args.steps)] + [a for s in sets for a in ("--set", s)]
         print(f"== {name}: tiny_lm {' '.join(flags)}", file=sys.stderr)
         code = tiny_lm(flags + (["--no-progress"] if args.no_progress else []))

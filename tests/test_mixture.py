@@ -192,7 +192,7 @@ def test_compare_mixture_trains_each_variant_and_reports_each_source(tmp_path, c
     docs.mkdir()
     for i in range(40):
         (docs / f"page{i}.md").write_text(f"# Page {i}\n\nSome *markdown* text about item {i}.\n" * 40)
-    sets = ["model.num_layers=1", "data.batch_size=4", "data.seq_len=64", "eval_prompts=", "data.val_fraction=0.05"]
+    sets = ["model.num_layers=1", "data.batch_size=8", "data.seq_len=64", "eval_prompts=", "data.val_fraction=0.05"]
     argv = ["--root", str(tmp_path / "runs"), "--docs", str(docs), "--steps", "10", "--no-progress"]
     assert compare_mixture.main(argv + [a for s in sets for a in ("--set", s)]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
