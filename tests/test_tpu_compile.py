@@ -51,6 +51,7 @@ def test_every_kernel_compiles_for_every_generation_up_to_128k(tmp_path):
             assert sum(f"{generation}, T {T}," in r["case"] for r in rows) == 7 * 3 * 2, (generation, T)
 
 
+@pytest.mark.slow  # fast cover: the 32k test's "3 Mosaic kernels" per case (Mosaic compiled them, VMEM check and all)
 def test_a_kernel_too_big_for_vmem_fails_the_compile():
     """The check bites: a 2048 x 2048 float32 tile's scores and probabilities alone are 32 MiB, past the VMEM a
     kernel may scope."""
