@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 INT8_MAX_REL_ERR = 0.015  # int8 per channel, Gaussian inputs
@@ -47,6 +49,7 @@ def test_bench_matmul_xla_accuracy_and_timing():
     assert summary["tflops"]["bf16 jnp.dot"] > 0 and summary["tflops"]["int8 channel"] > 0
 
 
+@pytest.mark.slow  # fast cover: the xla run's table and accuracy here, the kernels = XLA in test_quantized_matmul.py
 def test_bench_matmul_pallas_interpret_skips_timing():
     table, summary = run_quick("--impl", "pallas", "--block-m", "64", "--block-n", "128", "--block-k", "64")
     assert any("interpret mode" in line for line in table)
