@@ -43,17 +43,15 @@ class Component:
     weight: float
 
 
-def parse_mixture(spec) -> list[Component]:
-    """`data.mixture`: "PATH:WEIGHT,PATH:WEIGHT" or a {path: weight} dict (config files) -> components."""
-    if isinstance(spec, dict):
-        pairs = [(str(p), w) for p, w in spec.items()]
-    else:
-        pairs = []
-        for item in (s.strip() for s in str(spec).split(",")):
-            path, sep, weight = item.rpartition(":")
-            if not sep or not path.strip():
-                raise MixtureError(f"data.mixture entry {item!r} is not PATH:WEIGHT")
-            pairs.append((path.strip(), weight.strip()))
+def parse_mixture(spec: str) -> list[Component]:
+    """`data.mixture`, "PATH:WEIGHT,PATH:WEIGHT" (a config file's {path: weight} dict becomes that string in
+    DataConfig) -> components."""
+    pairs = []
+    for item in (s.strip() for s in spec.split(",")):
+        path, sep, weight = item.rpartition(":")
+        if not sep or not path.strip():
+            raise MixtureError(f"data.mixture entry {item!r} is not PATH:WEIGHT")
+        pairs.append((path.strip(), weight.strip()))
     components = [Component(_name(path), path, _weight(w, f"data.mixture weight of {path}")) for path, w in pairs]
     if len(components) < 2:
         raise MixtureError(f"data.mixture needs at least two datasets, got {len(components)}: use data.path for one")
@@ -66,7 +64,7 @@ def parse_mixture(spec) -> list[Component]:
     return components
 
 
-def check_mixture(path: str, mixture, stages: str) -> None:
+def check_mixture(path: str, mixture: str, stages: str) -> None:
     """A data section's `path`, `mixture` and `mixture_stages` go together; MixtureError naming what does not."""
     if not mixture:
         if stages:
@@ -235,9 +233,6 @@ class MixturePlan:
             perm = FeistelPermutation(int(self.sizes[s]), self._source_key(s, e))
             out[group] = self.offsets[s] + perm(index[group] - e * self.sizes[s])
         return out.reshape(step_stop - step_start, -1)
-
-    def sample_at(self, step: int, row: int) -> int:
-        return int(self.samples(step, step + 1, (row, row + 1))[0, 0])
 
     def fingerprint(self) -> str:
         """Identifies the stream (processes compare it before trusting each other's plans)."""

@@ -96,9 +96,9 @@ def open_mixture(d, *, vocab_size: int, seed: int, eos_id_needed: bool, loader):
             opened.append(open_tokens(c.path))
         except TokenFileError as e:
             raise TokenFileError(f"data.mixture dataset {c.path}: {e}") from None
-    first = opened[0].fingerprint()["tokenizer"]
+    first = opened[0].tokenizer_id
     for c, tokens in zip(components, opened):
-        theirs = tokens.fingerprint()["tokenizer"]
+        theirs = tokens.tokenizer_id
         if theirs != first:
             raise MixtureError(
                 f"data.mixture dataset {c.path} was written with tokenizer {_short(theirs)}, {components[0].path} "

@@ -141,13 +141,18 @@ class TokenFile:
     def __len__(self) -> int:
         return self.num_tokens
 
+    @property
+    def tokenizer_id(self) -> str:
+        """The tokenizer the ids were written with, as the fingerprint names it."""
+        return self.meta.get("tokenizer", "?")
+
     def fingerprint(self, samples: int = 64, window: int = 1 << 14) -> dict:
         """What identifies this data, cheaply for any size: token count, tokenizer, vocabulary and a SHA-256 of
         `samples` evenly spaced windows of `window` tokens (the first and last included; all of a small file).
         A checkpoint stores it, so resuming on other data is caught (jaxlm.trainer)."""
         return fingerprint_tokens(
             self.tokens,
-            tokenizer=self.meta.get("tokenizer", "?"),
+            tokenizer=self.tokenizer_id,
             vocab_size=self.vocab_size,
             samples=samples,
             window=window,

@@ -196,12 +196,16 @@ class TokenShards:
             maps.append(np.memmap(file, dtype=dtype, mode="r", shape=(n,)))
         return cls(path, meta, ShardedTokens(maps))
 
-    def fingerprint(self, samples: int = 64, window: int = 1 << 14) -> dict:
-        """Like TokenFile.fingerprint; its "tokenizer" is the tokenizer's sha256 ("byte" for the byte tokenizer)."""
+    @property
+    def tokenizer_id(self) -> str:
+        """The tokenizer's sha256 ("byte" for the byte tokenizer), as the fingerprint names it."""
         record = self.meta.get("tokenizer") or {}
-        name = "byte" if record.get("name") == "byte" else record.get("sha256", "?")
+        return "byte" if record.get("name") == "byte" else record.get("sha256", "?")
+
+    def fingerprint(self, samples: int = 64, window: int = 1 << 14) -> dict:
+        """Like TokenFile.fingerprint; its "tokenizer" is `tokenizer_id`."""
         return fingerprint_tokens(
-            self.tokens, tokenizer=name, vocab_size=self.vocab_size, samples=samples, window=window
+            self.tokens, tokenizer=self.tokenizer_id, vocab_size=self.vocab_size, samples=samples, window=window
         )
 
     # the same checks as a single file's: they read only meta, num_tokens, path and slices of tokens

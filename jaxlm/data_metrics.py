@@ -21,7 +21,8 @@ class LoaderMetrics:
     def __init__(self, loader, now: float, step: int = 0):
         self.loader, self.read = loader, getattr(loader, "metrics", None)
         self.t, self.stall, self.step = now, self._stall(), step
-        self.epochs = self._plan().epochs_at(step) if self._plan() else {}
+        plan = self._plan()
+        self.epochs = plan.epochs_at(step) if plan else {}
         self.notes: list[str] = []
 
     def _plan(self):
@@ -80,7 +81,7 @@ class EvalSets:
         self.per_nat = {}
         if token_bytes is not None:
             self.per_nat = {k: bits_per_nat(v, token_bytes) for k, v in self.sets.items()}
-            self.per_nat[None] = bits_per_nat(self.all, token_bytes)
+            self.per_nat[None] = self.per_nat[""] if "" in self.sets else bits_per_nat(self.all, token_bytes)
 
     def __bool__(self) -> bool:
         return bool(self.all)
