@@ -318,6 +318,8 @@ def context_layouts(cfg: ModelShape, devices: int, batch_sequences: int, seq_len
     for c in _divisors(devices)[1:]:
         if seq_len % c == 0:
             rest = candidate_layouts(cfg, devices // c, batch_sequences, hw)
+            if cfg.context_parallel == "ring":  # the ring runs in no table-run pipeline yet (jaxlm.train.Program)
+                rest = [lay for lay in rest if lay.pipeline == 1 or lay.pipeline_schedule in ("gpipe", "1f1b")]
             out += [dataclasses.replace(lay, context=c) for lay in rest]
     return out
 

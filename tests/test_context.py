@@ -179,6 +179,16 @@ def test_a_config_naming_an_unknown_variant_is_refused():
         validate(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, context_parallel="rings")))
 
 
+def test_the_ring_inside_a_table_run_pipeline_is_refused_in_one_line():
+    """Under the table runner (interleaved 1F1B, ZB-H1, ZB-V) the ring's loss is wrong (docs/parallelism.md);
+    all_gather there, and the ring under GPipe and 1F1B, equal one device (above)."""
+    from jaxlm.config import ConfigError
+
+    layout = MeshLayout(pipeline=2, context=2, data=2, pipeline_schedule="zb-h1").validate(8)
+    with pytest.raises(ConfigError, match=r"model.context_parallel=ring does not run inside pipeline_schedule=zb-h1"):
+        Program(_cfg("causal"), build_mesh(layout), layout)
+
+
 def _compiled_text(cfg, layout):
     program = Program(cfg, build_mesh(layout.validate(8)), layout)
     batch = {k: v for k, v in _batch().items() if k != "segment_ids"}

@@ -476,3 +476,16 @@ def test_the_planner_ranks_every_schedule_by_its_table_and_recommends_one():
         for s in pipeline_schedules(cfg, lay.pipeline, lay.num_microbatches)
     ]
     assert len(variants) >= 2 and min(_rank_key(v) for v in variants) == _rank_key(best)
+
+
+def test_context_layouts_keep_the_ring_out_of_pipelines_it_does_not_run_in():
+    """jaxlm.train.Program refuses the ring inside table-run pipelines (interleaved 1F1B, ZB-H1, ZB-V), so the
+    planner does not offer them with it; with all_gather it does."""
+    from sharding.planner import context_layouts
+
+    cfg = MODEL_PRESETS["llama3-8b"]
+    ring = context_layouts(cfg, 16, 16, 65536, H100)
+    assert any(lay.pipeline > 1 for lay in ring)
+    assert all(lay.pipeline == 1 or lay.pipeline_schedule in ("gpipe", "1f1b") for lay in ring)
+    gather = context_layouts(dataclasses.replace(cfg, context_parallel="all_gather"), 16, 16, 65536, H100)
+    assert any(lay.pipeline_schedule == "zb-h1" for lay in gather)
