@@ -28,10 +28,9 @@ from pallas_kernels.mask_spec import parse_mask
 from sharding.context import balance, sequence_order
 from sharding.distributed import process_rows, put_process_rows
 from sharding.mesh import MESH_AXES, MeshLayout
-from sharding.pipeline import SCHEDULES, pipeline_loss, split_stages
+from sharding.pipeline import pipeline_loss, split_chunks
 from sharding.rules import batch_sharding, tree_shardings, use_rules
 from sharding.schedules import make as make_schedule
-from sharding.table_runner import split_chunks, table_loss
 
 Batch = dict[str, Any]  # "inputs" [B, T] int32, "targets" [B, T] int32, "loss_mask" [B, T] float32
 
@@ -168,23 +167,11 @@ def _pipelined_loss_sums(model: Transformer, batch: Batch, layout: MeshLayout) -
         return cross_entropy_sums(head_logits(cfg, head, y_BTD), side["targets"], side["loss_mask"])
 
     head_side = {"targets": micro["targets"], "loss_mask": micro["loss_mask"]}
-    if layout.pipeline_schedule in SCHEDULES:  # the hand-written GPipe and 1F1B programs
-        return pipeline_loss(
-            layout.pipeline_schedule,
-            stage_fn,
-            head_fn,
-            split_stages(stacked, stages),
-            model.head_params(),
-            micro["x"],
-            micro.get("segment_ids"),
-            head_side,
-            stages=stages,
-        )
     table = make_schedule(
         layout.pipeline_schedule, stages, layout.num_microbatches, layout.pipeline_virtual_stages or None
     )
-    chunks = split_chunks(stacked, table)  # any other schedule: its table, run by the one table runner
-    return table_loss(
+    chunks = split_chunks(stacked, table)
+    return pipeline_loss(
         table, stage_fn, head_fn, chunks, model.head_params(), micro["x"], micro.get("segment_ids"), head_side
     )
 

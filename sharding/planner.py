@@ -43,8 +43,7 @@ from sharding.model_shape import (
     logical_shards,
     params_per_device,
 )
-from sharding.pipeline import bubble_fraction
-from sharding.schedules import cached, splits_backward
+from sharding.schedules import idle_share, splits_backward
 
 FSDP_COLLECTIVES = 3  # all-gather for the forward, again for the backward, reduce-scatter of the gradients
 REMAT_CHOICES = ("none", "full")
@@ -196,18 +195,17 @@ def evaluate(
 
 
 def pipeline_costs(layout: MeshLayout, remat: str) -> tuple[float, float]:
-    """(idle share, compute over a step without recomputation) of the layout's pipeline schedule. GPipe and 1F1B
-    idle (S - 1) / (M + S - 1); the table schedules (sharding.schedules) what their table idles. Recomputation
-    (forward = 1, backward = 2): 1F1B and the table's BW ops recompute a stage's forward once (4/3), ZB-H1 and ZB-V
-    twice, once for B and once for W (5/3); `remat` full once, whatever the schedule."""
+    """(idle share, compute over a step without recomputation) of the layout's pipeline schedule: its table's idle
+    share (sharding.schedules.idle_share). Compute (forward = 1, backward = 2): each backward op of a pipeline
+    recomputes its chunk's forward, once per microbatch for a BW (GPipe, 1F1B, interleaved: 4/3), twice for B and
+    W apart (ZB-H1, ZB-V: 5/3); `remat` full recomputes each layer once more inside every one of those."""
     S, M, name = layout.pipeline, layout.num_microbatches, layout.pipeline_schedule
-    once = 4 / 3 if remat == "full" else 1.0
+    again = 1 if remat == "full" else 0
     if S == 1:
-        return 0.0, once
-    if name in ("gpipe", "1f1b"):
-        return bubble_fraction(S, M), 4 / 3 if name == "1f1b" else once
-    table = cached(name, S, M, layout.pipeline_virtual_stages or None)
-    return table.bubble_fraction, 5 / 3 if splits_backward(name) else 4 / 3
+        return 0.0, (3 + again) / 3
+    idle = idle_share(name, S, M, layout.pipeline_virtual_stages or None)
+    backward_ops = 2 if splits_backward(name) else 1
+    return idle, (3 + backward_ops * (1 + again)) / 3
 
 
 def context_comm_seconds(cfg: ModelShape, layout: MeshLayout, batch_tokens: int, remat: str, bandwidth: float):

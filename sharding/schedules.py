@@ -52,6 +52,11 @@ class Schedule:
     ops: tuple[Op, ...]
 
     @property
+    def forward_only(self) -> bool:
+        """A table of forwards alone (`forward_pass`): what evaluation runs."""
+        return all(op.kind == "F" for op in self.ops)
+
+    @property
     def ticks(self) -> int:
         return max(op.end for op in self.ops)
 
@@ -127,14 +132,34 @@ def make(name: str, stages: int, microbatches: int, virtual_stages: int | None =
     return schedule
 
 
+def forward_pass(schedule: Schedule) -> Schedule:
+    """The forwards of `schedule`'s chunk placement alone, each as soon as its input is ready (GPipe's forward on
+    any layout): a loss without gradients needs no backward, nor its ticks."""
+    sc = schedule
+    ops = _run_greedy(sc.name, sc.stages, sc.microbatches, sc.chunks, forward_only=True)
+    table = Schedule(
+        sc.name, sc.stages, sc.microbatches, sc.chunks, tuple(sorted(ops, key=lambda o: (o.tick, o.stage)))
+    )
+    check(table)
+    return table
+
+
 @functools.lru_cache(maxsize=None)
 def cached(name: str, stages: int, microbatches: int, virtual_stages: int | None = None) -> Schedule:
     """`make`, once per settings: the planner asks for the same few tables for many layouts."""
     return make(name, stages, microbatches, virtual_stages)
 
 
+def idle_share(name: str, stages: int, microbatches: int, virtual_stages: int | None = None) -> float:
+    """The idle share of a schedule's table, what the planner ranks it by: GPipe's and 1F1B's in closed form (equal
+    to their tables; a table of thousands of microbatches takes seconds to make), the others' from their tables."""
+    if name in ("gpipe", "1f1b"):
+        return theory(name, stages, microbatches)
+    return cached(name, stages, microbatches, virtual_stages).bubble_fraction
+
+
 def splits_backward(name: str) -> bool:
-    """Whether the schedule runs B and W apart (sharding.table_runner then recomputes the chunk's forward for
+    """Whether the schedule runs B and W apart (sharding.pipeline then recomputes the chunk's forward for
     each: two recomputed forwards per microbatch, against one for a BW)."""
     return name in ("zb-h1", "zbv")
 
@@ -183,13 +208,11 @@ class _Clock:
         return all(self.ended.get(dep, tick + 1) <= tick for dep in _dependencies(kind, g, m, last))
 
 
-def _run_greedy(name: str, stages: int, microbatches: int, chunks: int) -> list[Op]:
-    split = name in ("zb-h1", "zbv")
+def _run_greedy(name: str, stages: int, microbatches: int, chunks: int, forward_only: bool = False) -> list[Op]:
+    kinds = ("F",) if forward_only else _kinds(name in ("zb-h1", "zbv"))
     last = stages * chunks - 1
     clock, ops = _Clock(), []
-    todo = {
-        s: {(k, c, m) for c in range(chunks) for m in range(microbatches) for k in _kinds(split)} for s in range(stages)
-    }
+    todo = {s: {(k, c, m) for c in range(chunks) for m in range(microbatches) for k in kinds} for s in range(stages)}
     free_at = [0] * stages
     in_flight = defaultdict(int)  # stage -> microbatch-chunks with F started and the backward (B / BW) not
     held = defaultdict(int)  # stage -> microbatch-chunks with F started and W (or BW) not
@@ -201,7 +224,7 @@ def _run_greedy(name: str, stages: int, microbatches: int, chunks: int) -> list[
             ready = [
                 (k, c, m) for (k, c, m) in todo[s] if clock.ready(k, virtual_stage(name, stages, s, c), m, last, tick)
             ]
-            pick = _pick(name, stages, chunks, s, ready, in_flight[s], held[s])
+            pick = _pick("gpipe" if forward_only else name, stages, chunks, s, ready, in_flight[s], held[s])
             if pick is None:
                 continue
             k, c, m = pick
@@ -300,7 +323,7 @@ def check(schedule: Schedule, max_stash: float | None = None) -> None:
     """ScheduleError naming the first broken rule: an op missing or twice, two ops on a stage at once, an op
     before what it needs has ended, or a stage holding more than `max_stash` microbatches of activations."""
     sc = schedule
-    split = any(op.kind in ("B", "W") for op in sc.ops)
+    kinds = ("F",) if sc.forward_only else _kinds(any(op.kind in ("B", "W") for op in sc.ops))
     last = sc.virtual_stages - 1
     seen: dict[tuple[str, int, int], Op] = {}
     for op in sc.ops:
@@ -310,7 +333,7 @@ def check(schedule: Schedule, max_stash: float | None = None) -> None:
         seen[key] = op
     for g in range(sc.virtual_stages):
         for m in range(sc.microbatches):
-            for kind in _kinds(split):
+            for kind in kinds:
                 if (kind, g, m) not in seen:
                     raise ScheduleError(f"{kind} of microbatch {m} on virtual stage {g} is missing")
     busy: dict[tuple[int, int], Op] = {}
