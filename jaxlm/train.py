@@ -28,10 +28,10 @@ from pallas_kernels.mask_spec import parse_mask
 from sharding.context import balance, sequence_order
 from sharding.distributed import process_rows, put_process_rows
 from sharding.mesh import MESH_AXES, MeshLayout
-from sharding.pipeline import SCHEDULES, pipeline_loss, split_stages
+from sharding.pipeline import pipeline_loss, runs_in_lockstep, split_chunks
 from sharding.rules import batch_sharding, tree_shardings, use_rules
+from sharding.schedules import lockstep
 from sharding.schedules import make as make_schedule
-from sharding.table_runner import split_chunks, table_loss
 
 Batch = dict[str, Any]  # "inputs" [B, T] int32, "targets" [B, T] int32, "loss_mask" [B, T] float32
 
@@ -168,23 +168,13 @@ def _pipelined_loss_sums(model: Transformer, batch: Batch, layout: MeshLayout) -
         return cross_entropy_sums(head_logits(cfg, head, y_BTD), side["targets"], side["loss_mask"])
 
     head_side = {"targets": micro["targets"], "loss_mask": micro["loss_mask"]}
-    if layout.pipeline_schedule in SCHEDULES:  # the hand-written GPipe and 1F1B programs
-        return pipeline_loss(
-            layout.pipeline_schedule,
-            stage_fn,
-            head_fn,
-            split_stages(stacked, stages),
-            model.head_params(),
-            micro["x"],
-            micro.get("segment_ids"),
-            head_side,
-            stages=stages,
-        )
     table = make_schedule(
         layout.pipeline_schedule, stages, layout.num_microbatches, layout.pipeline_virtual_stages or None
     )
-    chunks = split_chunks(stacked, table)  # any other schedule: its table, run by the one table runner
-    return table_loss(
+    if runs_in_lockstep(layout, cfg.context_parallel):
+        table = lockstep(table)
+    chunks = split_chunks(stacked, table)
+    return pipeline_loss(
         table, stage_fn, head_fn, chunks, model.head_params(), micro["x"], micro.get("segment_ids"), head_side
     )
 
@@ -323,14 +313,6 @@ class Program:
             raise config_lib.ConfigError(
                 "a mixture of experts (model.num_experts) does not run in a pipeline layout yet: its routers' "
                 "losses and statistics do not cross the stages"
-            )
-        table_run = layout.pipeline_schedule not in ("gpipe", "1f1b")
-        if layout.pipeline > 1 and layout.context > 1 and cfg.model.context_parallel == "ring" and table_run:
-            # Under the table runner's lax.switch the ring's passes give a wrong loss (5e-5 to 5e-3 relative on 8
-            # CPU devices); all_gather, and the ring under the hand-written GPipe and 1F1B, equal one device.
-            raise config_lib.ConfigError(
-                f"model.context_parallel=ring does not run inside pipeline_schedule={layout.pipeline_schedule} "
-                "yet; set model.context_parallel=all_gather, or pipeline_schedule=1f1b"
             )
         layout.check_experts(cfg.model.num_experts)
         rules = layout.rules

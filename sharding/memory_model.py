@@ -14,8 +14,7 @@ from sharding.model_shape import (
     logical_shards,
     params_per_device,
 )
-from sharding.pipeline import stash_slots
-from sharding.schedules import cached, splits_backward
+from sharding.pipeline import buffer_slots, runs_in_lockstep
 
 
 def dtype_bytes(cfg: ModelShape) -> int:
@@ -93,7 +92,7 @@ class Memory:
     layer_phase: float  # one layer's backward: its residuals, plus its FSDP-gathered weights and full-size grads
     other: float  # the batch, compute-dtype weight copies, gradient accumulators, pipeline buffers
     # interleaved 1F1B and ZB-V: each stage's chunks gathered into their order before the first tick and their
-    # gradients sent back after the last (sharding.table_runner.split_chunks), while no residual is kept
+    # gradients sent back after the last (sharding.pipeline.split_chunks), while no residual is kept
     reorder: float = 0.0
 
     @property
@@ -173,30 +172,23 @@ def memory_per_device(
     else:
         # sharding.pipeline: the embedded inputs of all M microbatches and their gradient sit on every stage. The
         # stage and head params are constants of the schedule's loops, so each microbatch's gradient of them is
-        # formed, then added to an accumulator: a second fp32 copy of those grads.
-        loop_params = params_per_device(cfg, layout, "layers") + params_per_device(cfg, layout, "head")
-        other += 2 * M * layer_input + 4 * loop_params
-        if layout.pipeline_schedule == "gpipe":
-            # Autodiff of the tick loop keeps every tick's stage residuals (idle ticks too) and its backward holds
-            # one tick's; the last stage's outputs, their cotangents and every microbatch's fp32 logits wait too.
-            activations = (M + S - 1) * layers * kept
-            layer_phase += layers * kept
-            other += 2 * M * layer_input + M * logits
-        elif layout.pipeline_schedule == "1f1b":
-            # 1F1B: a ring of stashed stage inputs; each backward recomputes one microbatch's stage forward.
-            activations = stash_slots(S) * layer_input + layers * kept
-        else:
-            # sharding.table_runner: each chunk's inputs stashed from F to its last backward op (the table's peak
-            # stash, in stages' worth of layer inputs); split schedules also keep the output gradient B received
-            # until W runs. B and W recompute one chunk's forward at a time.
-            table = cached(layout.pipeline_schedule, S, M, layout.pipeline_virtual_stages or None)
-            stashed = max(table.peak_stash()) * layout.pipeline_chunks  # chunks' inputs: one layer input each
-            activations = stashed * (2 if splits_backward(table.name) else 1) * layer_input
-            activations += layers // layout.pipeline_chunks * kept
-            if layout.pipeline_chunks > 1:
-                # XLA gathers every stage's layers on each device to take its chunks: S - 1 more fp32 copies of a
-                # stage's params (70B on 256 H100s, PP 2 / 4 / 8: 0.7 / 3.8 / 7.7 GiB above a plain reshape's step)
-                reorder = (S - 1) * 4 * params_per_device(cfg, layout, "layers")
+        # formed (one chunk's and the head's at a time), then added to an accumulator: a second fp32 copy of those
+        # grads, and a third of one chunk's.
+        chunks = layout.pipeline_chunks
+        stage_params, head_params = params_per_device(cfg, layout, "layers"), params_per_device(cfg, layout, "head")
+        other += 2 * M * layer_input + 4 * (stage_params + head_params) + 4 * (stage_params / chunks + head_params)
+        # Each stage's buffers of chunk inputs (from F to the chunk's last backward op) and of
+        # output gradients (from their arrival to the W or BW that reads them), one layer input each: GPipe M and M,
+        # 1F1B P and 1. B, W and BW recompute one chunk's forward at a time.
+        in_lockstep = runs_in_lockstep(layout, cfg.context_parallel)
+        v = layout.pipeline_virtual_stages or None
+        x_slots, g_slots = buffer_slots(layout.pipeline_schedule, S, M, v, in_lockstep)
+        activations = (x_slots + g_slots) * layer_input
+        activations += layers // chunks * kept
+        if chunks > 1:
+            # XLA gathers every stage's layers on each device to take its chunks: S - 1 more fp32 copies of a
+            # stage's params (70B on 256 H100s, PP 2 / 4 / 8: 0.7 / 3.8 / 7.7 GiB above a plain reshape's step)
+            reorder = (S - 1) * 4 * stage_params
     return Memory(
         reorder=reorder,
         params=4 * n_params,

@@ -1,88 +1,353 @@
-"""Pipeline parallelism over the `pipeline` mesh axis: GPipe and 1F1B schedules as one SPMD program (the other
-schedules run from their tables: sharding.table_runner).
+"""Pipeline parallelism over the `pipeline` mesh axis: any schedule table (sharding.schedules: GPipe, 1F1B,
+interleaved 1F1B, ZB-H1, ZB-V) run as one SPMD program by one runner.
 
-The layers' stacked params [L, ...] are viewed as [P, L/P, ...], one block of layers per stage. Inside a
-`jax.shard_map` that is manual over `pipeline` only (data / fsdp / tensor stay automatic, so FSDP and tensor
-parallelism keep working inside a stage), every stage runs the same `lax.scan` over clock ticks and passes
-activations to its neighbour with `lax.ppermute`. Microbatch m reaches stage s at tick m + s.
+The table is compiled, in Python, into per-tick instructions for every stage: which op (idle, F, B, W or BW) on
+which chunk and microbatch, which buffer slot holds its input and its output gradient, where its result goes
+(the next stage, the previous one, or this one for ZB-V's turn), and where each arriving message is kept. Slots are
+given out like registers: a value occupies one from the tick it arrives to the tick of its last use (its W), so
+the buffers hold what the table's stash says (1F1B: P - s microbatch inputs on stage s; GPipe: all M), not every
+microbatch's residuals. Inside a `jax.shard_map` that is manual over `pipeline` only (data / fsdp / tensor stay
+automatic, so FSDP and tensor parallelism keep working inside a stage), a `lax.scan` over ticks runs each stage's op
+with `lax.switch` (an idle tick computes nothing), then passes messages with `ppermute` around the ring (so
+interleaved chunks wrap from the last stage to the first), skipped on ticks when no stage sends that way.
 
-GPipe: all forwards, then all backwards. The forward scan is differentiated by JAX, so each stage keeps the
-residuals of every microbatch it ran: activation memory grows with the number of microbatches M.
+B and W are separate `jax.vjp`s of the chunk's forward, recomputed from the stashed input: B differentiates by the
+input only (the critical path), W by the weights from the stashed input and output gradient. BW does both in one.
+The last virtual stage's F also runs the loss head and keeps the head's gradient for its B. The schedule computes
+the gradients itself; a `jax.custom_vjp` hands them to the surrounding autodiff. A loss without gradients (eval)
+runs the forwards alone (`sharding.schedules.forward_pass`).
 
-1F1B: after a warm-up, each stage alternates one forward and one backward. Stage s runs the backward of
-microbatch m at tick m + 2(P-1) - s, so it holds at most 2(P-1-s) + 1 microbatch inputs: memory scales with the
-stages, not with M. The backward is written out (`jax.vjp` per tick, recomputing the stage's forward from its
-stashed input) and the loss head runs on the last stage inside the loop, so the schedule computes the gradients
-itself; a `jax.custom_vjp` hands them to the surrounding autodiff.
-
-Both schedules idle (P-1) of every (M+P-1) stage-slots: `bubble_fraction`.
-
-Shape suffixes follow the legend in docs/architecture.md (B: the rows of one microbatch; a `_M` suffix is a leading
-[M] axis), plus P pipeline stages.
+Shape suffixes follow docs/architecture.md (B: the rows of one microbatch; a `_M` suffix is a leading [M] axis).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-AXIS = "pipeline"
-SCHEDULES = ("gpipe", "1f1b")
+from sharding.schedules import Schedule, cached, forward_pass
 
-StageFn = Callable[[Any, jax.Array, Any], jax.Array]  # (stage params [L/P, ...], x_BTD, side inputs) -> x_BTD
+AXIS = "pipeline"
+
+StageFn = Callable[[Any, jax.Array, Any], jax.Array]  # (chunk params [L/(P v), ...], x_BTD, side inputs) -> x_BTD
 HeadFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, jax.Array]]  # (head params, y_BTD, side) -> (sum, count)
 
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Idle share of a GPipe or 1F1B step: (P - 1) / (M + P - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
-
-
-def stash_slots(stages: int) -> int:
-    """Microbatch inputs a 1F1B stage keeps alive at once (stage 0 holds the most): 2P - 1, whatever M is."""
-    return 2 * stages - 1
+IDLE, F, B, W, BW = range(5)
+KIND = {"F": F, "B": B, "W": W, "BW": BW}
+NONE, NEXT, PREVIOUS, HERE = range(4)  # where an op's result goes
+X_BUF, G_BUF = 0, 1
 
 
-def split_stages(stacked, stages: int):
-    """[L, ...] -> [P, L/P, ...] on every leaf: stage s gets layers s*L/P ... (s+1)*L/P - 1."""
-    return jax.tree.map(lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]), stacked)
+def split_chunks(stacked, schedule: Schedule):
+    """[L, ...] -> [P, v, L/(P v), ...]: chunk c of stage s holds virtual stage `schedule.virtual_stage(s, c)`."""
+    pv = schedule.virtual_stages
+    order = np.array([[schedule.virtual_stage(s, c) for c in range(schedule.chunks)] for s in range(schedule.stages)])
+    return jax.tree.map(lambda a: a.reshape(pv, a.shape[0] // pv, *a.shape[1:])[order], stacked)
+
+
+def join_chunks(chunked, schedule: Schedule):
+    """The inverse of split_chunks: [P, v, L/(P v), ...] -> [L, ...]."""
+    where = {schedule.virtual_stage(s, c): (s, c) for s in range(schedule.stages) for c in range(schedule.chunks)}
+    pick = [where[g] for g in range(schedule.virtual_stages)]
+
+    def join(a):
+        parts = jnp.stack([a[s, c] for s, c in pick])
+        return parts.reshape(-1, *parts.shape[2:])
+
+    return jax.tree.map(join, chunked)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """The table as instructions: int32 arrays [ticks, stages] (one row of the scan per tick)."""
+
+    kind: np.ndarray
+    chunk: np.ndarray
+    microbatch: np.ndarray
+    first: np.ndarray  # the op is on virtual stage 0 (its input is the batch)
+    last: np.ndarray  # the op is on the last virtual stage (its F runs the head)
+    x_slot: np.ndarray
+    g_slot: np.ndarray
+    send: np.ndarray  # NONE / NEXT / PREVIOUS / HERE
+    from_previous: np.ndarray  # [ticks, stages, 2]: (buffer, slot) for what stage s - 1 sent, (-1, -1): nothing
+    from_next: np.ndarray
+    from_here: np.ndarray
+    x_slots: int
+    g_slots: int
+    kinds: tuple[int, ...]  # the ops the table uses: the runner builds only their branches
+    lockstep: bool  # every stage runs each tick's kind (sharding.schedules.lockstep), masked where it has no op
+
+    @property
+    def training(self) -> bool:
+        return self.kinds != (F,)
+
+    def rows(self):
+        """The per-tick arrays the scan walks over: the ticks where some stage works (after a BW every stage may
+        rest), with the kind every stage runs in lockstep and whether any stage sends each way."""
+        busy = (self.kind != IDLE).any(axis=1)
+        fields = ("kind", "chunk", "microbatch", "first", "last", "x_slot", "g_slot", "send")
+        fields += ("from_previous", "from_next", "from_here")
+        rows = {f: jnp.asarray(getattr(self, f)[busy]) for f in fields}
+        rows["any_kind"] = jnp.asarray(self.kind.max(axis=1)[busy])
+        rows["any_next"] = jnp.asarray((self.send == NEXT).any(axis=1)[busy])
+        rows["any_previous"] = jnp.asarray((self.send == PREVIOUS).any(axis=1)[busy])
+        return rows
+
+
+def compile_table(schedule: Schedule) -> Program:
+    """Per-tick instructions for `schedule` (which must pass sharding.schedules.check)."""
+    sc, ticks, stages = schedule, schedule.ticks, schedule.stages
+    training = not sc.forward_only
+    last_g = sc.virtual_stages - 1
+    owner = {sc.virtual_stage(s, c): (s, c) for s in range(stages) for c in range(sc.chunks)}
+    ops = {(op.kind, sc.virtual_stage(op.stage, op.chunk), op.microbatch): op for op in sc.ops}
+    free_at = {}  # (buffer, stage, chunk, microbatch) -> the tick its value is last read
+    for (kind, g, m), op in ops.items():
+        if kind in ("W", "BW") or not training:  # without a backward, an input is read once, by its F
+            free_at[(X_BUF, op.stage, op.chunk, m)] = free_at[(G_BUF, op.stage, op.chunk, m)] = op.tick
+    # Every value a stage keeps: (buffer, stage, chunk, microbatch, the tick it is stored).
+    stored = []
+    for (kind, g, m), op in ops.items():
+        if kind == "F" and g == 0 and training:
+            stored.append((X_BUF, op.stage, op.chunk, m, op.tick))  # kept for its B / W
+        if kind == "F" and g < last_g:
+            s2, c2 = owner[g + 1]
+            stored.append((X_BUF, s2, c2, m, op.tick))
+        if kind == "F" and g == last_g and training:
+            stored.append((G_BUF, op.stage, op.chunk, m, op.tick))  # the head's gradient
+        if kind in ("B", "BW") and g > 0:
+            s2, c2 = owner[g - 1]
+            stored.append((G_BUF, s2, c2, m, op.tick))
+    slot = _allocate(stored, free_at)
+    arrays = {name: np.zeros((ticks, stages), np.int32) for name in ("kind", "chunk", "microbatch", "first", "last")}
+    arrays |= {name: np.zeros((ticks, stages), np.int32) for name in ("x_slot", "g_slot", "send")}
+    recv = {name: np.full((ticks, stages, 2), -1, np.int32) for name in ("from_previous", "from_next", "from_here")}
+    for (kind, g, m), op in ops.items():
+        t, s, c = op.tick, op.stage, op.chunk
+        arrays["kind"][t, s], arrays["chunk"][t, s], arrays["microbatch"][t, s] = KIND[kind], c, m
+        arrays["first"][t, s], arrays["last"][t, s] = g == 0, g == last_g
+        arrays["x_slot"][t, s] = slot.get((X_BUF, s, c, m), 0)
+        arrays["g_slot"][t, s] = slot.get((G_BUF, s, c, m), 0)
+        target = None
+        if kind == "F" and g < last_g:
+            target, buffer = owner[g + 1], X_BUF
+        if kind in ("B", "BW") and g > 0:
+            target, buffer = owner[g - 1], G_BUF
+        if target is None:
+            continue
+        s2, c2 = target
+        direction = HERE if s2 == s else NEXT if s2 == (s + 1) % stages else PREVIOUS
+        if direction == PREVIOUS and s2 != (s - 1) % stages:
+            raise ValueError(f"{sc.name}: stage {s} sends to stage {s2}, not a neighbour")
+        arrays["send"][t, s] = direction
+        inbox = {HERE: "from_here", NEXT: "from_previous", PREVIOUS: "from_next"}[direction]
+        recv[inbox][t, s2] = (buffer, slot[(buffer, s2, c2, m)])
+    x_slots = 1 + max((v for k, v in slot.items() if k[0] == X_BUF), default=0)
+    g_slots = 1 + max((v for k, v in slot.items() if k[0] == G_BUF), default=0)
+    kinds = tuple(sorted({KIND[op.kind] for op in sc.ops}))
+    return Program(**arrays, **recv, x_slots=x_slots, g_slots=g_slots, kinds=kinds, lockstep=sc.lockstep)
+
+
+def runs_in_lockstep(layout, context_parallel: str) -> bool:
+    """Whether the layout's pipeline runs its table in lockstep (sharding.schedules.lockstep): when a stage's
+    computation holds a collective that pairs devices of every stage, ring attention's ppermute over a context
+    axis. Such a collective must be run by all its devices at once, not by the stages whose op has it."""
+    return layout.pipeline > 1 and layout.context > 1 and context_parallel == "ring"
+
+
+@functools.lru_cache(maxsize=None)
+def buffer_slots(
+    name: str, stages: int, microbatches: int, virtual_stages: int | None = None, in_lockstep: bool = False
+) -> tuple[int, int]:
+    """(x_slots, g_slots) of a schedule's program: the chunk inputs and output gradients each stage's buffers hold,
+    what its activation memory is made of. GPipe's (M, M) and 1F1B's (min(M, P), 1) in closed form (equal to their
+    programs at every P <= 8, M <= 4P)."""
+    if name == "gpipe" and not in_lockstep:
+        return microbatches, microbatches
+    if name == "1f1b" and not in_lockstep:
+        return min(microbatches, stages), 1
+    program = compile_table(cached(name, stages, microbatches, virtual_stages, in_lockstep))
+    return program.x_slots, program.g_slots
+
+
+def _allocate(stored, free_at) -> dict:
+    """A slot per kept value, reused once the value before it was last read (a read comes before the tick's
+    stores, so a slot read at tick t may be written at t)."""
+    slot, busy_until = {}, {}  # (buffer, stage) -> [tick each slot is read last]
+    for buffer, s, c, m, tick in sorted(stored, key=lambda v: v[4]):
+        ends = busy_until.setdefault((buffer, s), [])
+        free = next((i for i, end in enumerate(ends) if end <= tick), None)
+        if free is None:
+            free = len(ends)
+            ends.append(0)
+        ends[free] = free_at.get((buffer, s, c, m), tick)
+        slot[(buffer, s, c, m)] = free
+    return slot
 
 
 def pipeline_loss(
-    schedule: str,
-    stage_fn: StageFn,
-    head_fn: HeadFn,
-    stage_params,
-    head_params,
-    x_MBTD: jax.Array,
-    stage_side_M,
-    head_side_M,
-    *,
-    stages: int,
+    schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M
 ) -> tuple[jax.Array, jax.Array]:
-    """(loss sum, count) of `head_fn(stage_fn_P(...stage_fn_1(x)))` summed over microbatches, pipelined.
+    """(loss sum, count) of `head_fn(stage_fn(...stage_fn(x)))` summed over microbatches, pipelined by `schedule`.
 
-    stage_params: [P, L/P, ...] leaves (`split_stages`); x_MBTD: the first stage's inputs; *_side_M: pytrees with a
-    leading [M] axis (e.g. segment ids for the stages, targets for the head). Differentiable in stage_params,
-    head_params and x_MBTD with either schedule.
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
-    fns = _Fns(stage_fn, head_fn, stages)
-    if schedule == "gpipe":
-        return _gpipe_loss(fns, stage_params, head_params, x_MBTD, stage_side_M, head_side_M)
-    return _one_f_one_b(fns, stage_params, head_params, x_MBTD, stage_side_M, head_side_M)
+    chunk_params: [P, v, L/(P v), ...] leaves (`split_chunks`); x_MBTD: the first stage's inputs; *_side_M: pytrees
+    with a leading [M] axis (e.g. segment ids for the stages, targets for the head). Differentiable in chunk_params,
+    head_params and x_MBTD; the gradients are those the table's B / W ops compute."""
+    return _pipelined(
+        _Static(schedule, stage_fn, head_fn), chunk_params, head_params, x_MBTD, stage_side_M, head_side_M
+    )
 
 
-class _Fns:
-    """The user's functions and the stage count: static arguments of the custom_vjp (hashable by identity)."""
+class _Static:
+    """The tables and the user's functions: static arguments of the custom_vjp (hashable by identity)."""
 
-    def __init__(self, stage_fn: StageFn, head_fn: HeadFn, stages: int):
-        self.stage_fn, self.head_fn, self.stages = stage_fn, head_fn, stages
+    def __init__(self, schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn):
+        self.schedule, self.stage_fn, self.head_fn = schedule, stage_fn, head_fn
+        self.train = compile_table(schedule)
+        self.forward = compile_table(forward_pass(schedule))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _pipelined(static, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M):
+    loss, count = run(static, static.forward, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M)
+    return loss, count
+
+
+def _pipelined_fwd(static, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M):
+    loss, count, grads = run(static, static.train, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M)
+    return (loss, count), (grads, stage_side_M, head_side_M)
+
+
+def _pipelined_bwd(static, residuals, cotangents):
+    (g_chunks, g_head, g_x), stage_side_M, head_side_M = residuals
+    ct_loss, _ = cotangents  # the count does not depend on the params
+    scale = lambda tree: jax.tree.map(lambda g: (g * ct_loss).astype(g.dtype), tree)
+    no_grad = lambda tree: jax.tree.map(_zero_cotangent, tree)
+    return scale(g_chunks), scale(g_head), scale(g_x), no_grad(stage_side_M), no_grad(head_side_M)
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return jnp.zeros(x.shape, jax.dtypes.float0)
+
+
+_pipelined.defvjp(_pipelined_fwd, _pipelined_bwd)
+
+
+def run(static: _Static, prog: Program, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M):
+    """Runs one of the static's programs: (loss sum, count) for the forward pass, (loss sum, count, (d chunk_params,
+    d head_params, d x_MBTD)) for the training table."""
+    stages, training = static.schedule.stages, prog.training
+    stage_fn, head_fn = static.stage_fn, static.head_fn
+
+    def body(chunk_params, head_params, x_MBTD, stage_side_M, head_side_M, rows):
+        params = jax.tree.map(lambda a: a[0], chunk_params)  # this stage's [v, L/(P v), ...]
+        s = jax.lax.axis_index(AXIS)
+        x0 = jnp.zeros_like(x_MBTD[0])
+
+        def tick(carry, row):
+            xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count = carry
+            mine = {k: a[s] for k, a in row.items() if not k.startswith("any_")}  # this stage's column
+            c, m, first = mine["chunk"], mine["microbatch"], mine["first"] == 1
+            # Lockstep: every stage runs the tick's kind, and one without an op of it (`active` false) discards
+            # what it computes. Otherwise each stage runs its own op, and only it.
+            kind = row["any_kind"] if prog.lockstep else mine["kind"]
+            active = mine["kind"] == kind
+            first, last = first & active, (mine["last"] == 1) & active
+            chunk = _at(params, c)
+            side = _at(stage_side_M, m)
+            x = jnp.where(first, _at(x_MBTD, m), _at(xbuf, mine["x_slot"]))
+            g_out = _at(gbuf, mine["g_slot"])
+            forward = lambda p, xb: stage_fn(p, xb, side)
+
+            def idle(state):
+                return state + (x0,)
+
+            def f_op(state):
+                xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count = state
+                y = forward(chunk, x)
+                if not training:
+
+                    def head_value(sums):
+                        l, n = head_fn(head_params, y, _at(head_side_M, m))
+                        return sums[0] + l, sums[1] + n
+
+                    loss, count = jax.lax.cond(last, head_value, lambda sums: sums, (loss, count))
+                    return xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count, y
+                xbuf = _put_if(xbuf, x, mine["x_slot"], first)
+
+                def head(args):
+                    g_head, gbuf, loss, count = args
+                    (l, n), (g_h, g_y) = _head_value_and_grad(head_fn, head_params, y, _at(head_side_M, m))
+                    g_head = jax.tree.map(jnp.add, g_head, g_h)
+                    return g_head, _put(gbuf, g_y, mine["g_slot"]), loss + l, count + n
+
+                g_head, gbuf, loss, count = jax.lax.cond(last, head, lambda args: args, (g_head, gbuf, loss, count))
+                return xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count, y
+
+            def b_op(state):
+                xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count = state
+                _, vjp = jax.vjp(lambda xb: forward(chunk, xb), x)
+                (g_x,) = vjp(g_out)
+                return xbuf, gbuf, g_params, g_head, _put_if(g_x_MBTD, g_x, m, first), loss, count, g_x
+
+            def w_op(state):
+                xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count = state
+                _, vjp = jax.vjp(lambda p: forward(p, x), chunk)
+                (g_p,) = vjp(g_out)
+                return xbuf, gbuf, _add_at(g_params, g_p, c, active), g_head, g_x_MBTD, loss, count, x0
+
+            def bw_op(state):
+                xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count = state
+                _, vjp = jax.vjp(forward, chunk, x)
+                g_p, g_x = vjp(g_out)
+                g_x_MBTD = _put_if(g_x_MBTD, g_x, m, first)
+                return xbuf, gbuf, _add_at(g_params, g_p, c, active), g_head, g_x_MBTD, loss, count, g_x
+
+            ops = {IDLE: idle, F: f_op, B: b_op, W: w_op, BW: bw_op}
+            used = (IDLE,) + prog.kinds  # only the branches the table uses are built
+            branch = jnp.asarray(np.searchsorted(np.array(used), np.arange(5)).clip(0, len(used) - 1))[kind]
+            *state, message = jax.lax.switch(branch, [ops[k] for k in used], carry)
+            xbuf, gbuf = state[0], state[1]
+            from_previous = _pass(message, mine["send"] == NEXT, row["any_next"], stages, +1)
+            from_next = _pass(message, mine["send"] == PREVIOUS, row["any_previous"], stages, -1)
+            for value, inbox in ((from_previous, "from_previous"), (from_next, "from_next"), (message, "from_here")):
+                buffer, slot = mine[inbox][0], mine[inbox][1]
+                xbuf = _put_if(xbuf, value, slot, buffer == X_BUF)
+                gbuf = _put_if(gbuf, value, slot, buffer == G_BUF)
+            return (xbuf, gbuf, *state[2:]), None
+
+        zero_grads = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, head_params))
+        init = (
+            jnp.zeros((prog.x_slots,) + x0.shape, x0.dtype),
+            jnp.zeros((prog.g_slots if training else 1,) + x0.shape, x0.dtype),
+            *(zero_grads if training else ((), ())),
+            jnp.zeros_like(x_MBTD) if training else (),
+            jnp.zeros((), jnp.float32),
+            jnp.zeros((), jnp.float32),
+        )
+        carry, _ = jax.lax.scan(tick, init, prog.rows())
+        _, _, g_params, g_head, g_x_MBTD, loss, count = carry
+        # Chunk params' gradients stay on their stage; the rest lives on one stage and is summed to all.
+        total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, AXIS), tree)
+        if not training:
+            return total(loss), total(count)
+        return total(loss), total(count), jax.tree.map(lambda g: g[None], g_params), total(g_head), total(g_x_MBTD)
+
+    out_specs = (P(), P())
+    if prog.training:
+        out_specs += (jax.tree.map(lambda _: P(AXIS), chunk_params), jax.tree.map(lambda _: P(), head_params), P())
+    out = _shard_map(
+        body, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M, prog.rows(), out_specs=out_specs
+    )
+    return out if not prog.training else (out[0], out[1], out[2:])
 
 
 def _shard_map(body, stage_params, *args, out_specs):
@@ -93,163 +358,20 @@ def _shard_map(body, stage_params, *args, out_specs):
     in_specs = (jax.tree.map(lambda _: P(AXIS), stage_params),) + tuple(jax.tree.map(lambda _: P(), a) for a in args)
     # check_vma=False: the block-sparse attention inside a stage runs its own shard_map over the other axes (also
     # unchecked: the Pallas interpreter cannot be), whose cotangents would not carry this map's `pipeline` typing.
-    # Unchecked, the values a stage receives or writes must be combined explicitly: every psum below is deliberate.
+    # Unchecked, the values a stage receives or writes must be combined explicitly: every psum above is deliberate.
     mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False)
     return mapped(stage_params, *args)
 
 
-def _local(stage_params):
-    """This stage's [1, L/P, ...] block -> [L/P, ...]."""
-    return jax.tree.map(lambda a: a[0], stage_params)
+def _pass(message, sending, anyone, stages: int, shift: int):
+    """`message` from every stage that is `sending` to stage s + shift around the ring (zeros where none is sent);
+    on a tick when no stage sends this way (`anyone`, the same on every stage) the collective is skipped."""
 
+    def send():
+        pairs = [(i, (i + shift) % stages) for i in range(stages)]
+        return jax.lax.ppermute(jnp.where(sending, message, 0), AXIS, pairs)
 
-def _at(tree_M, i):
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree_M)
-
-
-def _shift(x, stages: int, direction: int):
-    """Sends x from every stage s to s + direction (the ends receive zeros)."""
-    pairs = [(s, s + direction) for s in range(stages) if 0 <= s + direction < stages]
-    return jax.lax.ppermute(x, AXIS, pairs)
-
-
-# ----------------------------------------------------------------------------- GPipe
-
-
-def _gpipe_outputs(fns: _Fns, stage_params, x_MBTD, stage_side_M):
-    """Last-stage outputs y_MBTD of every microbatch (replicated over stages). Plain JAX: autodiff gives GPipe."""
-    stages = fns.stages
-    M = x_MBTD.shape[0]
-
-    def body(stage_params, x_MBTD, stage_side_M):
-        params, s = _local(stage_params), jax.lax.axis_index(AXIS)
-
-        def tick(carry, t):
-            received, out_MBTD = carry
-            m = jnp.clip(t - s, 0, M - 1)  # the microbatch this stage works on (garbage while idle, discarded)
-            x = jnp.where(s == 0, _at(x_MBTD, jnp.minimum(t, M - 1)), received)
-            y = fns.stage_fn(params, x, _at(stage_side_M, m))
-            done = (s == stages - 1) & (t >= stages - 1)
-            out_MBTD = jnp.where(done, jax.lax.dynamic_update_index_in_dim(out_MBTD, y, m, 0), out_MBTD)
-            return (_shift(y, stages, +1), out_MBTD), None
-
-        zeros = jnp.zeros_like(x_MBTD[0])
-        (_, out_MBTD), _ = jax.lax.scan(tick, (zeros, jnp.zeros_like(x_MBTD)), jnp.arange(M + stages - 1))
-        return jax.lax.psum(jnp.where(s == stages - 1, out_MBTD, 0), AXIS)  # only the last stage's buffer is filled
-
-    return _shard_map(body, stage_params, x_MBTD, stage_side_M, out_specs=P())
-
-
-def _head_sums(fns: _Fns, head_params, y_MBTD, head_side_M):
-    sums, counts = jax.lax.map(lambda a: fns.head_fn(head_params, *a), (y_MBTD, head_side_M))
-    return jnp.sum(sums), jnp.sum(counts)
-
-
-def _gpipe_loss(fns, stage_params, head_params, x_MBTD, stage_side_M, head_side_M):
-    y_MBTD = _gpipe_outputs(fns, stage_params, x_MBTD, stage_side_M)
-    return _head_sums(fns, head_params, y_MBTD, head_side_M)
-
-
-# ----------------------------------------------------------------------------- 1F1B
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _one_f_one_b(fns, stage_params, head_params, x_MBTD, stage_side_M, head_side_M):
-    # Without differentiation (eval) only the forward is needed, and that is GPipe's forward.
-    return _gpipe_loss(fns, stage_params, head_params, x_MBTD, stage_side_M, head_side_M)
-
-
-def _one_f_one_b_fwd(fns, stage_params, head_params, x_MBTD, stage_side_M, head_side_M):
-    loss, count, grads = _one_f_one_b_grads(fns, stage_params, head_params, x_MBTD, stage_side_M, head_side_M)
-    return (loss, count), (grads, stage_side_M, head_side_M)
-
-
-def _one_f_one_b_bwd(fns, residuals, cotangents):
-    (g_stage, g_head, g_x), stage_side_M, head_side_M = residuals
-    ct_loss, _ = cotangents  # the count does not depend on the params
-    scale = lambda tree: jax.tree.map(lambda g: (g * ct_loss).astype(g.dtype), tree)
-    no_grad = lambda tree: jax.tree.map(_zero_cotangent, tree)
-    return scale(g_stage), scale(g_head), scale(g_x), no_grad(stage_side_M), no_grad(head_side_M)
-
-
-def _zero_cotangent(x):
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return jnp.zeros(x.shape, jax.dtypes.float0)
-
-
-_one_f_one_b.defvjp(_one_f_one_b_fwd, _one_f_one_b_bwd)
-
-
-def _one_f_one_b_grads(fns: _Fns, stage_params, head_params, x_MBTD, stage_side_M, head_side_M):
-    """Runs the 1F1B schedule: (loss sum, count, (d stage_params, d head_params, d x_MBTD))."""
-    stages = fns.stages
-    M = x_MBTD.shape[0]
-    slots = stash_slots(stages)
-
-    def body(stage_params, head_params, x_MBTD, stage_side_M, head_side_M):
-        params, s = _local(stage_params), jax.lax.axis_index(AXIS)
-        last = s == stages - 1
-
-        def tick(carry, t):
-            recv_x, recv_g, stash, g_params, g_head, g_x_MBTD, loss, count = carry
-            # Forward of microbatch f, stashing its input for the backward.
-            f = t - s
-            f_ok = (f >= 0) & (f < M)
-            f_i = jnp.clip(f, 0, M - 1)
-            x = jnp.where(s == 0, _at(x_MBTD, f_i), recv_x)
-            y = fns.stage_fn(params, x, _at(stage_side_M, f_i))
-            stash = jnp.where(f_ok, jax.lax.dynamic_update_index_in_dim(stash, x, f_i % slots, 0), stash)
-            # The last stage turns its output into a loss and the loss's gradient at once (its f is its b).
-            (l, n), (g_h, g_y) = _head_value_and_grad(fns.head_fn, head_params, y, _at(head_side_M, f_i))
-            head_ok = last & f_ok
-            loss, count = loss + jnp.where(head_ok, l, 0.0), count + jnp.where(head_ok, n, 0.0)
-            g_head = jax.tree.map(lambda a, g: a + jnp.where(head_ok, g, 0), g_head, g_h)
-            # Backward of microbatch b from its stashed input (the stage forward is recomputed inside the vjp).
-            b = t - (2 * (stages - 1) - s)
-            b_ok = (b >= 0) & (b < M)
-            b_i = jnp.clip(b, 0, M - 1)
-            g_out = jnp.where(last, g_y, recv_g)
-            x_b = _at(stash, b_i % slots)
-            _, vjp = jax.vjp(lambda p, xb: fns.stage_fn(p, xb, _at(stage_side_M, b_i)), params, x_b)
-            g_p, g_xb = vjp(g_out)
-            g_params = jax.tree.map(lambda a, g: a + jnp.where(b_ok, g, 0), g_params, g_p)
-            g_x_MBTD = jnp.where((s == 0) & b_ok, jax.lax.dynamic_update_index_in_dim(g_x_MBTD, g_xb, b_i, 0), g_x_MBTD)
-            carry = (
-                _shift(y, stages, +1),
-                _shift(jnp.where(b_ok, g_xb, 0), stages, -1),
-                stash,
-                g_params,
-                g_head,
-                g_x_MBTD,
-                loss,
-                count,
-            )
-            return carry, None
-
-        x0 = jnp.zeros_like(x_MBTD[0])
-        init = (
-            x0,
-            x0,
-            jnp.zeros((slots,) + x0.shape, x0.dtype),
-            jax.tree.map(jnp.zeros_like, params),
-            jax.tree.map(jnp.zeros_like, head_params),
-            jnp.zeros_like(x_MBTD),
-            jnp.zeros((), jnp.float32),
-            jnp.zeros((), jnp.float32),
-        )
-        carry, _ = jax.lax.scan(tick, init, jnp.arange(M + 2 * (stages - 1)))
-        _, _, _, g_params, g_head, g_x_MBTD, loss, count = carry
-        # Stage params' gradients stay on their stage; the rest lives on one stage and is summed to all.
-        g_params = jax.tree.map(lambda g: g[None], g_params)
-        total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, AXIS), tree)
-        return total(loss), total(count), g_params, total(g_head), total(g_x_MBTD)
-
-    out_specs = (P(), P(), jax.tree.map(lambda _: P(AXIS), stage_params), jax.tree.map(lambda _: P(), head_params), P())
-    loss, count, g_stage, g_head, g_x = _shard_map(
-        body, stage_params, head_params, x_MBTD, stage_side_M, head_side_M, out_specs=out_specs
-    )
-    return loss, count, (g_stage, g_head, g_x)
+    return jax.lax.cond(anyone, send, lambda: jnp.zeros_like(message))
 
 
 def _head_value_and_grad(head_fn: HeadFn, head_params, y_BTD, side):
@@ -257,3 +379,23 @@ def _head_value_and_grad(head_fn: HeadFn, head_params, y_BTD, side):
     (l, n), vjp = jax.vjp(lambda h, y: head_fn(h, y, side), head_params, y_BTD)
     g_h, g_y = vjp((jnp.ones_like(l), jnp.zeros_like(n)))
     return (l, n), (g_h, g_y)
+
+
+def _at(tree_M, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree_M)
+
+
+def _put(buffer, value, index):
+    return jax.lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), jnp.maximum(index, 0), 0)
+
+
+def _put_if(buffer, value, index, cond):
+    """buffer[index] = value where `cond`, in place (a select over the whole buffer would copy it every tick)."""
+    index = jnp.maximum(index, 0)
+    old = jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(cond, value.astype(buffer.dtype), old), index, 0)
+
+
+def _add_at(tree, delta, index, cond=True):
+    """tree[index] += delta where `cond`, on every leaf ([v, ...] leaves, `delta` without the v axis)."""
+    return jax.tree.map(lambda a, d: _put(a, _at(a, index) + jnp.where(cond, d, 0), index), tree, delta)

@@ -43,8 +43,8 @@ from sharding.model_shape import (
     logical_shards,
     params_per_device,
 )
-from sharding.pipeline import bubble_fraction
-from sharding.schedules import cached, splits_backward
+from sharding.pipeline import runs_in_lockstep
+from sharding.schedules import idle_share, splits_backward
 
 FSDP_COLLECTIVES = 3  # all-gather for the forward, again for the backward, reduce-scatter of the gradients
 REMAT_CHOICES = ("none", "full")
@@ -145,7 +145,7 @@ def evaluate(
     devices = math.prod(layout.axis_sizes.values())
     cb, S = dtype_bytes(cfg), layout.pipeline
     n_params, attn = active_params(cfg), attention_flops_per_token(cfg, seq_len)
-    bubble, recompute = pipeline_costs(layout, remat)
+    bubble, recompute = pipeline_costs(layout, remat, runs_in_lockstep(layout, cfg.context_parallel))
     # every rank of a tensor axis multiplies the same tokens by whole experts (sharding.experts): FLOPs repeated
     done = n_params + (layout.tensor - 1) * cfg.num_moe_layers * cfg.experts_per_token * expert_params(cfg)
     compute = compute_seconds(done, batch_tokens, devices, hw.flops, attn) * recompute
@@ -195,19 +195,19 @@ def evaluate(
     )
 
 
-def pipeline_costs(layout: MeshLayout, remat: str) -> tuple[float, float]:
-    """(idle share, compute over a step without recomputation) of the layout's pipeline schedule. GPipe and 1F1B
-    idle (S - 1) / (M + S - 1); the table schedules (sharding.schedules) what their table idles. Recomputation
-    (forward = 1, backward = 2): 1F1B and the table's BW ops recompute a stage's forward once (4/3), ZB-H1 and ZB-V
-    twice, once for B and once for W (5/3); `remat` full once, whatever the schedule."""
+def pipeline_costs(layout: MeshLayout, remat: str, in_lockstep: bool = False) -> tuple[float, float]:
+    """(idle share, compute over a step without recomputation) of the layout's pipeline schedule: its table's idle
+    share (sharding.schedules.idle_share; the lockstep table's under ring attention, sharding.pipeline.
+    runs_in_lockstep). Compute (forward = 1, backward = 2): each backward op of a pipeline recomputes its chunk's
+    forward, once per microbatch for a BW (GPipe, 1F1B, interleaved: 4/3), twice for B and W apart (ZB-H1, ZB-V:
+    5/3); `remat` full recomputes each layer once more inside every one of those."""
     S, M, name = layout.pipeline, layout.num_microbatches, layout.pipeline_schedule
-    once = 4 / 3 if remat == "full" else 1.0
+    again = 1 if remat == "full" else 0
     if S == 1:
-        return 0.0, once
-    if name in ("gpipe", "1f1b"):
-        return bubble_fraction(S, M), 4 / 3 if name == "1f1b" else once
-    table = cached(name, S, M, layout.pipeline_virtual_stages or None)
-    return table.bubble_fraction, 5 / 3 if splits_backward(name) else 4 / 3
+        return 0.0, (3 + again) / 3
+    idle = idle_share(name, S, M, layout.pipeline_virtual_stages or None, in_lockstep)
+    backward_ops = 2 if splits_backward(name) else 1
+    return idle, (3 + backward_ops * (1 + again)) / 3
 
 
 def context_comm_seconds(cfg: ModelShape, layout: MeshLayout, batch_tokens: int, remat: str, bandwidth: float):
@@ -318,8 +318,6 @@ def context_layouts(cfg: ModelShape, devices: int, batch_sequences: int, seq_len
     for c in _divisors(devices)[1:]:
         if seq_len % c == 0:
             rest = candidate_layouts(cfg, devices // c, batch_sequences, hw)
-            if cfg.context_parallel == "ring":  # the ring runs in no table-run pipeline yet (jaxlm.train.Program)
-                rest = [lay for lay in rest if lay.pipeline == 1 or lay.pipeline_schedule in ("gpipe", "1f1b")]
             out += [dataclasses.replace(lay, context=c) for lay in rest]
     return out
 

@@ -50,6 +50,12 @@ class Schedule:
     microbatches: int
     chunks: int  # virtual stages per stage
     ops: tuple[Op, ...]
+    lockstep: bool = False  # every tick's ops are of one kind, and the stages without one run it too (`lockstep`)
+
+    @property
+    def forward_only(self) -> bool:
+        """A table of forwards alone (`forward_pass`): what evaluation runs."""
+        return all(op.kind == "F" for op in self.ops)
 
     @property
     def ticks(self) -> int:
@@ -127,14 +133,86 @@ def make(name: str, stages: int, microbatches: int, virtual_stages: int | None =
     return schedule
 
 
+def forward_pass(schedule: Schedule) -> Schedule:
+    """The forwards of `schedule`'s chunk placement alone, each as soon as its input is ready (GPipe's forward on
+    any layout): a loss without gradients needs no backward, nor its ticks. A lockstep table's stays lockstep."""
+    sc = schedule
+    ops = _run_greedy(sc.name, sc.stages, sc.microbatches, sc.chunks, forward_only=True)
+    ops = tuple(sorted(ops, key=lambda o: (o.tick, o.stage)))
+    table = Schedule(sc.name, sc.stages, sc.microbatches, sc.chunks, ops, lockstep=sc.lockstep)
+    check(table)
+    return table
+
+
+def lockstep(schedule: Schedule) -> Schedule:
+    """The same ops in the same order on every stage, packed into ticks of one kind each, F then BW (or F, B, W) in
+    turn: on a tick every stage runs that kind's computation, the stages without an op of it on inputs they then
+    discard.
+
+    What a stage needs when its computation pairs devices of different stages in one collective (ring attention's
+    `ppermute`: one collective-permute over every stage's context group): such a collective must be run by all of
+    its devices together, which a tick of different ops on different stages breaks (on XLA:CPU it silently mixes
+    the stages' data). The price is a longer step: 1F1B's becomes the hand-written loop's, M + 2(P - 1) ticks of
+    F + BW; zero-bubble tables lose what filling the gaps with W gained."""
+    sc = schedule
+    kinds = ("F", "B", "W") if splits_backward(sc.name) else ("F", "BW")
+    last = sc.virtual_stages - 1
+    queues = [[op for op in sorted(sc.ops, key=lambda o: o.tick) if op.stage == s] for s in range(sc.stages)]
+    # A stage may run forwards ahead of its table's order (its backward not ready yet), up to twice the
+    # microbatch-chunks the table holds on it, less one (1F1B's hand-written loop's 2(P - s) - 1); a backward op
+    # never runs ahead of a forward.
+    bound = [2 * round(peak * sc.chunks) - 1 for peak in sc.peak_stash()]
+    held, clock, ops, tick, turn, stalled = [0] * sc.stages, _Clock(), [], 0, 0, 0
+    while any(queues):
+        kind = kinds[turn % len(kinds)]
+        started = []
+        for s in range(sc.stages):
+            for i, op in enumerate(queues[s]):
+                if op.kind != kind:
+                    if op.kind == "F" and kind != "F":
+                        break  # a backward op never runs ahead of a forward before it
+                    continue
+                ready = clock.ready(kind, sc.virtual_stage(s, op.chunk), op.microbatch, last, tick)
+                if ready and (kind != "F" or held[s] < bound[s]):
+                    started.append(Op(tick, s, kind, op.microbatch, op.chunk))
+                    del queues[s][i]
+                    held[s] += 1 if kind == "F" else -1 if kind in ("W", "BW") else 0
+                break  # each kind runs in the table's order on each stage
+        for op in started:
+            clock.record(op.kind, sc.virtual_stage(op.stage, op.chunk), op.microbatch, op.end)
+        ops += started
+        tick += DURATION[kind] if started else 0
+        stalled = 0 if started else stalled + 1
+        if stalled > len(kinds):
+            raise ScheduleError(f"{sc.name}: its per-stage order cannot run in lockstep")
+        turn += 1
+    table = Schedule(sc.name, sc.stages, sc.microbatches, sc.chunks, tuple(ops), lockstep=True)
+    check(table)
+    return table
+
+
 @functools.lru_cache(maxsize=None)
-def cached(name: str, stages: int, microbatches: int, virtual_stages: int | None = None) -> Schedule:
-    """`make`, once per settings: the planner asks for the same few tables for many layouts."""
-    return make(name, stages, microbatches, virtual_stages)
+def cached(
+    name: str, stages: int, microbatches: int, virtual_stages: int | None = None, in_lockstep: bool = False
+) -> Schedule:
+    """`make` (and `lockstep`), once per settings: the planner asks for the same few tables for many layouts."""
+    table = make(name, stages, microbatches, virtual_stages)
+    return lockstep(table) if in_lockstep else table
+
+
+def idle_share(
+    name: str, stages: int, microbatches: int, virtual_stages: int | None = None, in_lockstep: bool = False
+) -> float:
+    """The idle share of a schedule's table, what the planner ranks it by: GPipe's and 1F1B's in closed form (equal
+    to their tables; a table of thousands of microbatches takes seconds to make), the others' and lockstep tables'
+    from their tables."""
+    if name in ("gpipe", "1f1b") and not in_lockstep:
+        return theory(name, stages, microbatches)
+    return cached(name, stages, microbatches, virtual_stages, in_lockstep).bubble_fraction
 
 
 def splits_backward(name: str) -> bool:
-    """Whether the schedule runs B and W apart (sharding.table_runner then recomputes the chunk's forward for
+    """Whether the schedule runs B and W apart (sharding.pipeline then recomputes the chunk's forward for
     each: two recomputed forwards per microbatch, against one for a BW)."""
     return name in ("zb-h1", "zbv")
 
@@ -183,13 +261,11 @@ class _Clock:
         return all(self.ended.get(dep, tick + 1) <= tick for dep in _dependencies(kind, g, m, last))
 
 
-def _run_greedy(name: str, stages: int, microbatches: int, chunks: int) -> list[Op]:
-    split = name in ("zb-h1", "zbv")
+def _run_greedy(name: str, stages: int, microbatches: int, chunks: int, forward_only: bool = False) -> list[Op]:
+    kinds = ("F",) if forward_only else _kinds(name in ("zb-h1", "zbv"))
     last = stages * chunks - 1
     clock, ops = _Clock(), []
-    todo = {
-        s: {(k, c, m) for c in range(chunks) for m in range(microbatches) for k in _kinds(split)} for s in range(stages)
-    }
+    todo = {s: {(k, c, m) for c in range(chunks) for m in range(microbatches) for k in kinds} for s in range(stages)}
     free_at = [0] * stages
     in_flight = defaultdict(int)  # stage -> microbatch-chunks with F started and the backward (B / BW) not
     held = defaultdict(int)  # stage -> microbatch-chunks with F started and W (or BW) not
@@ -201,7 +277,7 @@ def _run_greedy(name: str, stages: int, microbatches: int, chunks: int) -> list[
             ready = [
                 (k, c, m) for (k, c, m) in todo[s] if clock.ready(k, virtual_stage(name, stages, s, c), m, last, tick)
             ]
-            pick = _pick(name, stages, chunks, s, ready, in_flight[s], held[s])
+            pick = _pick("gpipe" if forward_only else name, stages, chunks, s, ready, in_flight[s], held[s])
             if pick is None:
                 continue
             k, c, m = pick
@@ -300,7 +376,7 @@ def check(schedule: Schedule, max_stash: float | None = None) -> None:
     """ScheduleError naming the first broken rule: an op missing or twice, two ops on a stage at once, an op
     before what it needs has ended, or a stage holding more than `max_stash` microbatches of activations."""
     sc = schedule
-    split = any(op.kind in ("B", "W") for op in sc.ops)
+    kinds = ("F",) if sc.forward_only else _kinds(any(op.kind in ("B", "W") for op in sc.ops))
     last = sc.virtual_stages - 1
     seen: dict[tuple[str, int, int], Op] = {}
     for op in sc.ops:
@@ -310,7 +386,7 @@ def check(schedule: Schedule, max_stash: float | None = None) -> None:
         seen[key] = op
     for g in range(sc.virtual_stages):
         for m in range(sc.microbatches):
-            for kind in _kinds(split):
+            for kind in kinds:
                 if (kind, g, m) not in seen:
                     raise ScheduleError(f"{kind} of microbatch {m} on virtual stage {g} is missing")
     busy: dict[tuple[int, int], Op] = {}

@@ -56,6 +56,7 @@ def test_a_1b_llama_step_compiles_and_fits_on_64_v5p_chips_and_64_h100s(tmp_path
     assert proc.stdout.strip().splitlines()[-1] == '{"layouts": 1, "fit": 1, "nothing_fits": []}'
 
 
+@pytest.mark.slow
 def test_a_1b_llama_decode_step_compiles_beside_its_train_step_on_8_h100s(tmp_path):
     """--decode: generate's decode step for 8 rows (one per FSDP shard) over a 2048-slot KV cache. Its arguments are
     the per-layer weight copies, the embedding and the cache; the stacked params a run keeps are held beside."""

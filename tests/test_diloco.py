@@ -358,6 +358,7 @@ def test_diloco_replicas_with_a_context_axis_equal_replicas_without_one():
     np.testing.assert_allclose(context_losses, plain_losses, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_diloco_replicas_of_an_moe_with_an_expert_axis_equal_replicas_without_one():
     """Each replica's MoE layers split their experts over an expert axis (token copies exchanged by all-to-all
     inside the replica), and train and sync exactly as replicas whose devices each route their own tokens."""

@@ -99,3 +99,27 @@ def test_a_layout_names_what_its_schedule_cannot_do(fields, line):
     chunked = MeshLayout(data=2, pipeline=4, pipeline_schedule="zbv").validate(8)
     with pytest.raises(LayoutError, match=r"num_layers = 4 does not split into pipeline = 4 stages x 2 chunks \(zbv\)"):
         chunked.check_divisibility(batch_size=16, microbatches=1, num_heads=4, num_kv_heads=2, mlp_dim=64, num_layers=4)
+
+
+@pytest.mark.parametrize("name", S.NAMES)
+def test_a_lockstep_table_runs_one_kind_per_tick_in_each_stage_s_order(name):
+    """sharding.schedules.lockstep: what a stage holding ring attention's ppermute runs. GPipe, 1F1B and interleaved
+    keep their idle share; the zero-bubble tables lose what filling the gaps with W gained."""
+    table = S.make(name, 4, 8)
+    locked = S.lockstep(table)
+    S.check(locked)
+    assert locked.lockstep and not table.lockstep
+    assert all(len({op.kind for op in locked.ops if op.tick == t}) <= 1 for t in range(locked.ticks))
+
+    def order(sc, s, kind):
+        return [
+            (op.chunk, op.microbatch) for op in sorted(sc.ops, key=lambda o: o.tick) if (op.stage, op.kind) == (s, kind)
+        ]
+
+    for s in range(4):  # each kind in the table's order on every stage
+        assert all(order(locked, s, k) == order(table, s, k) for k in ("F", "B", "W", "BW"))
+    if name in ("gpipe", "1f1b", "interleaved-1f1b"):
+        assert locked.bubble_fraction == pytest.approx(table.bubble_fraction)
+    else:
+        assert locked.bubble_fraction > table.bubble_fraction
+    assert S.forward_pass(locked).lockstep

@@ -106,7 +106,7 @@ def test_four_stage_pipeline_with_document_mask(schedule, impl, reference):
     ids=lambda layout: layout.pipeline_schedule,
 )
 def test_schedules_run_from_tables_match_single_device(layout, reference):
-    """Interleaved 1F1B, ZB-H1 and ZB-V run by sharding.table_runner, with the documents' segment ids travelling to
+    """Interleaved 1F1B, ZB-H1 and ZB-V run by sharding.pipeline, with the documents' segment ids travelling to
     every chunk (ZB-V's V turns on the last stage), tensor or FSDP inside a stage: loss and gradients equal one
     device."""
     layout = layout.validate(8)
