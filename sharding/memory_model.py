@@ -91,8 +91,8 @@ class Memory:
     loss_phase: float  # fp32 logits and their cotangent for one microbatch, the FSDP-gathered head and its grads
     layer_phase: float  # one layer's backward: its residuals, plus its FSDP-gathered weights and full-size grads
     other: float  # the batch, compute-dtype weight copies, gradient accumulators, pipeline buffers
-    # interleaved 1F1B and ZB-V: each stage's chunks gathered into their order before the first tick and their
-    # gradients sent back after the last (sharding.pipeline.split_chunks), while no residual is kept
+    # interleaved 1F1B and ZB-V: the copy of a stage's params put in its chunks' order (sharding.pipeline.
+    # split_chunks moves them between stages), which the schedule's loop reads the whole step
     reorder: float = 0.0
 
     @property
@@ -106,7 +106,8 @@ class Memory:
             + self.grads
             + self.optimizer
             + self.other
-            + max(self.activations, self.reorder)
+            + self.reorder
+            + self.activations
             + max(self.loss_phase, self.layer_phase)
         )
 
@@ -186,9 +187,8 @@ def memory_per_device(
         activations = (x_slots + g_slots) * layer_input
         activations += layers // chunks * kept
         if chunks > 1:
-            # XLA gathers every stage's layers on each device to take its chunks: S - 1 more fp32 copies of a
-            # stage's params (70B on 256 H100s, PP 2 / 4 / 8: 0.7 / 3.8 / 7.7 GiB above a plain reshape's step)
-            reorder = (S - 1) * 4 * stage_params
+            # one fp32 copy of the stage's params in chunk order (ppermuted in; when XLA gathered them it held S - 1)
+            reorder = 4 * stage_params
     return Memory(
         reorder=reorder,
         params=4 * n_params,

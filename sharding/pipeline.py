@@ -45,10 +45,71 @@ X_BUF, G_BUF = 0, 1
 
 
 def split_chunks(stacked, schedule: Schedule):
-    """[L, ...] -> [P, v, L/(P v), ...]: chunk c of stage s holds virtual stage `schedule.virtual_stage(s, c)`."""
-    pv = schedule.virtual_stages
-    order = np.array([[schedule.virtual_stage(s, c) for c in range(schedule.chunks)] for s in range(schedule.stages)])
-    return jax.tree.map(lambda a: a.reshape(pv, a.shape[0] // pv, *a.shape[1:])[order], stacked)
+    """[L, ...] -> [P, v, L/(P v), ...]: chunk c of stage s holds virtual stage `schedule.virtual_stage(s, c)`.
+
+    With one chunk per stage (GPipe, 1F1B, ZB-H1) a reshape: a stage's layers are its own. With v (interleaved, ZB-V)
+    the L/P layers a device holds in the model's order are v chunks of other stages; under a mesh with a `pipeline`
+    axis they move in v rounds of `ppermute`, one chunk per device per round (`chunk_moves`), so a device holds its
+    own layers and one reordered copy, where XLA's gather for the same index holds every stage's (S - 1 copies more).
+    Autodiff sends the gradients back the same way."""
+    pv, stages, v = schedule.virtual_stages, schedule.stages, schedule.chunks
+    order = np.array([[schedule.virtual_stage(s, c) for c in range(v)] for s in range(stages)])
+    if (order == np.arange(pv).reshape(stages, v)).all():  # each stage's chunks are its own layers
+        return jax.tree.map(lambda a: a.reshape(stages, v, a.shape[0] // pv, *a.shape[1:]), stacked)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get(AXIS, 1) != stages:  # the layers are not split over stages: index them
+        return jax.tree.map(lambda a: a.reshape(pv, a.shape[0] // pv, *a.shape[1:])[order], stacked)
+    moves = chunk_moves(schedule)
+
+    def reorder(local):  # this device's [L/P, ...] -> its stage's [1, v, L/(P v), ...]
+        d = jax.lax.axis_index(AXIS)
+        mine = local.reshape(v, local.shape[0] // v, *local.shape[1:])
+        out = jnp.zeros_like(mine)
+        for pairs, send_chunk, recv_slot in moves:
+            sent = _at(mine, jnp.asarray(send_chunk)[d])
+            got = jax.lax.ppermute(sent, AXIS, [(a, b) for a, b in pairs if a != b])
+            stays = jnp.asarray([(i, i) in pairs for i in range(stages)])[d]  # a chunk already on its stage
+            out = _put(out, jnp.where(stays, sent, got), jnp.asarray(recv_slot)[d])
+        return out[None]
+
+    specs = jax.tree.map(lambda _: P(AXIS), stacked)
+    mapped = jax.shard_map(
+        lambda tree: jax.tree.map(reorder, tree), mesh=mesh, in_specs=(specs,), out_specs=specs, axis_names={AXIS}
+    )
+    return mapped(stacked)
+
+
+def chunk_moves(schedule: Schedule) -> list[tuple[list[tuple[int, int]], list[int], list[int]]]:
+    """The rounds that put every chunk on its stage: per round the (from, to) device pairs (a permutation), the
+    chunk each device sends (its j-th of v, in the model's order) and the slot each device files what it receives
+    in. Each device sends v chunks and receives v, so the moves split into v permutations (a regular bipartite
+    multigraph is a union of perfect matchings); each is found by augmenting paths."""
+    stages, v = schedule.stages, schedule.chunks
+    owner = {schedule.virtual_stage(s, c): (s, c) for s in range(stages) for c in range(v)}
+    left = [(g // v, g % v, *owner[g]) for g in range(stages * v)]  # (from device, its chunk, to device, slot)
+    rounds = []
+    for _ in range(v):
+        match: dict[int, int] = {}  # receiving device -> index into `left`
+
+        def augment(src, seen):
+            for i, (a, _, b, _) in enumerate(left):
+                if a == src and b not in seen:
+                    seen.add(b)
+                    if b not in match or augment(left[match[b]][0], seen):
+                        match[b] = i
+                        return True
+            return False
+
+        for src in range(stages):
+            if not augment(src, set()):
+                raise ValueError(f"{schedule.name}: the chunk moves do not split into permutations")
+        picked = [left[i] for i in match.values()]
+        send_chunk, recv_slot = [0] * stages, [0] * stages
+        for a, j, b, c in picked:
+            send_chunk[a], recv_slot[b] = j, c
+        rounds.append(([(a, b) for a, _, b, _ in picked], send_chunk, recv_slot))
+        left = [e for i, e in enumerate(left) if i not in set(match.values())]
+    return rounds
 
 
 def join_chunks(chunked, schedule: Schedule):

@@ -144,6 +144,29 @@ def test_chunks_split_and_join_back_in_the_model_s_order():
     assert zbv[0, 1, 0, 0] == 14 and zbv[3, 0, 0, 0] == 6 and zbv[3, 1, 0, 0] == 8  # stage 0 holds the V's two ends
 
 
+def test_chunks_reach_their_stages_in_rounds_of_ppermute_not_a_gather_of_every_stage():
+    """Under a mesh the v chunks a device holds in the model's order move to their stages in v permutations; the
+    result and its gradient equal the plain index, and no device gathers every stage's layers."""
+    mesh = build_mesh(MeshLayout(data=2, pipeline=4))
+    layers = jax.device_put(jnp.arange(16.0 * 3).reshape(16, 3), NamedSharding(mesh, P("pipeline")))
+    for name in ("interleaved-1f1b", "zbv"):
+        sc = S.make(name, 4, 8)
+        for pairs, _, _ in pp.chunk_moves(sc):
+            assert sorted(a for a, _ in pairs) == sorted(b for _, b in pairs) == list(range(4))
+        weights = jnp.arange(16.0 * 3).reshape(4, 2, 2, 3) % 5
+
+        def moved(layers):
+            return pp.split_chunks(layers, sc)
+
+        want = pp.split_chunks(jnp.arange(16.0 * 3).reshape(16, 3), sc)  # no mesh: the plain index
+        with jax.set_mesh(mesh):
+            assert jnp.array_equal(jax.jit(moved)(layers), want)
+            grad = jax.jit(jax.grad(lambda x: jnp.sum(moved(x) * weights)))(layers)
+            hlo = jax.jit(moved).lower(layers).compile().as_text()
+        assert jnp.array_equal(grad, pp.join_chunks(weights, sc))
+        assert "collective-permute" in hlo and "all-gather" not in hlo
+
+
 def test_buffers_hold_what_the_table_stashes_not_every_microbatch():
     one_f_one_b, gpipe = (pp.compile_table(S.make(n, 4, 16)) for n in ("1f1b", "gpipe"))
     assert (one_f_one_b.x_slots, one_f_one_b.g_slots) == (4, 1)  # P inputs in flight; a gradient used at once
