@@ -117,6 +117,20 @@ def test_a_layout_for_another_device_count_is_refused(tmp_path, capsys):
     assert "8" in capsys.readouterr().err and not (tmp_path / "r.md").exists()
 
 
+def test_a_layout_whose_microbatches_do_not_split_over_the_batch_axes_is_refused(tmp_path, capsys):
+    """As the trainer refuses it: XLA would give every device every row of the microbatch (a 70B step at 32 rows
+    over fsdp 64 compiled to 30 GiB per GPU where 11 do, the 'tensor 1' gap of docs/results)."""
+    layout = tmp_path / "pp.py"
+    layout.write_text(
+        "from sharding import MeshLayout\nlayout = MeshLayout(fsdp=32, pipeline=2, pipeline_microbatches=4)\n"
+    )
+    argv = ["--model", "llama3-1b", "--cluster", "h100x64", "--seq", "2048", "--layout", str(layout)]
+    assert compile_at_scale.main([*argv, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "microbatch size 16 (batch 64 / 1 accumulation x 4 pipeline microbatches) is not divisible by" in err
+    assert "\n" not in err and not (tmp_path / "r.md").exists()
+
+
 def test_decode_with_a_pipeline_layout_is_refused_before_compiling(tmp_path, capsys):
     layout = tmp_path / "pp.py"
     layout.write_text("from sharding import MeshLayout\nlayout = MeshLayout(fsdp=32, pipeline=2)\n")
