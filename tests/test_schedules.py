@@ -64,6 +64,9 @@ def test_the_cli_prints_the_chart_and_json_last(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[1].startswith("stage 0 F") and len(lines) == 1 + 4 + 2
     assert json.loads(lines[-1]) == {"bubble_fraction": 0.058824, "peak_stash": [4.0] * 4, "ticks": 51}
+    assert cli.main(["--schedule", "zbv", "--stages", "4", "--microbatches", "8", "--lockstep"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "in lockstep" in lines[0] and json.loads(lines[-1])["bubble_fraction"] == 0.533981
 
 
 @pytest.mark.parametrize(
