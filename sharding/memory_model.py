@@ -178,9 +178,9 @@ def memory_per_device(
         chunks = layout.pipeline_chunks
         stage_params, head_params = params_per_device(cfg, layout, "layers"), params_per_device(cfg, layout, "head")
         other += 2 * M * layer_input + 4 * (stage_params + head_params) + 4 * (stage_params / chunks + head_params)
-        # Each stage's buffers of chunk inputs (from F to the chunk's last backward op) and of
-        # output gradients (from their arrival to the W or BW that reads them), one layer input each: GPipe M and M,
-        # 1F1B P and 1. B, W and BW recompute one chunk's forward at a time.
+        # Each stage's buffers of chunk inputs (from F to the chunk's last backward op) and of output gradients
+        # (from their arrival to the W or BW that reads them), one layer input each: GPipe M and M, 1F1B P and 1.
+        # B, W and BW recompute one chunk's forward at a time.
         in_lockstep = runs_in_lockstep(layout, cfg.context_parallel)
         v = layout.pipeline_virtual_stages or None
         x_slots, g_slots = buffer_slots(layout.pipeline_schedule, S, M, v, in_lockstep)

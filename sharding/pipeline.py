@@ -15,7 +15,8 @@ B and W are separate `jax.vjp`s of the chunk's forward, recomputed from the stas
 input only (the critical path), W by the weights from the stashed input and output gradient. BW does both in one.
 The last virtual stage's F also runs the loss head and keeps the head's gradient for its B. The schedule computes
 the gradients itself; a `jax.custom_vjp` hands them to the surrounding autodiff. A loss without gradients (eval)
-runs the forwards alone (`sharding.schedules.forward_pass`).
+runs the forwards alone (`sharding.schedules.forward_pass`). A lockstep table (`sharding.schedules.lockstep`, for
+stages holding ring attention: `runs_in_lockstep`) switches on the tick's one kind instead, every stage running it.
 
 Shape suffixes follow docs/architecture.md (B: the rows of one microbatch; a `_M` suffix is a leading [M] axis).
 """
@@ -394,7 +395,7 @@ def run(static: _Static, prog: Program, chunk_params, head_params, x_MBTD, stage
             jnp.zeros((), jnp.float32),
             jnp.zeros((), jnp.float32),
         )
-        carry, _ = jax.lax.scan(tick, init, prog.rows())
+        carry, _ = jax.lax.scan(tick, init, rows)
         _, _, g_params, g_head, g_x_MBTD, loss, count = carry
         # Chunk params' gradients stay on their stage; the rest lives on one stage and is summed to all.
         total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, AXIS), tree)
