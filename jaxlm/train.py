@@ -130,7 +130,7 @@ def _context_balance(model_cfg, layout: MeshLayout, batch: Batch) -> dict:
     the mask is one `sharding.context.visible_keys` counts."""
     seq_len = batch["inputs"].shape[1]
     mask = parse_mask(model_cfg.attention_mask)
-    order = None if layout.pipeline > 1 else _context_order(model_cfg, layout, seq_len)
+    order = _context_order(model_cfg, layout, seq_len)
     figure = balance(mask, seq_len, order, layout.context, batch.get("segment_ids"))
     return {} if figure is None else {"context_balance": figure}
 
@@ -159,10 +159,13 @@ def _pipelined_loss_sums(model: Transformer, batch: Batch, layout: MeshLayout) -
     """Embedding before the pipeline, the layers split over stages, the head and loss at the last stage."""
     cfg, stages = model.cfg, layout.pipeline
     block_graphdef, stacked = nnx.split(model.blocks)
+    order = _context_order(cfg, layout, batch["inputs"].shape[1])
+    if order is not None:  # every [B, T] field in the order the context axis deals tokens; the sums do not change
+        batch = {k: v[:, order] for k, v in batch.items()}
     micro = split_microbatches({**batch, "x": model.embed_tokens(batch["inputs"])}, layout.num_microbatches)
 
     def stage_fn(stage_layers, x_BTD, segment_ids_BT):
-        return apply_layers(cfg, block_graphdef, stage_layers, x_BTD, segment_ids_BT)[0]
+        return apply_layers(cfg, block_graphdef, stage_layers, x_BTD, segment_ids_BT, positions_BT=order)[0]
 
     def head_fn(head, y_BTD, side):
         return cross_entropy_sums(head_logits(cfg, head, y_BTD), side["targets"], side["loss_mask"])
