@@ -223,7 +223,7 @@ def _prepare(prog: str, args, default_config: Path):
     from jaxlm.diloco.config import for_this_process
     from jaxlm.memory_check import check_step_fits
     from jaxlm.run_data import open_run_data, resolve_vocab, run_tokenizer
-    from jaxlm.train import step_microbatches
+    from jaxlm.train import check_splits
     from jaxlm.workdir_lock import WorkdirLock
     from sharding import LayoutError, MeshLayout, load_layout
 
@@ -242,18 +242,8 @@ def _prepare(prog: str, args, default_config: Path):
 
     num_devices = jax.device_count()
     layout = load_layout(args.mesh, num_devices) if args.mesh else MeshLayout(data=num_devices).validate(num_devices)
-    m, d = cfg.model, cfg.data
-    layout.check_divisibility(
-        batch_size=d.batch_size,
-        microbatches=step_microbatches(cfg, layout, jax.devices()[0].platform),
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        mlp_dim=m.mlp_dim,
-        num_layers=m.num_layers,
-        seq_len=d.seq_len,
-        num_experts=m.num_experts,
-    )
-    if layout.context > 1 and m.attention_impl == "jax":
+    check_splits(cfg, layout, jax.devices()[0].platform)
+    if layout.context > 1 and cfg.model.attention_impl == "jax":
         raise LayoutError(
             "mesh axis 'context' splits the sequence, which attention_impl 'jax' (cuDNN / XLA's fused attention) "
             "cannot take; use xla_blocksparse, pallas or auto"

@@ -109,6 +109,7 @@ def plan_jobs(args) -> list[Job]:
     """Everything checked before a compile: models, clusters, sizes, layouts (the planner's or a file's)."""
     from jaxlm.config import validate
     from jaxlm.generate import check_layout
+    from jaxlm.train import check_splits
     from sharding.clusters import parse_cluster
     from sharding.mesh import load_layout
     from sharding.model_shape import ModelShape
@@ -142,28 +143,9 @@ def plan_jobs(args) -> list[Job]:
                 layouts = [(load_layout(args.layout, cluster.chips), 0)]
                 if args.decode:
                     check_layout(layouts[0][0], cfg.model)
-                check_splits(cfg, layouts[0][0], cluster.platform)  # what the trainer refuses, refused here
+                check_splits(cfg, layouts[0][0], cluster.platform)  # what the trainer refuses, refused here too
             jobs.append(Job(spec, cluster, cfg, layouts, (args.decode_batch or 1) if args.decode else 0))
     return jobs
-
-
-def check_splits(cfg, layout, platform: str) -> None:
-    """LayoutError for a layout file the trainer would refuse (experiments.cli): above all a pipeline microbatch
-    whose rows do not split over the batch axes, which XLA would compile by giving every device every row (a 70B
-    step at 32 rows over fsdp 64: 30 GiB per GPU where 9 would do, and 64x the work)."""
-    from jaxlm.train import step_microbatches
-
-    m, d = cfg.model, cfg.data
-    layout.check_divisibility(
-        batch_size=d.batch_size,
-        microbatches=step_microbatches(cfg, layout, platform),
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        mlp_dim=m.mlp_dim,
-        num_layers=m.num_layers,
-        seq_len=d.seq_len,
-        num_experts=m.num_experts,
-    )
 
 
 def run_job(job: Job, progress) -> list[dict]:

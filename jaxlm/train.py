@@ -288,6 +288,23 @@ def step_microbatches(
     return cfg.data.resolved_microbatches(platform, rows, shards)
 
 
+def check_splits(cfg: TrainConfig, layout: MeshLayout, platform: str) -> None:
+    """LayoutError unless the model and the step's (micro)batches split evenly over the axes they are sharded on:
+    a pipeline microbatch whose rows do not split over the batch axes, say, XLA would compile by giving every device
+    every row (a 70B step at 32 rows over fsdp 64: 30 GiB per GPU where 11 do, and 64x the work)."""
+    m, d = cfg.model, cfg.data
+    layout.check_divisibility(
+        batch_size=d.batch_size,
+        microbatches=step_microbatches(cfg, layout, platform),
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        mlp_dim=m.mlp_dim,
+        num_layers=m.num_layers,
+        seq_len=d.seq_len,
+        num_experts=m.num_experts,
+    )
+
+
 def step_model_config(model_cfg, layout: MeshLayout, microbatches: int):
     """The model config a train step runs: unrolled layers (the default) scan instead where unrolling costs memory.
     In a pipeline stage each tick of the schedule's scan would slice every layer's weights out of the stage's stack
