@@ -24,6 +24,7 @@ from jaxlm import config as config_lib
 from jaxlm.config import OptimConfig, TrainConfig
 from jaxlm.model import LOGICAL_AXES, Transformer, apply_layers, head_logits
 from jaxlm.moe import RouterBias
+from jaxlm.quantized import layer_recipe
 from pallas_kernels.mask_spec import parse_mask
 from sharding.context import balance, sequence_order
 from sharding.distributed import process_rows, put_process_rows
@@ -171,15 +172,18 @@ def _pipelined_loss_sums(model: Transformer, batch: Batch, layout: MeshLayout) -
         return cross_entropy_sums(head_logits(cfg, head, y_BTD), side["targets"], side["loss_mask"])
 
     head_side = {"targets": micro["targets"], "loss_mask": micro["loss_mask"]}
+    head = model.head_params()
+    if layer_recipe(cfg, "lm_head") is None:
+        # a constant of the schedule's loop, gathered once before it: in the dtype `project` casts it to inside, so
+        # the gathered copy is half a float32 one's size (70B on 256 H100s: 2 GiB less per GPU)
+        head = {**head, "head_DV": head["head_DV"].astype(cfg.dtype)}
     table = make_schedule(
         layout.pipeline_schedule, stages, layout.num_microbatches, layout.pipeline_virtual_stages or None
     )
     if runs_in_lockstep(layout, cfg.context_parallel):
         table = lockstep(table)
     chunks = split_chunks(stacked, table)
-    return pipeline_loss(
-        table, stage_fn, head_fn, chunks, model.head_params(), micro["x"], micro.get("segment_ids"), head_side
-    )
+    return pipeline_loss(table, stage_fn, head_fn, chunks, head, micro["x"], micro.get("segment_ids"), head_side)
 
 
 def split_microbatches(batch: Batch, k: int) -> Batch:

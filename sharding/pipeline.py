@@ -348,7 +348,7 @@ def run(static: _Static, prog: Program, chunk_params, head_params, x_MBTD, stage
                 def head(args):
                     g_head, gbuf, loss, count = args
                     (l, n), (g_h, g_y) = _head_value_and_grad(head_fn, head_params, y, _at(head_side_M, m))
-                    g_head = jax.tree.map(jnp.add, g_head, g_h)
+                    g_head = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), g_head, g_h)
                     return g_head, _put(gbuf, g_y, mine["g_slot"]), loss + l, count + n
 
                 g_head, gbuf, loss, count = jax.lax.cond(last, head, lambda args: args, (g_head, gbuf, loss, count))
@@ -386,7 +386,9 @@ def run(static: _Static, prog: Program, chunk_params, head_params, x_MBTD, stage
                 gbuf = _put_if(gbuf, value, slot, buffer == G_BUF)
             return (xbuf, gbuf, *state[2:]), None
 
-        zero_grads = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, head_params))
+        # head params given in a compute dtype (gathered in it) still sum their gradients in float32
+        head_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), head_params)
+        zero_grads = (jax.tree.map(jnp.zeros_like, params), head_zeros)
         init = (
             jnp.zeros((prog.x_slots,) + x0.shape, x0.dtype),
             jnp.zeros((prog.g_slots if training else 1,) + x0.shape, x0.dtype),
@@ -401,7 +403,8 @@ def run(static: _Static, prog: Program, chunk_params, head_params, x_MBTD, stage
         total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, AXIS), tree)
         if not training:
             return total(loss), total(count)
-        return total(loss), total(count), jax.tree.map(lambda g: g[None], g_params), total(g_head), total(g_x_MBTD)
+        g_head = jax.tree.map(lambda g, p: g.astype(p.dtype), total(g_head), head_params)
+        return total(loss), total(count), jax.tree.map(lambda g: g[None], g_params), g_head, total(g_x_MBTD)
 
     out_specs = (P(), P())
     if prog.training:
