@@ -37,6 +37,7 @@ from jaxlm.model import model_flops_per_token
 from jaxlm.preemption import Preempted, StopSignals
 from jaxlm.train import Batch, Program
 from sharding.mesh import MeshLayout
+from sharding.pipeline import runs_in_lockstep
 
 
 class TrainingDiverged(RuntimeError):
@@ -350,9 +351,10 @@ class Trainer:
             f"{'resuming at step ' + str(start) if start else 'starting from scratch'}"
         )
         if layout.pipeline > 1:
+            locked = runs_in_lockstep(layout, program.cfg.model.context_parallel)
             self.log(
-                f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}, {layout.num_microbatches} "
-                f"microbatches per step: bubble {pipeline_bubble(layout):.1%}"
+                f"pipeline: {layout.pipeline} stages, {layout.pipeline_schedule}{' in lockstep' if locked else ''}, "
+                f"{layout.num_microbatches} microbatches per step: bubble {pipeline_bubble(layout, locked):.1%}"
             )
 
     def _batches(self):
@@ -584,9 +586,10 @@ class Trainer:
         return tuple(bool(x) for x in np.asarray(gathered).reshape(-1, len(flags)).any(axis=0))
 
 
-def pipeline_bubble(layout: MeshLayout) -> float:
-    """The idle share of the layout's pipeline schedule, from its table (F = B = W)."""
-    from sharding.schedules import make
+def pipeline_bubble(layout: MeshLayout, in_lockstep: bool = False) -> float:
+    """The idle share of the layout's pipeline schedule, from its table (F = B = W), in lockstep under ring
+    attention (sharding.pipeline.runs_in_lockstep)."""
+    from sharding.schedules import idle_share
 
     virtual = layout.pipeline_virtual_stages or None
-    return make(layout.pipeline_schedule, layout.pipeline, layout.num_microbatches, virtual).bubble_fraction
+    return idle_share(layout.pipeline_schedule, layout.pipeline, layout.num_microbatches, virtual, in_lockstep)
