@@ -159,8 +159,8 @@ def lockstep(schedule: Schedule) -> Schedule:
     last = sc.virtual_stages - 1
     queues = [[op for op in sorted(sc.ops, key=lambda o: o.tick) if op.stage == s] for s in range(sc.stages)]
     # A stage may run forwards ahead of its table's order (its backward not ready yet), up to twice the
-    # microbatch-chunks the table holds on it, less one (1F1B: 2(P - s) - 1, as its old hand-written loop); a backward op
-    # never runs ahead of a forward.
+    # microbatch-chunks the table holds on it, less one (1F1B: 2(P - s) - 1, as its old hand-written loop); a
+    # backward op never runs ahead of a forward.
     bound = [2 * round(peak * sc.chunks) - 1 for peak in sc.peak_stash()]
     held, clock, ops, tick, turn, stalled = [0] * sc.stages, _Clock(), [], 0, 0, 0
     while any(queues):
