@@ -271,8 +271,14 @@ class _Static:
 
     def __init__(self, schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn):
         self.schedule, self.stage_fn, self.head_fn = schedule, stage_fn, head_fn
-        self.train = compile_table(schedule)
-        self.forward = compile_table(forward_pass(schedule))
+        self.train, self.forward = _programs(schedule)
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(schedule: Schedule) -> tuple[Program, Program]:
+    """The training table's program and its forward pass's, once per table (a step is traced for training, eval
+    and gradients alike, and a table of many microbatches takes a while to simulate and compile)."""
+    return compile_table(schedule), compile_table(forward_pass(schedule))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -262,7 +262,7 @@ class _Clock:
 
 
 def _run_greedy(name: str, stages: int, microbatches: int, chunks: int, forward_only: bool = False) -> list[Op]:
-    kinds = ("F",) if forward_only else _kinds(name in ("zb-h1", "zbv"))
+    kinds = ("F",) if forward_only else _kinds(splits_backward(name))
     last = stages * chunks - 1
     clock, ops = _Clock(), []
     todo = {s: {(k, c, m) for c in range(chunks) for m in range(microbatches) for k in kinds} for s in range(stages)}
