@@ -43,7 +43,7 @@ DTYPES = ("float32", "bfloat16")
 REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch")  # jaxlm.model.REMAT_POLICIES: what each keeps
 ATTENTION_IMPLS = ("auto", "reference", "jax", "xla_blocksparse", "pallas")  # jaxlm.attention
 CONTEXT_PARALLEL = ("ring", "all_gather")  # sharding.context.VARIANTS
-CONTEXT_ORDERS = ("auto", "zigzag", "contiguous")  # sharding.context.ORDERS
+CONTEXT_ORDERS = ("auto", "documents", "zigzag", "contiguous")  # sharding.context_order.ORDERS
 MATMUL_PRECISIONS = ("default", "int8", "fp8", "int8_weight_only")  # jaxlm.quantized
 LAYER_CLASSES = ("attention", "mlp", "lm_head")  # the matmuls a precision is set for
 QUANT_SCALINGS = ("delayed", "current")
@@ -95,8 +95,8 @@ class ModelConfig(Section):
     # under a `context` mesh axis: ring (K/V shards passed around, two in memory) | all_gather (the whole sequence's
     # K/V on every device, one collective) (sharding.context)
     context_parallel: str = "ring"
-    # how a row's tokens are dealt to the context axis: auto | zigzag (evens out causal work) | contiguous (keeps a
-    # sliding window local) (sharding.context.sequence_order)
+    # how a row's tokens are dealt to the context axis: auto | documents (per row, by its packed documents' cost) |
+    # zigzag (evens out one causal row) | contiguous (keeps a sliding window local) (sharding.context_order)
     context_order: str = "auto"
     # Low-precision matmuls (jaxlm.quantized): "fp8", or per layer class "attention=fp8,mlp=fp8,lm_head=default";
     # precisions default | int8 | fp8 | int8_weight_only.
@@ -203,9 +203,16 @@ class ModelConfig(Section):
         from pallas_kernels.mask_spec import parse_mask  # local: it imports jax, and loading a config must not
 
         try:
-            parse_mask(m.attention_mask)
+            mask = parse_mask(m.attention_mask)
         except ValueError as e:
             raise ConfigError(f"model.attention_mask: {e}") from None
+        if m.context_order == "documents":
+            from sharding.context_order import pick_order
+
+            try:
+                pick_order(mask, 2, "documents")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if m.attention_impl == "jax" and m.attention_softcap:
             raise ConfigError(
                 "model.attention_softcap needs attention_impl reference, xla_blocksparse or pallas; "

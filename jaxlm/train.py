@@ -26,7 +26,7 @@ from jaxlm.model import LOGICAL_AXES, Transformer, apply_layers, head_logits
 from jaxlm.moe import RouterBias
 from jaxlm.quantized import layer_recipe
 from pallas_kernels.mask_spec import parse_mask
-from sharding.context import balance, sequence_order
+from sharding.context_order import balance, permute_rows, sequence_order
 from sharding.distributed import process_rows, put_process_rows
 from sharding.mesh import MESH_AXES, MeshLayout
 from sharding.pipeline import pipeline_loss, runs_in_lockstep, split_chunks
@@ -110,9 +110,9 @@ def objective_sums(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, layo
     """(what the step minimises, summed like the cross-entropy: its sum plus count x the MoE routers' weighted aux
     and z losses; (cross-entropy sum, count, MoE routing statistics per layer: {} for a dense model))."""
     model = nnx.merge(graphdef, params)
-    order = _context_order(model.cfg, layout, batch["inputs"].shape[1])
+    order = _context_order(model.cfg, layout, batch)
     if order is not None:  # every [B, T] field in the order the context axis deals tokens; the sums do not change
-        batch = {k: v[:, order] for k, v in batch.items()}
+        batch = permute_rows(batch, order)
     if layout is not None and layout.pipeline > 1:
         ce_sum, count = _pipelined_loss_sums(model, batch, layout, order)
         return ce_sum, (ce_sum, count, {})
@@ -127,20 +127,21 @@ def objective_sums(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, layo
 
 def _context_balance(model_cfg, layout: MeshLayout, batch: Batch) -> dict:
     """{"context_balance": max / mean score pairs kept per device of the context axis} for the step's batch, when
-    the mask is one `sharding.context.visible_keys` counts."""
-    seq_len = batch["inputs"].shape[1]
+    the mask is one `sharding.context_order.visible_keys` counts."""
     mask = parse_mask(model_cfg.attention_mask)
-    order = _context_order(model_cfg, layout, seq_len)
-    figure = balance(mask, seq_len, order, layout.context, batch.get("segment_ids"))
+    order = _context_order(model_cfg, layout, batch)
+    figure = balance(mask, batch["inputs"].shape[1], order, layout.context, batch.get("segment_ids"))
     return {} if figure is None else {"context_balance": figure}
 
 
-def _context_order(model_cfg, layout: MeshLayout | None, seq_len: int):
-    """The positions [T] a context-parallel layout deals each row's tokens in (sharding.context), or None."""
+def _context_order(model_cfg, layout: MeshLayout | None, batch: Batch):
+    """The positions a context-parallel layout deals each row's tokens in (sharding.context_order): numpy [T], an
+    array [B, T] (documents, from the batch's segment ids), or None (as they come)."""
     if layout is None or layout.context == 1:
         return None
-    mask = parse_mask(model_cfg.attention_mask)
-    return sequence_order(mask, seq_len, layout.context, model_cfg.context_order)
+    mask, seq_len = parse_mask(model_cfg.attention_mask), batch["inputs"].shape[1]
+    how, block = model_cfg.context_order, model_cfg.attention_block_q
+    return sequence_order(mask, seq_len, layout.context, how, batch.get("segment_ids"), block)
 
 
 def cross_entropy_sums(logits_BTV, targets_BT, loss_mask_BT) -> tuple[jax.Array, jax.Array]:
@@ -155,17 +156,19 @@ def cross_entropy_sums(logits_BTV, targets_BT, loss_mask_BT) -> tuple[jax.Array,
     return jnp.sum(losses_BT * mask_BT), jnp.sum(mask_BT)
 
 
-def _pipelined_loss_sums(
-    model: Transformer, batch: Batch, layout: MeshLayout, order: np.ndarray | None
-) -> tuple[jax.Array, jax.Array]:
+def _pipelined_loss_sums(model: Transformer, batch: Batch, layout: MeshLayout, order) -> tuple[jax.Array, jax.Array]:
     """Embedding before the pipeline, the layers split over stages, the head and loss at the last stage. `order`:
-    the positions the batch's tokens stand at (a context axis' balanced order), None for as they come."""
+    the positions the batch's tokens stand at (a context axis' order: numpy [T] or per row [B, T]), None for as
+    they come."""
     cfg, stages = model.cfg, layout.pipeline
     block_graphdef, stacked = nnx.split(model.blocks)
-    micro = split_microbatches({**batch, "x": model.embed_tokens(batch["inputs"])}, layout.num_microbatches)
+    per_row = order is not None and not isinstance(order, np.ndarray)  # then positions travel with the microbatches
+    rows = {**batch, "x": model.embed_tokens(batch["inputs"])} | ({"positions": order} if per_row else {})
+    micro = split_microbatches(rows, layout.num_microbatches)
 
-    def stage_fn(stage_layers, x_BTD, segment_ids_BT):
-        return apply_layers(cfg, block_graphdef, stage_layers, x_BTD, segment_ids_BT, positions_BT=order)[0]
+    def stage_fn(stage_layers, x_BTD, side):
+        positions_BT = side["positions"] if per_row else order
+        return apply_layers(cfg, block_graphdef, stage_layers, x_BTD, side["segment_ids"], positions_BT)[0]
 
     def head_fn(head, y_BTD, side):
         return cross_entropy_sums(head_logits(cfg, head, y_BTD), side["targets"], side["loss_mask"])
@@ -180,7 +183,8 @@ def _pipelined_loss_sums(
     in_lockstep = runs_in_lockstep(layout, cfg.context_parallel)
     table = cached_schedule(layout.pipeline_schedule, stages, layout.num_microbatches, virtual, in_lockstep)
     chunks = split_chunks(stacked, table)
-    return pipeline_loss(table, stage_fn, head_fn, chunks, head, micro["x"], micro.get("segment_ids"), head_side)
+    stage_side = {"segment_ids": micro.get("segment_ids"), "positions": micro.get("positions")}
+    return pipeline_loss(table, stage_fn, head_fn, chunks, head, micro["x"], stage_side, head_side)
 
 
 def split_microbatches(batch: Batch, k: int) -> Batch:

@@ -1,7 +1,7 @@
 """Attention over a sequence split along the `context` mesh axis (context parallelism).
 
 The rules map the logical `seq` axis of activations to `context`: each device holds T / C tokens of every row, in
-the order the batch gives them (a balancing reorder, `balanced_order`, moves tokens and their positions together).
+the order the batch gives them (a balancing reorder, `sharding.context_order`, moves tokens and positions together).
 Everything but attention works token by token, so XLA's partitioner splits it; attention needs every key a query
 may see, and this module brings them, per shard, under the same `jax.shard_map` the block-sparse kernels run in:
 
@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from pallas_kernels.kernel_mask import DocumentSlot
 from pallas_kernels.mask_spec import bind_segments
 from pallas_kernels.masks import And, Or
 
@@ -239,67 +238,3 @@ def merge(out_BTHE, lse_BTH, part_BTHE, part_BTH):
     new_BTH = jnp.where(some, top + jnp.log(safe), -jnp.inf)
     out_BTHE = (a / safe)[..., None] * out_BTHE + (b / safe)[..., None] * part_BTHE
     return out_BTHE, new_BTH
-
-
-ORDERS = ("auto", "zigzag", "contiguous")
-
-
-def sequence_order(mask: pk.Mask, seq_len: int, shards: int, how: str = "auto") -> np.ndarray | None:
-    """The order a row's tokens are split over the context axis in (positions [T]), or None for as they come.
-
-    zigzag (`balanced_order`) evens out a causal mask's work; contiguous keeps local masks (sliding windows,
-    chunks) local, so the ring passes a shard only as far as the window reaches. auto: contiguous for a mask with
-    a local term, zigzag otherwise."""
-    if shards == 1 or how == "contiguous":
-        return None
-    if how == "auto" and _is_local(mask):
-        return None
-    return balanced_order(seq_len, shards)
-
-
-def _is_local(mask: pk.Mask) -> bool:
-    if isinstance(mask, (pk.masks.SlidingWindow, pk.masks.ChunkedCausal)):
-        return True
-    return isinstance(mask, And) and any(_is_local(c) for c in mask.masks)
-
-
-def balance(mask: pk.Mask, seq_len: int, order: np.ndarray | None, shards: int, segment_ids_BT=None):
-    """max / mean over the context axis' devices of the score pairs their queries keep (1.0: even), for the batch
-    in hand, or None for masks `visible_keys` cannot count. ``order``: the positions dealt out (None: in order)."""
-    keys_BT = visible_keys(mask, seq_len, segment_ids_BT)
-    if keys_BT is None:
-        return None
-    dealt = np.arange(seq_len) if order is None else np.asarray(order)
-    work_C = keys_BT.astype(jnp.float32)[:, dealt].reshape(keys_BT.shape[0], shards, -1).sum(axis=(0, 2))
-    return work_C.max() / jnp.maximum(work_C.mean(), 1.0)
-
-
-def visible_keys(mask: pk.Mask, seq_len: int, segment_ids_BT=None):
-    """Keys each query sees, [B or 1, T], for masks that are an And of causal, sliding windows, documents (a slot,
-    read from ``segment_ids_BT``) and full: each keeps one stretch of keys per query. None for other masks. O(T),
-    cheap enough for every step."""
-    T = seq_len
-    pos = jnp.arange(T)[None, :]
-    lo, hi = jnp.zeros_like(pos), jnp.full_like(pos, T - 1)
-    for term in mask.masks if isinstance(mask, And) else (mask,):
-        if isinstance(term, pk.masks.Causal):
-            hi = jnp.minimum(hi, pos)
-        elif isinstance(term, pk.masks.SlidingWindow):
-            lo, hi = jnp.maximum(lo, pos - term.window + 1), jnp.minimum(hi, pos)
-        elif isinstance(term, DocumentSlot) and segment_ids_BT is not None:
-            first = jnp.ones_like(segment_ids_BT[:, :1], bool)
-            starts = jnp.concatenate([first, segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
-            ends = jnp.concatenate([starts[:, 1:], first], axis=1)
-            lo = jnp.maximum(lo, jax.lax.cummax(jnp.where(starts, pos, 0), axis=1))
-            hi = jnp.minimum(hi, jax.lax.cummin(jnp.where(ends, pos, T - 1), axis=1, reverse=True))
-        elif not isinstance(term, pk.masks.Full):
-            return None
-    return jnp.maximum(hi - lo + 1, 0)
-
-
-def balanced_order(seq_len: int, shards: int) -> np.ndarray:
-    """A permutation of positions [T] for `shards` devices under a causal mask: the sequence cut into 2 x shards
-    chunks, device c holding chunks c and 2 x shards - 1 - c (zigzag), so every device's queries see about as many
-    keys. Device c's tokens are order[c * T / shards: (c + 1) * T / shards]."""
-    chunks = np.arange(seq_len).reshape(2 * shards, -1)
-    return np.concatenate([np.concatenate([chunks[c], chunks[2 * shards - 1 - c]]) for c in range(shards)])

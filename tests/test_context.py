@@ -11,9 +11,13 @@ from flax import nnx
 from helpers import one_device_mesh, random_batch, tiny_config
 
 import pallas_kernels as pk
+from experiments.context_balance import packed_rows
+from jaxlm.config import ConfigError, validate
 from jaxlm.train import Program
+from pallas_kernels.mask_spec import parse_mask
 from sharding import MeshLayout, build_mesh
-from sharding.context import balanced_order, merge
+from sharding.context import merge
+from sharding.context_order import balance, balanced_order, chunks_per_device, pick_order, sequence_order
 
 MASKS = {
     "causal": "causal",
@@ -67,18 +71,18 @@ def _reference(mask):
         ("causal", "pallas", "all_gather", MeshLayout(data=2, context=4), "auto"),
         ("window", "xla_blocksparse", "ring", MeshLayout(context=2, fsdp=2, tensor=2), "auto"),
         ("window", "xla_blocksparse", "all_gather", MeshLayout(context=8), "zigzag"),
-        ("document", "xla_blocksparse", "ring", MeshLayout(data=2, context=4), "zigzag"),
+        ("document", "xla_blocksparse", "ring", MeshLayout(data=2, context=4), "auto"),
         ("document", "pallas", "all_gather", MeshLayout(context=2, fsdp=2, tensor=2), "contiguous"),
         ("prefix", "pallas", "ring", MeshLayout(data=4, context=2), "auto"),
         ("full", "pallas", "all_gather", MeshLayout(data=4, context=2), "zigzag"),
-        # inside pipeline stages (zigzag: every microbatch's rows dealt in the balanced order; the ring's passes make
-        # the table run in lockstep: sharding.pipeline.runs_in_lockstep)
-        ("document", "xla_blocksparse", "ring", MeshLayout(pipeline=2, context=2, data=2), "zigzag"),
+        # inside pipeline stages (each row dealt by its documents' cost, the positions travelling with the
+        # microbatches; the ring's passes make the table run in lockstep: sharding.pipeline.runs_in_lockstep)
+        ("document", "xla_blocksparse", "ring", MeshLayout(pipeline=2, context=2, data=2), "documents"),
     ],
 )
 def test_context_parallel_training_equals_one_device(mask, impl, variant, layout, order):
     """Zigzag deals each device two chunks of the row (positions, targets, loss mask and segment ids move with
-    the tokens); contiguous one; auto picks by the mask."""
+    the tokens); contiguous one; documents (auto's pick for a document mask) chunks dealt per row by their cost."""
     loss, grads = _loss_and_grads(_cfg(mask, impl, variant, order), layout)
     want_loss, want_grads = _reference(mask)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
@@ -162,6 +166,36 @@ def test_balanced_order_gives_each_device_the_same_causal_work():
     assert max(work) == min(work)
     contiguous = [int(np.sum(np.arange(c * T // C, (c + 1) * T // C) + 1)) for c in range(C)]
     assert max(contiguous) / min(contiguous) > 5
+
+
+def test_packed_documents_are_dealt_by_their_cost_not_their_tokens():
+    """Zigzag evens out one causal row, not a row of packed documents (each short document's work sits where it
+    does); dealing a few chunks per device by their cost keeps every device within a few percent. Every row is a
+    permutation, each device gets T / C tokens in whole chunks, and one document spanning the row is as even as
+    zigzag makes it."""
+    mask, T, C = parse_mask("causal & document"), 2048, 8
+    segments_BT = packed_rows(0, 16, T, median=150)
+    order_BT = np.asarray(sequence_order(mask, T, C, "auto", segments_BT, block=32))
+    assert order_BT.shape == (16, T) and (np.sort(order_BT, axis=1) == np.arange(T)).all()
+    chunk = T // (C * chunks_per_device(T // C, 32))
+    assert chunk == 32 and (order_BT.reshape(16, -1, chunk)[..., 0] % chunk == 0).all()  # whole chunks, in order
+    zigzag = [float(balance(mask, T, balanced_order(T, C), C, row[None])) for row in segments_BT]
+    dealt = [float(balance(mask, T, o[None], C, row[None])) for o, row in zip(order_BT, segments_BT)]
+    assert max(dealt) <= 1.05 and np.mean(zigzag) > 1.3, (dealt, zigzag)
+    one_document = np.zeros((1, T), np.int32)
+    whole = sequence_order(mask, T, C, "documents", one_document, block=32)
+    assert float(balance(mask, T, whole, C, one_document)) <= 1.001
+
+
+def test_which_order_each_mask_gets():
+    """auto: documents for a document mask it can count, contiguous for local masks, zigzag otherwise; documents
+    on a mask it cannot count is refused in one line when the config loads."""
+    picks = {m: pick_order(parse_mask(m), 4) for m in ("causal & document", "causal & sliding_window(8)", "causal")}
+    assert picks == {"causal & document": "documents", "causal & sliding_window(8)": "contiguous", "causal": "zigzag"}
+    assert pick_order(parse_mask("causal"), 4, "documents") == "zigzag"  # same cost every row: auto's choice
+    assert pick_order(parse_mask("causal & document"), 1) == "contiguous"
+    with pytest.raises(ConfigError, match="context_order=documents .* counts only"):
+        validate(tiny_config(model=dict(attention_mask="prefix_lm(4) | document", context_order="documents")))
 
 
 def test_generation_refuses_a_context_axis_in_one_line():
