@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from sharding.logical_axes import DEFAULT_RULES
 from sharding.user_file import call_user_function, exec_python_file
 
 MESH_AXES = ("replica", "data", "fsdp", "pipeline", "context", "expert", "tensor")  # outermost (slowest links) first
@@ -148,9 +149,10 @@ class MeshLayout:
                 f"accumulation x {self.num_microbatches} pipeline microbatches) is not divisible by "
                 f"replica x data x fsdp x expert = {batch_shards}"
             )
-        for name, size in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("mlp_dim", mlp_dim)):
-            if size % self.tensor:
-                raise LayoutError(f"model.{name} = {size} is not divisible by mesh axis 'tensor' = {self.tensor}")
+        check_rules(self.rules)  # an unvalidated layout's unknown axis: a LayoutError, not a KeyError below
+        self._check_split("num_heads", num_heads, "heads")
+        self._check_split("num_kv_heads", num_kv_heads, "kv_heads")
+        self._check_split("mlp_dim", mlp_dim, "mlp")
         if num_layers % (self.pipeline * self.pipeline_chunks):
             if self.pipeline_chunks > 1:
                 raise LayoutError(
@@ -160,6 +162,21 @@ class MeshLayout:
             raise LayoutError(
                 f"model.num_layers = {num_layers} is not divisible by mesh axis 'pipeline' = {self.pipeline}"
             )
+
+    def _check_split(self, name: str, size: int, logical: str) -> None:
+        """model.`name` must split over the mesh axes the layout's rules (over DEFAULT_RULES) put `logical` on,
+        not over `tensor` regardless: a layout may move the heads to fsdp, or leave them whole."""
+        target = {**DEFAULT_RULES, **self.rules}.get(logical)
+        axes = tuple(a for a in (target if isinstance(target, tuple) else (target,)) if a is not None)
+        shards = math.prod(self.axis_sizes[a] for a in axes)
+        if size % shards == 0:
+            return
+        if axes == ("tensor",):
+            raise LayoutError(f"model.{name} = {size} is not divisible by mesh axis 'tensor' = {shards}")
+        raise LayoutError(
+            f"model.{name} = {size} is not divisible by mesh axes {' x '.join(axes)} = {shards} (the layout's "
+            f"rules split {logical} over them)"
+        )
 
 
 def check_rules(rules: dict) -> None:

@@ -7,6 +7,7 @@ parallelism splits heads / mlp / vocab over `tensor` (Megatron: QKV and MLP-in b
 by row); the batch is split over
 replica x data x fsdp (jaxlm.diloco gives each replica its own rows); the stacked `layers` axis over `pipeline`
 (one contiguous block of layers per stage); the `seq` axis of activations over `context`.
+The defaults table, DEFAULT_RULES, lives in sharding.logical_axes: sharding.mesh checks layouts against it too.
 
 Activations are tagged too (`constrain`), with the rules the running program was built with (`use_rules`).
 """
@@ -22,24 +23,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sharding.logical_axes import DEFAULT_RULES
 from sharding.mesh import LayoutError
 
 LOGICAL_AXES_KEY = "logical_axes"  # the metadata key jaxlm.model writes
-
-DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("replica", "data", "fsdp", "expert"),
-    "embed": "fsdp",  # a layout with a context axis adds it here (MeshLayout): its devices share the params too
-    "vocab": "tensor",
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "mlp": "tensor",
-    "expert": "expert",  # the experts of an MoE layer (jaxlm.moe; sharding.experts exchanges their tokens)
-    "head_dim": None,
-    "layers": "pipeline",
-    "seq": "context",  # context parallelism (sharding.context); whole when the layout has no context axis
-    "cache_seq": None,  # the slots of a generation's KV cache (jaxlm.generate)
-    "act_embed": None,  # the model dimension of activations: replicated (no sequence parallelism)
-}
 
 _ACTIVE_RULES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxlm_sharding_rules", default=None)
 

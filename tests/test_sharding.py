@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding
 
 import pallas_kernels as pk
 from jaxlm.train import Program
-from sharding import MeshLayout, build_mesh, load_layout
+from sharding import LayoutError, MeshLayout, build_mesh, load_layout
 from sharding.rules import LOGICAL_AXES_KEY, active_mesh_axes, active_rules, logical_spec, use_rules
 
 MESHES = Path(__file__).resolve().parents[1] / "experiments" / "meshes"
@@ -164,6 +164,22 @@ def test_attention_kernels_split_as_the_rules_say(name, impl, reference, monkeyp
     _, *result = loss_and_grads(program, _doc_batch())
     assert seen == {local_rows_heads}
     assert_same(result, reference["document"])
+
+
+def test_divisibility_follows_the_rules():
+    """Heads must divide the mesh axes the layout's rules put them on, not `tensor` regardless."""
+    sizes = dict(batch_size=8, microbatches=1, num_heads=6, num_kv_heads=2, mlp_dim=64, num_layers=2)
+    on_fsdp = MeshLayout(fsdp=2, tensor=4, rules={"heads": "fsdp", "kv_heads": "fsdp"})
+    on_fsdp.check_divisibility(**sizes)  # 6 heads over fsdp = 2, though not over tensor = 4
+    both = MeshLayout(fsdp=2, tensor=4, rules={"heads": ("fsdp", "tensor")})
+    with pytest.raises(LayoutError) as refused:
+        both.check_divisibility(**sizes)
+    assert str(refused.value) == (
+        "model.num_heads = 6 is not divisible by mesh axes fsdp x tensor = 8 (the layout's rules split heads over them)"
+    )
+    with pytest.raises(LayoutError) as refused:
+        MeshLayout(fsdp=2, tensor=4).check_divisibility(**sizes)  # the default rules: the old message
+    assert str(refused.value) == "model.num_heads = 6 is not divisible by mesh axis 'tensor' = 4"
 
 
 def test_active_mesh_axes_follow_the_rules_in_context():
