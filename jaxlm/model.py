@@ -437,8 +437,9 @@ def apply_layers(
 
 
 def _apply_groups(cfg: ModelConfig, dense_layer, moe_layer, dense_stacked, moe_stacked, x_BTD):
-    """Groups of moe_every layers, k - 1 dense then one MoE, scanned over the groups (or unrolled)."""
-    k, groups = cfg.moe_every, cfg.num_moe_layers
+    """Groups of moe_every layers, k - 1 dense then one MoE, scanned over the groups (or unrolled): the model's, or
+    one pipeline stage's."""
+    k, groups = cfg.moe_every, jax.tree.leaves(moe_stacked)[0].shape[0]
     dense_GK = jax.tree.map(lambda a: a.reshape(groups, k - 1, *a.shape[1:]), dense_stacked)
 
     def group(x, states):

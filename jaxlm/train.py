@@ -29,7 +29,7 @@ from pallas_kernels.mask_spec import parse_mask
 from sharding.context_order import balance, permute_rows, sequence_order
 from sharding.distributed import process_rows, put_process_rows
 from sharding.mesh import MESH_AXES, MeshLayout
-from sharding.pipeline import pipeline_loss, runs_in_lockstep, split_chunks
+from sharding.pipeline import PipelineAux, StageOut, pipeline_loss, runs_in_lockstep, split_chunks
 from sharding.rules import batch_sharding, tree_shardings, use_rules
 from sharding.schedules import cached as cached_schedule
 
@@ -102,24 +102,29 @@ def loss_sums(
     """(sum of masked next-token cross-entropies, number of unmasked tokens): sums, so microbatches add up exactly.
 
     With a layout of more than one pipeline stage, the layers run pipelined (`sharding.pipeline`)."""
-    _, (ce_sum, count, _) = objective_sums(params, graphdef, batch, layout)
+    _, (ce_sum, count, _) = objective_sums(params, graphdef, batch, layout, router_losses=False)
     return ce_sum, count
 
 
-def objective_sums(params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, layout: MeshLayout | None = None):
+def objective_sums(
+    params: nnx.State, graphdef: nnx.GraphDef, batch: Batch, layout: MeshLayout | None = None, router_losses=True
+):
     """(what the step minimises, summed like the cross-entropy: its sum plus count x the MoE routers' weighted aux
-    and z losses; (cross-entropy sum, count, MoE routing statistics per layer: {} for a dense model))."""
+    and z losses (none without `router_losses`); (cross-entropy sum, count, MoE routing statistics per layer: {}
+    for a dense model)). A pipeline computes the objective's gradients only: with router losses its cross-entropy
+    sum carries none, so `loss_sums` asks for it without them."""
     model = nnx.merge(graphdef, params)
     order = _context_order(model.cfg, layout, batch)
     if order is not None:  # every [B, T] field in the order the context axis deals tokens; the sums do not change
         batch = permute_rows(batch, order)
     if layout is not None and layout.pipeline > 1:
-        ce_sum, count = _pipelined_loss_sums(model, batch, layout, order)
-        return ce_sum, (ce_sum, count, {})
+        objective, aux = _pipelined_objective(model, batch, layout, order, router_losses)
+        # the pipeline's gradients are its objective's: without router losses that is the cross-entropy itself
+        return objective, (aux.head_loss if router_losses else objective, aux.count, aux.stats)
     logits_BTV, stats = model.forward(batch["inputs"], segment_ids_BT=batch.get("segment_ids"), positions_BT=order)
     ce_sum, count = cross_entropy_sums(logits_BTV, batch["targets"], batch["loss_mask"])
     objective = ce_sum
-    if stats:
+    if stats and router_losses:
         router = model.cfg.moe_aux_loss * stats["aux"].mean() + model.cfg.moe_z_loss * stats["z"].mean()
         objective = ce_sum + jax.lax.stop_gradient(count) * router
     return objective, (ce_sum, count, stats)
@@ -156,19 +161,41 @@ def cross_entropy_sums(logits_BTV, targets_BT, loss_mask_BT) -> tuple[jax.Array,
     return jnp.sum(losses_BT * mask_BT), jnp.sum(mask_BT)
 
 
-def _pipelined_loss_sums(model: Transformer, batch: Batch, layout: MeshLayout, order) -> tuple[jax.Array, jax.Array]:
-    """Embedding before the pipeline, the layers split over stages, the head and loss at the last stage. `order`:
-    the positions the batch's tokens stand at (a context axis' order: numpy [T] or per row [B, T]), None for as
-    they come."""
-    cfg, stages = model.cfg, layout.pipeline
-    block_graphdef, stacked = nnx.split(model.blocks)
+def _pipelined_objective(
+    model: Transformer, batch: Batch, layout: MeshLayout, order, router_losses: bool = True
+) -> tuple[jax.Array, PipelineAux]:
+    """Embedding before the pipeline, the layers split over stages, the head and loss at the last stage; MoE
+    stages add their routers' losses to the objective and return their statistics (`sharding.pipeline.StageOut`).
+    `order`: the positions the batch's tokens stand at (a context axis' order: numpy [T] or per row [B, T]), None
+    for as they come."""
+    cfg, stages, M = model.cfg, layout.pipeline, layout.num_microbatches
+    block_graphdef, layers = nnx.split(model.blocks)
+    moe_graphdef = None
+    if model.moe_blocks is not None:  # groups of moe_every layers (k - 1 dense, one MoE) are what stages split
+        moe_graphdef, moe_layers = nnx.split(model.moe_blocks)
+        groups = cfg.num_moe_layers
+        dense = jax.tree.map(lambda a: a.reshape(groups, cfg.moe_every - 1, *a.shape[1:]), layers)
+        layers = {"dense": dense, "moe": _bias_averaged(moe_layers, M)}
+    elif cfg.num_experts:
+        layers = _bias_averaged(layers, M)
     per_row = order is not None and not isinstance(order, np.ndarray)  # then positions travel with the microbatches
     rows = {**batch, "x": model.embed_tokens(batch["inputs"])} | ({"positions": order} if per_row else {})
-    micro = split_microbatches(rows, layout.num_microbatches)
+    micro = split_microbatches(rows, M)
 
     def stage_fn(stage_layers, x_BTD, side):
         positions_BT = side["positions"] if per_row else order
-        return apply_layers(cfg, block_graphdef, stage_layers, x_BTD, side["segment_ids"], positions_BT)[0]
+        moe = None
+        if moe_graphdef is not None:
+            moe = (moe_graphdef, stage_layers["moe"])
+            stage_layers = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stage_layers["dense"])
+        y, stats = apply_layers(cfg, block_graphdef, stage_layers, x_BTD, side["segment_ids"], positions_BT, moe=moe)
+        if not stats:
+            return y
+        if not router_losses:
+            return StageOut(y, jnp.zeros((), jnp.float32), stats)
+        # this stage's share of count x (the routers' weighted losses, averaged over the model's MoE layers)
+        router = cfg.moe_aux_loss * stats["aux"].sum() + cfg.moe_z_loss * stats["z"].sum()
+        return StageOut(y, side["count"] * router / cfg.num_moe_layers, stats)
 
     def head_fn(head, y_BTD, side):
         return cross_entropy_sums(head_logits(cfg, head, y_BTD), side["targets"], side["loss_mask"])
@@ -181,10 +208,37 @@ def _pipelined_loss_sums(model: Transformer, batch: Batch, layout: MeshLayout, o
         head = {**head, "head_DV": head["head_DV"].astype(cfg.dtype)}
     virtual = layout.pipeline_virtual_stages or None
     in_lockstep = runs_in_lockstep(layout, cfg.context_parallel)
-    table = cached_schedule(layout.pipeline_schedule, stages, layout.num_microbatches, virtual, in_lockstep)
-    chunks = split_chunks(stacked, table)
-    stage_side = {"segment_ids": micro.get("segment_ids"), "positions": micro.get("positions")}
+    table = cached_schedule(layout.pipeline_schedule, stages, M, virtual, in_lockstep)
+    chunks = split_chunks(layers, table)
+    stage_side = {
+        "segment_ids": micro.get("segment_ids"),
+        "positions": micro.get("positions"),
+        "count": jnp.sum(micro["loss_mask"].astype(jnp.float32), axis=(1, 2)),  # each microbatch's, as data
+    }
     return pipeline_loss(table, stage_fn, head_fn, chunks, head, micro["x"], stage_side, head_side)
+
+
+def _bias_averaged(layers: nnx.State, microbatches: int) -> nnx.State:
+    """The MoE layers with their router biases passed through `_mean_over_microbatches`: the pipeline sums each
+    microbatch's gradient, and a bias's "gradient" is its new value (jaxlm.moe.steer), which microbatches average."""
+    biases, rest = nnx.split_state(layers, RouterBias, ...)
+    return nnx.merge_state(jax.tree.map(lambda b: _mean_over_microbatches(b, microbatches), biases), rest)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _mean_over_microbatches(x, microbatches: int):
+    return x
+
+
+def _mean_fwd(x, microbatches):
+    return x, None
+
+
+def _mean_bwd(microbatches, _, g):
+    return (g / microbatches,)
+
+
+_mean_over_microbatches.defvjp(_mean_fwd, _mean_bwd)
 
 
 def split_microbatches(batch: Batch, k: int) -> Batch:
@@ -334,11 +388,13 @@ class Program:
                 "delayed-scaling quantization (model.quant_scaling=delayed) does not run in "
                 "a pipeline layout; set model.quant_scaling=current"
             )
-        if layout.pipeline > 1 and cfg.model.num_experts:
-            raise config_lib.ConfigError(
-                "a mixture of experts (model.num_experts) does not run in a pipeline layout yet: its routers' "
-                "losses and statistics do not cross the stages"
-            )
+        if layout.pipeline > 1 and cfg.model.num_experts and cfg.model.moe_every > 1:
+            units = layout.pipeline * layout.pipeline_chunks  # stages split groups of moe_every layers
+            if cfg.model.num_moe_layers % units:
+                raise config_lib.ConfigError(
+                    f"model.num_layers / model.moe_every = {cfg.model.num_moe_layers} groups of dense layers and an "
+                    f"MoE layer do not split over {units} pipeline stages x chunks per stage"
+                )
         layout.check_experts(cfg.model.num_experts)
         rules = layout.rules
         self.cfg, self.mesh, self.layout = cfg, mesh, layout

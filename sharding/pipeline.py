@@ -13,7 +13,9 @@ interleaved chunks wrap from the last stage to the first), skipped on ticks when
 
 B and W are separate `jax.vjp`s of the chunk's forward, recomputed from the stashed input: B differentiates by the
 input only (the critical path), W by the weights from the stashed input and output gradient. BW does both in one.
-The last virtual stage's F also runs the loss head and keeps the head's gradient for its B. The schedule computes
+The last virtual stage's F also runs the loss head and keeps the head's gradient for its B. A stage may also return
+a term of the objective and statistics of its layers (`StageOut`: an MoE stage's router losses and routing
+statistics): its F sums them, its B / W differentiate the term with the output. The schedule computes
 the gradients itself; a `jax.custom_vjp` hands them to the surrounding autodiff. A loss without gradients (eval)
 runs the forwards alone (`sharding.schedules.forward_pass`). A lockstep table (`sharding.schedules.lockstep`, for
 stages holding ring attention: `runs_in_lockstep`) switches on the tick's one kind instead, every stage running it.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +38,29 @@ from sharding.schedules import Schedule, cached, forward_pass
 
 AXIS = "pipeline"
 
-StageFn = Callable[[Any, jax.Array, Any], jax.Array]  # (chunk params [L/(P v), ...], x_BTD, side inputs) -> x_BTD
+# (chunk params [L/(P v), ...], x_BTD, side inputs) -> x_BTD, or a StageOut when the stage adds to the objective
+StageFn = Callable[[Any, jax.Array, Any], Any]
 HeadFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, jax.Array]]  # (head params, y_BTD, side) -> (sum, count)
+
+
+class StageOut(NamedTuple):
+    """What a stage may return besides its output: a term of the objective (summed with the head's losses and
+    differentiated with them: an MoE router's aux and z losses) and statistics of its layers (leaves [layers of the
+    chunk, ...], averaged over the microbatches and returned per layer, without gradients)."""
+
+    y: jax.Array
+    objective: jax.Array
+    stats: Any
+
+
+class PipelineAux(NamedTuple):
+    """pipeline_loss's outputs besides the objective, without gradients: the head's count and loss sum (the
+    objective less the stages' terms) and the stages' statistics per layer [L, ...] in the model's order."""
+
+    count: jax.Array
+    head_loss: jax.Array
+    stats: Any
+
 
 IDLE, F, B, W, BW = range(5)
 KIND = {"F": F, "B": B, "W": W, "BW": BW}
@@ -255,15 +278,18 @@ def _allocate(stored, free_at) -> dict:
 
 def pipeline_loss(
     schedule: Schedule, stage_fn: StageFn, head_fn: HeadFn, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M
-) -> tuple[jax.Array, jax.Array]:
-    """(loss sum, count) of `head_fn(stage_fn(...stage_fn(x)))` summed over microbatches, pipelined by `schedule`.
+) -> tuple[jax.Array, PipelineAux]:
+    """(objective, PipelineAux): the objective is `head_fn(stage_fn(...stage_fn(x)))`'s loss summed over
+    microbatches, plus the stages' own terms when they return a `StageOut`, pipelined by `schedule`.
 
     chunk_params: [P, v, L/(P v), ...] leaves (`split_chunks`); x_MBTD: the first stage's inputs; *_side_M: pytrees
-    with a leading [M] axis (e.g. segment ids for the stages, targets for the head). Differentiable in chunk_params,
-    head_params and x_MBTD; the gradients are those the table's B / W ops compute."""
-    return _pipelined(
-        _Static(schedule, stage_fn, head_fn), chunk_params, head_params, x_MBTD, stage_side_M, head_side_M
+    with a leading [M] axis (e.g. segment ids for the stages, targets for the head). The objective is differentiable
+    in chunk_params, head_params and x_MBTD; the gradients are those the table's B / W ops compute."""
+    static = _Static(schedule, stage_fn, head_fn)
+    objective, count, head_loss, stats = _pipelined(
+        static, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M
     )
+    return objective, PipelineAux(count, head_loss, join_chunks(stats, schedule))
 
 
 class _Static:
@@ -283,19 +309,19 @@ def _programs(schedule: Schedule) -> tuple[Program, Program]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _pipelined(static, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M):
-    loss, count = run(static, static.forward, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M)
-    return loss, count
+    return run(static, static.forward, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M)
 
 
 def _pipelined_fwd(static, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M):
-    loss, count, grads = run(static, static.train, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M)
-    return (loss, count), (grads, stage_side_M, head_side_M)
+    *sums, grads = run(static, static.train, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M)
+    return tuple(sums), (grads, stage_side_M, head_side_M)
 
 
 def _pipelined_bwd(static, residuals, cotangents):
+    """The table's gradients are the objective's; count, head loss and statistics carry none."""
     (g_chunks, g_head, g_x), stage_side_M, head_side_M = residuals
-    ct_loss, _ = cotangents  # the count does not depend on the params
-    scale = lambda tree: jax.tree.map(lambda g: (g * ct_loss).astype(g.dtype), tree)
+    ct_objective = cotangents[0]
+    scale = lambda tree: jax.tree.map(lambda g: (g * ct_objective).astype(g.dtype), tree)
     no_grad = lambda tree: jax.tree.map(_zero_cotangent, tree)
     return scale(g_chunks), scale(g_head), scale(g_x), no_grad(stage_side_M), no_grad(head_side_M)
 
@@ -310,8 +336,8 @@ _pipelined.defvjp(_pipelined_fwd, _pipelined_bwd)
 
 
 def run(static: _Static, prog: Program, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M):
-    """Runs one of the static's programs: (loss sum, count) for the forward pass, (loss sum, count, (d chunk_params,
-    d head_params, d x_MBTD)) for the training table."""
+    """Runs one of the static's programs: (objective, count, head loss sum, stage statistics [P, v, ...]) for the
+    forward pass, and (d chunk_params, d head_params, d x_MBTD) after them for the training table."""
     stages, training = static.schedule.stages, prog.training
     stage_fn, head_fn = static.stage_fn, static.head_fn
 
@@ -319,9 +345,10 @@ def run(static: _Static, prog: Program, chunk_params, head_params, x_MBTD, stage
         params = jax.tree.map(lambda a: a[0], chunk_params)  # this stage's [v, L/(P v), ...]
         s = jax.lax.axis_index(AXIS)
         x0 = jnp.zeros_like(x_MBTD[0])
+        microbatches = x_MBTD.shape[0]
 
         def tick(carry, row):
-            xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count = carry
+            xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count, extra, stats = carry
             mine = {k: a[s] for k, a in row.items() if not k.startswith("any_")}  # this stage's column
             c, m, first = mine["chunk"], mine["microbatch"], mine["first"] == 1
             # Lockstep: every stage runs the tick's kind, and one without an op of it (`active` false) discards
@@ -333,14 +360,17 @@ def run(static: _Static, prog: Program, chunk_params, head_params, x_MBTD, stage
             side = _at(stage_side_M, m)
             x = jnp.where(first, _at(x_MBTD, m), _at(xbuf, mine["x_slot"]))
             g_out = _at(gbuf, mine["g_slot"])
-            forward = lambda p, xb: stage_fn(p, xb, side)
+            forward = lambda p, xb: _stage_out(stage_fn(p, xb, side))
+            seed = lambda g_y, out: StageOut(g_y, jnp.ones_like(out.objective), jax.tree.map(jnp.zeros_like, out.stats))
 
             def idle(state):
                 return state + (x0,)
 
             def f_op(state):
-                xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count = state
-                y = forward(chunk, x)
+                xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count, extra, stats = state
+                y, objective, chunk_stats = forward(chunk, x)
+                extra = extra + jnp.where(active, objective, 0.0)
+                stats = _add_at(stats, chunk_stats, c, active)
                 if not training:
 
                     def head_value(sums):
@@ -348,7 +378,7 @@ def run(static: _Static, prog: Program, chunk_params, head_params, x_MBTD, stage
                         return sums[0] + l, sums[1] + n
 
                     loss, count = jax.lax.cond(last, head_value, lambda sums: sums, (loss, count))
-                    return xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count, y
+                    return xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count, extra, stats, y
                 xbuf = _put_if(xbuf, x, mine["x_slot"], first)
 
                 def head(args):
@@ -358,26 +388,27 @@ def run(static: _Static, prog: Program, chunk_params, head_params, x_MBTD, stage
                     return g_head, _put(gbuf, g_y, mine["g_slot"]), loss + l, count + n
 
                 g_head, gbuf, loss, count = jax.lax.cond(last, head, lambda args: args, (g_head, gbuf, loss, count))
-                return xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count, y
+                return xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count, extra, stats, y
 
+            # The backward ops pull the output gradient and a 1 for the stage's own objective term through it.
             def b_op(state):
-                xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count = state
-                _, vjp = jax.vjp(lambda xb: forward(chunk, xb), x)
-                (g_x,) = vjp(g_out)
-                return xbuf, gbuf, g_params, g_head, _put_if(g_x_MBTD, g_x, m, first), loss, count, g_x
+                xbuf, gbuf, g_params, g_head, g_x_MBTD, *sums = state
+                out, vjp = jax.vjp(lambda xb: forward(chunk, xb), x)
+                (g_x,) = vjp(seed(g_out, out))
+                return xbuf, gbuf, g_params, g_head, _put_if(g_x_MBTD, g_x, m, first), *sums, g_x
 
             def w_op(state):
-                xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count = state
-                _, vjp = jax.vjp(lambda p: forward(p, x), chunk)
-                (g_p,) = vjp(g_out)
-                return xbuf, gbuf, _add_at(g_params, g_p, c, active), g_head, g_x_MBTD, loss, count, x0
+                xbuf, gbuf, g_params, g_head, g_x_MBTD, *sums = state
+                out, vjp = jax.vjp(lambda p: forward(p, x), chunk)
+                (g_p,) = vjp(seed(g_out, out))
+                return xbuf, gbuf, _add_at(g_params, g_p, c, active), g_head, g_x_MBTD, *sums, x0
 
             def bw_op(state):
-                xbuf, gbuf, g_params, g_head, g_x_MBTD, loss, count = state
-                _, vjp = jax.vjp(forward, chunk, x)
-                g_p, g_x = vjp(g_out)
+                xbuf, gbuf, g_params, g_head, g_x_MBTD, *sums = state
+                out, vjp = jax.vjp(forward, chunk, x)
+                g_p, g_x = vjp(seed(g_out, out))
                 g_x_MBTD = _put_if(g_x_MBTD, g_x, m, first)
-                return xbuf, gbuf, _add_at(g_params, g_p, c, active), g_head, g_x_MBTD, loss, count, g_x
+                return xbuf, gbuf, _add_at(g_params, g_p, c, active), g_head, g_x_MBTD, *sums, g_x
 
             ops = {IDLE: idle, F: f_op, B: b_op, W: w_op, BW: bw_op}
             used = (IDLE,) + prog.kinds  # only the branches the table uses are built
@@ -395,6 +426,9 @@ def run(static: _Static, prog: Program, chunk_params, head_params, x_MBTD, stage
         # head params given in a compute dtype (gathered in it) still sum their gradients in float32
         head_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), head_params)
         zero_grads = (jax.tree.map(jnp.zeros_like, params), head_zeros)
+        side0 = _at(stage_side_M, 0)
+        out0 = jax.eval_shape(lambda p, xb: _stage_out(stage_fn(p, xb, side0)), _at(params, 0), x0)
+        zero_stats = jax.tree.map(lambda a: jnp.zeros((static.schedule.chunks,) + a.shape, a.dtype), out0.stats)
         init = (
             jnp.zeros((prog.x_slots,) + x0.shape, x0.dtype),
             jnp.zeros((prog.g_slots if training else 1,) + x0.shape, x0.dtype),
@@ -402,23 +436,28 @@ def run(static: _Static, prog: Program, chunk_params, head_params, x_MBTD, stage
             jnp.zeros_like(x_MBTD) if training else (),
             jnp.zeros((), jnp.float32),
             jnp.zeros((), jnp.float32),
+            jnp.zeros((), jnp.float32),
+            zero_stats,
         )
         carry, _ = jax.lax.scan(tick, init, rows)
-        _, _, g_params, g_head, g_x_MBTD, loss, count = carry
-        # Chunk params' gradients stay on their stage; the rest lives on one stage and is summed to all.
+        _, _, g_params, g_head, g_x_MBTD, loss, count, extra, stats = carry
+        # Chunk params' gradients and statistics stay on their stage; the rest lives on one stage and is summed.
         total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, AXIS), tree)
+        per_stage = lambda tree: jax.tree.map(lambda g: g[None], tree)
+        loss, stats = total(loss), per_stage(jax.tree.map(lambda a: a / microbatches, stats))
+        sums = (loss + total(extra), total(count), loss, stats)
         if not training:
-            return total(loss), total(count)
+            return sums
         g_head = jax.tree.map(lambda g, p: g.astype(p.dtype), total(g_head), head_params)
-        return total(loss), total(count), jax.tree.map(lambda g: g[None], g_params), g_head, total(g_x_MBTD)
+        return (*sums, per_stage(g_params), g_head, total(g_x_MBTD))
 
-    out_specs = (P(), P())
+    out_specs = (P(), P(), P(), P(AXIS))  # statistics: [P, v, ...], each stage its own
     if prog.training:
         out_specs += (jax.tree.map(lambda _: P(AXIS), chunk_params), jax.tree.map(lambda _: P(), head_params), P())
     out = _shard_map(
         body, chunk_params, head_params, x_MBTD, stage_side_M, head_side_M, prog.rows(), out_specs=out_specs
     )
-    return out if not prog.training else (out[0], out[1], out[2:])
+    return out if not prog.training else (*out[:4], out[4:])
 
 
 def _shard_map(body, stage_params, *args, out_specs):
@@ -432,6 +471,15 @@ def _shard_map(body, stage_params, *args, out_specs):
     # Unchecked, the values a stage receives or writes must be combined explicitly: every psum above is deliberate.
     mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS}, check_vma=False)
     return mapped(stage_params, *args)
+
+
+def _stage_out(out) -> StageOut:
+    """A stage's result as a StageOut (an objective term of 0 and no statistics for a plain output), the term and
+    the statistics in float32 (they are summed over microbatches)."""
+    if not isinstance(out, StageOut):
+        return StageOut(out, jnp.zeros((), jnp.float32), {})
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    return StageOut(out.y, f32(out.objective), jax.tree.map(f32, out.stats))
 
 
 def _pass(message, sending, anyone, stages: int, shift: int):

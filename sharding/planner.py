@@ -259,7 +259,14 @@ def tensor_sizes(cfg: ModelShape, devices: int, hw: Hardware) -> list[int]:
 
 
 def pipeline_sizes(cfg: ModelShape, devices: int) -> list[int]:
-    return [p for p in _divisors(devices) if cfg.num_layers % p == 0]
+    """Stage counts the layers split evenly over (with MoE layers every k-th, their groups of k layers)."""
+    return [p for p in _divisors(devices) if cfg.num_layers % (p * _group(cfg)) == 0]
+
+
+def _group(cfg: ModelShape) -> int:
+    """The layers a pipeline stage takes whole: moe_every for an MoE model with dense layers between (jaxlm.train
+    splits groups of a dense run and an MoE layer), else one."""
+    return cfg.moe_every if cfg.num_experts else 1
 
 
 def expert_sizes(cfg: ModelShape, devices: int) -> list[int]:
@@ -270,10 +277,10 @@ def expert_sizes(cfg: ModelShape, devices: int) -> list[int]:
 def candidate_layouts(cfg: ModelShape, devices: int, batch_sequences: int, hw: Hardware) -> list[MeshLayout]:
     """devices = data x fsdp x expert x tensor x pipeline, each dimension splitting evenly; pipelines in every
     schedule they can run (`pipeline_schedules`) with every microbatch count M <= 8 S that divides the per-shard
-    batch (not for MoE models, whose pipelines jaxlm refuses)."""
+    batch."""
     out = []
     for t in tensor_sizes(cfg, devices, hw):
-        for p in [1] if cfg.num_experts else pipeline_sizes(cfg, devices // t):
+        for p in pipeline_sizes(cfg, devices // t):
             for e, f in [
                 (e, f) for e in expert_sizes(cfg, devices // (t * p)) for f in _divisors(devices // (t * p * e))
             ]:
@@ -283,11 +290,17 @@ def candidate_layouts(cfg: ModelShape, devices: int, batch_sequences: int, hw: H
                 if p == 1:
                     out.append(MeshLayout(data=d, fsdp=f, tensor=t, expert=e))
                     continue
-                for m in _divisors(batch_sequences // (d * f)):
+                for m in _divisors(batch_sequences // (d * f * e)):
                     if m <= 8 * p:
                         out += [
                             MeshLayout(
-                                data=d, fsdp=f, tensor=t, pipeline=p, pipeline_schedule=s, pipeline_microbatches=m
+                                data=d,
+                                fsdp=f,
+                                tensor=t,
+                                expert=e,
+                                pipeline=p,
+                                pipeline_schedule=s,
+                                pipeline_microbatches=m,
                             )
                             for s in pipeline_schedules(cfg, p, m)
                         ]
@@ -306,7 +319,7 @@ def pipeline_schedules(cfg: ModelShape, stages: int, microbatches: int) -> list[
     if stages > TABLE_LIMIT[0] or microbatches > TABLE_LIMIT[1] * stages:
         return names
     names.append("zb-h1")
-    if cfg.num_layers % (2 * stages) == 0:
+    if cfg.num_layers % (2 * stages * _group(cfg)) == 0:
         names += ["interleaved-1f1b"] * (microbatches % stages == 0) + ["zbv"]
     return names
 

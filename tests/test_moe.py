@@ -252,3 +252,52 @@ def test_expert_parallel_training_equals_one_device(layout, one_device_moe):
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     if layout.expert > 1:
         assert state.params["blocks"]["mlp"]["w_in"].sharding.spec[1] == "expert"  # [L, X, D, C, F]: experts split
+
+
+# ----------------------------------------------------------------------------- MoE inside pipeline stages
+
+
+def _pipeline_moe_program(layout, **model):
+    """The MoE tiny model with router losses on; without a layout, one device accumulating as many microbatches as
+    the layout's pipeline splits a batch into (the same rows: sharding splits microbatches as train_step does)."""
+    model = dict(num_experts=8, experts_per_token=2, expert_mlp_dim=32, moe_aux_loss=0.01, moe_z_loss=1e-3, **model)
+    micro = 1 if layout.pipeline > 1 else MeshLayout(pipeline=2).num_microbatches
+    cfg = tiny_config(model=model, data=dict(microbatches=micro), optim=dict(learning_rate=1e-2, warmup_steps=2))
+    return Program(cfg, build_mesh(layout), layout) if layout.pipeline > 1 else Program(cfg, one_device_mesh())
+
+
+@pytest.mark.parametrize(
+    "layout, model",
+    [
+        (MeshLayout(pipeline=2, expert=2, data=2), dict(router="sigmoid_bias")),
+        pytest.param(  # groups of a dense and an MoE layer split over stages; B and W apart
+            MeshLayout(pipeline=2, expert=2, data=2, pipeline_schedule="zb-h1"),
+            dict(moe_every=2, num_layers=4),
+            marks=pytest.mark.slow,
+            id="zb-h1-every2",
+        ),
+        pytest.param(  # two chunks per stage moved by ppermute, experts gathered over tensor
+            MeshLayout(pipeline=2, tensor=2, expert=2, pipeline_schedule="interleaved-1f1b"),
+            dict(router="sigmoid_bias", num_layers=4),
+            marks=pytest.mark.slow,
+            id="interleaved-tensor",
+        ),
+    ],
+)
+def test_moe_stages_equal_one_device_accumulating_the_same_microbatches(layout, model):
+    """Each stage adds its routers' aux and z losses to the objective and returns their statistics
+    (sharding.pipeline.StageOut): the loss, every weight's gradient, three steps (router biases included: the
+    pipeline averages their per-microbatch updates) and the routing metrics equal one device accumulating the same
+    microbatches (10-16 s; fast cover of the slow cases: this one, and test_pipeline's schedules)."""
+    want, got = (_three_steps(_pipeline_moe_program(lay, **model)) for lay in (MeshLayout(), layout))
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    weights = lambda grads: nnx.split_state(grads, nnx.Param, ...)[0]  # noqa: E731  # a bias's "gradient" is per batch
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(weights(got[1])), jax.tree.leaves(weights(want[1]))):
+        error = float(np.linalg.norm(np.asarray(g) - np.asarray(w)) / max(np.linalg.norm(np.asarray(w)), 1e-30))
+        assert error < 1e-5, (jax.tree_util.keystr(path), error)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+    routing = sorted(k for k in want[4] if k.startswith("moe_"))
+    assert routing and routing == sorted(k for k in got[4] if k.startswith("moe_"))
+    np.testing.assert_allclose([float(got[4][k]) for k in routing], [float(want[4][k]) for k in routing], rtol=1e-5)
+    for g, w in zip(*(jax.tree.leaves(nnx.split_state(r[3].params, RouterBias, ...)[0]) for r in (got, want))):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-7)

@@ -86,10 +86,10 @@ def test_every_schedule_equals_the_sequential_model(name, stages, microbatches):
 
 
 def assert_matches_sequential(loss_fn, args, ref_loss, ref_grads, microbatches):
-    """`loss_fn(*args)` -> (sum, count), pipelined: its value, count and gradients are the sequential ones."""
-    (loss, count), grads = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True))(*args)
+    """`loss_fn(*args)` -> (sum, PipelineAux), pipelined: its value, count and gradients are the sequential ones."""
+    (loss, aux), grads = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True))(*args)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-    assert float(count) == microbatches * B * T
+    assert float(aux.count) == microbatches * B * T and float(aux.head_loss) == float(loss) and aux.stats == {}
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         # float32 sums in another order: up to 1.06e-6 seen (tests compile without LLVM's optimizations)
         assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 3e-6

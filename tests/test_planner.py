@@ -66,13 +66,16 @@ def test_presets_have_the_published_sizes():
 
 
 def test_expert_parallel_layouts_are_planned_with_their_all_to_all_bytes():
-    """An MoE model gets expert-axis candidates (dividing its experts; no pipelines, which MoE refuses); the
-    all-to-all bytes are the worked example: per layer copies out and back, forward, backward and the remat
-    forward, each an [E, A, D] buffer of which (E - 1) / E leaves the device."""
+    """An MoE model gets expert-axis candidates (dividing its experts), pipelines among them, whose stages split
+    groups of moe_every layers whole; the all-to-all bytes are the worked example: per layer copies out and back,
+    forward, backward and the remat forward, each an [E, A, D] buffer of which (E - 1) / E leaves the device."""
     cfg = MODEL_PRESETS["mixtral-8x7b"]
     p = plan(cfg, 64, 64 * 4096, 4096, H100, "full")
     experts = {e.layout.expert for e in p.estimates}
-    assert experts == {1, 2, 4, 8} and all(e.layout.pipeline == 1 for e in p.estimates)
+    assert experts == {1, 2, 4, 8} and any(e.layout.pipeline > 1 and e.layout.expert > 1 for e in p.estimates)
+    every4 = dataclasses.replace(cfg, moe_every=4)  # 8 groups of 4 layers: at most 8 stages, 4 with two chunks
+    stages = {(e.layout.pipeline, e.layout.pipeline_chunks) for e in plan(every4, 64, 64 * 4096, 4096, H100).estimates}
+    assert max(p for p, _ in stages) == 8 and max(p * v for p, v in stages) == 8
     layout = MeshLayout(fsdp=8, expert=8)
     tokens = 64 * 4096 / 64  # one device's: the batch splits over data x fsdp x expert
     buffer = 8 * tokens * 2 * 4096 * 2  # E x copies (k = 2) x D x bf16
