@@ -16,6 +16,7 @@ import json
 
 import numpy as np
 
+from experiments.cli import exit_with
 from pallas_kernels.mask_spec import parse_mask
 from sharding.context_order import balance, sequence_order
 
@@ -65,4 +66,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_with(main())

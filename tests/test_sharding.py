@@ -94,7 +94,10 @@ def test_four_stage_pipeline_with_document_mask(schedule, impl, reference):
 @pytest.mark.parametrize(
     "layout",
     [
-        MeshLayout(data=2, tensor=2, pipeline=2, pipeline_schedule="zbv", pipeline_microbatches=4),
+        pytest.param(
+            MeshLayout(data=2, tensor=2, pipeline=2, pipeline_schedule="zbv", pipeline_microbatches=4),
+            marks=pytest.mark.slow,
+        ),
         pytest.param(
             MeshLayout(fsdp=2, tensor=2, pipeline=2, pipeline_schedule="interleaved-1f1b", pipeline_microbatches=4),
             marks=pytest.mark.slow,
