@@ -4,15 +4,16 @@ and hands its per-device expert computation to ``dispatch``; it never learns whe
 
 Tokens split over the batch axes (the default rules put `expert` among them, so each device of the expert axis
 routes its own tokens, as data parallelism does) and over the context axis. A device sorts its copies by expert,
-which is by destination, and places them in a [E, A, D] send buffer (E devices of the expert axis, A its copies:
-the most any one destination can get, so nothing is dropped); one all-to-all delivers every source's buffer to its
-destination, which runs its own experts over what arrived (empty slots are zero rows, given no expert's weight),
-and a second all-to-all brings the outputs home, where they are unsorted and mixed as on one device. Buffers and
-transfers are worst-case sized (E x a device's copies); capacity-limited dispatch bounds them: each expert takes Q
-copies per source device, so a device sends [W, Q] slots to each destination (``_exchange_slots``).
+which is by destination, and one ragged all-to-all sends each destination exactly its copies (`ragged_all_to_all`;
+XLA:CPU has none, so on CPU a dense all-to-all of worst-case slices stands in). The destination receives into a
+buffer of E x a device's copies (all of every source's copies may be for it, so nothing is dropped), runs its own
+experts over it (rows past what arrived are zero rows, given no expert's weight), and a second ragged all-to-all
+brings each source its outputs back, where they are unsorted and mixed as on one device. Capacity-limited
+dispatch bounds the buffers instead: each expert takes Q copies per source device, so a device sends [W, Q] slots
+to each destination (``_exchange_slots``).
 
 Shape letters: those of jaxlm.moe (U tokens, Z experts per token, A copies, X experts) and E devices of the
-expert axis, W = X / E experts per device.
+expert axis (S: the same devices as sources), W = X / E experts per device, R = E x A rows a device may receive.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.kernel_inputs import target_platform
 from sharding.rules import active_mesh_axes, dividing_axes
 
 
@@ -105,7 +107,9 @@ def dispatch(
 
 
 def _exchange(local, axes, E: int, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD):
-    """One device's part: send copies to their experts' devices, compute what arrives, bring the outputs back."""
+    """One device's part, dropless: each destination gets exactly the copies for its experts (`ragged_all_to_all`),
+    this device receives up to E x A of them (any source's copies may all be for it), computes them, and sends
+    each source its outputs back into that source's A rows."""
     U, Z = experts_UZ.shape
     D, W = x_UD.shape[-1], w_in_WDCF.shape[0]
     A = U * Z
@@ -113,22 +117,49 @@ def _exchange(local, axes, E: int, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_ou
     order_A = jnp.argsort(experts_A, stable=True)  # by expert, so by destination device
     sorted_A = experts_A[order_A]
     dest_A = sorted_A // W
-    counts_E = jnp.bincount(dest_A, length=E)
-    slot_A = jnp.arange(A) - (jnp.cumsum(counts_E) - counts_E)[dest_A]
-    send_EAD = jnp.zeros((E, A, D), x_UD.dtype).at[dest_A, slot_A].set(x_UD[order_A // Z])
-    # the expert each slot is for, on its destination; W (no expert) for an empty slot
-    send_EA = jnp.full((E, A), W, jnp.int32).at[dest_A, slot_A].set(sorted_A - dest_A * W)
-    recv_EAD = jax.lax.all_to_all(send_EAD, axes, 0, 0)
-    recv_EA = jax.lax.all_to_all(send_EA, axes, 0, 0)
-    # empty slots go to a zero expert W: a zero row through zero weights adds nothing
+    send_E = jnp.bincount(dest_A, length=E).astype(jnp.int32)
+    counts_SE = jax.lax.all_gather(send_E, axes)  # copies from each source to each destination, on every device
+    me = jax.lax.axis_index(axes)
+    recv_S = counts_SE[:, me]
+    before_S = jnp.arange(E) < me
+    land_E = jnp.sum(jnp.where(before_S[:, None], counts_SE, 0), axis=0)  # after earlier sources' copies, there
+    home_S = jnp.sum(jnp.where(before_S[None, :], counts_SE, 0), axis=1)  # where each source's copies for me sat
+    out, back = (_starts(send_E), send_E, land_E, recv_S), (_starts(recv_S), recv_S, home_S, send_E)
+    recv_RD = ragged_all_to_all(x_UD[order_A // Z], jnp.zeros((E * A, D), x_UD.dtype), *out, axes=axes)
+    # the expert each received row is for; W (no expert) for the empty rows past what arrived
+    recv_R = ragged_all_to_all(sorted_A - dest_A * W, jnp.full((E * A,), W, jnp.int32), *out, axes=axes)
+    # empty rows go to a zero expert W: a zero row through zero weights adds nothing
     w_in = jnp.concatenate([w_in_WDCF, jnp.zeros_like(w_in_WDCF[:1])])
     w_out = jnp.concatenate([w_out_WFD, jnp.zeros_like(w_out_WFD[:1])])
-    ones = jnp.ones((E * A, 1), jnp.float32)
-    out_EAD = local(recv_EAD.reshape(E * A, D), ones, recv_EA.reshape(E * A, 1), w_in, w_out)[0].reshape(E, A, D)
-    back_EAD = jax.lax.all_to_all(out_EAD, axes, 0, 0)
-    y_AD = back_EAD[dest_A, slot_A]  # in sorted order
+    out_RD = local(recv_RD, jnp.ones((E * A, 1), jnp.float32), recv_R[:, None], w_in, w_out)[0]
+    y_AD = ragged_all_to_all(out_RD, jnp.zeros((A, D), out_RD.dtype), *back, axes=axes)  # in sorted order
     y_UZD = y_AD[jnp.argsort(order_A)].reshape(U, Z, D)
     return jnp.einsum("uzd,uz->ud", y_UZD, weights_UZ.astype(y_UZD.dtype))
+
+
+def _starts(sizes_E):
+    return jnp.cumsum(sizes_E) - sizes_E
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axes):
+    """`jax.lax.ragged_all_to_all` over `axes`: slice e of the operand (rows input_offsets[e], send_sizes[e] of
+    them) goes to device e, which writes it at the output_offsets[e] this device names; recv_sizes: the rows each
+    source sends here. XLA:CPU has no ragged all-to-all, so on CPU the same exchange runs as a dense all-to-all of
+    slices padded to the operand's rows (the worst case, the shapes the GPU and TPU programs avoid)."""
+    if target_platform() != "cpu":
+        return jax.lax.ragged_all_to_all(
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axes
+        )
+    N = operand.shape[0]
+    j_N = jnp.arange(N)
+    rows_EN = jnp.clip(input_offsets[:, None] + j_N, 0, N - 1)
+    sent_EN = j_N < send_sizes[:, None]
+    mask = sent_EN.reshape(sent_EN.shape + (1,) * (operand.ndim - 1))
+    blocks = jnp.where(mask, operand[rows_EN], jnp.zeros((), operand.dtype))
+    got = jax.lax.all_to_all(blocks, axes, 0, 0)  # [source, N, ...]
+    at_S = jax.lax.all_to_all(output_offsets, axes, 0, 0, tiled=True)  # where each source's slice goes here
+    to_SN = jnp.where(j_N < recv_sizes[:, None], at_S[:, None] + j_N, output.shape[0])  # past the end: dropped
+    return output.at[to_SN].set(got, mode="drop")
 
 
 def _exchange_slots(per_expert, axes, E: int, factor: float, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD):

@@ -120,8 +120,9 @@ def _group_size(attrs: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One kind of collective over one group size: how many a step issues and the bytes of their arrays (an
-    all-gather's output, a reduce-scatter's input, an all-reduce's operand, an all-to-all's or a permute's buffer),
-    per device per step."""
+    all-gather's output, a reduce-scatter's input, an all-reduce's operand, an all-to-all's or a permute's buffer,
+    a ragged all-to-all's output: the most it can receive, what it moves depending on the data), per device per
+    step."""
 
     kind: str
     group: int  # devices in one group (0: not stated)
@@ -148,6 +149,8 @@ def collectives(hlo_text: str) -> list[Collective]:
                 arrays, scale = (arrays[:half] if kind == "reduce-scatter" else arrays[half:]), 1
             elif start and kind == "collective-permute":  # (operand, output, contexts...)
                 arrays = arrays[1:2]
+            elif kind == "ragged-all-to-all":  # ((operand, output, offsets and sizes), output) or its output alone
+                arrays = arrays[-1:]
             nbytes = scale * sum(_bytes(dtype, dims) for dtype, dims in arrays)  # a tuple: several arrays at once
             entry = totals.setdefault((kind, group), [0, 0])
             entry[0] += runs[name]

@@ -51,17 +51,19 @@ def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1) -> floa
 def moe_residual_bytes(cfg: ModelShape, expert: int = 1) -> float:
     """Bytes per token an MoE layer (jaxlm.moe) keeps for its backward: the router's fp32 logits and
     probabilities, and per routed copy (experts_per_token of them) its gathered input and a SwiGLU's residuals,
-    plus the shared experts'. Dropless under an `expert` axis of E devices sharding.experts sizes its send and
-    receive buffers and the experts' products for the worst case, E x a device's copies: E x the copies'
-    residuals; with capacity the experts' slots are capacity_factor x the copies, with or without the axis. Every
-    rank of a tensor axis computes whole experts over the same tokens (sharding.experts.dispatch)."""
+    plus the shared experts'. Dropless under an `expert` axis of E devices sharding.experts sends the copies
+    themselves (a ragged all-to-all) but receives into, and computes over, the worst case, E x a device's copies;
+    with capacity the experts' slots are capacity_factor x the copies, sent and received, with or without the axis.
+    Every rank of a tensor axis computes whole experts over the same tokens (sharding.experts.dispatch)."""
     cb = dtype_bytes(cfg)
     D, Z = cfg.d_model, cfg.experts_per_token
     f, shared = cfg.expert_mlp_dim, cfg.num_shared_experts * cfg.expert_mlp_dim
     router = 2 * cfg.num_experts * 4
-    rows = cfg.capacity_factor if cfg.capacity_factor > 0 else expert  # the products' rows per routed copy
-    copies = Z * rows * ((2 if expert > 1 else 1) * D + 6 * f) * cb
-    return router + copies + 6 * shared * cb
+    if cfg.capacity_factor > 0:
+        copies = cfg.capacity_factor * ((2 if expert > 1 else 1) * D + 6 * f)
+    else:
+        copies = expert * (D + 6 * f) + (D if expert > 1 else 0)  # received and computed; sent
+    return router + Z * copies * cb + 6 * shared * cb
 
 
 def context_kv_bytes(cfg: ModelShape, layout: MeshLayout, tokens: float) -> float:

@@ -226,14 +226,14 @@ def context_comm_seconds(cfg: ModelShape, layout: MeshLayout, batch_tokens: int,
 
 def expert_all_to_all_bytes(cfg: ModelShape, layout: MeshLayout, batch_tokens: int, remat: str) -> float:
     """Bytes one device sends per step in an expert axis' all-to-alls (sharding.experts): per MoE layer the token
-    copies out and the outputs back, forward and backward (and the forward again under remat), each a buffer of
-    which (E - 1) / E leaves the device: dropless the worst case [E, A, D] (A: the device's copies), with capacity
+    copies out and the outputs back, forward and backward (and the forward again under remat), of which (E - 1) / E
+    leave the device: dropless the device's A copies themselves (a ragged all-to-all; evenly routed), with capacity
     E x [W, Q] slots, capacity_factor x A rows."""
     E = logical_shards("expert", layout)
     if not cfg.num_experts or E == 1:
         return 0.0
     device_tokens = batch_tokens / logical_shards("batch", layout)  # every microbatch's
-    rows = cfg.capacity_factor if cfg.capacity_factor > 0 else E  # buffer rows per copy
+    rows = cfg.capacity_factor if cfg.capacity_factor > 0 else 1  # rows sent per copy
     buffer = rows * device_tokens * cfg.experts_per_token * cfg.d_model * dtype_bytes(cfg)
     passes = 2 * (3 if remat == "full" else 2)  # out and back, in each forward and backward
     return cfg.num_moe_layers * passes * buffer * (E - 1) / E

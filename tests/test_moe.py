@@ -301,3 +301,27 @@ def test_moe_stages_equal_one_device_accumulating_the_same_microbatches(layout, 
     np.testing.assert_allclose([float(got[4][k]) for k in routing], [float(want[4][k]) for k in routing], rtol=1e-5)
     for g, w in zip(*(jax.tree.leaves(nnx.split_state(r[3].params, RouterBias, ...)[0]) for r in (got, want))):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-7)
+
+
+def test_the_cpu_ragged_all_to_all_follows_jax_s_documented_example():
+    """XLA:CPU has no ragged all-to-all, so sharding.experts emulates it there; its results are those
+    jax.lax.ragged_all_to_all's documentation gives for its two-device example (GPU and TPU run the real one)."""
+    from sharding.experts import ragged_all_to_all
+
+    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
+    operand = np.array([[1, 2, 2], [3, 4, 0]], np.float32)
+    sizes = {  # per device: input_offsets, send_sizes, output_offsets, recv_sizes
+        "in": [[0, 1], [0, 1]],
+        "send": [[1, 2], [1, 1]],
+        "out": [[0, 0], [1, 2]],
+        "recv": [[1, 1], [2, 1]],
+    }
+    per_device = jax.sharding.PartitionSpec("expert")
+
+    def exchange(x, i, s, o, r):
+        return ragged_all_to_all(x[0], jnp.zeros(4, x.dtype), i[0], s[0], o[0], r[0], axes=("expert",))[None]
+
+    args = [operand] + [np.array(sizes[k], np.int32) for k in ("in", "send", "out", "recv")]
+    args = jax.device_put(args, jax.sharding.NamedSharding(mesh, per_device))
+    mapped = jax.shard_map(exchange, mesh=mesh, in_specs=(per_device,) * 5, out_specs=per_device, check_vma=False)
+    np.testing.assert_array_equal(jax.jit(mapped)(*args), [[1, 3, 0, 0], [2, 2, 4, 0]])

@@ -68,7 +68,8 @@ def test_presets_have_the_published_sizes():
 def test_expert_parallel_layouts_are_planned_with_their_all_to_all_bytes():
     """An MoE model gets expert-axis candidates (dividing its experts), pipelines among them, whose stages split
     groups of moe_every layers whole; the all-to-all bytes are the worked example: per layer copies out and back,
-    forward, backward and the remat forward, each an [E, A, D] buffer of which (E - 1) / E leaves the device."""
+    forward, backward and the remat forward, each the device's A copies (a ragged all-to-all sends what is
+    routed), of which (E - 1) / E leave the device."""
     cfg = MODEL_PRESETS["mixtral-8x7b"]
     p = plan(cfg, 64, 64 * 4096, 4096, H100, "full")
     experts = {e.layout.expert for e in p.estimates}
@@ -78,7 +79,7 @@ def test_expert_parallel_layouts_are_planned_with_their_all_to_all_bytes():
     assert max(p for p, _ in stages) == 8 and max(p * v for p, v in stages) == 8
     layout = MeshLayout(fsdp=8, expert=8)
     tokens = 64 * 4096 / 64  # one device's: the batch splits over data x fsdp x expert
-    buffer = 8 * tokens * 2 * 4096 * 2  # E x copies (k = 2) x D x bf16
+    buffer = tokens * 2 * 4096 * 2  # copies (k = 2) x D x bf16
     want = 32 * (2 * 3) * buffer * 7 / 8
     assert expert_all_to_all_bytes(cfg, layout, 64 * 4096, "full") == want
     e = evaluate(cfg, layout, H100, 64 * 4096, 4096, "full")
@@ -92,9 +93,9 @@ def test_expert_parallel_layouts_are_planned_with_their_all_to_all_bytes():
     )
     n = active_params(cfg)
     assert split.compute_s / plain.compute_s == pytest.approx((6 * (n + 7 * routed) + attn) / (6 * n + attn))
-    # capacity: E blocks of [W, Q] slots, 1.25 x the device's copies, where dropless sent E (8) x them
+    # capacity: E blocks of [W, Q] slots, 1.25 x the device's copies, sent whole
     capped = dataclasses.replace(cfg, capacity_factor=1.25)
-    assert expert_all_to_all_bytes(capped, layout, 64 * 4096, "full") == pytest.approx(want * 1.25 / 8)
+    assert expert_all_to_all_bytes(capped, layout, 64 * 4096, "full") == pytest.approx(want * 1.25)
 
 
 # ----------------------------------------------------------------------------- the worked example
