@@ -48,14 +48,17 @@ class Groups:
 
     @staticmethod
     def of(experts_UZ, num_experts: int, tiled: bool | None = None) -> Groups:
-        """The layout of the copies of tokens routed to ``experts_UZ``; ``tiled`` None: tiles except on TPU."""
+        """The layout of the copies of tokens routed to ``experts_UZ``; ``tiled`` None: tiles except on TPU. A copy
+        whose expert is out of range (>= num_experts: an empty row of an expert exchange's receive buffer) is
+        routed nowhere: it takes no row of a tile (so no tile is computed for it) and its output is zero."""
         platform = target_platform()
         tiled = platform != "tpu" if tiled is None else tiled
         step = GPU_TILES_PER_STEP if platform == "gpu" else CPU_TILES_PER_STEP
         U, Z = experts_UZ.shape
         X, A = num_experts, U * Z
         order_A = jnp.argsort(experts_UZ.reshape(-1), stable=True)  # copies by expert, in token order within one
-        sizes_X = jnp.bincount(experts_UZ.reshape(-1), length=X).astype(jnp.int32)
+        sizes_X = jnp.bincount(experts_UZ.reshape(-1), length=X).astype(jnp.int32)  # out of range: not counted
+        routed_A = jnp.arange(A) < sizes_X.sum()  # the sorted copies that have an expert (the rest sort last)
         if tiled:
             n_tiles = -(-(-(-A // TILE) + X) // step) * step  # whole scan steps
             padded_X = (sizes_X + TILE - 1) // TILE * TILE
@@ -64,9 +67,13 @@ class Groups:
             pos_A = (ends_X - padded_X)[expert_A] + jnp.arange(A) - (jnp.cumsum(sizes_X) - sizes_X)[expert_A]
             tile_expert_N = jnp.minimum(jnp.searchsorted(ends_X, jnp.arange(n_tiles) * TILE, side="right"), X - 1)
             rows, extra = n_tiles * TILE, (tile_expert_N, ends_X[-1] // TILE)
+            # a copy routed nowhere reads the last row: always padding (the groups end at most X - 1 tiles of padding
+            # past A rows, N covers A / TILE + X tiles), whose input and output stay zero
+            pos_A = jnp.where(routed_A, pos_A, rows - 1)
         else:
             pos_A, rows, extra = jnp.arange(A), A, ()
-        source_P = jnp.full((rows,), A, jnp.int32).at[pos_A].set(order_A.astype(jnp.int32))
+        taken_A = jnp.where(routed_A, pos_A, rows) if tiled else pos_A  # nowhere-routed copies fill no row
+        source_P = jnp.full((rows,), A, jnp.int32).at[taken_A].set(order_A.astype(jnp.int32), mode="drop")
         position_UZ = pos_A[jnp.argsort(order_A)].reshape(U, Z)
         return Groups(sizes_X, tiled, step, source_P, position_UZ, *extra)
 
@@ -81,8 +88,9 @@ class Groups:
 
     def matmul(self, x, w_XIO):
         """Each row times its group's [I, O] weights; padding rows stay zero."""
-        if not self.tiled:
-            return jax.lax.ragged_dot(x, w_XIO, self.sizes_X)
+        if not self.tiled:  # rows past the groups (copies routed nowhere) are zero whatever the kernel leaves there
+            y = jax.lax.ragged_dot(x, w_XIO, self.sizes_X)
+            return jnp.where((jnp.arange(x.shape[0]) < self.sizes_X.sum())[:, None], y, jnp.zeros((), y.dtype))
         return _tile_matmul(x, w_XIO, self.tile_expert_N, self.used, self.step)
 
 

@@ -7,7 +7,8 @@ routes its own tokens, as data parallelism does) and over the context axis. A de
 which is by destination, and one ragged all-to-all sends each destination exactly its copies (`ragged_all_to_all`;
 XLA:CPU has none, so on CPU a dense all-to-all of worst-case slices stands in). The destination receives into a
 buffer of E x a device's copies (all of every source's copies may be for it, so nothing is dropped), runs its own
-experts over it (rows past what arrived are zero rows, given no expert's weight), and a second ragged all-to-all
+experts over the rows that arrived (the rest are routed nowhere: jaxlm.grouped_matmul computes no tile for them on
+CPU and GPU, and zeroes them on TPU), and a second ragged all-to-all
 brings each source its outputs back, where they are unsorted and mixed as on one device. Capacity-limited
 dispatch bounds the buffers instead: each expert takes Q copies per source device, so a device sends [W, Q] slots
 to each destination (``_exchange_slots``).
@@ -126,12 +127,9 @@ def _exchange(local, axes, E: int, x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_ou
     home_S = jnp.sum(jnp.where(before_S[None, :], counts_SE, 0), axis=1)  # where each source's copies for me sat
     out, back = (_starts(send_E), send_E, land_E, recv_S), (_starts(recv_S), recv_S, home_S, send_E)
     recv_RD = ragged_all_to_all(x_UD[order_A // Z], jnp.zeros((E * A, D), x_UD.dtype), *out, axes=axes)
-    # the expert each received row is for; W (no expert) for the empty rows past what arrived
+    # the expert each received row is for; W (none: routed nowhere, computed by no tile) past what arrived
     recv_R = ragged_all_to_all(sorted_A - dest_A * W, jnp.full((E * A,), W, jnp.int32), *out, axes=axes)
-    # empty rows go to a zero expert W: a zero row through zero weights adds nothing
-    w_in = jnp.concatenate([w_in_WDCF, jnp.zeros_like(w_in_WDCF[:1])])
-    w_out = jnp.concatenate([w_out_WFD, jnp.zeros_like(w_out_WFD[:1])])
-    out_RD = local(recv_RD, jnp.ones((E * A, 1), jnp.float32), recv_R[:, None], w_in, w_out)[0]
+    out_RD = local(recv_RD, jnp.ones((E * A, 1), jnp.float32), recv_R[:, None], w_in_WDCF, w_out_WFD)[0]
     y_AD = ragged_all_to_all(out_RD, jnp.zeros((A, D), out_RD.dtype), *back, axes=axes)  # in sorted order
     y_UZD = y_AD[jnp.argsort(order_A)].reshape(U, Z, D)
     return jnp.einsum("uzd,uz->ud", y_UZD, weights_UZ.astype(y_UZD.dtype))

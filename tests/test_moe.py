@@ -83,6 +83,34 @@ def test_dropless_dispatch_equals_a_per_token_loop_forward_and_gradients(tiled, 
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=name)
 
 
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiles", "ragged_dot"])
+def test_copies_routed_nowhere_add_nothing_and_take_no_tile(tiled, monkeypatch):
+    """An expert exchange's receive buffer has rows past what arrived, given expert X (none, sharding.experts):
+    they add nothing forward or backward, the rest is the per-token loop's, and no tile is computed for them."""
+    monkeypatch.setattr(grouped_matmul, "TILE", 4)
+    x, router, w_in, w_out = _weights()
+    weights, experts, _ = route(x @ router, K, "softmax", True)
+    nowhere_N = np.arange(N) >= N - 5  # the last 5 tokens' copies
+    experts = jnp.where(nowhere_N[:, None], X, experts)
+    kept = [[not nowhere_N[n]] * K for n in range(N)]
+    want = reference_moe(x, router, w_in, w_out, chosen_experts(x, router), kept)
+
+    def moe(x, w_in, w_out):
+        return dropless_experts(x, weights, experts, w_in, w_out, tiled=tiled)
+
+    np.testing.assert_allclose(moe(x, w_in, w_out), want, atol=1e-5, rtol=1e-5)
+    g_x, g_in, g_out = jax.grad(lambda *a: jnp.sum(moe(*a) ** 2), argnums=range(3))(x, w_in, w_out)
+    w_in_out = jax.grad(
+        lambda a, b: jnp.sum(reference_moe(x, router, a, b, chosen_experts(x, router), kept) ** 2), (0, 1)
+    )
+    for got, ref in zip((g_in, g_out), w_in_out(w_in, w_out)):
+        np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert not np.asarray(g_x)[nowhere_N].any()
+    if tiled:
+        sizes = np.bincount(np.asarray(experts)[~nowhere_N].ravel(), minlength=X)
+        assert int(grouped_matmul.Groups.of(experts, X, tiled).used) == int(np.sum(-(-sizes // 4)))
+
+
 @pytest.mark.parametrize("factor", [0.5, 1.0])
 def test_capacity_dispatch_drops_exactly_the_overflow(factor):
     """Each expert keeps its first C copies in token order (token n's choices in rank order); the rest add nothing."""
