@@ -119,10 +119,21 @@ def _ring_forward(ring, q, k, v, q_seg, q_pos, kv_pos, table_CT):
     shard = (k, v, q_seg, kv_pos)
     out_BTHE = lse_BTH = None
     for step in range(ring.C):
+        if step:  # the shard in hand is used only once the step before is merged (`_in_turn`)
+            shard, (out_BTHE, lse_BTH) = _in_turn(shard, (out_BTHE, lse_BTH))
         part = ring.partial(step, q, *shard[:2], q_seg, q_pos, shard[2], shard[3], table_CT)
         out_BTHE, lse_BTH = merge(out_BTHE, lse_BTH, *part)
         shard = ring.send(step, shard)
     return out_BTHE.astype(q.dtype), lse_BTH
+
+
+def _in_turn(shard, done):
+    """(shard, done), tied: the shard a step computes on and passes on becomes available with what the step before
+    produced. The passes form a chain of ppermutes that depend on no computation, so XLA would otherwise issue them
+    all up front and hold every step's shard at once (Llama 3 8B, 1M tokens on 64 H100s: 30.7 GiB per GPU, more
+    than the all-gather variant's 22.7); tied, a pass still overlaps the step's computation, about two shards are
+    in hand, and the same step needs 18.9 GiB."""
+    return jax.lax.optimization_barrier((shard, done))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -146,6 +157,8 @@ def _ring_bwd(ring, residuals, d_out):
     dk_home, dv_home = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     shard = (k, v, q_seg, kv_pos, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for step in range(ring.C):
+        if step:
+            shard, (dq, dk_home, dv_home) = _in_turn(shard, (dq, dk_home, dv_home))
         k_s, v_s, kv_seg, kv_p, dk_acc, dv_acc = shard
         (out_j, lse_j), pull = jax.vjp(
             lambda q, k, v: ring.partial(step, q, k, v, q_seg, q_pos, kv_seg, kv_p, table_CT), q, k_s, v_s
