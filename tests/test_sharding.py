@@ -77,7 +77,9 @@ def _doc_batch():
     return batch
 
 
-@pytest.mark.parametrize("schedule, impl", [("gpipe", "xla_blocksparse"), ("1f1b", "pallas")])
+@pytest.mark.parametrize(
+    "schedule, impl", [pytest.param("gpipe", "xla_blocksparse", marks=pytest.mark.slow), ("1f1b", "pallas")]
+)
 def test_four_stage_pipeline_with_document_mask(schedule, impl, reference):
     """Four stages of one layer each, 8 microbatches; segment ids travel with their microbatch to every stage, and
     the block-sparse attention implementations run their own shard_map inside the stages'."""
