@@ -15,7 +15,7 @@ from helpers import one_device_mesh, random_batch, tiny_config
 from jaxlm import grouped_matmul
 from jaxlm.config import ConfigError, ModelConfig
 from jaxlm.moe import MoE, RouterBias, capacity, capacity_experts, dropless_experts, route
-from jaxlm.train import Program
+from jaxlm.train import Program, check_splits
 from sharding import MeshLayout, build_mesh
 
 N, D, X, K, F = 12, 8, 4, 2, 6
@@ -286,27 +286,31 @@ def test_expert_parallel_training_equals_one_device(layout, one_device_moe):
 
 
 def _pipeline_moe_program(layout, **model):
-    """The MoE tiny model with router losses on; without a layout, one device accumulating as many microbatches as
-    the layout's pipeline splits a batch into (the same rows: sharding splits microbatches as train_step does)."""
+    """The MoE tiny model with router losses on, in a pipeline layout (one the trainer accepts: each microbatch's
+    rows split over the batch axes), or on one device accumulating as many microbatches as the layouts' pipelines
+    split a batch into (the same rows: sharding splits microbatches as train_step does)."""
     model = dict(num_experts=8, experts_per_token=2, expert_mlp_dim=32, moe_aux_loss=0.01, moe_z_loss=1e-3, **model)
-    micro = 1 if layout.pipeline > 1 else MeshLayout(pipeline=2).num_microbatches
+    micro = 1 if layout.pipeline > 1 else 2  # the layouts' pipeline_microbatches
     cfg = tiny_config(model=model, data=dict(microbatches=micro), optim=dict(learning_rate=1e-2, warmup_steps=2))
-    return Program(cfg, build_mesh(layout), layout) if layout.pipeline > 1 else Program(cfg, one_device_mesh())
+    if layout.pipeline == 1:
+        return Program(cfg, one_device_mesh())
+    check_splits(cfg, layout, "cpu")
+    return Program(cfg, build_mesh(layout), layout)
 
 
 @pytest.mark.parametrize(
     "layout, model",
     [
-        (MeshLayout(pipeline=2, expert=2, data=2), dict(router="sigmoid_bias")),
+        (MeshLayout(pipeline=2, expert=2, data=2, pipeline_microbatches=2), dict(router="sigmoid_bias")),
         pytest.param(  # groups of a dense and an MoE layer split over stages; B and W apart
-            MeshLayout(pipeline=2, expert=2, data=2, pipeline_schedule="zb-h1"),
+            MeshLayout(pipeline=2, expert=2, data=2, pipeline_schedule="zb-h1", pipeline_microbatches=2),
             dict(moe_every=2, num_layers=4),
             marks=pytest.mark.slow,
             id="zb-h1-every2",
         ),
         pytest.param(  # two chunks per stage moved by ppermute, experts gathered over tensor
-            MeshLayout(pipeline=2, tensor=2, expert=2, pipeline_schedule="interleaved-1f1b"),
-            dict(router="sigmoid_bias", num_layers=4),
+            MeshLayout(pipeline=2, tensor=2, expert=2, pipeline_schedule="interleaved-1f1b", pipeline_microbatches=2),
+            dict(num_layers=4),
             marks=pytest.mark.slow,
             id="interleaved-tensor",
         ),
