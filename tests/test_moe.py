@@ -264,7 +264,7 @@ def one_device_moe():
         pytest.param(MeshLayout(expert=4, data=2), marks=pytest.mark.slow, id="expert4_data2"),
         pytest.param(MeshLayout(expert=2, fsdp=2, tensor=2), marks=pytest.mark.slow, id="expert2_fsdp2_tensor2"),
         pytest.param(MeshLayout(data=2, fsdp=2, tensor=2), id="no_expert_axis"),  # per-device routing, tokens on tensor
-        pytest.param(MeshLayout(context=2, expert=2, data=2), id="context2_expert2_data2"),
+        pytest.param(MeshLayout(context=2, expert=2, data=2), marks=pytest.mark.slow, id="context2_expert2_data2"),
     ],
 )
 def test_expert_parallel_training_equals_one_device(layout, one_device_moe):

@@ -147,7 +147,11 @@ RULE_OVERRIDES = {
 
 
 @pytest.mark.parametrize(
-    "name, impl", [("batch_on_data_heads_whole", "xla_blocksparse"), ("batch_on_tensor_heads_on_fsdp", "pallas")]
+    "name, impl",
+    [
+        pytest.param("batch_on_data_heads_whole", "xla_blocksparse", marks=pytest.mark.slow),
+        ("batch_on_tensor_heads_on_fsdp", "pallas"),
+    ],
 )
 def test_attention_kernels_split_as_the_rules_say(name, impl, reference, monkeypatch):
     """The block-sparse kernels run under their own shard_map; its batch and head axes come from the layout's rules,
