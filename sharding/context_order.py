@@ -31,13 +31,16 @@ MAX_CHUNKS_PER_DEVICE = 8  # 8: within 1.03x max / mean on every packing tried; 
 
 
 def pick_order(mask: pk.Mask, shards: int, how: str = "auto") -> str:
-    """Which order `how` means for this mask: auto is contiguous for a mask with a local term (window, chunk),
-    documents for a document mask whose kept pairs `visible_keys` counts, zigzag otherwise. documents on a mask
-    without documents is auto's choice (its cost is the same for every row: zigzag or contiguous already fit)."""
+    """Which order `how` means for this mask: auto is contiguous for a mask with a local term (window, chunk: the
+    ring then passes a shard only as far as it reaches, which a per-row order would stop it knowing), documents for
+    another document mask whose kept pairs `visible_keys` counts, zigzag otherwise. documents on a mask without
+    documents is auto's choice (its cost is the same for every row: zigzag or contiguous already fit)."""
     if shards == 1 or how == "contiguous":
         return "contiguous"
     if how == "zigzag":
         return "zigzag"
+    if how == "auto" and _is_local(mask):
+        return "contiguous"
     if uses_documents(mask) and counts(mask):
         return "documents"
     if how == "documents" and uses_documents(mask):
