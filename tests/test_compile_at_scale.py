@@ -160,6 +160,7 @@ def test_the_matrix_of_llama3_8b_70b_405b_on_h100_and_v5p_clusters(tmp_path):
     assert all(0.9 <= r["planner_over_xla"] <= 1.1 for r in rows if r["cluster"].startswith("h100")), rows
 
 
+@pytest.mark.slow
 def test_plan_verify_compiles_the_planner_s_best_layout_and_prints_xla_s_memory_beside_it():
     args = ["--model", "experiments/configs/tiny_lm.py", "--vocab-size", "4096", "--devices", "8"]
     args += ["--global-batch-tokens", "4096", "--seq", "256", "--hardware", "h100-sxm", "--verify", "1"]
