@@ -361,6 +361,7 @@ def check_splits(cfg: TrainConfig, layout: MeshLayout, platform: str) -> None:
         num_layers=m.num_layers,
         seq_len=d.seq_len,
         num_experts=m.num_experts,
+        moe_every=m.moe_every,
     )
 
 
@@ -388,13 +389,8 @@ class Program:
                 "delayed-scaling quantization (model.quant_scaling=delayed) does not run in "
                 "a pipeline layout; set model.quant_scaling=current"
             )
-        if layout.pipeline > 1 and cfg.model.num_experts and cfg.model.moe_every > 1:
-            units = layout.pipeline * layout.pipeline_chunks  # stages split groups of moe_every layers
-            if cfg.model.num_moe_layers % units:
-                raise config_lib.ConfigError(
-                    f"model.num_layers / model.moe_every = {cfg.model.num_moe_layers} groups of dense layers and an "
-                    f"MoE layer do not split over {units} pipeline stages x chunks per stage"
-                )
+        if layout.pipeline > 1 and cfg.model.num_experts:  # stages split groups of moe_every layers
+            layout.check_layers(cfg.model.num_layers, cfg.model.moe_every)
         layout.check_experts(cfg.model.num_experts)
         rules = layout.rules
         self.cfg, self.mesh, self.layout = cfg, mesh, layout

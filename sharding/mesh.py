@@ -127,6 +127,7 @@ class MeshLayout:
         num_layers: int,
         seq_len: int = 0,
         num_experts: int = 0,
+        moe_every: int = 1,
     ) -> None:
         """Model and batch dimensions must split evenly over the mesh axes they are sharded on (`seq_len` 0: no
         sequence to check)."""
@@ -153,7 +154,13 @@ class MeshLayout:
         self._check_split("num_heads", num_heads, "heads")
         self._check_split("num_kv_heads", num_kv_heads, "kv_heads")
         self._check_split("mlp_dim", mlp_dim, "mlp")
-        if num_layers % (self.pipeline * self.pipeline_chunks):
+        self.check_layers(num_layers, moe_every if num_experts else 1)
+
+    def check_layers(self, num_layers: int, group: int = 1) -> None:
+        """The layers split evenly over the pipeline's stages x chunks; when `group` > 1 (an MoE layer every
+        model.moe_every, the rest dense) stages take whole groups of that many layers (jaxlm.train)."""
+        units = self.pipeline * self.pipeline_chunks
+        if num_layers % units:
             if self.pipeline_chunks > 1:
                 raise LayoutError(
                     f"model.num_layers = {num_layers} does not split into pipeline = {self.pipeline} stages x "
@@ -161,6 +168,11 @@ class MeshLayout:
                 )
             raise LayoutError(
                 f"model.num_layers = {num_layers} is not divisible by mesh axis 'pipeline' = {self.pipeline}"
+            )
+        if group > 1 and (num_layers // group) % units:
+            raise LayoutError(
+                f"model.num_layers / model.moe_every = {num_layers // group} groups of dense layers and an MoE layer "
+                f"do not split over {units} pipeline stages x chunks per stage"
             )
 
     def _check_split(self, name: str, size: int, logical: str) -> None:

@@ -423,6 +423,10 @@ def test_check_divisibility():
         piped.check_divisibility(**{**ok, "num_layers": 3, "microbatches": 1})
     with pytest.raises(LayoutError, match=r"batch 12 does not split into 2 accumulation x 4 pipeline microbatches"):
         piped.check_divisibility(**{**ok, "batch_size": 12})
+    moe = {**ok, "microbatches": 1, "num_experts": 4, "moe_every": 2}  # stages take whole groups of 2 layers
+    piped.check_divisibility(**{**moe, "num_layers": 4})
+    with pytest.raises(LayoutError, match=r"moe_every = 1 groups of dense layers and an MoE layer do not split over 2"):
+        piped.check_divisibility(**moe)
     with pytest.raises(
         LayoutError,
         match=r"microbatch size 1 .* 4 pipeline microbatches\) is not divisible by "
