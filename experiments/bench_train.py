@@ -70,45 +70,57 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best_time(jax.jit(jnp.dot), a, b, repeats=repeats)
 
 
+class CompiledStep:
+    """One config's train step compiled for one device, with a fixed random batch, timed window by window: a
+    benchmark that compares configs interleaves their windows, so a slow spell of a shared VM hits them alike."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.program = Program(cfg, build_mesh(MeshLayout(data=1), devices=jax.devices()[:1]))
+        rng = np.random.default_rng(0)
+        B, T, V = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
+        tokens = rng.integers(0, V, size=(B, T + 1), dtype=np.int32)
+        self.batch = self.program.device_batch(
+            {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((B, T), np.float32)}
+        )
+        self.state = self.program.init()
+        t0 = time.perf_counter()
+        self.step_fn = self.program.train_step.lower(self.state, self.batch).compile()
+        self.compile_s = time.perf_counter() - t0
+        self.state, self.metrics = self.step_fn(self.state, self.batch)
+        self.first_loss = float(self.metrics["loss"])  # the warm-up step's; the batch repeats, so the loss must fall
+
+    def window(self, steps: int) -> float:
+        """Seconds per step over ``steps`` steps."""
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.state, self.metrics = self.step_fn(self.state, self.batch)
+        jax.block_until_ready((self.state, self.metrics))
+        return (time.perf_counter() - t0) / steps
+
+
 def measure_train_step(
     cfg: TrainConfig, steps: int, windows: int, profile_dir: str | None = None, keep_hlo: bool = False
 ) -> dict:
     """Compiles the train step, runs a warm-up step, then times `windows` windows of `steps` steps; best window.
     `keep_hlo`: the result's "hlo" is the compiled step's optimized HLO text."""
-    program = Program(cfg, build_mesh(MeshLayout(data=1), devices=jax.devices()[:1]))
-    rng = np.random.default_rng(0)
-    B, T, V = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
-    tokens = rng.integers(0, V, size=(B, T + 1), dtype=np.int32)
-    batch = program.device_batch(
-        {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": np.ones((B, T), np.float32)}
-    )
-    state = program.init()
-    t0 = time.perf_counter()
-    step_fn = program.train_step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    state, metrics = step_fn(state, batch)
-    first_loss = float(metrics["loss"])
-    best = float("inf")
-    for _ in range(windows):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = step_fn(state, batch)
-        jax.block_until_ready((state, metrics))
-        best = min(best, (time.perf_counter() - t0) / steps)
+    step = CompiledStep(cfg)
+    best = min(step.window(steps) for _ in range(windows))
     if profile_dir:
-        print_profile(lambda: step_fn(state, batch), profile_dir)
-    flops_per_token = model_flops_per_token(cfg.model, program.num_params, T)
+        print_profile(lambda: step.step_fn(step.state, step.batch), profile_dir)
+    T, B = cfg.data.seq_len, cfg.data.batch_size
+    flops_per_token = model_flops_per_token(cfg.model, step.program.num_params, T)
     tokens_per_s = B * T / best
-    return ({"hlo": step_fn.as_text()} if keep_hlo else {}) | {
-        "params": program.num_params,
-        "microbatches": program.microbatches,
+    return ({"hlo": step.step_fn.as_text()} if keep_hlo else {}) | {
+        "params": step.program.num_params,
+        "microbatches": step.program.microbatches,
         "mflop_per_token": flops_per_token / 1e6,
-        "compile_s": compile_s,
+        "compile_s": step.compile_s,
         "step_s": best,
         "tokens_per_s": tokens_per_s,
         "model_gflops_per_s": tokens_per_s * flops_per_token / 1e9,
-        "first_loss": first_loss,  # the warm-up step's; the batch is the same every step, so the loss must fall
-        "loss": float(metrics["loss"]),
+        "first_loss": step.first_loss,
+        "loss": float(step.metrics["loss"]),
     }
 
 

@@ -6,15 +6,21 @@ gradient for 8 experts, ``experiments.bench_grouped_matmul``, 2048 and 8192 rows
 0.10.2, compiled for an H100) rewrites it into one dense product over a [rows, experts x width] masked copy of the
 input: X times the FLOPs, and for Qwen3-30B-A3B's 128 experts on 64 H100s 1.6 TB of temporaries per GPU
 (docs/results/scale-moe-2026-11-26.md). On CPU and GPU the rows are therefore laid out in tiles instead: each
-group padded to whole tiles of ``TILE`` rows, so every tile belongs to one expert, and a scan multiplies a step of
-tiles at a time with their experts' weights (``CPU_TILES_PER_STEP`` / ``GPU_TILES_PER_STEP``: one batched product
-of that many tiles per step), skipping the steps past the last group (the static bound pads up to X tiles). A
-custom_vjp does the same for the input gradient and adds each tile's weight gradient into its expert's (autodiff of
-the scan kept every step's weight slice). On CPU 1.3-1.8x the plain product forward and 1.8x with the gradient. A
-Pallas grouped GEMM for Hopper is what the GPU still lacks (its speed unmeasured).
+group padded to whole tiles, so every tile belongs to one expert.
+
+- **GPU** (tiles of ``GPU_TILE`` rows): a scan multiplies ``GPU_TILES_PER_STEP`` tiles at a time with their
+  experts' weights (one batched product per step), skipping the steps past the last group (the static bound pads
+  up to X tiles). Its speed on a GPU is unmeasured; a Pallas grouped GEMM is what it still lacks.
+- **CPU** (tiles of ``CPU_TILE`` rows): a loop over the experts takes each one's weights once and multiplies its
+  rows in chunks of ``CPU_CHUNK`` while they last, then one each of the halves down to a tile. Fetching weights
+  per tile had cost more than the products (a [4, 256, 1024] slice per step of 4 tiles of 128 rows), and small
+  tiles only pad: XLA:CPU's products run 1.1-1.4x slower per row at 128-256 rows than at 1024.
+
+A custom_vjp does the same for the input gradient and sums each expert's weight gradient from its own rows (autodiff
+of the loops would keep every step's weight slice).
 
 Shape letters beyond the legend (docs/architecture.md): A sorted rows, X groups (experts), N tiles, S tiles per
-scan step, I / O a product's input and output widths.
+scan step, R rows of the tiled layout, I / O a product's input and output widths.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.kernel_inputs import target_platform
 
-TILE = 128  # rows per tile: an MoE layer of tiny_lm ran 37 ms forward + backward with 128, 45 with 256
+GPU_TILE = 128  # rows per tile on a GPU
 GPU_TILES_PER_STEP = 8  # a GPU's scan step multiplies 8 tiles (1024 rows) at once, gathering their 8 experts' weights
-CPU_TILES_PER_STEP = 4  # XLA:CPU: an MoE layer's forward + backward 10% faster than tile by tile (1024-4096 tokens)
+CPU_TILE = 32  # rows per tile on CPU: the padding of each expert's rows, and the smallest product
+CPU_CHUNK = 512  # rows per product on CPU while an expert has them (products of 512+ rows run at full speed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +46,18 @@ class Groups:
     (``_copies_in`` / ``_copies_out``): XLA:CPU runs scatters row by row."""
 
     sizes_X: jax.Array
-    tiled: bool
-    step: int  # tiles per scan step (tiled)
+    kernel: str  # "ragged_dot" (TPU), "tile_scan" (GPU) or "expert_loop" (CPU)
+    tile: int  # rows per tile (1: untiled)
     source_P: jax.Array  # the copy (u * Z + z) each row holds; U * Z for a padding row
     position_UZ: jax.Array  # the row each copy sits in
-    tile_expert_N: jax.Array | None = None
-    used: jax.Array | None = None  # tiles holding rows (the rest, up to X of the N, are padding)
+    tile_expert_N: jax.Array | None = None  # tile_scan: each tile's expert
+    used: jax.Array | None = None  # tile_scan: tiles holding rows (the rest, up to X of the N, are padding)
+    first_X: jax.Array | None = None  # expert_loop: each expert's first row
+    padded_X: jax.Array | None = None  # expert_loop: each expert's rows, padded to whole tiles
+
+    @property
+    def tiled(self) -> bool:
+        return self.kernel != "ragged_dot"
 
     @staticmethod
     def of(experts_UZ, num_experts: int, tiled: bool | None = None) -> Groups:
@@ -53,34 +66,37 @@ class Groups:
         routed nowhere: it takes no row of a tile (so no tile is computed for it) and its output is zero."""
         platform = target_platform()
         tiled = platform != "tpu" if tiled is None else tiled
-        step = GPU_TILES_PER_STEP if platform == "gpu" else CPU_TILES_PER_STEP
+        kernel = ("tile_scan" if platform == "gpu" else "expert_loop") if tiled else "ragged_dot"
+        tile = {"tile_scan": GPU_TILE, "expert_loop": CPU_TILE, "ragged_dot": 1}[kernel]
         U, Z = experts_UZ.shape
         X, A = num_experts, U * Z
         order_A = jnp.argsort(experts_UZ.reshape(-1), stable=True)  # copies by expert, in token order within one
         sizes_X = jnp.bincount(experts_UZ.reshape(-1), length=X).astype(jnp.int32)  # out of range: not counted
         routed_A = jnp.arange(A) < sizes_X.sum()  # the sorted copies that have an expert (the rest sort last)
-        if tiled:
-            n_tiles = -(-(-(-A // TILE) + X) // step) * step  # whole scan steps
-            padded_X = (sizes_X + TILE - 1) // TILE * TILE
-            ends_X = jnp.cumsum(padded_X)
-            expert_A = jnp.repeat(jnp.arange(X), sizes_X, total_repeat_length=A)
-            pos_A = (ends_X - padded_X)[expert_A] + jnp.arange(A) - (jnp.cumsum(sizes_X) - sizes_X)[expert_A]
-            tile_expert_N = jnp.minimum(jnp.searchsorted(ends_X, jnp.arange(n_tiles) * TILE, side="right"), X - 1)
-            rows, extra = n_tiles * TILE, (tile_expert_N, ends_X[-1] // TILE)
-            # a copy routed nowhere reads the last row: always padding (the groups end at most X - 1 tiles of padding
-            # past A rows, N covers A / TILE + X tiles), whose input and output stay zero
-            pos_A = jnp.where(routed_A, pos_A, rows - 1)
-        else:
-            pos_A, rows, extra = jnp.arange(A), A, ()
-        taken_A = jnp.where(routed_A, pos_A, rows) if tiled else pos_A  # nowhere-routed copies fill no row
+        if not tiled:
+            return Groups(sizes_X, kernel, 1, order_A.astype(jnp.int32), jnp.argsort(order_A).reshape(U, Z))
+        step = GPU_TILES_PER_STEP if kernel == "tile_scan" else 1
+        n_tiles = -(-(-(-A // tile) + X) // step) * step  # whole scan steps
+        padded_X = (sizes_X + tile - 1) // tile * tile
+        ends_X = jnp.cumsum(padded_X)
+        expert_A = jnp.repeat(jnp.arange(X), sizes_X, total_repeat_length=A)
+        pos_A = (ends_X - padded_X)[expert_A] + jnp.arange(A) - (jnp.cumsum(sizes_X) - sizes_X)[expert_A]
+        rows = n_tiles * tile
+        # a copy routed nowhere reads the last row: always padding (the groups end at most X - 1 tiles of padding
+        # past A rows, N covers A / tile + X tiles), whose input and output stay zero
+        pos_A = jnp.where(routed_A, pos_A, rows - 1)
+        taken_A = jnp.where(routed_A, pos_A, rows)  # nowhere-routed copies fill no row
         source_P = jnp.full((rows,), A, jnp.int32).at[taken_A].set(order_A.astype(jnp.int32), mode="drop")
         position_UZ = pos_A[jnp.argsort(order_A)].reshape(U, Z)
-        return Groups(sizes_X, tiled, step, source_P, position_UZ, *extra)
+        if kernel == "expert_loop":
+            return Groups(sizes_X, kernel, tile, source_P, position_UZ, first_X=ends_X - padded_X, padded_X=padded_X)
+        tile_expert_N = jnp.minimum(jnp.searchsorted(ends_X, jnp.arange(n_tiles) * tile, side="right"), X - 1)
+        return Groups(sizes_X, kernel, tile, source_P, position_UZ, tile_expert_N, ends_X[-1] // tile)
 
     def gather(self, x_UD):
-        """Each row's token ([N, TILE, D] tiles, or [A, D] for ragged_dot); zero on padding rows."""
+        """Each row's token ([N, tile, D] tiles for the scan, else [rows, D]); zero on padding rows."""
         rows = _copies_in(x_UD, self.source_P, self.position_UZ)
-        return rows.reshape(-1, TILE, rows.shape[-1]) if self.tiled else rows
+        return rows.reshape(-1, self.tile, rows.shape[-1]) if self.kernel == "tile_scan" else rows
 
     def outputs(self, y):
         """The matmuls' output rows back as each token's copies, [U, Z, O]."""
@@ -88,10 +104,13 @@ class Groups:
 
     def matmul(self, x, w_XIO):
         """Each row times its group's [I, O] weights; padding rows stay zero."""
-        if not self.tiled:  # rows past the groups (copies routed nowhere) are zero whatever the kernel leaves there
-            y = jax.lax.ragged_dot(x, w_XIO, self.sizes_X)
-            return jnp.where((jnp.arange(x.shape[0]) < self.sizes_X.sum())[:, None], y, jnp.zeros((), y.dtype))
-        return _tile_matmul(x, w_XIO, self.tile_expert_N, self.used, self.step)
+        if self.kernel == "tile_scan":
+            return _tile_matmul(x, w_XIO, self.tile_expert_N, self.used, GPU_TILES_PER_STEP)
+        if self.kernel == "expert_loop":
+            return _expert_matmul(x, w_XIO, self.first_X, self.padded_X, self.tile)
+        # rows past the groups (copies routed nowhere) are zero whatever the kernel leaves there
+        y = jax.lax.ragged_dot(x, w_XIO, self.sizes_X)
+        return jnp.where((jnp.arange(x.shape[0]) < self.sizes_X.sum())[:, None], y, jnp.zeros((), y.dtype))
 
 
 def _with_zero_row(x):
@@ -176,3 +195,67 @@ def _tile_matmul_bwd(step, residuals, dy_NTO):
 
 
 _tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
+
+
+def _in_chunks(first, rows, tile: int, total: int, fn, carry):
+    """``carry = fn(carry, row, size)`` over rows [first, first + rows) (a whole number of tiles, within ``total``):
+    chunks of ``CPU_CHUNK`` rows (or of the largest half of it ``total`` holds) while they last, then at most one
+    of each half of that down to a tile."""
+    chunk = CPU_CHUNK
+    while chunk > max(total, tile):
+        chunk //= 2
+    whole = rows // chunk
+    carry = jax.lax.fori_loop(0, whole, lambda k, c: fn(c, first + k * chunk, chunk), carry)
+    at, size = first + whole * chunk, chunk // 2
+    while size >= tile:
+        take = first + rows - at >= size
+        carry = jax.lax.cond(take, lambda c, at=at, size=size: fn(c, at, size), lambda c: c, carry)
+        at, size = at + jnp.where(take, size, 0), size // 2
+    return carry
+
+
+def _loop_experts(x_RI, w_XIO, first_X, padded_X, tile: int, transpose: bool = False):
+    """Each expert's rows times its weights (transposed: ``w`` [X, O, I] read as [X, I, O]^T)."""
+    out_width = w_XIO.shape[1] if transpose else w_XIO.shape[2]
+
+    def expert(e, y_RO):
+        w_IO = w_XIO[e]
+
+        def chunk(y_RO, row, size):
+            x_CI = jax.lax.dynamic_slice_in_dim(x_RI, row, size)
+            product = jnp.einsum("ci,oi->co" if transpose else "ci,io->co", x_CI, w_IO)
+            return jax.lax.dynamic_update_slice_in_dim(y_RO, product, row, 0)
+
+        return _in_chunks(first_X[e], padded_X[e], tile, x_RI.shape[0], chunk, y_RO)
+
+    return jax.lax.fori_loop(0, w_XIO.shape[0], expert, jnp.zeros((x_RI.shape[0], out_width), x_RI.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _expert_matmul(x_RI, w_XIO, first_X, padded_X, tile):
+    return _loop_experts(x_RI, w_XIO, first_X, padded_X, tile)
+
+
+def _expert_matmul_fwd(x_RI, w_XIO, first_X, padded_X, tile):
+    return _loop_experts(x_RI, w_XIO, first_X, padded_X, tile), (x_RI, w_XIO, first_X, padded_X)
+
+
+def _expert_matmul_bwd(tile, residuals, dy_RO):
+    x_RI, w_XIO, first_X, padded_X = residuals
+    dx_RI = _loop_experts(dy_RO, w_XIO, first_X, padded_X, tile, transpose=True)
+
+    def expert_gradient(_, e):
+        def chunk(dw_IO, row, size):
+            x_CI = jax.lax.dynamic_slice_in_dim(x_RI, row, size)
+            dy_CO = jax.lax.dynamic_slice_in_dim(dy_RO, row, size)
+            return dw_IO + jnp.einsum("ci,co->io", x_CI, dy_CO, preferred_element_type=jnp.float32)
+
+        return None, _in_chunks(
+            first_X[e], padded_X[e], tile, x_RI.shape[0], chunk, jnp.zeros(w_XIO.shape[1:], jnp.float32)
+        )
+
+    dw_XIO = jax.lax.scan(expert_gradient, None, jnp.arange(w_XIO.shape[0]))[1]
+    return dx_RI, dw_XIO.astype(w_XIO.dtype), None, None
+
+
+_expert_matmul.defvjp(_expert_matmul_fwd, _expert_matmul_bwd)

@@ -63,14 +63,24 @@ def _moe(dispatch):
     return run
 
 
-@pytest.mark.parametrize("tiled", [True, False], ids=["tiles", "ragged_dot"])
-def test_dropless_dispatch_equals_a_per_token_loop_forward_and_gradients(tiled, monkeypatch):
-    """Both grouped matmuls (jaxlm.grouped_matmul): tiles of 4 rows here, so groups span several tiles and pad, taken
-    3 at a time as a GPU takes its steps of tiles (the tiles pad to whole steps; CPU's steps of one are what every
-    MoE training test runs)."""
-    monkeypatch.setattr(grouped_matmul, "TILE", 4)
+KERNELS = ["expert_loop", "tile_scan", "ragged_dot"]
+
+
+def _small_tiles(monkeypatch, kernel: str):
+    """Small tiles, so groups span several and pad: the CPU's loop takes tiles of 2 rows, chunks of 8 (then one of
+    4 and of 2: every size); the GPU's scan tiles of 4, 3 a step (padding to whole steps). Returns ``tiled``."""
+    monkeypatch.setattr(grouped_matmul, "CPU_TILE", 2)
+    monkeypatch.setattr(grouped_matmul, "CPU_CHUNK", 8)
+    monkeypatch.setattr(grouped_matmul, "GPU_TILE", 4)
     monkeypatch.setattr(grouped_matmul, "GPU_TILES_PER_STEP", 3)
-    monkeypatch.setattr(grouped_matmul, "target_platform", lambda: "gpu")
+    monkeypatch.setattr(grouped_matmul, "target_platform", lambda: "gpu" if kernel == "tile_scan" else "cpu")
+    return kernel != "ragged_dot"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dropless_dispatch_equals_a_per_token_loop_forward_and_gradients(kernel, monkeypatch):
+    """Every grouped matmul (jaxlm.grouped_matmul) at small tiles, forward and gradients."""
+    tiled = _small_tiles(monkeypatch, kernel)
     args = _weights()
     chosen = chosen_experts(*args[:2])
     dispatch = functools.partial(dropless_experts, tiled=tiled)
@@ -83,11 +93,11 @@ def test_dropless_dispatch_equals_a_per_token_loop_forward_and_gradients(tiled, 
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=name)
 
 
-@pytest.mark.parametrize("tiled", [True, False], ids=["tiles", "ragged_dot"])
-def test_copies_routed_nowhere_add_nothing_and_take_no_tile(tiled, monkeypatch):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_copies_routed_nowhere_add_nothing_and_take_no_tile(kernel, monkeypatch):
     """An expert exchange's receive buffer has rows past what arrived, given expert X (none, sharding.experts):
     they add nothing forward or backward, the rest is the per-token loop's, and no tile is computed for them."""
-    monkeypatch.setattr(grouped_matmul, "TILE", 4)
+    tiled = _small_tiles(monkeypatch, kernel)
     x, router, w_in, w_out = _weights()
     weights, experts, _ = route(x @ router, K, "softmax", True)
     nowhere_N = np.arange(N) >= N - 5  # the last 5 tokens' copies
@@ -106,9 +116,11 @@ def test_copies_routed_nowhere_add_nothing_and_take_no_tile(tiled, monkeypatch):
     for got, ref in zip((g_in, g_out), w_in_out(w_in, w_out)):
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
     assert not np.asarray(g_x)[nowhere_N].any()
-    if tiled:
+    if tiled:  # the rows multiplied: each expert's arrived copies, padded to whole tiles
         sizes = np.bincount(np.asarray(experts)[~nowhere_N].ravel(), minlength=X)
-        assert int(grouped_matmul.Groups.of(experts, X, tiled).used) == int(np.sum(-(-sizes // 4)))
+        groups = grouped_matmul.Groups.of(experts, X, tiled)
+        rows = groups.used * groups.tile if kernel == "tile_scan" else groups.padded_X.sum()
+        assert int(rows) == int(np.sum(-(-sizes // groups.tile) * groups.tile))
 
 
 @pytest.mark.parametrize("factor", [0.5, 1.0])
