@@ -11,13 +11,10 @@ group padded to whole tiles, so every tile belongs to one expert.
 - **GPU** (tiles of ``GPU_TILE`` rows): a scan multiplies ``GPU_TILES_PER_STEP`` tiles at a time with their
   experts' weights (one batched product per step), skipping the steps past the last group (the static bound pads
   up to X tiles). Its speed on a GPU is unmeasured; a Pallas grouped GEMM is what it still lacks.
-- **CPU** (tiles of ``CPU_TILE`` rows): a loop over the experts takes each one's weights once and multiplies its
-  rows in chunks of ``CPU_CHUNK`` while they last, then one each of the halves down to a tile. Fetching weights
-  per tile had cost more than the products (a [4, 256, 1024] slice per step of 4 tiles of 128 rows), and small
-  tiles only pad: XLA:CPU's products run 1.1-1.4x slower per row at 128-256 rows than at 1024.
-
-A custom_vjp does the same for the input gradient and sums each expert's weight gradient from its own rows (autodiff
-of the loops would keep every step's weight slice).
+  A custom_vjp does the same for the input gradient and adds each tile's weight gradient into its expert's
+  (autodiff of the scan would keep every step's weight slice).
+- **CPU** (tiles of ``CPU_TILE`` rows): no grouped matmul; ``jaxlm.expert_swiglu`` loops over the experts and
+  computes each one's whole MLP on its rows, chunk by chunk.
 
 Shape letters beyond the legend (docs/architecture.md): A sorted rows, X groups (experts), N tiles, S tiles per
 scan step, R rows of the tiled layout, I / O a product's input and output widths.
@@ -35,8 +32,7 @@ from pallas_kernels.kernel_inputs import target_platform
 
 GPU_TILE = 128  # rows per tile on a GPU
 GPU_TILES_PER_STEP = 8  # a GPU's scan step multiplies 8 tiles (1024 rows) at once, gathering their 8 experts' weights
-CPU_TILE = 32  # rows per tile on CPU: the padding of each expert's rows, and the smallest product
-CPU_CHUNK = 512  # rows per product on CPU while an expert has them (products of 512+ rows run at full speed)
+CPU_TILE = 32  # rows per tile on CPU: the padding of each expert's rows, and its smallest chunk (expert_swiglu)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +99,12 @@ class Groups:
         return _copies_out(y.reshape(-1, y.shape[-1]), self.position_UZ, self.source_P)
 
     def matmul(self, x, w_XIO):
-        """Each row times its group's [I, O] weights; padding rows stay zero."""
+        """Each row times its group's [I, O] weights; padding rows stay zero. The CPU's expert loop has none: it
+        computes a whole MLP per chunk (jaxlm.expert_swiglu)."""
+        if self.kernel == "expert_loop":
+            raise NotImplementedError("the CPU's expert loop runs whole MLPs: jaxlm.expert_swiglu.grouped_swiglu")
         if self.kernel == "tile_scan":
             return _tile_matmul(x, w_XIO, self.tile_expert_N, self.used, GPU_TILES_PER_STEP)
-        if self.kernel == "expert_loop":
-            return _expert_matmul(x, w_XIO, self.first_X, self.padded_X, self.tile)
         # rows past the groups (copies routed nowhere) are zero whatever the kernel leaves there
         y = jax.lax.ragged_dot(x, w_XIO, self.sizes_X)
         return jnp.where((jnp.arange(x.shape[0]) < self.sizes_X.sum())[:, None], y, jnp.zeros((), y.dtype))
@@ -195,67 +192,3 @@ def _tile_matmul_bwd(step, residuals, dy_NTO):
 
 
 _tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
-
-
-def _in_chunks(first, rows, tile: int, total: int, fn, carry):
-    """``carry = fn(carry, row, size)`` over rows [first, first + rows) (a whole number of tiles, within ``total``):
-    chunks of ``CPU_CHUNK`` rows (or of the largest half of it ``total`` holds) while they last, then at most one
-    of each half of that down to a tile."""
-    chunk = CPU_CHUNK
-    while chunk > max(total, tile):
-        chunk //= 2
-    whole = rows // chunk
-    carry = jax.lax.fori_loop(0, whole, lambda k, c: fn(c, first + k * chunk, chunk), carry)
-    at, size = first + whole * chunk, chunk // 2
-    while size >= tile:
-        take = first + rows - at >= size
-        carry = jax.lax.cond(take, lambda c, at=at, size=size: fn(c, at, size), lambda c: c, carry)
-        at, size = at + jnp.where(take, size, 0), size // 2
-    return carry
-
-
-def _loop_experts(x_RI, w_XIO, first_X, padded_X, tile: int, transpose: bool = False):
-    """Each expert's rows times its weights (transposed: ``w`` [X, O, I] read as [X, I, O]^T)."""
-    out_width = w_XIO.shape[1] if transpose else w_XIO.shape[2]
-
-    def expert(e, y_RO):
-        w_IO = w_XIO[e]
-
-        def chunk(y_RO, row, size):
-            x_CI = jax.lax.dynamic_slice_in_dim(x_RI, row, size)
-            product = jnp.einsum("ci,oi->co" if transpose else "ci,io->co", x_CI, w_IO)
-            return jax.lax.dynamic_update_slice_in_dim(y_RO, product, row, 0)
-
-        return _in_chunks(first_X[e], padded_X[e], tile, x_RI.shape[0], chunk, y_RO)
-
-    return jax.lax.fori_loop(0, w_XIO.shape[0], expert, jnp.zeros((x_RI.shape[0], out_width), x_RI.dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _expert_matmul(x_RI, w_XIO, first_X, padded_X, tile):
-    return _loop_experts(x_RI, w_XIO, first_X, padded_X, tile)
-
-
-def _expert_matmul_fwd(x_RI, w_XIO, first_X, padded_X, tile):
-    return _loop_experts(x_RI, w_XIO, first_X, padded_X, tile), (x_RI, w_XIO, first_X, padded_X)
-
-
-def _expert_matmul_bwd(tile, residuals, dy_RO):
-    x_RI, w_XIO, first_X, padded_X = residuals
-    dx_RI = _loop_experts(dy_RO, w_XIO, first_X, padded_X, tile, transpose=True)
-
-    def expert_gradient(_, e):
-        def chunk(dw_IO, row, size):
-            x_CI = jax.lax.dynamic_slice_in_dim(x_RI, row, size)
-            dy_CO = jax.lax.dynamic_slice_in_dim(dy_RO, row, size)
-            return dw_IO + jnp.einsum("ci,co->io", x_CI, dy_CO, preferred_element_type=jnp.float32)
-
-        return None, _in_chunks(
-            first_X[e], padded_X[e], tile, x_RI.shape[0], chunk, jnp.zeros(w_XIO.shape[1:], jnp.float32)
-        )
-
-    dw_XIO = jax.lax.scan(expert_gradient, None, jnp.arange(w_XIO.shape[0]))[1]
-    return dx_RI, dw_XIO.astype(w_XIO.dtype), None, None
-
-
-_expert_matmul.defvjp(_expert_matmul_fwd, _expert_matmul_bwd)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlm.config import ModelConfig
+from jaxlm.expert_swiglu import grouped_swiglu
 from jaxlm.grouped_matmul import Groups
 from sharding import experts
 from sharding.experts import capacity, expert_ranks
@@ -105,35 +106,12 @@ def swiglu_mlp(x_UD, w_in_DCF, w_out_FD):
 
 def dropless_experts(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD, tiled: bool | None = None):
     """Every token copy through its expert: laid out by expert (``grouped_matmul.Groups``; ``tiled`` None: tiles
-    except on TPU, which takes ragged_dot), two grouped matmuls, and back to its token, mixed by the router's
-    weights."""
+    except on TPU, which takes ragged_dot), each expert's SwiGLU (``expert_swiglu``), and back to its token, mixed
+    by the router's weights."""
     X, D, _, F = w_in_XDCF.shape
     groups = Groups.of(experts_UZ, X, tiled)
-    h = groups.matmul(groups.gather(x_UD), w_in_XDCF.reshape(X, D, 2 * F))
-    y_UZD = groups.outputs(groups.matmul(swiglu_halves(h), w_out_XFD))
+    y_UZD = groups.outputs(grouped_swiglu(groups, groups.gather(x_UD), w_in_XDCF.reshape(X, D, 2 * F), w_out_XFD))
     return jnp.einsum("uzd,uz->ud", y_UZD, weights_UZ.astype(y_UZD.dtype))
-
-
-@jax.custom_vjp
-def swiglu_halves(h):
-    """silu(gate) * up of a fused projection whose last axis is [gate | up] (2F). Written out like
-    jaxlm.model.swiglu: autodiff's pads-and-add of the two halves' gradients cost XLA:CPU more than the products
-    around them (measured on an MoE layer's rows: 10 of its 33 ms forward + backward)."""
-    gate, up = jnp.split(h, 2, axis=-1)
-    return jax.nn.silu(gate) * up
-
-
-def _swiglu_halves_fwd(h):
-    return swiglu_halves(h), h
-
-
-def _swiglu_halves_bwd(h, dy):
-    gate, up = jnp.split(h, 2, axis=-1)
-    sig = jax.nn.sigmoid(gate)
-    return (jnp.concatenate([dy * up * sig * (1 + gate * (1 - sig)), dy * gate * sig], axis=-1),)
-
-
-swiglu_halves.defvjp(_swiglu_halves_fwd, _swiglu_halves_bwd)
 
 
 def _dropless(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD):

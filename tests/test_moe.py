@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from helpers import one_device_mesh, random_batch, tiny_config
 
-from jaxlm import grouped_matmul
+from jaxlm import expert_swiglu, grouped_matmul
 from jaxlm.config import ConfigError, ModelConfig
 from jaxlm.moe import MoE, RouterBias, capacity, capacity_experts, dropless_experts, route
 from jaxlm.train import Program, check_splits
@@ -70,7 +70,7 @@ def _small_tiles(monkeypatch, kernel: str):
     """Small tiles, so groups span several and pad: the CPU's loop takes tiles of 2 rows, chunks of 8 (then one of
     4 and of 2: every size); the GPU's scan tiles of 4, 3 a step (padding to whole steps). Returns ``tiled``."""
     monkeypatch.setattr(grouped_matmul, "CPU_TILE", 2)
-    monkeypatch.setattr(grouped_matmul, "CPU_CHUNK", 8)
+    monkeypatch.setattr(expert_swiglu, "CPU_CHUNK", 8)
     monkeypatch.setattr(grouped_matmul, "GPU_TILE", 4)
     monkeypatch.setattr(grouped_matmul, "GPU_TILES_PER_STEP", 3)
     monkeypatch.setattr(grouped_matmul, "target_platform", lambda: "gpu" if kernel == "tile_scan" else "cpu")
