@@ -404,18 +404,23 @@ class Program:
         self.batch_sharding = batch_sharding(mesh, rules)
         replicated = NamedSharding(mesh, P())
         self.init = jax.jit(self._init, out_shardings=self.state_shardings)
+
+        def step(state, batch):
+            # a batch whose microbatches do not split over the batch axes would compile, every device given every
+            # row: refused when the step is traced, whatever built this Program (export and eval ones never train)
+            layout.check_batch(batch["inputs"].shape[0], self.microbatches)
+            return train_step(
+                state,
+                batch,
+                graphdef=self.graphdef,
+                tx=self.tx,
+                schedule=self.schedule,
+                microbatches=self.microbatches,
+                layout=layout,
+            )
+
         self.train_step = jax.jit(
-            self._in_mesh(
-                lambda state, batch: train_step(
-                    state,
-                    batch,
-                    graphdef=self.graphdef,
-                    tx=self.tx,
-                    schedule=self.schedule,
-                    microbatches=self.microbatches,
-                    layout=layout,
-                )
-            ),
+            self._in_mesh(step),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=0,

@@ -137,6 +137,16 @@ class MeshLayout:
                 f"holds seq_len / context tokens of every row)"
             )
         self.check_experts(num_experts)
+        self.check_batch(batch_size, microbatches)
+        check_rules(self.rules)  # an unvalidated layout's unknown axis: a LayoutError, not a KeyError below
+        self._check_split("num_heads", num_heads, "heads")
+        self._check_split("num_kv_heads", num_kv_heads, "kv_heads")
+        self._check_split("mlp_dim", mlp_dim, "mlp")
+        self.check_layers(num_layers, moe_every if num_experts else 1)
+
+    def check_batch(self, batch_size: int, microbatches: int) -> None:
+        """A step's rows split into its accumulation x pipeline microbatches, and each of those over the batch axes:
+        else XLA compiles the step by giving every device every row of a microbatch (64x the work at fsdp 64)."""
         batch_shards = self.batch_shards
         splits = microbatches * self.num_microbatches
         if batch_size % splits:
@@ -150,11 +160,6 @@ class MeshLayout:
                 f"accumulation x {self.num_microbatches} pipeline microbatches) is not divisible by "
                 f"replica x data x fsdp x expert = {batch_shards}"
             )
-        check_rules(self.rules)  # an unvalidated layout's unknown axis: a LayoutError, not a KeyError below
-        self._check_split("num_heads", num_heads, "heads")
-        self._check_split("num_kv_heads", num_kv_heads, "kv_heads")
-        self._check_split("mlp_dim", mlp_dim, "mlp")
-        self.check_layers(num_layers, moe_every if num_experts else 1)
 
     def check_layers(self, num_layers: int, group: int = 1) -> None:
         """The layers split evenly over the pipeline's stages x chunks; when `group` > 1 (an MoE layer every
