@@ -19,6 +19,8 @@ import json
 import os
 from pathlib import Path
 
+from data.atomic_file import write_atomic
+
 WORKDIR_MARKER = ".jaxlm-workdir"
 WORKDIR_FORMAT = "jaxlm-workdir"
 # What a training run writes at its workdir's top level: nothing else may take these names.
@@ -155,6 +157,4 @@ def mark_workdir(workdir: Path) -> None:
     if marker.is_file():
         return
     created = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    tmp = marker.with_name(f"{WORKDIR_MARKER}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": WORKDIR_FORMAT, "version": 1, "created": created}) + "\n")
-    os.replace(tmp, marker)
+    write_atomic(marker, json.dumps({"format": WORKDIR_FORMAT, "version": 1, "created": created}) + "\n")

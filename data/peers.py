@@ -30,16 +30,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 import struct
 import threading
 import time
 import urllib.parse
-import uuid
 from pathlib import Path
 
 import numpy as np
+
+from data.atomic_file import write_atomic
 
 REQUEST_HEADER = struct.Struct("<4sIf")
 RESPONSE_HEADER = struct.Struct("<4sIIQ")
@@ -403,10 +403,8 @@ def all_gather_via_files(
     directory.mkdir(parents=True, exist_ok=True)
     record = {"key": key, "process_index": process_index, "process_count": process_count, "payload": payload}
     text = json.dumps(record)
-    tmp = directory / f".peer-{process_index}.json.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-    tmp.write_text(text)
     mine = directory / f"peer-{process_index}.json"
-    os.replace(tmp, mine)
+    write_atomic(mine, text)
 
     deadline = time.monotonic() + timeout_s
     payloads: dict[int, dict] = {}

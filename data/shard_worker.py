@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.atomic_file import write_atomic
 from data.fault_points import pause_point
 from data.text_sources import Counts, Piece, ReadOptions, documents
 from data.token_shards import ShardWriter, file_sha256, shard_name
@@ -120,9 +121,7 @@ def tokenize_unit(unit: Unit, directory: str) -> dict:
         "bad_records": counts.bad_records,
         "replaced_documents": counts.replaced_documents,
     }
-    tmp = stats_path(directory, unit.index).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(stats) + "\n")
-    os.replace(tmp, stats_path(directory, unit.index))
+    write_atomic(stats_path(directory, unit.index), json.dumps(stats) + "\n")
     return stats
 
 

@@ -13,9 +13,10 @@ import difflib
 import functools
 import json
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
+
+from data.atomic_file import write_atomic
 
 INSTALL = 'pip install -e ".[eval]"'
 RESULTS_DIR = "lm_eval"  # under a workdir: what experiments.lm_eval writes there
@@ -153,10 +154,5 @@ def save_results(results: dict, directory: str | Path, step: int) -> Path:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H-%M-%S.%f")
     path = directory / f"results_step{step}_{stamp}.json"
     text = json.dumps({k: v for k, v in results.items() if k != "samples"}, indent=2, default=handle_non_serializable)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(path, text + "\n")
     return path

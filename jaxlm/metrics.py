@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from data.atomic_file import write_atomic
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 
@@ -117,10 +119,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def write_records(path: str | Path, records: list[dict]) -> None:
     """Replaces a JSONL file with `records`, whole or not at all (a temporary file, then a rename)."""
-    path = Path(path)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def _truncate_after(path: Path, step: int) -> int:

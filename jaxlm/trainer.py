@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from data.atomic_file import write_atomic
 from data.fault_points import pause_point
 from jaxlm import config as config_lib
 from jaxlm import diloco
@@ -313,9 +314,7 @@ class Trainer:
         self.logger = NullLogger()
         if self.primary:
             config_path = Path(self.workdir) / "config.json"
-            tmp = config_path.with_suffix(".json.tmp")  # written whole or not at all
-            tmp.write_text(json.dumps(config_lib.to_dict(self.cfg), indent=2) + "\n")
-            tmp.replace(config_path)
+            write_atomic(config_path, json.dumps(config_lib.to_dict(self.cfg), indent=2) + "\n")
             saved_tokenizer = Path(self.workdir) / "tokenizer.json"  # what generate and export_hf read text with
             if self.tokenizer is not None and not _holds(saved_tokenizer, self.tokenizer.json):
                 self.tokenizer.save(self.workdir)

@@ -1,6 +1,6 @@
-"""data.ownership: which command a directory belongs to, and the writers' refusals that rest on it; and the
+"""data.ownership: which command a directory belongs to, and the writers' refusals that rest on it; the
 scratch copies writers build beside their outputs (data.atomic_dir), removed by a later run once their writer is
-gone."""
+gone; and small files replaced whole or not at all (data.atomic_file)."""
 
 import json
 import os
@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from data import atomic_dir
+from data.atomic_file import write_atomic
 from data.ownership import (
     DATASET,
     HF_MODEL,
@@ -125,3 +126,23 @@ def test_scratch_copies_of_a_gone_writer_are_removed_and_a_live_ones_kept(tmp_pa
     other.mkdir()
     assert atomic_dir.remove_abandoned(out, "export-tmp") == [gone]
     assert live.is_dir() and other.is_dir() and not gone.exists()
+
+
+def test_a_file_is_replaced_whole_or_left_as_it_was(tmp_path):
+    """A write that fails part way (here the writer raises after half its bytes) leaves the old file and no
+    temporary beside it; text, bytes and writer functions all land whole."""
+    path = tmp_path / "config.json"
+    write_atomic(path, '{"old": 1}\n')
+
+    def half_then_fail(f):
+        f.write(b'{"new": ')
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        write_atomic(path, half_then_fail, durable=True)
+    assert path.read_text() == '{"old": 1}\n'
+    assert os.listdir(tmp_path) == ["config.json"]
+    write_atomic(path, b"\x00\x01")
+    assert path.read_bytes() == b"\x00\x01"
+    write_atomic(path, lambda f: f.write(b"whole"), durable=True)
+    assert path.read_bytes() == b"whole" and os.listdir(tmp_path) == ["config.json"]

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data.atomic_file import write_atomic
+
 _SYNC = re.compile(r"sync_(\d+)_f(\d+)$")
 _SNAPSHOT = re.compile(r"snapshot_(\d+)\.npz$")
 LISTENER_GRACE_S = 300.0  # beyond the poster's own wait: how far behind a replica's process 0 may reach a sync
@@ -53,19 +55,8 @@ class SyncResult:
     left_out: dict[int, str]  # expected replicas the decision went on without, and why (decisions since heartbeats)
 
 
-def _write_atomic(path: Path, write, durable: bool = True) -> None:
-    """`write(file)` to a temporary name, then rename: a reader never sees a partial file."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    _write_atomic(path, lambda f: np.savez(f, **arrays))
+    write_atomic(path, lambda f: np.savez(f, **arrays), durable=True)
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
@@ -88,7 +79,7 @@ class Heartbeat:
 
     def beat(self) -> None:
         self.count += 1
-        _write_atomic(self.path, lambda f: f.write(f"{self.token} {self.count}".encode()), durable=False)
+        write_atomic(self.path, f"{self.token} {self.count}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
