@@ -1,7 +1,7 @@
 """Every expert's SwiGLU over its expert-sorted rows (``grouped_matmul.Groups``): the MLP of a dropless MoE layer.
 
 On TPU and GPU it is two grouped matmuls with the activation between. On CPU one loop over the experts does the
-whole MLP chunk by chunk (``in_chunks``): each expert's weights are read once, a chunk's [rows, 2F] projection and
+whole MLP chunk by chunk (``_in_chunks``): each expert's weights are read once, a chunk's [rows, 2F] projection and
 activation stay in the cache (two loops would write them to memory and read them back), and the backward takes
 both weight gradients and the input gradient in one pass. On tiny_lm's shapes (1024 tokens, 8 experts of 512, top
 2) that took the MoE train step from 1.50x to 1.42x the dense one (``python -m experiments.compare_moe
@@ -31,7 +31,7 @@ def grouped_swiglu(groups: Groups, rows, w_in_XDH, w_out_XFD):
     return groups.matmul(swiglu_halves(groups.matmul(rows, w_in_XDH)), w_out_XFD)
 
 
-def in_chunks(first, rows, tile: int, total: int, fn, carry):
+def _in_chunks(first, rows, tile: int, total: int, fn, carry):
     """``carry = fn(carry, row, size)`` over rows [first, first + rows) (a whole number of tiles, within ``total``):
     chunks of ``CPU_CHUNK`` rows (or of the largest half of it ``total`` holds) while they last, then at most one
     of each half of that down to a tile: few products, each as large as the rows allow (XLA:CPU's run 1.1-1.4x
@@ -85,7 +85,7 @@ def _forward(x_RD, w_in_XDH, w_out_XFD, first_X, padded_X, tile: int, keep_h: bo
             y_RD = jax.lax.dynamic_update_slice_in_dim(y_RD, _activation(h_CH) @ w_out_FD, row, 0)
             return y_RD, (jax.lax.dynamic_update_slice_in_dim(h_RH, h_CH, row, 0) if keep_h else h_RH)
 
-        return in_chunks(first_X[e], padded_X[e], tile, R, chunk, carry)
+        return _in_chunks(first_X[e], padded_X[e], tile, R, chunk, carry)
 
     h_RH = jnp.zeros((R, w_in_XDH.shape[-1]) if keep_h else (1, 1), x_RD.dtype)
     return jax.lax.fori_loop(0, w_in_XDH.shape[0], expert, (jnp.zeros((R, D), x_RD.dtype), h_RH))
@@ -118,7 +118,7 @@ def _expert_loop_bwd(tile, residuals, dy_RD):
             return dx_RD, dw_in_DH, dw_out_FD
 
         zeros = (jnp.zeros(w_in_DH.shape, jnp.float32), jnp.zeros(w_out_FD.shape, jnp.float32))
-        dx_RD, dw_in_DH, dw_out_FD = in_chunks(first_X[e], padded_X[e], tile, x_RD.shape[0], chunk, (dx_RD, *zeros))
+        dx_RD, dw_in_DH, dw_out_FD = _in_chunks(first_X[e], padded_X[e], tile, x_RD.shape[0], chunk, (dx_RD, *zeros))
         return dx_RD, (dw_in_DH, dw_out_FD)
 
     dx_RD, (dw_in_XDH, dw_out_XFD) = jax.lax.scan(expert, jnp.zeros_like(x_RD), jnp.arange(w_in_XDH.shape[0]))

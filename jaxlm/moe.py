@@ -7,8 +7,9 @@ Routers: ``softmax`` (Mixtral, Qwen3-MoE: softmax over every expert, the top k k
 are chosen, their scores normalized as weights; the bias only steers selection and is moved after every step
 toward uniform load, so no auxiliary loss has to be tuned). Router math is float32.
 
-Dispatch is dropless by default: the token copies are sorted by expert and multiplied with grouped matmuls
-(``jaxlm.grouped_matmul``: ``lax.ragged_dot`` on TPU, tiles elsewhere), so no token is dropped.
+Dispatch is dropless by default: the token copies are sorted by expert and go through their experts' SwiGLU
+(``jaxlm.expert_swiglu`` on ``jaxlm.grouped_matmul``'s layout: ``lax.ragged_dot`` on TPU, tiles elsewhere), so no
+token is dropped.
 ``capacity_factor > 0`` gives each expert Q = ceil(capacity_factor * U * k / X) slots instead and drops the copies
 past them (in token order), the fixed shapes an all-to-all wants; the dropped count is a metric. Under a mesh both
 run per device on its U tokens (sharding.experts), so capacity is per device, as every sharded MoE counts it.
