@@ -65,11 +65,11 @@ def dispatch(
     an expert axis, else as it is. Per device, because routing sorts the copies by expert: over tokens split across
     devices that sort (and each grouped-matmul step) would be a global one, all-gathers inside every layer
     (Qwen3-30B-A3B on 64 H100s: 1.2 TB of them per step). The tokens split over the batch and context axes; the
-    ranks of a tensor axis compute the same products over whole (gathered) experts; weights are gathered as FSDP
-    gathers them. ``capacity_factor > 0``: ``local`` is capacity dispatch, so each device's experts take
-    capacity_factor x their fair share of that device's copies; over an expert axis the exchange then sends those
-    slots only, and ``per_expert(x_WRD, w_in, w_out) -> y_WRD`` (each expert's MLP over its rows) computes what
-    arrives."""
+    ranks of a tensor axis route the same tokens and each computes its slice of the experts' hidden width, the
+    slices' outputs summed; weights are gathered as FSDP gathers them. ``capacity_factor > 0``: ``local`` is
+    capacity dispatch, so each device's experts take capacity_factor x their fair share of that device's copies;
+    over an expert axis the exchange then sends those slots only, and ``per_expert(x_WRD, w_in, w_out) -> y_WRD``
+    (each expert's MLP over its rows) computes what arrives."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return local(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)
@@ -84,8 +84,13 @@ def dispatch(
     E, X = math.prod(mesh.shape[a] for a in axes), w_in_XDCF.shape[0]
     if X % E:
         raise ValueError(f"model.num_experts = {X} does not split over the expert axis of {E} devices")
-    rows, experts = P(batch or None, None), P(axes or None, None, None, None)
     free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
+    # the experts' hidden width split as the rules split `mlp` (tensor): each rank computes its slice of every
+    # expert's SwiGLU for the same tokens, and the slices' outputs are summed (Megatron's tensor-parallel MLP)
+    hidden = tuple(a for a in active_mesh_axes("mlp") if a in free and a not in axes + batch)
+    hidden = dividing_axes(mesh, hidden, w_out_XFD.shape[1])
+    rows = P(batch or None, None)
+    w_in_spec, w_out_spec = P(axes or None, None, None, hidden or None), P(axes or None, hidden or None, None)
 
     def shard(x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD):
         args = (x_UD, weights_UZ, experts_UZ, w_in_WDCF, w_out_WFD)
@@ -95,12 +100,14 @@ def dispatch(
             y_UD, dropped = _exchange_slots(per_expert, axes, E, capacity_factor, *args)
         else:
             y_UD, dropped = _exchange(local, axes, E, *args), jnp.zeros((), jnp.int32)
+        if hidden:  # the slices' partial outputs (the tokens' gradients sum over the slices the same way)
+            y_UD = jax.lax.psum(y_UD, hidden)
         return y_UD, jax.lax.psum(dropped, batch) if batch else dropped
 
     return jax.shard_map(
         shard,
         mesh=mesh,
-        in_specs=(rows, rows, rows, experts, P(axes or None, None, None)),
+        in_specs=(rows, rows, rows, w_in_spec, w_out_spec),
         out_specs=(rows, P()),
         axis_names=free,
         check_vma=False,

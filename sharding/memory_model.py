@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from sharding.mesh import MeshLayout
 from sharding.model_shape import (
     ModelShape,
+    expert_hidden_shards,
     fsdp_gathered_params,
     largest_gathered_param,
     logical_shards,
@@ -21,7 +22,7 @@ def dtype_bytes(cfg: ModelShape) -> int:
     return {"float32": 4, "bfloat16": 2}[cfg.dtype]
 
 
-def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1) -> float:
+def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1, hidden: int = 1) -> float:
     """Bytes per token one transformer layer keeps from its forward for its backward (no remat), on one device of
     a `tensor`-way split: what jax's reverse mode saves for this block (`jax.ad_checkpoint.print_saved_residuals`),
     minus what no backward rule reads (the masked scores, the boolean mask), which XLA drops.
@@ -32,7 +33,8 @@ def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1) -> floa
       pallas): q, k, v and the output in the kernel's [B, H, T, E] layout, the log-sum-exp, and the output again as
       the output projection's input
     - SwiGLU: the gate and up halves, sigmoid and silu of the gate (silu's derivative), silu(gate) * up
-    Heads and the MLP hidden size split over `tensor`; d_model-sized tensors are replicated across it.
+    Heads and the MLP hidden size split over `tensor` (an MoE layer's experts' width `hidden` ways); d_model-sized
+    tensors are replicated across it.
     """
     cb = dtype_bytes(cfg)
     D, E = cfg.d_model, cfg.resolved_head_dim
@@ -43,21 +45,22 @@ def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1) -> floa
     else:
         attention = (3 * h + 2 * k) * E * cb + h * 4
     mlp = 6 * f * cb
-    if cfg.num_experts:  # a layer's share: one MoE layer in every moe_every; whole experts on every tensor rank
-        mlp = (mlp * (cfg.moe_every - 1) + moe_residual_bytes(cfg)) / cfg.moe_every
+    if cfg.num_experts:  # a layer's share: one MoE layer in every moe_every
+        mlp = (mlp * (cfg.moe_every - 1) + moe_residual_bytes(cfg, hidden=hidden)) / cfg.moe_every
     return norms + attention + mlp
 
 
-def moe_residual_bytes(cfg: ModelShape, expert: int = 1) -> float:
+def moe_residual_bytes(cfg: ModelShape, expert: int = 1, hidden: int = 1) -> float:
     """Bytes per token an MoE layer (jaxlm.moe) keeps for its backward: the router's fp32 logits and
     probabilities, and per routed copy (experts_per_token of them) its gathered input and a SwiGLU's residuals,
     plus the shared experts'. Dropless under an `expert` axis of E devices sharding.experts sends the copies
     themselves (a ragged all-to-all) but receives into, and computes over, the worst case, E x a device's copies;
     with capacity the experts' slots are capacity_factor x the copies, sent and received, with or without the axis.
-    Every rank of a tensor axis computes whole experts over the same tokens (sharding.experts.dispatch)."""
+    The ranks of a tensor axis take the same tokens, each its ``hidden``-th of every expert's width
+    (model_shape.expert_hidden_shards)."""
     cb = dtype_bytes(cfg)
     D, Z = cfg.d_model, cfg.experts_per_token
-    f, shared = cfg.expert_mlp_dim, cfg.num_shared_experts * cfg.expert_mlp_dim
+    f, shared = cfg.expert_mlp_dim / hidden, cfg.num_shared_experts * cfg.expert_mlp_dim
     router = 2 * cfg.num_experts * 4
     if cfg.capacity_factor > 0:
         copies = cfg.capacity_factor * ((2 if expert > 1 else 1) * D + 6 * f)
@@ -144,9 +147,11 @@ def memory_per_device(
     rows = batch_sequences // (logical_shards("batch", layout) * accumulation * M)  # per device per microbatch
     tokens = rows * seq_len // logical_shards("seq", layout)  # a context axis splits every row
     layers = cfg.num_layers // S  # sharding.pipeline runs L/S layers per stage, whatever the `layers` rule
-    residuals = layer_residual_bytes(cfg, seq_len, logical_shards("heads", layout)) * tokens  # one layer, no remat
+    hidden = expert_hidden_shards(cfg, layout) if cfg.num_experts else 1
+    residuals = layer_residual_bytes(cfg, seq_len, logical_shards("heads", layout), hidden) * tokens  # one layer
     if cfg.num_experts and logical_shards("expert", layout) > 1:  # worst-case exchange buffers (sharding.experts)
-        exchange = moe_residual_bytes(cfg, logical_shards("expert", layout)) - moe_residual_bytes(cfg)
+        E = logical_shards("expert", layout)
+        exchange = moe_residual_bytes(cfg, E, hidden) - moe_residual_bytes(cfg, 1, hidden)
         residuals += exchange / cfg.moe_every * tokens
     layer_input = cfg.d_model * cb * tokens
     kept = layer_input if remat == "full" else residuals  # what a layer keeps per microbatch for the backward
@@ -163,6 +168,12 @@ def memory_per_device(
     else:  # all of the layer's gradients whole in fp32
         layer_phase = residuals + layer_weights * (cb + 4)
     layer_phase += context_kv_bytes(cfg, layout, tokens)
+    if cfg.num_experts and logical_shards("expert", layout) > 1:
+        # the exchange's backward, beside that layer's residuals: the gradient of the outputs it received and that of
+        # the inputs before it is sent back, each E x a device's copies of d_model (XLA's buffers, Qwen3-30B-A3B on
+        # 64 H100s: [262144, 2048] each)
+        E = logical_shards("expert", layout)
+        layer_phase += 2 * E * cfg.experts_per_token * cfg.d_model * cb * tokens / cfg.moe_every
     if platform == "gpu":
         # XLA's GPU program: the logits in the compute dtype and in fp32 (the loss's and its cotangent's buffers
         # shared), the gathered head in the compute dtype; its gradient reduce-scattered as it is formed

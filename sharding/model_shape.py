@@ -188,6 +188,18 @@ def logical_shards(logical: str, layout: MeshLayout) -> int:
     return math.prod(layout.axis_sizes[a] for a in _mesh_axes(logical_spec((logical,), layout.rules)[0]))
 
 
+def expert_hidden_shards(cfg: ModelShape, layout: MeshLayout) -> int:
+    """Ways sharding.experts splits each expert's hidden width: over the `mlp` rule's mesh axes (tensor) that split
+    neither the tokens nor the experts, while they divide it. Every rank of an axis not among them computes whole
+    experts over the same tokens."""
+    taken = {a for name in ("batch", "seq", "expert") for a in _mesh_axes(logical_spec((name,), layout.rules)[0])}
+    shards = 1
+    for a in _mesh_axes(logical_spec(("mlp",), layout.rules)[0]):
+        if a not in taken and cfg.expert_mlp_dim % (shards * layout.axis_sizes[a]) == 0:
+            shards *= layout.axis_sizes[a]
+    return shards
+
+
 def _local_size(spec: ParamSpec, layout: MeshLayout, skip: tuple[str, ...] = ()) -> int:
     """Elements of `spec` on one device (ignoring mesh axes `skip`, e.g. FSDP's for the all-gathered size)."""
     sizes = {**layout.axis_sizes, **dict.fromkeys(skip, 1)}

@@ -36,6 +36,7 @@ from sharding.mesh import MESH_AXES, LayoutError, MeshLayout
 from sharding.model_shape import (
     ModelShape,
     active_params,
+    expert_hidden_shards,
     expert_params,
     fsdp_axes,
     fsdp_gathered_params,
@@ -146,8 +147,10 @@ def evaluate(
     cb, S = dtype_bytes(cfg), layout.pipeline
     n_params, attn = active_params(cfg), attention_flops_per_token(cfg, seq_len)
     bubble, recompute = pipeline_costs(layout, remat, runs_in_lockstep(layout, cfg.context_parallel))
-    # every rank of a tensor axis multiplies the same tokens by whole experts (sharding.experts): FLOPs repeated
-    done = n_params + (layout.tensor - 1) * cfg.num_moe_layers * cfg.experts_per_token * expert_params(cfg)
+    # the ranks of a tensor axis that do not split the experts' width multiply the same tokens by whole experts
+    # (sharding.experts): those FLOPs are repeated
+    repeats = layout.tensor / expert_hidden_shards(cfg, layout) - 1 if cfg.num_experts else 0
+    done = n_params + max(repeats, 0) * cfg.num_moe_layers * cfg.experts_per_token * expert_params(cfg)
     compute = compute_seconds(done, batch_tokens, devices, hw.flops, attn) * recompute
     compute /= 1 - bubble
     spans = axis_spans(layout)

@@ -85,14 +85,17 @@ def test_expert_parallel_layouts_are_planned_with_their_all_to_all_bytes():
     e = evaluate(cfg, layout, H100, 64 * 4096, 4096, "full")
     assert e.ep_s == pytest.approx(want / H100.bandwidth(axis_spans(layout)["expert"]))
     assert expert_all_to_all_bytes(MODEL_PRESETS["llama3-8b"], layout, 64 * 4096, "full") == 0
-    # a tensor axis repeats the experts' products on each of its ranks (whole experts over the same tokens)
-    routed, attn = 32 * 2 * 3 * 4096 * 14336, attention_flops_per_token(cfg, 4096)
-    plain, split = (
-        evaluate(cfg, MeshLayout(**axes), H100, 64 * 4096, 4096, "full")
-        for axes in ({"fsdp": 64}, {"fsdp": 8, "tensor": 8})
-    )
-    n = active_params(cfg)
-    assert split.compute_s / plain.compute_s == pytest.approx((6 * (n + 7 * routed) + attn) / (6 * n + attn))
+    # a tensor axis splits every expert's width (sharding.experts): the same FLOPs as without it; a width it does
+    # not divide is computed whole on each of its ranks, over the same tokens
+    attn = attention_flops_per_token(cfg, 4096)
+    for model, repeated in ((cfg, 0), (dataclasses.replace(cfg, expert_mlp_dim=14335), 7)):
+        plain, split = (
+            evaluate(model, MeshLayout(**axes), H100, 64 * 4096, 4096, "full")
+            for axes in ({"fsdp": 64}, {"fsdp": 8, "tensor": 8})
+        )
+        n, routed = active_params(model), 32 * 2 * 3 * 4096 * model.expert_mlp_dim
+        want_ratio = (6 * (n + repeated * routed) + attn) / (6 * n + attn)
+        assert split.compute_s / plain.compute_s == pytest.approx(want_ratio)
     # capacity: E blocks of [W, Q] slots, 1.25 x the device's copies, sent whole
     capped = dataclasses.replace(cfg, capacity_factor=1.25)
     assert expert_all_to_all_bytes(capped, layout, 64 * 4096, "full") == pytest.approx(want * 1.25)
