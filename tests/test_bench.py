@@ -55,6 +55,22 @@ def test_bench_train_prints_table_then_json():
     assert products["products_ms"] == pytest.approx(products["unbatched_ms"] + products["batched_ms"], abs=0.11)
 
 
+def test_compare_moe_step_time_times_every_variant_against_dense(capsys):
+    """`compare_moe --step-time` (in-process, tiny shapes): a row per variant, the MoE one over dense, then JSON;
+    a bad --set is one line and exit 2."""
+    from experiments.compare_moe import main
+
+    tiny = [*TINY, "--set", "model.expert_mlp_dim=64", "--set", "data.corpus_tokenizer=byte"]
+    assert main(["--step-time", "--variants", "dense,moe_aux", "--rounds", "2", "--window", "1", *tiny]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])["step_time"]
+    assert list(summary) == ["dense", "moe_aux"] and summary["dense"]["step_time_vs_dense"] == 1.0
+    assert all(row["step_ms"] > 0 and row["step_time_vs_dense"] > 0 for row in summary.values())
+    assert summary["moe_aux"]["params"] > summary["dense"]["params"]  # 8 experts of 64 against one MLP of 128
+    assert main(["--step-time", "--set", "model.num_experts=-1"]) == 2
+    assert "model.num_experts" in capsys.readouterr().err
+
+
 def test_bench_train_rejects_bad_override():
     proc = run("experiments.bench_train", "--set", "model.d_model=abc")
     assert proc.returncode == 2
