@@ -153,9 +153,9 @@ def mosaic_dq(
     n_ids, id_arrays, ids_batched = id_inputs("mosaic_dq", static, doc_arrays, Tp, Sp)
     n_ready = 4 + bool(n_ids)  # a consumer's own copies: q, dO, lse, delta (and its q ids)
     modes = Modes(plgpu, interpret)
-    # Registers per thread of a consumer / the producer warpgroup. With id slots the consumers take the forward's
-    # 240 / 24 (sm_90 ptxas, head dim 64, document and position slots: dQ spilled 20 bytes at 232 / 40, 4 at 240 / 24).
-    consumer_regs, producer_regs = (240, 24) if n_ids else (232, 40)
+    # Registers per thread of a consumer / the producer warpgroup: the forward's 240 / 24. sm_90 ptxas, dQ: head dim 64
+    # with document and position slots spilled 20 bytes at 232 / 40, 4 at 240 / 24; with a soft-cap 308 and 272.
+    consumer_regs, producer_regs = (240, 24)
 
     def kernel(
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, idx_ref, np_ref, cnt_ref, qid_ref, kvid_ref, dq_ref, scoped
@@ -278,9 +278,9 @@ def mosaic_dkv(
     n_ids, id_arrays, ids_batched = id_inputs("mosaic_dkv", static, doc_arrays, Tp, Sp)
     n_ready = 2 + bool(n_ids)  # a consumer's own copies: k, v (and its kv ids)
     modes = Modes(plgpu, interpret)
-    # As dQ's. At head dim 64 a document slot spilled 8 bytes at 232 / 40 and none at 240 / 24; at head dim 128 dK/dV
-    # still spills a few bytes on masked steps (as it does without slots where G > 1).
-    consumer_regs, producer_regs = (240, 24) if n_ids else (232, 40)
+    # As dQ's. sm_90 ptxas, spill bytes at 232 / 40 -> 240 / 24: head dim 64 with a document slot 8 -> 0, with a
+    # soft-cap 484 -> 404; head dim 128 with GQA (G = 2) 52 -> 20, with a soft-cap 268 -> 164, a document slot 4 -> 4.
+    consumer_regs, producer_regs = (240, 24)
 
     def kernel(
         q_ref,
