@@ -245,9 +245,10 @@ def _shard_map(fn, q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT, seq: tu
     if mesh.empty or mesh.size == 1:
         return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT)
     B, K = q_BTHE.shape[0], k_BSKE.shape[2]
-    batch = dividing_axes(mesh, [a for a in active_mesh_axes("batch") if a not in seq], B)
+    batch = dividing_axes(mesh.shape, [a for a in active_mesh_axes("batch") if a not in seq], B)
     kv_heads = active_mesh_axes("kv_heads")
-    heads = dividing_axes(mesh, [a for a in active_mesh_axes("heads") if a in kv_heads and a not in batch + seq], K)
+    heads = [a for a in active_mesh_axes("heads") if a in kv_heads and a not in batch + seq]
+    heads = dividing_axes(mesh.shape, heads, K)
     if not batch and not heads and not seq:
         return fn(q_BTHE, k_BSKE, v_BSKE, segment_ids_BT, positions_BT)
     tokens = seq or None

@@ -51,10 +51,6 @@ class Groups:
     first_X: jax.Array | None = None  # expert_loop: each expert's first row
     padded_X: jax.Array | None = None  # expert_loop: each expert's rows, padded to whole tiles
 
-    @property
-    def tiled(self) -> bool:
-        return self.kernel != "ragged_dot"
-
     @staticmethod
     def of(experts_UZ, num_experts: int, tiled: bool | None = None) -> Groups:
         """The layout of the copies of tokens routed to ``experts_UZ``; ``tiled`` None: tiles except on TPU. A copy
@@ -68,9 +64,9 @@ class Groups:
         X, A = num_experts, U * Z
         order_A = jnp.argsort(experts_UZ.reshape(-1), stable=True)  # copies by expert, in token order within one
         sizes_X = jnp.bincount(experts_UZ.reshape(-1), length=X).astype(jnp.int32)  # out of range: not counted
-        routed_A = jnp.arange(A) < sizes_X.sum()  # the sorted copies that have an expert (the rest sort last)
         if not tiled:
             return Groups(sizes_X, kernel, 1, order_A.astype(jnp.int32), jnp.argsort(order_A).reshape(U, Z))
+        routed_A = jnp.arange(A) < sizes_X.sum()  # the sorted copies that have an expert (the rest sort last)
         step = GPU_TILES_PER_STEP if kernel == "tile_scan" else 1
         n_tiles = -(-(-(-A // tile) + X) // step) * step  # whole scan steps
         padded_X = (sizes_X + tile - 1) // tile * tile

@@ -78,7 +78,7 @@ def dispatch(
     # Not over the tensor axes: each tensor rank routes the same tokens (splitting them over tensor too made XLA
     # replicate the whole batch's activations and logits: Qwen3-30B-A3B at FSDP 32 x tensor 2 on v5p, 52.5 GiB per
     # chip against 17.3).
-    batch = dividing_axes(mesh, active_mesh_axes("batch") + active_mesh_axes("seq"), x_UD.shape[0])
+    batch = dividing_axes(mesh.shape, active_mesh_axes("batch") + active_mesh_axes("seq"), x_UD.shape[0])
     if not axes and not batch:
         return local(x_UD, weights_UZ, experts_UZ, w_in_XDCF, w_out_XFD)
     E, X = math.prod(mesh.shape[a] for a in axes), w_in_XDCF.shape[0]
@@ -88,7 +88,7 @@ def dispatch(
     # the experts' hidden width split as the rules split `mlp` (tensor): each rank computes its slice of every
     # expert's SwiGLU for the same tokens, and the slices' outputs are summed (Megatron's tensor-parallel MLP)
     hidden = tuple(a for a in active_mesh_axes("mlp") if a in free and a not in axes + batch)
-    hidden = dividing_axes(mesh, hidden, w_out_XFD.shape[1])
+    hidden = dividing_axes(mesh.shape, hidden, w_out_XFD.shape[1])
     rows = P(batch or None, None)
     w_in_spec, w_out_spec = P(axes or None, None, None, hidden or None), P(axes or None, hidden or None, None)
 

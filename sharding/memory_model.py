@@ -148,9 +148,9 @@ def memory_per_device(
     tokens = rows * seq_len // logical_shards("seq", layout)  # a context axis splits every row
     layers = cfg.num_layers // S  # sharding.pipeline runs L/S layers per stage, whatever the `layers` rule
     hidden = expert_hidden_shards(cfg, layout) if cfg.num_experts else 1
+    E = logical_shards("expert", layout) if cfg.num_experts else 1  # devices an MoE layer's experts split over
     residuals = layer_residual_bytes(cfg, seq_len, logical_shards("heads", layout), hidden) * tokens  # one layer
-    if cfg.num_experts and logical_shards("expert", layout) > 1:  # worst-case exchange buffers (sharding.experts)
-        E = logical_shards("expert", layout)
+    if E > 1:  # worst-case exchange buffers (sharding.experts)
         exchange = moe_residual_bytes(cfg, E, hidden) - moe_residual_bytes(cfg, 1, hidden)
         residuals += exchange / cfg.moe_every * tokens
     layer_input = cfg.d_model * cb * tokens
@@ -168,11 +168,10 @@ def memory_per_device(
     else:  # all of the layer's gradients whole in fp32
         layer_phase = residuals + layer_weights * (cb + 4)
     layer_phase += context_kv_bytes(cfg, layout, tokens)
-    if cfg.num_experts and logical_shards("expert", layout) > 1:
+    if E > 1:
         # the exchange's backward, beside that layer's residuals: the gradient of the outputs it received and that of
         # the inputs before it is sent back, each E x a device's copies of d_model (XLA's buffers, Qwen3-30B-A3B on
         # 64 H100s: [262144, 2048] each)
-        E = logical_shards("expert", layout)
         layer_phase += 2 * E * cfg.experts_per_token * cfg.d_model * cb * tokens / cfg.moe_every
     if platform == "gpu":
         # XLA's GPU program: the logits in the compute dtype and in fp32 (the loss's and its cotangent's buffers

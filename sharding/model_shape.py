@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from sharding.mesh import LayoutError, MeshLayout
-from sharding.rules import logical_spec
+from sharding.rules import dividing_axes, logical_spec
 
 
 @dataclass(frozen=True)
@@ -193,11 +193,8 @@ def expert_hidden_shards(cfg: ModelShape, layout: MeshLayout) -> int:
     neither the tokens nor the experts, while they divide it. Every rank of an axis not among them computes whole
     experts over the same tokens."""
     taken = {a for name in ("batch", "seq", "expert") for a in _mesh_axes(logical_spec((name,), layout.rules)[0])}
-    shards = 1
-    for a in _mesh_axes(logical_spec(("mlp",), layout.rules)[0]):
-        if a not in taken and cfg.expert_mlp_dim % (shards * layout.axis_sizes[a]) == 0:
-            shards *= layout.axis_sizes[a]
-    return shards
+    free = [a for a in _mesh_axes(logical_spec(("mlp",), layout.rules)[0]) if a not in taken]
+    return math.prod(layout.axis_sizes[a] for a in dividing_axes(layout.axis_sizes, free, cfg.expert_mlp_dim))
 
 
 def _local_size(spec: ParamSpec, layout: MeshLayout, skip: tuple[str, ...] = ()) -> int:

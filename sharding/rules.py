@@ -65,14 +65,15 @@ def _splitting(mesh, target) -> tuple[str, ...]:
     return tuple(a for a in (target if isinstance(target, tuple) else (target,)) if a in free)
 
 
-def dividing_axes(mesh, axes, size: int) -> tuple[str, ...]:
+def dividing_axes(sizes, axes, size: int) -> tuple[str, ...]:
     """``axes`` in order, less any that would leave their product no longer dividing ``size`` (what a
-    ``shard_map`` over a dimension of ``size`` can split it over)."""
+    ``shard_map`` over a dimension of ``size`` can split it over). ``sizes``: each mesh axis' size (a mesh's
+    ``shape``, a layout's ``axis_sizes``)."""
     kept, shards = [], 1
     for a in axes:
-        if size % (shards * mesh.shape[a]) == 0:
+        if size % (shards * sizes[a]) == 0:
             kept.append(a)
-            shards *= mesh.shape[a]
+            shards *= sizes[a]
     return tuple(kept)
 
 
