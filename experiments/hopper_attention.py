@@ -46,7 +46,7 @@ def check_cases() -> dict:
         "full, T=512 S=1024": (pk.full(), 512, 1024, 4, 4, 64, None),
         "causal, soft_cap(30)": (pk.causal(), 1024, 1024, 4, 4, 128, pk.soft_cap(30.0)),
         "causal, head dim 256": (pk.causal(), 1024, 1024, 2, 2, 256, None),
-        "causal, relative_bias (Triton)": (pk.causal(), 1024, 1024, 4, 2, 128, pk.relative_bias(_table(4, 32))),
+        "causal, relative_bias": (pk.causal(), 1024, 1024, 4, 2, 128, pk.relative_bias(_table(4, 32))),
         "causal & document(8)": (pk.causal() & pk.document(doc_ids(2, 1024, 8)), 1024, 1024, 4, 4, 128, None),
         "document(8), GQA 8 on 2": (pk.document(doc_ids(2, 1024, 8, seed=1)), 1024, 1024, 8, 2, 64, None),
         "causal & document(8), T=1000": (
@@ -82,22 +82,16 @@ def causal_document_pairs(ids: np.ndarray) -> int:
     return int((lengths * (lengths + 1) // 2).sum())
 
 
-def _lowering(mod) -> str | None:
-    """ "mosaic", but the automatic choice (Triton) for a score mod that captures arrays, which Mosaic refuses."""
-    return None if mod is not None and mod.arrays() else "mosaic"
-
-
 def _grad_errors(q, k, v, bm, mask, mod) -> list[float]:
-    """Relative L2 errors of dQ, dK, dV (Mosaic forward and backward) against the float32 reference's, and of the
-    gradients to the mod's captured arrays when it has some."""
+    """Relative L2 errors of dQ, dK, dV (Mosaic forward and backward; the Triton backward for a mod that captures
+    arrays) against the float32 reference's, and of the gradients to the mod's captured arrays when it has some."""
     d_out = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
     arrays = mod.arrays() if mod is not None else ()
 
     def loss(fn):
         return lambda q, k, v, arrays: (fn(q, k, v, mod and mod.with_arrays(arrays)).astype(jnp.float32) * d_out).sum()
 
-    lowering = _lowering(mod)
-    kernel = loss(lambda q, k, v, m: pk.block_sparse_attention(q, k, v, bm, score_mod=m, lowering=lowering)[0])
+    kernel = loss(lambda q, k, v, m: pk.block_sparse_attention(q, k, v, bm, score_mod=m, lowering="mosaic")[0])
     ref = loss(lambda q, k, v, m: pk.reference_attention(q, k, v, mask, score_mod=m)[0])
     got = jax.jit(jax.grad(kernel, argnums=(0, 1, 2, 3)))(q, k, v, arrays)
     want = jax.grad(ref, argnums=(0, 1, 2, 3))(*(x.astype(jnp.float32) for x in (q, k, v)), arrays)
@@ -113,9 +107,8 @@ def run_check(log=print) -> list[dict]:
         k, v = (jnp.asarray(r.normal(size=(2, K, S, E)), jnp.bfloat16) for _ in range(2))
         bm = pk.make_block_mask(mask, T, S, pk.BlockSizes(128, 128))
         try:
-            lowering = _lowering(mod)
             fn = jax.jit(
-                lambda q, k, v, bm=bm, mod=mod: pk.block_sparse_attention(q, k, v, bm, score_mod=mod, lowering=lowering)
+                lambda q, k, v, bm=bm, mod=mod: pk.block_sparse_attention(q, k, v, bm, score_mod=mod, lowering="mosaic")
             )
             out, lse = fn(q, k, v)
             f32 = (x.astype(jnp.float32) for x in (q, k, v))

@@ -16,8 +16,10 @@ Masks are evaluated on full-tile position iotas in the wgmma register layout, so
 elementwise ops works unchanged. Document (segment-id) and position slots (``kernel_mask``) are loaded as ids: each
 consumer warpgroup reads its rows' q ids once (a vector in the row layout of the wgmma accumulator), and the producer
 streams each PARTIAL tile's kv ids with TMA beside its K tile (one more ring, one more barrier per slot); FULL tiles
-load none. The backward (``mosaic_attention_bwd``, or the Triton kernels where it cannot run) takes the same outputs
-(out, lse) from either forward.
+load none. A score mod's captured arrays (``score_tables``: a bias table, learned slopes) come packed as one [H, n]
+input; each consumer warpgroup copies its head's row to shared memory once and reads the entries as scalars on
+every tile. The backward (``mosaic_attention_bwd``, or the Triton kernels where it cannot run; with captured arrays
+the Triton dQ kernel, which forms their gradients) takes the same outputs (out, lse) from either forward.
 
 Shape suffixes follow the legend in docs/architecture.md.
 """
@@ -36,6 +38,7 @@ from jax.experimental import pallas as pl
 from .kernel_inputs import like
 from .kernel_mask import DocumentSlot, PositionSlot
 from .masks import And, Or
+from .score_tables import pack_rows, packed_rows, packed_width
 from .targets import H100_SHARED_MEMORY_PER_BLOCK
 
 _LOG2E = math.log2(math.e)
@@ -93,8 +96,6 @@ def supports(static, dtype, head_dim: int) -> str | None:
     """None when the Mosaic forward can run this attention, else why not (the Triton kernel runs instead)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name} (wgmma takes bfloat16 / float16 here)"
-    if static.score_mod is not None and static.score_mod.arrays():
-        return "a score mod that captures arrays"
     tiles = mosaic_tiles(head_dim, dtype, static.block_q, static.block_kv)
     if tiles is None:
         return f"head dim {head_dim} with blocks {static.block_q}x{static.block_kv}"
@@ -285,13 +286,17 @@ def interpret_params(interpret: bool) -> dict:
     return {"interpret": InterpretGPUParams()}
 
 
-def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=(), *, interpret: bool = False):
+def mosaic_forward(
+    static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=(), mod_arrays=(), *, interpret: bool = False
+):
     """(out [B, H, Tp, E] in q.dtype, lse [B, H, Tp, 1] float32) over the padded q/k/v, like the Triton forward.
 
     ``mask_arrays`` are ``kernel_inputs.list_arrays``' first three (kv block indices, partial counts, counts);
     ``doc_arrays`` per document / position slot of ``static.template``, in slot order, its q ids [1 or B, Tp] and
     kv ids [1 or B, Sp] (int32, zero-padded: ``kernel_inputs.segment_arrays``), 2-D or as the Triton kernels'
-    [.., Tp, 1] / [.., 1, Sp] views."""
+    [.., Tp, 1] / [.., 1, Sp] views. ``mod_arrays``: the [H, n] arrays a score mod captures (``score_tables.
+    split_arrays``); each compute warpgroup copies its head's packed row of them to shared memory once and reads
+    the entries as scalars where the mod looks them up."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     B, H, Tp, E = q.shape
@@ -301,14 +306,16 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
     dtype = q.dtype
     kv_idx, kv_np, kv_cnt = mask_arrays[:3]
     n_ids, id_arrays, ids_batched = id_inputs("mosaic_forward", static, doc_arrays, Tp, Sp)
+    packed = (pack_rows(mod_arrays),) if mod_arrays else ()
     modes = Modes(plgpu, interpret)
-    # Registers per thread of a consumer / the producer warpgroup (2 x consumer + producer <= 504). With id slots the
-    # consumers take FlashAttention-3's 240 / 24: at head dim 256 two slots' ids spilled 8 bytes at 232 / 40.
-    consumer_regs, producer_regs = (240, 24) if n_ids else (232, 40)
+    # Registers per thread of a consumer / the producer warpgroup (2 x consumer + producer <= 504). With id slots or a
+    # mod's arrays the consumers take FlashAttention-3's 240 / 24: at head dim 256 two slots' ids spilled 8 bytes at
+    # 232 / 40, and at head dim 128 a T5 bias table 72 bytes.
+    consumer_regs, producer_regs = (240, 24) if n_ids or packed else (232, 40)
 
-    def kernel(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, qid_ref, kvid_ref, out_ref, lse_ref, scoped):
-        smem, (k_ready, v_ready, q_ready), (k_free, v_free), turn, (kvid_ready, qid_ready) = scoped
-        qo_smem2, k_smem, v_smem, lse_smem2, kt_smem, p_smem, qid_smem2, kvid_smem = smem
+    def kernel(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, qid_ref, kvid_ref, mod_ref, out_ref, lse_ref, scoped):
+        smem, (k_ready, v_ready, q_ready), (k_free, v_free), turn, (kvid_ready, qid_ready), mod_ready = scoped
+        qo_smem2, k_smem, v_smem, lse_smem2, kt_smem, p_smem, qid_smem2, kvid_smem, mod_smem2 = smem
         b, h, row = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
         wg = lax.axis_index("wg")
         bm = b if static.mask_batched else 0
@@ -329,6 +336,9 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
             if n_ids:
                 at = (bd, slice(None), pl.ds(q_base, rows))
                 plgpu.copy_gmem_to_smem(qid_ref.at[at], qid_smem2.at[wg], qid_ready.at[wg])
+            if packed:
+                plgpu.copy_gmem_to_smem(mod_ref.at[h], mod_smem2.at[wg], mod_ready.at[wg])
+                plgpu.barrier_wait(mod_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
             q_ids = []
             if n_ids:  # [rows] per slot, read once; broadcast over a tile's columns where a PARTIAL tile needs them
@@ -361,7 +371,9 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
                 if masked or static.score_mod is not None:
                     q_pos = modes.iota((rows, tkv), 0) + q_base
                     kv_pos = modes.iota((rows, tkv), 1) + tile_start(j)
-                    s, _ = static.mod_scores(s * static.scale, q_pos, kv_pos, h)
+                    # the mod's entries are read from shared memory on every tile, not held in registers
+                    entries = packed_rows(static.score_mod, mod_smem2.at[wg]) if packed else ()
+                    s, _ = static.mod_scores(s * static.scale, q_pos, kv_pos, h, arrays=entries)
                     if masked:
                         # the kv ids are read here, where the mask needs them (their ring slot frees with V's;
                         # read sooner, two slots' ids held 64 more registers across the wgmma wait and spilled)
@@ -417,6 +429,7 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
 
     def entry(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, *refs):
         qid_ref, kvid_ref = refs[:2] if n_ids else (None, None)
+        mod_ref = refs[-3] if packed else None
         out_ref, lse_ref = refs[-2:]
         layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = (
@@ -428,8 +441,9 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
             plgpu.SMEM((2, rows, tkv), dtype) if interpret else None,
             plgpu.SMEM((2, n_ids, rows), jnp.int32) if n_ids else None,
             plgpu.SMEM((stages, n_ids, tkv), jnp.int32) if n_ids else None,
+            plgpu.SMEM((2, packed_width(mod_arrays)), jnp.float32) if packed else None,
         )
-        refs = (q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, qid_ref, kvid_ref, out_ref, lse_ref)
+        refs = (q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, qid_ref, kvid_ref, mod_ref, out_ref, lse_ref)
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped),
             scratch,
@@ -441,6 +455,7 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)) if n_ids else (None, None),
+            plgpu.Barrier(num_barriers=2) if packed else None,
             collective_axes="wg",
         )
 
@@ -456,5 +471,5 @@ def mosaic_forward(static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **interpret_params(interpret),
-    )(q, k, v, kv_idx.astype(jnp.int32), kv_np.astype(jnp.int32), kv_cnt.astype(jnp.int32), *id_arrays)
+    )(q, k, v, kv_idx.astype(jnp.int32), kv_np.astype(jnp.int32), kv_cnt.astype(jnp.int32), *id_arrays, *packed)
     return vary_like(out, q), vary_like(lse[..., None], q)

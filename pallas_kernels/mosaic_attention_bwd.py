@@ -45,6 +45,7 @@ from .mosaic_attention import (
     stream_kv,
     vary_like,
 )
+from .score_tables import pack_rows, packed_rows, packed_width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +113,11 @@ def supports_backward(static, dtype, head_dim: int) -> str | None:
     return None
 
 
-def _scores(static, s, q_pos, kv_pos, head, masked, doc_tiles):
+def _scores(static, s, q_pos, kv_pos, head, masked, doc_tiles, entries=()):
     """Scaled, score-modded scores (masked to -inf on PARTIAL tiles) and d mod / d s (None without a mod).
     ``doc_tiles()`` gives the mask's (q ids, kv ids) tiles per slot, shaped like ``s``; called on PARTIAL tiles
-    only, where the mask needs them."""
-    s, d_mod = static.mod_scores(s * static.scale, q_pos, kv_pos, head, with_grad=True)
+    only, where the mask needs them. ``entries``: the head's rows of the mod's captured arrays (HeadRows)."""
+    s, d_mod = static.mod_scores(s * static.scale, q_pos, kv_pos, head, with_grad=True, arrays=entries)
     if masked:
         s = jnp.where(static.keep(doc_tiles(), q_pos, kv_pos), s, -jnp.inf)
     return s, d_mod
@@ -145,6 +146,10 @@ def mosaic_dq(
     ``doc_arrays``: the forward's (``mosaic_forward``), per document / position slot its q ids and kv ids."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    if static.score_mod is not None and static.score_mod.arrays():
+        raise ValueError(
+            "mosaic_dq: a score mod's captured arrays take the Triton dQ kernel (it forms their gradients)"
+        )
     B, H, Tp, E = q.shape
     Sp = k.shape[2]
     G, rows, tkv, stages = static.groups, tiles.dq_rows, tiles.dq_kv, tiles.dq_stages
@@ -265,9 +270,23 @@ def mosaic_dq(
 
 
 def mosaic_dkv(
-    static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays=(), *, interpret: bool = False
+    static,
+    tiles: BackwardTiles,
+    q,
+    k,
+    v,
+    d_out,
+    lse,
+    delta,
+    mask_arrays,
+    doc_arrays=(),
+    mod_arrays=(),
+    *,
+    interpret: bool = False,
 ):
-    """(dK, dV) [B, K, Sp, E] in k.dtype, summed over each kv head's query heads. ``doc_arrays`` as ``mosaic_dq``'s."""
+    """(dK, dV) [B, K, Sp, E] in k.dtype, summed over each kv head's query heads. ``doc_arrays`` as ``mosaic_dq``'s;
+    ``mod_arrays`` as ``mosaic_forward``'s: each consumer warpgroup copies the packed rows of the kv head's query
+    heads to shared memory once (the arrays' own gradients are the Triton dQ kernel's)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     B, H, Tp, E = q.shape
@@ -276,7 +295,8 @@ def mosaic_dkv(
     dtype = q.dtype
     q_idx, q_np, q_cnt = (a.astype(jnp.int32) for a in mask_arrays[3:6])
     n_ids, id_arrays, ids_batched = id_inputs("mosaic_dkv", static, doc_arrays, Tp, Sp)
-    n_ready = 2 + bool(n_ids)  # a consumer's own copies: k, v (and its kv ids)
+    packed = (pack_rows(mod_arrays),) if mod_arrays else ()
+    n_ready = 2 + bool(n_ids) + bool(packed)  # a consumer's own copies: k, v (its kv ids, its heads' mod rows)
     modes = Modes(plgpu, interpret)
     # As dQ's. sm_90 ptxas, spill bytes at 232 / 40 -> 240 / 24: head dim 64 with a document slot 8 -> 0, with a
     # soft-cap 484 -> 404; head dim 128 with GQA (G = 2) 52 -> 20, with a soft-cap 268 -> 164, a document slot 4 -> 4.
@@ -294,12 +314,15 @@ def mosaic_dkv(
         cnt_ref,
         qid_ref,
         kvid_ref,
+        mod_ref,
         dk_ref,
         dv_ref,
         scoped,
     ):
         smem, ready, slot_ready, slot_free, qid_ready = scoped
-        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, t_smem2, a_smem2, kvid_smem2, qid_smem = smem
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, t_smem2, a_smem2, kvid_smem2, qid_smem, mod_smem2 = (
+            smem
+        )
         b, hk, col, wg = (lax.axis_index(n) for n in ("batch", "heads", "cols", "wg"))
         bd = b if ids_batched else 0
         blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, col, static.block_q, tq)
@@ -313,6 +336,8 @@ def mosaic_dkv(
             copies = [(k_ref.at[b, hk, pl.ds(base, rows)], k_own), (v_ref.at[b, hk, pl.ds(base, rows)], v_own)]
             if n_ids:
                 copies.append((kvid_ref.at[bd, slice(None), pl.ds(base, rows)], kvid_smem2.at[wg]))
+            if packed:
+                copies.append((mod_ref.at[pl.ds(hk * G, G)], mod_smem2.at[wg]))
             _load_resident(plgpu, copies, ready, n_ready, wg)
             # [kv rows] per slot, read once; broadcast over a tile's q columns where a PARTIAL tile needs them
             kv_ids = [modes.vector(kvid_smem2.at[wg, i], 0) for i in range(n_ids)]
@@ -330,7 +355,8 @@ def mosaic_dkv(
                     kv_pos = modes.iota((rows, tq), 0) + base
                     q_pos = modes.iota((rows, tq), 1) + tile_start(t)
                     ids = functools.partial(modes.id_tiles, kv_ids, qid_smem, qid_ready, slot, s.shape, False)
-                    s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked, ids)
+                    entries = packed_rows(static.score_mod, mod_smem2.at[wg, g]) if packed else ()
+                    s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked, ids, entries)
                     s2 = s * _LOG2E
                 else:
                     d_mod = None
@@ -389,7 +415,8 @@ def mosaic_dkv(
 
     def entry(*refs):
         ins, outs = refs[:-2], refs[-2:]
-        refs = (*ins, *((None, None) if not n_ids else ()), *outs)
+        ins, mod = (ins[:-1], ins[-1:]) if packed else (ins, (None,))
+        refs = (*ins, *((None, None) if not n_ids else ()), *mod, *outs)
         layout = _layout(plgpu)
         scratch = (
             plgpu.SMEM((2, rows, E), dtype, transforms=layout),
@@ -402,6 +429,7 @@ def mosaic_dkv(
             plgpu.SMEM((2, rows, tq), dtype) if interpret else None,
             plgpu.SMEM((2, n_ids, rows), jnp.int32) if n_ids else None,
             plgpu.SMEM((stages, n_ids, tq), jnp.int32) if n_ids else None,
+            plgpu.SMEM((2, G, packed_width(mod_arrays)), jnp.float32) if packed else None,
         )
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped),
@@ -423,5 +451,5 @@ def mosaic_dkv(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **interpret_params(interpret),
-    )(q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt, *id_arrays)
+    )(q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt, *id_arrays, *packed)
     return vary_like(dk, k), vary_like(dv, k)

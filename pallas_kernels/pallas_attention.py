@@ -219,7 +219,11 @@ def _mosaic_tiles(static, lowering: str | None, dtype, E: int, explicit_tiles: b
         raise ValueError(f"block_sparse_attention: the Mosaic GPU forward cannot take {why_not}")
     why_not_bwd = why_not or supports_backward(static, dtype, E)
     _log_once("forward", why_not)
-    _log_once("backward", why_not_bwd)
+    if why_not_bwd is None and static.score_mod is not None and static.score_mod.arrays():
+        _log_once("backward dK/dV", None)
+        _log_once("backward dQ", "a score mod that captures arrays (its dQ kernel forms their gradients)")
+    else:
+        _log_once("backward", why_not_bwd)
     return {
         "mosaic": None if why_not else mosaic_tiles(E, dtype, static.block_q, static.block_kv),
         "mosaic_bwd": None if why_not_bwd else backward_tiles(E, dtype, static.block_q, static.block_kv),
@@ -286,12 +290,17 @@ def _attention_bwd(static, residuals, cotangents):
     d_out, d_lse = cotangents
     # d lse / d s = p, so a cotangent on lse enters every ds = p * (dp - delta) as -d_lse in delta.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True) - d_lse
-    if static.mosaic_bwd is not None:  # never with mod arrays (mosaic_attention.supports)
-        args = (static, static.mosaic_bwd, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
-        interpret = static.backend == "interpret"
+    interpret = static.backend == "interpret"
+    args = (static, static.mosaic_bwd, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
+    if static.mosaic_bwd is not None and not mod_arrays:
         return (*_mosaic_dq_dkv(args, interpret), None, None, ())
+    # a mod's captured arrays: their gradients are sums over every score of a row per entry, which the Triton dQ
+    # kernel forms per program; dK/dV only reads them, on Mosaic GPU where it runs
     dq, d_rows = _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
-    dk, dv = _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
+    if static.mosaic_bwd is not None:
+        dk, dv = mosaic_dkv(*args, mod_arrays, interpret=interpret)
+    else:
+        dk, dv = _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
     d_mod_arrays = vector_as_grads(d_rows, mod_arrays) if mod_arrays else ()
     return dq, dk, dv, None, None, d_mod_arrays
 
@@ -392,7 +401,7 @@ def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_r
 def _forward(static, q, k, v, mask_arrays, doc_arrays, mod_arrays=()):
     if static.mosaic is not None:
         interpret = static.backend == "interpret"
-        return mosaic_forward(static, static.mosaic, q, k, v, mask_arrays, doc_arrays, interpret=interpret)
+        return mosaic_forward(static, static.mosaic, q, k, v, mask_arrays, doc_arrays, mod_arrays, interpret=interpret)
     B, H, Tp, E = q.shape
     Sp = k.shape[2]
     G, tq = static.groups, static.tiles.forward.rows

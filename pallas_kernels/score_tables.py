@@ -46,6 +46,16 @@ class ArraySpec:
     dtype: str
 
 
+def add_lookup(score, array, head, index):
+    """``score + head_lookup(array, head, index)``; inside a kernel each entry is added where the index takes it, so
+    no tile of looked-up values is live beside the scores (on Mosaic GPU that tile spilled registers)."""
+    if not isinstance(array, HeadRow):
+        return score + head_lookup(array, head, index).astype(score.dtype)
+    for i, value in enumerate(array.values):
+        score = jnp.where(index == i, score + value.astype(score.dtype), score)
+    return score
+
+
 def head_lookup(array, head, index=None):
     """``array[head]`` (a per-head value), or ``array[head, index]`` for an int array ``index`` of positions in a
     1-D row, broadcasting against the scores; inside a kernel ``array`` is this program's HeadRow."""
@@ -75,7 +85,7 @@ class RelativeBias(ScoreMod):
 
     def __call__(self, score, q_idx, kv_idx, head=0):
         bucket = relative_bucket(kv_idx - q_idx, self.table.shape[-1], self.bidirectional, self.max_distance)
-        return score + head_lookup(self.table, head, bucket).astype(score.dtype)
+        return add_lookup(score, self.table, head, bucket)
 
     def arrays(self) -> tuple:
         return (self.table,)
@@ -188,6 +198,32 @@ def load_rows(static_mod: ScoreMod, refs, head) -> tuple[HeadRow, ...]:
         HeadRow(tuple(ref[head, i] for i in range(math.prod(spec.shape[1:]))), spec.shape[1:])
         for spec, ref in zip(specs, refs)
     )
+
+
+PACKED_ALIGN = 32  # entries: a packed row is whole 128-byte pieces (a warpgroup copy moves a multiple of 128 bytes)
+
+
+def packed_width(flat) -> int:
+    """Entries of one head's packed row (``pack_rows``): every array's row, rounded up to ``PACKED_ALIGN``."""
+    n = sum(math.prod(jnp.shape(a)[1:]) for a in flat)
+    return -(-n // PACKED_ALIGN) * PACKED_ALIGN
+
+
+def pack_rows(flat):
+    """The [H, n] arrays ``split_arrays`` returned as one [H, packed_width] float32 array, zero past them: a kernel
+    copies its head's row of it to shared memory in one piece (the Mosaic GPU kernels)."""
+    packed = jnp.concatenate([jnp.reshape(a, (a.shape[0], -1)) for a in flat], axis=1).astype(jnp.float32)
+    return jnp.pad(packed, ((0, 0), (0, packed_width(flat) - packed.shape[1])))
+
+
+def packed_rows(static_mod: ScoreMod, row_ref) -> tuple[HeadRow, ...]:
+    """The head's rows of the captured arrays as scalars, read from its packed row ``row_ref`` [packed_width]."""
+    rows, at = [], 0
+    for spec in static_mod.arrays():
+        n = math.prod(spec.shape[1:])
+        rows.append(HeadRow(tuple(row_ref[at + i] for i in range(n)), spec.shape[1:]))
+        at += n
+    return tuple(rows)
 
 
 def row_grads(static_mod: ScoreMod, rows, s, q_pos, kv_pos, head, ds) -> tuple[HeadRow, ...]:

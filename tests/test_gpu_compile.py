@@ -47,10 +47,10 @@ def test_every_mask_at_every_head_dim_compiles_for_h100(tmp_path):
     rows = _compile_rows(tmp_path)
     for E in (64, 128, 256):
         for dtype in ("float32", "bfloat16"):
-            extra = (E, dtype) == (128, "bfloat16")  # and a T5 bias table as an input, on the Triton kernels
+            extra = (E, dtype) == (128, "bfloat16")  # and a T5 bias table as an input
             assert len(_attention_cases(rows, E, dtype)) == 6 + extra, (E, dtype)  # every mask kind
     (table,) = [r for r in rows if "relative_bias" in r["case"]]
-    assert table["detail"] == "3 Triton + 0 Mosaic GPU kernels"
+    assert table["detail"] == "1 Triton + 2 Mosaic GPU kernels"  # dQ on Triton (it forms the table's gradient)
     small, *report_model = [r for r in rows if r["group"] == "train step"]
     assert len(report_model) == 2 and all("of 84.9 GB" in r["detail"] for r in report_model)  # fits the H100
     # the small step's scanned layer body once: 3 attention kernels + 4 fp8 matmuls x (forward, dX, dW), and the

@@ -7,6 +7,7 @@ the cases are few, small (block 128x128, the smallest the kernel takes: 64 rows 
 and each combines features. The compile runs in a subprocess, as tests/test_gpu_compile.py's do: the CUDA plugin
 must be found before JAX starts its backends, and this process has started them."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -110,10 +111,59 @@ def test_causal_with_grouped_query_heads_at_a_ragged_length_forward_and_mosaic_b
         _close(got, want, 2e-2, name)
 
 
-def test_prefix_lm_with_soft_cap_and_more_keys_than_queries():
+def _captured_mod(H: int, seed: int = 5):
+    """T5's bias table and learned ALiBi slopes (arrays the kernels take as inputs), then a soft-cap."""
+    r = np.random.default_rng(seed)
+    table, slopes = jnp.asarray(r.normal(size=(H, 32)), jnp.float32), jnp.asarray(r.uniform(0, 0.2, H), jnp.float32)
+    return pk.chain(pk.relative_bias(table), pk.learned_alibi(slopes), pk.soft_cap(5.0))
+
+
+def test_prefix_lm_with_captured_arrays_and_soft_cap_and_more_keys_than_queries():
     """T = 128 queries against S = 256 keys: the kv tile past the prefix is PARTIAL, the first FULL, and the score
-    mod runs on both (the FULL tile takes the path that applies only the mod)."""
-    _check_forward(*_qkv(1, 1, 1, 128, 256), pk.prefix_lm(200), pk.soft_cap(5.0))
+    mod runs on both (the FULL tile takes the path that applies only the mod). The mod reads a bias table and
+    slopes, one row per head (two heads: each program reads its own head's), from its warpgroup's shared memory."""
+    _check_forward(*_qkv(1, 2, 1, 128, 256), pk.prefix_lm(200), _captured_mod(2))
+
+
+def test_captured_arrays_take_the_triton_dq_kernel_which_returns_their_gradients():
+    """Traced only: with a mod that captures arrays the forward and dK/dV are Mosaic kernels and dQ the Triton one
+    (the arrays' gradients are per-entry sums over every score, which the Triton dQ kernel forms); without one the
+    whole backward is Mosaic's."""
+    q = jnp.zeros((1, 2, 128, 64), jnp.bfloat16)
+    bm = pk.make_block_mask(pk.causal(), 128, 128, BLOCKS)
+
+    def traced(mod):
+        loss = lambda q: pk.block_sparse_attention(q, q, q, bm, score_mod=mod, lowering="mosaic")[0].sum()  # noqa: E731
+        return str(jax.make_jaxpr(jax.grad(loss))(q))
+
+    with_arrays, plain = traced(_captured_mod(2)), traced(pk.soft_cap(5.0))
+    assert with_arrays.count("axis_name=wg") == 2  # the forward and dK/dV
+    assert "name=block_sparse_attention_dq" in with_arrays and "name=block_sparse_attention_dkv" not in with_arrays
+    assert plain.count("axis_name=wg") == 3 and "name=block_sparse_attention_dq" not in plain
+
+
+@pytest.mark.slow  # covered by the forward test above, the trace test's choice of kernels and test_score_tables
+def test_gradients_to_captured_arrays_through_the_mosaic_forward():
+    """The forward above on Mosaic, then the backward from its out and lse (dQ and the arrays' gradients from the
+    Triton kernel, dK/dV from the Mosaic one, which reads both query heads' rows of the arrays: GQA, two query heads
+    on one kv head): dQ, dK, dV and the gradients to the table and slopes against the float32 reference's."""
+    q, k, v = _qkv(1, 2, 1, 128, 256)
+    mask, mod = pk.prefix_lm(200), _captured_mod(2)
+    bm = pk.make_block_mask(mask, 128, 256, BLOCKS)
+    d_out = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), jnp.bfloat16)
+
+    def loss(attention, *inputs):
+        q, k, v, arrays = inputs
+        return (attention(q, k, v, mod.with_arrays(arrays))[0].astype(jnp.float32) * d_out).sum()
+
+    kernel = functools.partial(
+        loss, lambda q, k, v, m: pk.block_sparse_attention(q, k, v, bm, score_mod=m, lowering="mosaic")
+    )
+    ref = functools.partial(loss, lambda q, k, v, m: pk.reference_attention(q, k, v, mask, score_mod=m))
+    got = jax.grad(kernel, argnums=(0, 1, 2, 3))(q, k, v, mod.arrays())
+    want = jax.grad(ref, argnums=(0, 1, 2, 3))(*(x.astype(jnp.float32) for x in (q, k, v)), mod.arrays())
+    for name, g, w in zip(("dq", "dk", "dv", "d table", "d slopes"), (*got[:3], *got[3]), (*want[:3], *want[3])):
+        _close(g, w, 2e-2, name)
 
 
 def test_document_and_position_slots_per_batch_row_forward_and_gradients():
@@ -256,15 +306,24 @@ targets.compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), S64, S64, S64)
 targets.compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), S64, S64, S64, jax.ShapeDtypeStruct((B, T), jnp.int32))
 sys.stdout.flush()
 print("COMPILED backward", file=sys.stderr, flush=True)
+
+# the Mosaic forward reading a T5 bias table [H, 32] from shared memory (head dim 64)
+def biased(q, k, v, table):
+    bm = pk.make_block_mask(pk.causal(), T, T, pk.BlockSizes(128, 128))
+    return pk.block_sparse_attention(q, k, v, bm, score_mod=pk.relative_bias(table), lowering="mosaic")
+
+targets.compile_for_gpu(biased, S64, S64, S64, jax.ShapeDtypeStruct((H, 32), jnp.float32))
+sys.stdout.flush()
+print("COMPILED table", file=sys.stderr, flush=True)
 """
 
 MARKERS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
 
 
 def test_compiles_for_h100_with_tma_wgmma_register_reallocation_and_no_spills(tmp_path):
-    """causal & document (a document slot) at head dim 128, B=2, T=1024, for both forwards in one subprocess, and
-    the Mosaic forward and backward at head dim 64 of a causal mask and of causal & document (seven Mosaic kernels
-    in all). The
+    """causal & document (a document slot) at head dim 128, B=2, T=1024, for both forwards in one subprocess, the
+    Mosaic forward and backward at head dim 64 of a causal mask and of causal & document, and the forward with a T5
+    bias table (eight Mosaic kernels in all). The
     Mosaic kernel's PTX (MOSAIC_GPU_DUMP_PTX: this process's output) has TMA bulk-tensor copies, wgmma and setmaxnreg,
     and ptxas reports no spills; the Triton forward's PTX (XLA's dump) has neither TMA nor setmaxnreg (Triton issues
     wgmma on sm_90 too, so that marker is in both)."""
@@ -280,7 +339,7 @@ def test_compiles_for_h100_with_tma_wgmma_register_reallocation_and_no_spills(tm
         [sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=300, env=env, cwd=os.getcwd()
     )
     mosaic = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "COMPILED backward" in proc.stderr, mosaic[-3000:]
+    assert proc.returncode == 0 and "COMPILED table" in proc.stderr, mosaic[-3000:]
     triton_files = sorted(tmp_path.glob("*triton_forward*.ptx"))
     triton = "".join(p.read_text() for p in triton_files)
     assert ".entry block_sparse_attention_fwd" in triton, [p.name for p in triton_files]
@@ -288,4 +347,4 @@ def test_compiles_for_h100_with_tma_wgmma_register_reallocation_and_no_spills(tm
     assert [m for m in MARKERS if m not in mosaic] == []
     assert [m for m in MARKERS if m in triton] == ["wgmma.mma_async"]
     spills = [line.strip() for line in mosaic.splitlines() if "spill stores" in line]
-    assert len(spills) == 7 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
+    assert len(spills) == 8 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
