@@ -29,6 +29,7 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = ("bfloat16", "float32")
 HEADS, KV_HEADS, BLOCK = 4, 2, 128
 TRACED_DOCUMENT = "document, ids traced"
+TABLE = "causal, relative_bias (T5 table as an input)"
 
 
 def _kernels_in(compiled, expected: int) -> str:
@@ -42,31 +43,35 @@ def _kernels_in(compiled, expected: int) -> str:
 
 
 def _attention_fns(mask, T: int, E: int, dtype: str):
-    """(forward, dQ, dK/dV, all three) as functions of q, k, v, segment ids, and their argument specs."""
+    """(forward, dQ, dK/dV, all three) as functions of q, k, v, segment ids (``TABLE``: a T5 bias table [H, 32],
+    whose gradient dQ forms), and their argument specs."""
     import jax
     import jax.numpy as jnp
 
     import pallas_kernels as pk
 
     sizes = pk.BlockSizes(BLOCK, BLOCK)
-    host = None if mask is None else pk.make_block_mask(mask, T, T, sizes)
+    table = mask == TABLE
+    host = None if mask is None else pk.make_block_mask(pk.causal() if table else mask, T, T, sizes)
 
-    def block_mask(ids):  # mask None: causal documents whose ids arrive with the batch, as in training
-        return host if mask is not None else pk.make_block_mask(pk.causal() & pk.document(ids), T, T, sizes)
+    def attention(q, k, v, ids):  # mask None: causal documents whose ids arrive with the batch, as in training
+        bm = host if mask is not None else pk.make_block_mask(pk.causal() & pk.document(ids), T, T, sizes)
+        return pk.block_sparse_attention(q, k, v, bm, score_mod=pk.relative_bias(ids) if table else None)
 
     def loss(q, k, v, ids):
-        out, lse = pk.block_sparse_attention(q, k, v, block_mask(ids))
+        out, lse = attention(q, k, v, ids)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
 
     fns = {
-        "forward": lambda q, k, v, ids: pk.block_sparse_attention(q, k, v, block_mask(ids)),
-        "dQ": jax.grad(loss, argnums=0),
+        "forward": attention,
+        "dQ": jax.grad(loss, argnums=(0, 3) if table else 0),
         "dK/dV": jax.grad(loss, argnums=(1, 2)),
-        "all": jax.value_and_grad(loss, argnums=(0, 1, 2)),
+        "all": jax.value_and_grad(loss, argnums=(0, 1, 2, 3) if table else (0, 1, 2)),
     }
     q = jax.ShapeDtypeStruct((1, HEADS, T, E), jnp.dtype(dtype))
     kv = jax.ShapeDtypeStruct((1, KV_HEADS, T, E), jnp.dtype(dtype))
-    return fns, (q, kv, kv, jax.ShapeDtypeStruct((1, T), jnp.int32))
+    ids = jax.ShapeDtypeStruct((HEADS, 32), jnp.float32) if table else jax.ShapeDtypeStruct((1, T), jnp.int32)
+    return fns, (q, kv, kv, ids)
 
 
 def _compile_attention(generation: str, mask, T: int, E: int, dtype: str) -> str:
@@ -93,7 +98,8 @@ def attention_cases(generations, seqs, head_dims, dtypes) -> list[Case]:
             masks = {**attention_masks(1, T), TRACED_DOCUMENT: None}
             for E in head_dims:
                 for dtype in dtypes:
-                    for name, mask in masks.items():
+                    extra = {TABLE: TABLE} if (E, dtype) == (128, "bfloat16") else {}  # a score mod's array
+                    for name, mask in {**masks, **extra}.items():
                         cases.append(
                             Case(
                                 "attention",

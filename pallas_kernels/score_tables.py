@@ -232,11 +232,12 @@ def row_grads(static_mod: ScoreMod, rows, s, q_pos, kv_pos, head, ds) -> tuple[H
     return vjp(ds)[0]
 
 
-def rows_as_vector(rows, width: int):
-    """The rows' entries, concatenated, as one float32 vector [width] (zero past them): what a program writes."""
+def rows_as_vector(rows, width: int, leading: tuple[int, ...] = ()):
+    """The rows' entries, concatenated, as one float32 vector [*leading, width] (zero past them): what a program
+    writes (``leading`` (1,): a TPU kernel's vectors are 2-D)."""
     values = [v for row in rows for v in row.values]
-    lane = jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
-    out = jnp.zeros((width,), jnp.float32)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (*leading, width), len(leading))
+    out = jnp.zeros((*leading, width), jnp.float32)
     for i, v in enumerate(values):
         out = jnp.where(lane == i, v, out)
     return out

@@ -16,6 +16,10 @@ so the row of lse / delta broadcasts along lanes without a transpose.
 Tiles: the TPU's own (``tpu_tiles``: 512 by default, larger when the lists would not fit SMEM), at least the block
 mask's blocks; the mask is read at that granularity through ``block_mask.coarsen``.
 
+A score mod's captured arrays (``score_tables``: a bias table, learned slopes, [H, n] each) sit whole in SMEM; a
+program reads its head's row as scalars. dQ also sums the gradient to those rows over its scores, a vector per
+program kept in VMEM across its kv entries and summed outside.
+
 Shape suffixes follow the legend in docs/architecture.md; Tp and Sp are T and S padded to whole tiles.
 """
 
@@ -34,6 +38,7 @@ from .block_mask import BlockMask, coarsen
 from .kernel_inputs import AttentionStatic, check_attention_inputs, like, list_arrays, pad_axis, segment_arrays
 from .kernel_mask import split_documents
 from .masks import ScoreMod
+from .score_tables import load_rows, row_grads, rows_as_vector, split_arrays, vector_as_grads
 from .tile_math import dot, iota, masked_scores
 
 LANES = 128  # a TPU vector register's lanes: tiles are multiples of it so ids and lse rows load lane-dense
@@ -103,12 +108,8 @@ def block_sparse_attention_tpu(
     ``tiles`` overrides ``tpu_tiles`` (each a multiple of its block and of 128, or the whole padded sequence).
     """
     check_attention_inputs("block_sparse_attention_tpu", q, k, v, block_mask)
-    if score_mod is not None and score_mod.arrays():
-        raise ValueError(
-            f"block_sparse_attention_tpu: the TPU kernels do not take a score mod that captures arrays ({score_mod!r})"
-            " yet; block_sparse_attention_xla (attention_impl=xla_blocksparse) does"
-        )
     B, H, T, E = q.shape
+    score_mod, mod_arrays = split_arrays("block_sparse_attention_tpu", score_mod, H)
     _, K, S, _ = k.shape
     template, docs = split_documents(block_mask.mask)
     bs = block_mask.block_sizes
@@ -134,7 +135,7 @@ def block_sparse_attention_tpu(
         interpret=interpret,
     )
     qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
-    out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(segments))
+    out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(segments), mod_arrays)
     return out[:, :, :T], lse[:, :, 0, :T]
 
 
@@ -142,23 +143,24 @@ def block_sparse_attention_tpu(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, mask_arrays, segments):
-    return _forward(static, q, k, v, mask_arrays, segments)
+def _attention(static, q, k, v, mask_arrays, segments, mod_arrays):
+    return _forward(static, q, k, v, mask_arrays, segments, mod_arrays)
 
 
-def _attention_fwd(static, q, k, v, mask_arrays, segments):
-    out, lse = _forward(static, q, k, v, mask_arrays, segments)
-    return (out, lse), (q, k, v, out, lse, mask_arrays, segments)
+def _attention_fwd(static, q, k, v, mask_arrays, segments, mod_arrays):
+    out, lse = _forward(static, q, k, v, mask_arrays, segments, mod_arrays)
+    return (out, lse), (q, k, v, out, lse, mask_arrays, segments, mod_arrays)
 
 
 def _attention_bwd(static, residuals, cotangents):
-    q, k, v, out, lse, mask_arrays, segments = residuals
+    q, k, v, out, lse, mask_arrays, segments, mod_arrays = residuals
     d_out, d_lse = cotangents
     # d lse / d s = p, so a cotangent on lse enters every ds = p * (dp - delta) as -d_lse in delta.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None, :] - d_lse
-    dq = _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, segments)
-    dk, dv = _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, segments)
-    return dq, dk, dv, None, None
+    dq, d_rows = _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, segments, mod_arrays)
+    dk, dv = _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, segments, mod_arrays)
+    d_mod_arrays = vector_as_grads(d_rows, mod_arrays) if mod_arrays else ()
+    return dq, dk, dv, None, None, d_mod_arrays
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -190,12 +192,23 @@ def _col(x_BT):
     return x_BT[:, :, None]
 
 
+def _mod_specs(mod_arrays):
+    """A score mod's captured arrays [H, n], whole in SMEM: a program reads its head's row as scalars."""
+    return [pl.BlockSpec(memory_space=pltpu.SMEM)] * len(mod_arrays)
+
+
+def _rows_width(mod_arrays) -> int:
+    """Lanes of a dQ program's gradient vector for the mod's rows: every entry, in whole vector registers."""
+    return -(-sum(a.shape[1] for a in mod_arrays) // LANES) * LANES
+
+
 # ----------------------------------------------------------------------------- forward
 
 
 def _forward_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_ref, *refs):
-    n_docs = len(static.docs_batched)
-    doc_refs, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = refs[: 2 * n_docs], refs[2 * n_docs :]
+    n_docs, n_mod = len(static.docs_batched), _n_mod_arrays(static)
+    doc_refs, mod_refs = refs[: 2 * n_docs], refs[2 * n_docs : 2 * n_docs + n_mod]
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[2 * n_docs + n_mod :]
     b, h, i, j = (pl.program_id(a) for a in range(4))
     bm = b if static.mask_batched else 0
     tq, tkv = q_ref.shape[0], k_ref.shape[0]
@@ -211,7 +224,8 @@ def _forward_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_r
         q_pos = i * tq + iota(tq, 0)
         kv_pos = kv_idx_ref[bm, i, j] * tkv + iota(tkv, 1)
         doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
-        s, _ = masked_scores(static, dot(q, k, 1, 1) * static.scale, q_pos, kv_pos, h, masked, doc_tiles, False)
+        rows = load_rows(static.score_mod, mod_refs, h) if mod_refs else ()
+        s, _ = masked_scores(static, dot(q, k, 1, 1) * static.scale, q_pos, kv_pos, h, masked, doc_tiles, False, rows)
         m_prev, l_prev = m_ref[...], l_ref[...]
         m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet in this row
@@ -233,7 +247,7 @@ def _forward_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_r
         lse_ref[...] = jnp.transpose(jnp.broadcast_to(lse_col, (tq, LANES)))[:1]
 
 
-def _forward(static, q, k, v, mask_arrays, segments):
+def _forward(static, q, k, v, mask_arrays, segments, mod_arrays=()):
     B, H, Tp, E = q.shape
     G, nq = static.groups, mask_arrays[0].shape[1]
     tq, tkv = Tp // nq, k.shape[2] // mask_arrays[3].shape[1]
@@ -253,7 +267,7 @@ def _forward(static, q, k, v, mask_arrays, segments):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B, H, nq, static.kv_width),
-            in_specs=[q_spec, kv_spec, kv_spec, *doc_specs],
+            in_specs=[q_spec, kv_spec, kv_spec, *doc_specs, *_mod_specs(mod_arrays)],
             out_specs=[q_spec, pl.BlockSpec((None, None, 1, tq), lambda b, h, i, j, *_: (b, h, 0, i))],
             scratch_shapes=[
                 pltpu.VMEM((tq, 1), jnp.float32),
@@ -265,25 +279,32 @@ def _forward(static, q, k, v, mask_arrays, segments):
         interpret=static.interpret,
         compiler_params=_params(static, "parallel", "parallel", "parallel", "arbitrary"),
         name="block_sparse_attention_fwd_tpu",
-    )(*mask_arrays[:3], q, k, v, *doc_args)
+    )(*mask_arrays[:3], q, k, v, *doc_args, *mod_arrays)
 
 
 # ----------------------------------------------------------------------------- backward: dQ
 
 
-def _transposed_step(static, q, k, v, do, lse, delta, q_pos, kv_pos, head, masked, doc_tiles):
-    """One tile of the backward in the [kv, q] orientation: (p^T, ds^T), both [tkv, tq] float32."""
-    s, d_mod = masked_scores(static, dot(k, q, 1, 1) * static.scale, q_pos, kv_pos, head, masked, doc_tiles, True)
+def _transposed_step(static, q, k, v, do, lse, delta, q_pos, kv_pos, head, masked, doc_tiles, rows=(), grads=False):
+    """One tile of the backward in the [kv, q] orientation: (p^T, ds^T), both [tkv, tq] float32, and with ``grads``
+    this tile's gradient to ``rows`` (the head's rows of the mod's captured arrays, as scalars), else None."""
+    s_raw = dot(k, q, 1, 1) * static.scale
+    s, d_mod = masked_scores(static, s_raw, q_pos, kv_pos, head, masked, doc_tiles, True, rows)
     p = jnp.exp(s - lse)
-    ds = p * (dot(v, do, 1, 1) - delta)
+    ds = p * (dot(v, do, 1, 1) - delta)  # d loss / d (modded scores)
+    d_rows = row_grads(static.score_mod, rows, s_raw, q_pos, kv_pos, head, ds) if grads and rows else None
     if d_mod is not None:
         ds = ds * d_mod
-    return p, ds
+    return p, ds, d_rows
 
 
 def _dq_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
-    n_docs = len(static.docs_batched)
-    doc_refs, (dq_ref, acc_ref) = refs[: 2 * n_docs], refs[2 * n_docs :]
+    """dQ of one q tile; with a score mod that captures arrays also the gradient to this head's rows of them, over
+    this q tile's scores (one vector per program, in VMEM scratch across its kv entries; summed outside)."""
+    n_docs, n_mod = len(static.docs_batched), _n_mod_arrays(static)
+    doc_refs, mod_refs = refs[: 2 * n_docs], refs[2 * n_docs : 2 * n_docs + n_mod]
+    outs = refs[2 * n_docs + n_mod :]
+    (dq_ref, rows_ref, acc_ref, rows_acc) = outs if n_mod else (outs[0], None, outs[1], None)
     b, h, i, j = (pl.program_id(a) for a in range(4))
     bm = b if static.mask_batched else 0
     tq, tkv = q_ref.shape[0], k_ref.shape[0]
@@ -291,6 +312,8 @@ def _dq_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_ref, d
     @pl.when(j == 0)
     def _():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        if n_mod:
+            rows_acc[...] = jnp.zeros(rows_acc.shape, jnp.float32)
 
     def step(masked):
         k = k_ref[...]
@@ -298,17 +321,27 @@ def _dq_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_ref, d
         kv_pos = kv_idx_ref[bm, i, j] * tkv + iota(tkv, 0)
         doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
         args = q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-        _, ds = _transposed_step(static, *args, q_pos, kv_pos, h, masked, doc_tiles)
+        rows = load_rows(static.score_mod, mod_refs, h) if n_mod else ()
+        _, ds, d_rows = _transposed_step(static, *args, q_pos, kv_pos, h, masked, doc_tiles, rows, grads=True)
         acc_ref[...] += dot(ds.astype(k.dtype), k, 0, 0)
+        if n_mod:
+            rows_acc[...] += rows_as_vector(d_rows, rows_acc.shape[-1], leading=(1,))
 
     _entry(step, kv_np_ref[bm, i], kv_cnt_ref[bm, i], j)
 
     @pl.when(j == static.kv_width - 1)
     def _():
         dq_ref[...] = (acc_ref[...] * static.scale).astype(dq_ref.dtype)
+        if n_mod:
+            rows_ref[...] = rows_acc[...]
 
 
-def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, segments):
+def _n_mod_arrays(static) -> int:
+    return len(static.score_mod.arrays()) if static.score_mod is not None else 0
+
+
+def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, segments, mod_arrays=()):
+    """(dQ, per-program gradient vectors of the mod's rows [B, H, programs, width], or None without mod arrays)."""
     B, H, Tp, E = q.shape
     G, nq = static.groups, mask_arrays[0].shape[1]
     tq, tkv = Tp // nq, k.shape[2] // mask_arrays[3].shape[1]
@@ -324,28 +357,36 @@ def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, segments):
             pl.BlockSpec((None, tkv, 1), lambda b, h, i, j, idx, *_, db=db: (db(b), idx[b_of(b), i, j], 0)),
         ]
         doc_args += [_row(q_ids), _col(kv_ids)]
-    return pl.pallas_call(
+    out_specs, out_shape, scratch = [q_spec], [like(q.shape, q.dtype, q)], [pltpu.VMEM((tq, E), jnp.float32)]
+    if mod_arrays:
+        width = _rows_width(mod_arrays)
+        out_specs.append(pl.BlockSpec((None, None, None, 1, width), lambda b, h, i, j, *_: (b, h, i, 0, 0)))
+        out_shape.append(like((B, H, nq, 1, width), jnp.float32, q))
+        scratch.append(pltpu.VMEM((1, width), jnp.float32))
+    outs = pl.pallas_call(
         functools.partial(_dq_kernel, static),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B, H, nq, static.kv_width),
-            in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *doc_specs],
-            out_specs=q_spec,
-            scratch_shapes=[pltpu.VMEM((tq, E), jnp.float32)],
+            in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *doc_specs, *_mod_specs(mod_arrays)],
+            out_specs=out_specs,
+            scratch_shapes=scratch,
         ),
-        out_shape=like(q.shape, q.dtype, q),
+        out_shape=out_shape,
         interpret=static.interpret,
         compiler_params=_params(static, "parallel", "parallel", "parallel", "arbitrary"),
         name="block_sparse_attention_dq_tpu",
-    )(*mask_arrays[:3], q, k, v, d_out, lse, delta, *doc_args)
+    )(*mask_arrays[:3], q, k, v, d_out, lse, delta, *doc_args, *mod_arrays)
+    return outs[0], (outs[1][:, :, :, 0] if mod_arrays else None)
 
 
 # ----------------------------------------------------------------------------- backward: dK, dV
 
 
 def _dkv_kernel(static, q_idx_ref, q_np_ref, q_cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
-    n_docs = len(static.docs_batched)
-    doc_refs, (dk_ref, dv_ref, dk_acc, dv_acc) = refs[: 2 * n_docs], refs[2 * n_docs : 2 * n_docs + 4]
+    n_docs, n_mod = len(static.docs_batched), _n_mod_arrays(static)
+    doc_refs, mod_refs = refs[: 2 * n_docs], refs[2 * n_docs : 2 * n_docs + n_mod]
+    dk_ref, dv_ref, dk_acc, dv_acc = refs[2 * n_docs + n_mod :]
     b, hk, c, t = (pl.program_id(a) for a in range(4))
     bm = b if static.mask_batched else 0
     g, slot = t // static.q_width, t % static.q_width  # the grid's last axis walks (query head of the group, entry)
@@ -362,8 +403,9 @@ def _dkv_kernel(static, q_idx_ref, q_np_ref, q_cnt_ref, q_ref, k_ref, v_ref, do_
         kv_pos = c * tkv + iota(tkv, 0)
         doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
         head = hk * static.groups + g
-        p, ds = _transposed_step(static, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], q_pos, kv_pos,
-                                 head, masked, doc_tiles)  # fmt: skip
+        rows = load_rows(static.score_mod, mod_refs, head) if n_mod else ()
+        p, ds, _ = _transposed_step(static, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], q_pos,
+                                    kv_pos, head, masked, doc_tiles, rows)  # fmt: skip
         dv_acc[...] += dot(p.astype(do.dtype), do, 1, 0)
         dk_acc[...] += dot(ds.astype(q.dtype), q, 1, 0)
 
@@ -375,7 +417,7 @@ def _dkv_kernel(static, q_idx_ref, q_np_ref, q_cnt_ref, q_ref, k_ref, v_ref, do_
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, segments):
+def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, segments, mod_arrays=()):
     B, H, Tp, E = q.shape
     K, Sp = k.shape[1], k.shape[2]
     G, W, nkv = static.groups, static.q_width, mask_arrays[3].shape[1]
@@ -400,7 +442,7 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, segments):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(B, K, nkv, G * W),
-            in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *doc_specs],
+            in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *doc_specs, *_mod_specs(mod_arrays)],
             out_specs=[kv_spec, kv_spec],
             scratch_shapes=[pltpu.VMEM((tkv, E), jnp.float32), pltpu.VMEM((tkv, E), jnp.float32)],
         ),
@@ -408,4 +450,4 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, segments):
         interpret=static.interpret,
         compiler_params=_params(static, "parallel", "parallel", "parallel", "arbitrary"),
         name="block_sparse_attention_dkv_tpu",
-    )(*mask_arrays[3:], q, k, v, d_out, lse, delta, *doc_args)
+    )(*mask_arrays[3:], q, k, v, d_out, lse, delta, *doc_args, *mod_arrays)

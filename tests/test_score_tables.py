@@ -66,16 +66,6 @@ def _inputs(H=2, T=128, E=64, dtype=jnp.bfloat16):
     return q, pk.make_block_mask(pk.causal(), T, T, pk.BlockSizes(128, 128))
 
 
-def test_tpu_kernels_refuse_captured_arrays_naming_the_way_that_takes_them():
-    from pallas_kernels.tpu_attention import block_sparse_attention_tpu
-
-    q, bm = _inputs()
-    mod = pk.relative_bias(jnp.zeros((2, 32)))
-    refusal = "TPU kernels do not take a score mod that captures arrays .*attention_impl=xla_blocksparse"
-    with pytest.raises(ValueError, match=refusal):
-        block_sparse_attention_tpu(q, q, q, bm, score_mod=mod, interpret=True)
-
-
 @pytest.mark.parametrize(
     "make, message",
     [
