@@ -6,7 +6,7 @@ kernels, measured in one run.
 
 ``check`` compares the Mosaic kernels (``block_sparse_attention(..., lowering="mosaic")``), forward and gradients,
 with the float32 reference on bfloat16 inputs for each static mask kind, packed documents, GQA, T != S, a ragged
-length and score mods (a T5 bias table, which runs on the Triton kernels, with its gradient). ``speed`` times forward
+length and score mods (a T5 bias table: the Mosaic forward and dK/dV, the Triton dQ, with the table's gradient). ``speed`` times forward
 and forward + backward for the full and causal masks at T = 2k and 8k, head dims 64 and 128, and prints the Mosaic
 rows' ratio to cuDNN and Triton. ``documents`` does the same for 8 packed documents per sequence against cuDNN given
 the equivalent dense mask; ``sweep`` times the Mosaic kernels' candidate tiles. Throughput counts the score pairs
