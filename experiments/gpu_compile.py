@@ -145,7 +145,8 @@ def _kernels_in(compiled, *, triton: int = 0, mosaic: int = 0, total: int | None
 
 # What a kernel's shared memory depends on: its tiles (head dim, dtype) and the operands it loads (segment ids with a
 # document mask), not the mask's elementwise expression. --core compiles causal, a sliding window and documents at
-# head dim 128 in bfloat16 and these at the other head dims and dtypes (float32 only at 256: its largest tiles).
+# head dim 128 in bfloat16 and these at the other head dims and dtypes (float32 only at 256: its largest tiles; head
+# dim 64 in bfloat16 is tests/test_mosaic_attention.py's compile).
 CORE_MASKS = ("causal", "document")
 
 
@@ -159,7 +160,9 @@ def attention_cases(quick: bool, core: bool = False) -> list[Case]:
                 masks = {k: all_masks[k] for k in ("causal", "document", "full")}
             elif core and dtype == "float32" and E < 256:
                 continue  # float32 tiles at 64 and 128 are smaller than at 256, which bounds their shared memory
-            elif core and (E, dtype) in ((64, "bfloat16"), (256, "float32")):
+            elif core and (E, dtype) == (64, "bfloat16"):
+                continue  # its Mosaic kernels compile, spills checked, in tests/test_mosaic_attention.py
+            elif core and (E, dtype) == (256, "float32"):
                 masks = {"causal": all_masks["causal"]}  # documents add ids to what the kernels load: 128 and 256 bf16
             elif core and (E != 128 or dtype != "bfloat16"):
                 masks = {k: all_masks[k] for k in CORE_MASKS}

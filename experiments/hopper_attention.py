@@ -6,11 +6,11 @@ kernels, measured in one run.
 
 ``check`` compares the Mosaic kernels (``block_sparse_attention(..., lowering="mosaic")``), forward and gradients,
 with the float32 reference on bfloat16 inputs for each static mask kind, packed documents, GQA, T != S, a ragged
-length and score mods (a T5 bias table: the Mosaic forward and dK/dV, the Triton dQ, with the table's gradient). ``speed`` times forward
-and forward + backward for the full and causal masks at T = 2k and 8k, head dims 64 and 128, and prints the Mosaic
-rows' ratio to cuDNN and Triton. ``documents`` does the same for 8 packed documents per sequence against cuDNN given
-the equivalent dense mask; ``sweep`` times the Mosaic kernels' candidate tiles. Throughput counts the score pairs
-the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
+length and score mods (a T5 bias table: the Mosaic forward and dK/dV, the Triton dQ, with the table's gradient).
+``speed`` times forward and forward + backward for the full and causal masks at T = 2k and 8k, head dims 64 and 128,
+and prints the Mosaic rows' ratio to cuDNN and Triton. ``documents`` does the same for 8 packed documents per
+sequence against cuDNN given the equivalent dense mask; ``sweep`` times the Mosaic kernels' candidate tiles.
+Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
 """
 
 from __future__ import annotations
