@@ -46,6 +46,11 @@ class AttentionStatic:
             kv_len=block_mask.kv_len,
         )
 
+    @property
+    def n_mod_arrays(self) -> int:
+        """How many arrays the score mod captures: kernel inputs after the document ids."""
+        return len(self.score_mod.arrays()) if self.score_mod is not None else 0
+
     def mod_scores(self, s, q_pos, kv_pos, head, with_grad: bool = False, arrays=()):
         """(the score mod applied to scores ``s``, d mod / d s when ``with_grad``), positions and head broadcasting
         against ``s``; (s, None) without a score mod. Score mods are elementwise in the score, so a jvp with ones is

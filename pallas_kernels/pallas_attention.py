@@ -324,13 +324,9 @@ def _scores(static, q, k, q_pos, kv_pos, head, masked, doc_tiles, with_grad=Fals
     return masked_scores(static, s, q_pos, kv_pos, head, masked, doc_tiles, with_grad, rows)
 
 
-def _n_mod_arrays(static) -> int:
-    return len(static.score_mod.arrays()) if static.score_mod is not None else 0
-
-
 def _split_refs(static, refs, n_out: int):
     """(document refs, mod array refs, output refs) of a kernel's trailing refs."""
-    n_mod = _n_mod_arrays(static)
+    n_mod = static.n_mod_arrays
     doc_and_mod, outs = refs[: len(refs) - n_out], refs[len(refs) - n_out :]
     return doc_and_mod[: len(doc_and_mod) - n_mod], doc_and_mod[len(doc_and_mod) - n_mod :], outs
 
@@ -426,7 +422,7 @@ def _forward(static, q, k, v, mask_arrays, doc_arrays, mod_arrays=()):
 def _dq_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_idx_ref, kv_np_ref, kv_cnt_ref, *refs):
     """dQ of one q tile; with a score mod that captures arrays also the gradient to this head's rows of them, over
     this tile's scores (one vector per program, summed outside)."""
-    doc_refs, mod_refs, out_refs = _split_refs(static, refs, 2 if _n_mod_arrays(static) else 1)
+    doc_refs, mod_refs, out_refs = _split_refs(static, refs, 2 if static.n_mod_arrays else 1)
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = load_rows(static.score_mod, mod_refs, h) if mod_refs else ()
     bm = b if static.mask_batched else 0

@@ -206,7 +206,7 @@ def _rows_width(mod_arrays) -> int:
 
 
 def _forward_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_ref, *refs):
-    n_docs, n_mod = len(static.docs_batched), _n_mod_arrays(static)
+    n_docs, n_mod = len(static.docs_batched), static.n_mod_arrays
     doc_refs, mod_refs = refs[: 2 * n_docs], refs[2 * n_docs : 2 * n_docs + n_mod]
     o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[2 * n_docs + n_mod :]
     b, h, i, j = (pl.program_id(a) for a in range(4))
@@ -301,7 +301,7 @@ def _transposed_step(static, q, k, v, do, lse, delta, q_pos, kv_pos, head, maske
 def _dq_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
     """dQ of one q tile; with a score mod that captures arrays also the gradient to this head's rows of them, over
     this q tile's scores (one vector per program, in VMEM scratch across its kv entries; summed outside)."""
-    n_docs, n_mod = len(static.docs_batched), _n_mod_arrays(static)
+    n_docs, n_mod = len(static.docs_batched), static.n_mod_arrays
     doc_refs, mod_refs = refs[: 2 * n_docs], refs[2 * n_docs : 2 * n_docs + n_mod]
     outs = refs[2 * n_docs + n_mod :]
     (dq_ref, rows_ref, acc_ref, rows_acc) = outs if n_mod else (outs[0], None, outs[1], None)
@@ -334,10 +334,6 @@ def _dq_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_ref, d
         dq_ref[...] = (acc_ref[...] * static.scale).astype(dq_ref.dtype)
         if n_mod:
             rows_ref[...] = rows_acc[...]
-
-
-def _n_mod_arrays(static) -> int:
-    return len(static.score_mod.arrays()) if static.score_mod is not None else 0
 
 
 def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, segments, mod_arrays=()):
@@ -384,7 +380,7 @@ def _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, segments, mod_
 
 
 def _dkv_kernel(static, q_idx_ref, q_np_ref, q_cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs):
-    n_docs, n_mod = len(static.docs_batched), _n_mod_arrays(static)
+    n_docs, n_mod = len(static.docs_batched), static.n_mod_arrays
     doc_refs, mod_refs = refs[: 2 * n_docs], refs[2 * n_docs : 2 * n_docs + n_mod]
     dk_ref, dv_ref, dk_acc, dv_acc = refs[2 * n_docs + n_mod :]
     b, hk, c, t = (pl.program_id(a) for a in range(4))
