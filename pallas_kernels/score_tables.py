@@ -106,7 +106,7 @@ class LearnedAlibi(ScoreMod):
 
     def __call__(self, score, q_idx, kv_idx, head=0):
         slope = head_lookup(self.slopes, head).astype(score.dtype)
-        return score - slope * jnp.asarray(q_idx - kv_idx).astype(score.dtype)
+        return score + slope * jnp.asarray(kv_idx - q_idx).astype(score.dtype)  # kv - q: the tile relative_bias reads
 
     def arrays(self) -> tuple:
         return (self.slopes,)
