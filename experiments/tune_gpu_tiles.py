@@ -21,7 +21,7 @@ import pallas_kernels as pk
 from experiments.cli import exit_with
 from experiments.timing import best_time
 from pallas_kernels import quantized_matmul as qm
-from pallas_kernels.pallas_attention import KernelTiles, PassTiles, kernel_tiles
+from pallas_kernels.gpu_tiles import KernelTiles, PassTiles, kernel_tiles
 from pallas_kernels.quantize import quantize
 
 FORWARD = [PassTiles(128, 128, 8, 2), PassTiles(128, 64, 4, 3), PassTiles(128, 64, 8, 3), PassTiles(128, 128, 8, 3),

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +27,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .block_mask import BlockMask
+from .gpu_tiles import KernelTiles, PassTiles, check_tiles, given_mosaic_tiles, kernel_tiles, mosaic_lowerings
 from .kernel_inputs import (
     AttentionStatic,
     check_attention_inputs,
-    hopper_target,
     like,
     list_arrays,
     pad_axis,
@@ -41,76 +39,11 @@ from .kernel_inputs import (
 )
 from .kernel_mask import split_documents
 from .masks import ScoreMod
-from .mosaic_attention import MosaicTiles, mosaic_forward, mosaic_tiles, supports
-from .mosaic_attention_bwd import BackwardTiles, backward_tiles, mosaic_dkv, mosaic_dq, supports_backward
+from .mosaic_attention import MosaicTiles, mosaic_forward
+from .mosaic_attention_bwd import BackwardTiles, mosaic_dkv, mosaic_dq
 from .score_tables import load_rows, row_grads, rows_as_vector, split_arrays, vector_as_grads
 from .tile_math import dot, iota, masked_scores
 from .tpu_attention import block_sparse_attention_tpu
-
-
-@dataclasses.dataclass(frozen=True)
-class PassTiles:
-    """One kernel's tiling: the tile a program owns (q rows for forward and dQ, kv columns for dK/dV), the tile its
-    loop steps by (kv for forward and dQ, q for dK/dV), and Triton's warps and pipeline stages."""
-
-    rows: int
-    loop: int
-    warps: int = 4
-    stages: int = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelTiles:
-    """Tiles of the three kernels. They may be smaller than the block mask's blocks (a block is then walked in
-    tiles) so that the block size stays a property of the mask while the tiles fit the device's shared memory."""
-
-    forward: PassTiles
-    dq: PassTiles
-    dkv: PassTiles
-
-
-# The largest tiles (of 128x128, 128x64, 64x128, 64x64, 64x32, 32x64, with 2 pipeline stages) whose kernels fit an
-# H100's 227 KiB of shared memory per block, by (head dim up to, bytes per element); experiments.gpu_compile
-# compiles every entry for sm_90. The bfloat16 forward tiles are the fastest that experiments.tune_gpu_tiles timed on
-# an H100 (causal, T=8192, 2026-11-24): head dim 64 128x64 with 4 warps and 3 stages, 233 TFLOP/s against 196 for
-# 128x128; head dim 128 128x32, 284 against 268. The backward candidates were within 5% of these entries.
-_GPU_TILES = {
-    # (max head dim, itemsize): (forward, dq, dkv)
-    (64, 2): (PassTiles(128, 64, 4, 3), PassTiles(128, 128, 8), PassTiles(128, 128, 8)),
-    (64, 4): (PassTiles(128, 128, 8), PassTiles(128, 128, 8), PassTiles(128, 64, 8)),
-    (128, 2): (PassTiles(128, 32, 4, 3), PassTiles(128, 128, 8), PassTiles(128, 64, 8)),
-    (128, 4): (PassTiles(128, 64, 8), PassTiles(128, 64, 8), PassTiles(64, 64, 4)),
-    (256, 2): (PassTiles(128, 64, 8), PassTiles(64, 64, 4), PassTiles(64, 32, 4)),
-    (256, 4): (PassTiles(64, 32, 4), PassTiles(64, 32, 4), PassTiles(32, 64, 4)),
-}
-
-
-def kernel_tiles(backend: str, head_dim: int, dtype, block_sizes) -> KernelTiles:
-    """The tiles the kernels use: the mask's blocks in interpret mode, on GPU the smallest entry of the
-    shared-memory table that covers this head dim and dtype, cut to divide the blocks."""
-    bq, bkv = block_sizes.block_q, block_sizes.block_kv
-    if backend != "gpu":
-        return KernelTiles(PassTiles(bq, bkv), PassTiles(bq, bkv), PassTiles(bkv, bq))
-    itemsize = jnp.dtype(dtype).itemsize
-    fits = [key for key in _GPU_TILES if key[0] >= head_dim and key[1] >= itemsize]
-    if not fits:
-        raise ValueError(f"block_sparse_attention: head dim {head_dim} is larger than the GPU kernels support (256)")
-    table = KernelTiles(*_GPU_TILES[min(fits)])
-    return KernelTiles(
-        *(
-            dataclasses.replace(t, rows=math.gcd(t.rows, rows_block), loop=math.gcd(t.loop, loop_block))
-            for _, t, rows_block, loop_block in _passes(table, block_sizes)
-        )
-    )
-
-
-def _passes(tiles: KernelTiles, bs):
-    """(name, tiles, the block its rows tile, the block its loop tiles) of forward, dq and dkv, in that order."""
-    return (
-        ("forward", tiles.forward, bs.block_q, bs.block_kv),
-        ("dq", tiles.dq, bs.block_q, bs.block_kv),
-        ("dkv", tiles.dkv, bs.block_kv, bs.block_q),
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,12 +103,12 @@ def block_sparse_attention(
     score_mod, mod_arrays = split_arrays("block_sparse_attention", score_mod, H)
 
     bs = block_mask.block_sizes
-    mosaic_given = _given_mosaic_tiles(tiles, lowering, bs)
+    mosaic_given = given_mosaic_tiles(tiles, lowering, bs)
     if mosaic_given:
         tiles, lowering = None, "mosaic"
     explicit_tiles = tiles is not None
     tiles = kernel_tiles(backend, E, q.dtype, bs) if tiles is None else tiles
-    _check_tiles(tiles, bs)
+    check_tiles(tiles, bs)
     Tp, Sp = block_mask.padded_q_len, block_mask.padded_kv_len
     segments = segment_arrays("block_sparse_attention", docs, block_mask, B)
     doc_arrays = [a for q_ids, kv_ids in segments for a in (q_ids[:, :, None], kv_ids[:, None, :])]
@@ -188,7 +121,7 @@ def block_sparse_attention(
         backend=backend,
         tiles=tiles,
     )
-    chosen = _mosaic_tiles(static, lowering, q.dtype, E, explicit_tiles)
+    chosen = mosaic_lowerings(static, lowering, q.dtype, E, explicit_tiles)
     if "mosaic_bwd" in mosaic_given and chosen["mosaic_bwd"] is None:
         raise ValueError(
             f"block_sparse_attention: the Mosaic GPU backward cannot take head dim {E}; give no BackwardTiles"
@@ -197,79 +130,6 @@ def block_sparse_attention(
     qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays), mod_arrays)
     return out[:, :, :T], lse[:, :, :T, 0]
-
-
-LOWERINGS = ("mosaic", "triton")
-_logged: set = set()
-
-
-def _mosaic_tiles(static, lowering: str | None, dtype, E: int, explicit_tiles: bool = False) -> dict:
-    """{"mosaic": forward tiles, "mosaic_bwd": backward tiles}, each None where that pass runs on Triton (or the
-    Pallas interpreter). An explicit "mosaic" raises when the forward cannot take the case; the backward then still
-    falls back to Triton where its kernels cannot (head dim 256). Which ran is logged once."""
-    if lowering not in (None, *LOWERINGS):
-        raise ValueError(f"block_sparse_attention: unknown lowering {lowering!r}; choose one of {LOWERINGS}")
-    if lowering == "triton" or (static.backend == "interpret" and lowering is None):
-        return {}
-    if explicit_tiles and lowering is None:  # they are the Triton kernels' tiles (tune_gpu_tiles, tests)
-        return {}
-    older = None if lowering == "mosaic" or hopper_target() else "the GPU is older than Hopper (sm_90)"
-    why_not = older or supports(static, dtype, E)
-    if why_not is not None and lowering == "mosaic":
-        raise ValueError(f"block_sparse_attention: the Mosaic GPU forward cannot take {why_not}")
-    why_not_bwd = why_not or supports_backward(static, dtype, E)
-    _log_once("forward", why_not)
-    if why_not_bwd is None and static.score_mod is not None and static.score_mod.arrays():
-        _log_once("backward dK/dV", None)
-        _log_once("backward dQ", "a score mod that captures arrays (its dQ kernel forms their gradients)")
-    else:
-        _log_once("backward", why_not_bwd)
-    return {
-        "mosaic": None if why_not else mosaic_tiles(E, dtype, static.block_q, static.block_kv),
-        "mosaic_bwd": None if why_not_bwd else backward_tiles(E, dtype, static.block_q, static.block_kv),
-    }
-
-
-def _given_mosaic_tiles(tiles, lowering: str | None, bs) -> dict:
-    """{"mosaic": forward tiles, "mosaic_bwd": backward tiles} as far as ``tiles`` gives Mosaic tiles, checked
-    against the blocks; {} for Triton tiles or None."""
-    parts = tiles if isinstance(tiles, tuple) else (tiles,)
-    given = {}
-    for t in parts:
-        if isinstance(t, MosaicTiles):
-            given["mosaic"] = t
-            ok = t.rows == bs.block_q // 2 and bs.block_kv % t.kv == 0
-        elif isinstance(t, BackwardTiles):
-            given["mosaic_bwd"] = t
-            ok = (t.dq_rows, t.dkv_rows) == (bs.block_q // 2, bs.block_kv // 2) and not (
-                bs.block_kv % t.dq_kv or bs.block_q % t.dkv_q
-            )
-        else:
-            ok = t is None or (isinstance(t, KernelTiles) and len(parts) == 1)
-        if not ok:
-            raise ValueError(
-                f"block_sparse_attention: tiles {t!r} do not fit blocks {bs.block_q}x{bs.block_kv} (Mosaic rows are "
-                "half a block; tiles divide the block they walk)"
-            )
-    if given and lowering == "triton":
-        raise ValueError("block_sparse_attention: Mosaic tiles were given with lowering='triton'")
-    return given
-
-
-def _log_once(kernel: str, why_not: str | None) -> None:
-    choice = f"{kernel} on Triton: {why_not}" if why_not else f"{kernel} on Mosaic GPU (sm_90)"
-    if choice not in _logged:
-        _logged.add(choice)
-        logging.getLogger("jaxlm.kernels").info("block_sparse_attention %s", choice)
-
-
-def _check_tiles(tiles: KernelTiles, bs) -> None:
-    for name, t, rows_block, loop_block in _passes(tiles, bs):
-        if t.rows < 1 or t.loop < 1 or rows_block % t.rows or loop_block % t.loop:
-            raise ValueError(
-                f"block_sparse_attention: {name} tiles {t.rows}x{t.loop} "
-                f"must divide the blocks {rows_block}x{loop_block}"
-            )
 
 
 # ----------------------------------------------------------------------------- custom_vjp

@@ -179,7 +179,7 @@ def test_gradients_match_reference(impl, doc):
 def test_kernel_tiles_smaller_than_blocks(mask):
     """The GPU walks a block in tiles that fit its shared memory: the block mask stays 32x32, every kernel runs on
     16x8 / 8x16 tiles (partial and full blocks, padded tails, GQA) and the result is the same."""
-    from pallas_kernels.pallas_attention import KernelTiles, PassTiles
+    from pallas_kernels.gpu_tiles import KernelTiles, PassTiles
 
     tiles = KernelTiles(PassTiles(16, 8), PassTiles(8, 16), PassTiles(16, 8))
     q, k, v = qkv(B=2, Hq=4, Hkv=2, T=90, seed=10)
@@ -188,7 +188,7 @@ def test_kernel_tiles_smaller_than_blocks(mask):
 
 
 def test_kernel_tiles_must_divide_the_blocks():
-    from pallas_kernels.pallas_attention import KernelTiles, PassTiles
+    from pallas_kernels.gpu_tiles import KernelTiles, PassTiles
 
     q, k, v = qkv(T=64)
     bm = make_block_mask(causal(), 64, 64, BlockSizes(32, 32))
@@ -198,7 +198,7 @@ def test_kernel_tiles_must_divide_the_blocks():
 
 
 def test_gpu_tiles_follow_head_dim_and_dtype():
-    from pallas_kernels.pallas_attention import kernel_tiles
+    from pallas_kernels.gpu_tiles import kernel_tiles
 
     small = kernel_tiles("gpu", 64, jnp.bfloat16, BlockSizes(128, 128))
     big = kernel_tiles("gpu", 256, jnp.float32, BlockSizes(128, 128))

@@ -99,7 +99,7 @@ from pallas_kernels import targets
 targets.enable_plugin(targets.install_plugin())
 import jax, jax.numpy as jnp
 import pallas_kernels as pk
-from pallas_kernels.pallas_attention import KernelTiles, PassTiles
+from pallas_kernels.gpu_tiles import KernelTiles, PassTiles
 bm = pk.make_block_mask(pk.causal(), 384, 384, pk.BlockSizes(128, 128))
 big = PassTiles(128, 128, 8, 2)
 tiles = KernelTiles(big, big, big)
