@@ -54,10 +54,14 @@ def _activation(h_CH):
     return jax.nn.silu(gate) * up
 
 
-def _activation_grad(h_CH, da_CF):
-    gate, up = jnp.split(h_CH, 2, axis=-1)
+def gate_up_grads(gate, up, da):
+    """(d gate, d up) of silu(gate) * up given its cotangent ``da``: silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g)))."""
     sig = jax.nn.sigmoid(gate)
-    return jnp.concatenate([da_CF * up * sig * (1 + gate * (1 - sig)), da_CF * gate * sig], axis=-1)
+    return da * up * sig * (1 + gate * (1 - sig)), da * gate * sig
+
+
+def _activation_grad(h_CH, da_CF):
+    return jnp.concatenate(gate_up_grads(*jnp.split(h_CH, 2, axis=-1), da_CF), axis=-1)
 
 
 @jax.custom_vjp

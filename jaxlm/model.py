@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxlm.attention import attention
 from jaxlm.config import REMAT_CHOICES, ModelConfig
+from jaxlm.expert_swiglu import gate_up_grads
 from jaxlm.kv_cache import cached_attention, one_document, write_cache
 from jaxlm.moe import MoE, RouterBias
 from jaxlm.quantized import PROJECTION_NAME, AmaxHistory, amax_history, layer_recipe, project
@@ -231,11 +232,7 @@ def _swiglu_fwd(h_BTCF):
 
 
 def _swiglu_bwd(h_BTCF, dy_BTF):
-    gate, up = h_BTCF[:, :, 0], h_BTCF[:, :, 1]
-    sig = jax.nn.sigmoid(gate)
-    d_gate = dy_BTF * up * sig * (1 + gate * (1 - sig))  # silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g)))
-    d_up = dy_BTF * gate * sig
-    return (jnp.stack([d_gate, d_up], axis=2),)
+    return (jnp.stack(gate_up_grads(h_BTCF[:, :, 0], h_BTCF[:, :, 1], dy_BTF), axis=2),)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
