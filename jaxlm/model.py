@@ -24,6 +24,7 @@ from jaxlm.moe import MoE, RouterBias
 from jaxlm.quantized import PROJECTION_NAME, AmaxHistory, amax_history, layer_recipe, project
 from pallas_kernels import BlockSizes, soft_cap
 from pallas_kernels.mask_spec import parse_mask
+from sharding.embedding import sharded_take
 from sharding.model_shape import expert_params
 from sharding.rules import LOGICAL_AXES_KEY as LOGICAL_AXES
 from sharding.rules import constrain
@@ -331,10 +332,9 @@ class Transformer(nnx.Module):
     # the layers (split over stages by `apply_layers`), the head after the last one.
 
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
-        # The lookup reads a whole (all-gathered) table, so it splits like the token ids, over the batch; from a
-        # table sharded over vocab and embed XLA can only replicate the gather's result.
-        table_VD = constrain(self.embed[...], (None, None))
-        x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(jnp.dtype(self.cfg.dtype))
+        # Per shard of the table (sharding.embedding): XLA's own split of this lookup gathers the fp32 table whole
+        # on every device and forms its gradient whole.
+        x_BTD = sharded_take(self.embed[...], tokens_BT).astype(jnp.dtype(self.cfg.dtype))
         return constrain(x_BTD, ACTIVATION_AXES)
 
     def head_params(self) -> dict[str, jax.Array]:
