@@ -2,8 +2,9 @@
 
 The estimate is the planner's (`sharding.memory_model.memory_per_device`): params, grads and optimizer state, the
 activations kept for the backward, the logits, per device under the run's layout. It leaves out XLA's scratch, so
-it errs low: a refusal is never a false alarm. What a device has: its allocator's limit on an accelerator; on CPU,
-where every simulated device shares the host, the host's available RAM divided among the local devices.
+it errs low: a refusal is never a false alarm. On TPU the estimate is a fit that reads up to TPU_FIT_HIGH times
+XLA's figure, so a TPU step is refused only past that. What a device has: its allocator's limit on an accelerator;
+on CPU, where every simulated device shares the host, the host's available RAM divided among the local devices.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import jax
 
 from jaxlm.config import ConfigError, TrainConfig
 from jaxlm.train import step_microbatches
-from sharding.memory_model import memory_per_device
+from sharding.hardware import torus_dims
+from sharding.memory_model import TPU_FIT_HIGH, memory_per_device, padded_gathers
 from sharding.mesh import MeshLayout
 from sharding.model_shape import ModelShape
 
@@ -36,10 +38,17 @@ def device_memory_bytes() -> tuple[float, str] | None:
 
 def estimated_step_bytes(cfg: TrainConfig, layout: MeshLayout) -> float:
     d = cfg.data
-    platform = jax.devices()[0].platform
-    microbatches = step_microbatches(cfg, layout, platform)
+    device = jax.devices()[0]
+    microbatches = step_microbatches(cfg, layout, device.platform)
     memory = memory_per_device(
-        ModelShape.from_config(cfg.model), layout, d.batch_size, d.seq_len, cfg.model.remat, microbatches, platform
+        ModelShape.from_config(cfg.model),
+        layout,
+        d.batch_size,
+        d.seq_len,
+        cfg.model.remat,
+        microbatches,
+        device.platform,
+        padded_gathers(layout, device.platform, torus_dims(device.device_kind)),
     )
     return memory.total
 
@@ -54,7 +63,7 @@ def check_step_fits(cfg: TrainConfig, layout: MeshLayout, available: tuple[float
         need = estimated_step_bytes(cfg, layout)
     except (ArithmeticError, ValueError):  # a layout the planner does not model: compiling will tell
         return
-    if need <= limit:
+    if need <= limit * (TPU_FIT_HIGH if jax.devices()[0].platform == "tpu" else 1.0):
         return
     d, m = cfg.data, cfg.model
     microbatches = step_microbatches(cfg, layout, jax.devices()[0].platform)

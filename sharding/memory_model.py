@@ -4,6 +4,7 @@ The planner ranks layouts with it; jaxlm.memory_check refuses a step too big bef
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from sharding.mesh import MeshLayout
@@ -11,11 +12,32 @@ from sharding.model_shape import (
     ModelShape,
     expert_hidden_shards,
     fsdp_gathered_params,
+    fsdp_size,
     largest_gathered_param,
     logical_shards,
     params_per_device,
 )
 from sharding.pipeline import buffer_slots, runs_in_lockstep
+
+# XLA:TPU's step, fitted to 36 deviceless compiles (memory_per_device; docs/results/tpu-memory-2026-11-26.md): the
+# compute-dtype weight copy it keeps, per param; the loss's fp32 logit-sized buffers, and bytes per head weight when
+# the gathers are padded all-reduces; a layer's backward per byte of its residuals (beside the recomputed ones) and
+# per gathered weight, and per gathered weight more when padded. TPU_FIT_HIGH: the most the fit reads over XLA's
+# figure on those compiles (memory_check allows for it).
+TPU_WEIGHT_COPY_BYTES = 0.9
+TPU_LOGITS = 2.32
+TPU_PADDED_HEAD_BYTES = 1.72
+TPU_LAYER_COTANGENTS = 1.26
+TPU_LAYER_WEIGHT_BYTES = 6.05
+TPU_PADDED_LAYER_BYTES = 1.5
+TPU_FIT_HIGH = 1.09
+
+
+def padded_gathers(layout: MeshLayout, platform: str, torus_dims: int) -> bool:
+    """Whether XLA writes the FSDP gathers as all-reduces of zero-padded full-size buffers: on TPU when FSDP spans
+    every chip of a 3D-torus slice (v5p); over part of one, or on a 2D torus (v5e, v6e), it all-gathers."""
+    gather = fsdp_size(layout)
+    return platform == "tpu" and torus_dims == 3 and 1 < gather == math.prod(layout.axis_sizes.values())
 
 
 def dtype_bytes(cfg: ModelShape) -> int:
@@ -125,6 +147,7 @@ def memory_per_device(
     remat: str = "none",
     accumulation: int = 1,
     platform: str = "cpu",
+    padded_gathers: bool = False,
 ) -> Memory:
     """Peak bytes per device of one train step of `accumulation` gradient-accumulation microbatches (each split
     into the layout's pipeline microbatches). Rule for scans (layers, pipeline ticks, accumulation): the forward
@@ -137,9 +160,15 @@ def memory_per_device(
     ``platform`` "gpu" follows XLA's GPU program (Llama 3 8B / 70B / 405B on 64-1024 H100s, seq 8k-128k: 0.96-1.08x
     of its memory, 2026-11-25): it keeps the logits once in fp32 and once in the compute dtype, gathers the head and
     each layer's weights in the compute dtype, reduce-scatters each gradient in it as it is formed (one whole at a
-    time), and keeps no sharded compute-dtype copy of the weights. "cpu" (and "tpu", uncalibrated: XLA's TPU
-    figure is a packed heap, docs/scale.md) keep two fp32 logits, fp32 gradients of the gathered weights and that
-    copy.
+    time), and keeps no sharded compute-dtype copy of the weights. "cpu" keeps two fp32 logits, fp32 gradients of
+    the gathered weights and that copy.
+
+    "tpu" is fitted, not read off buffers: XLA's TPU figure is a heap that packs buffers of different lifetimes with
+    gaps (docs/scale.md). Its six coefficients (TPU_*) were fitted to 36 deviceless compiles (Llama 2 / 3, 1B-405B,
+    v5e / v5p / v6e, 64-1024 chips, seq 2k-64k, FSDP, data, tensor and accumulation, remat full and none): 0.91-1.09x
+    of XLA's memory on every one. It keeps the norms' outputs but not their fp32 insides without remat, and
+    ``padded_gathers`` (XLA writes FSDP gathers as all-reduces of zero-padded full-size buffers: FSDP over every chip
+    of a 3D-torus slice, v5p) costs bytes per head and layer weight more.
     """
     cb = dtype_bytes(cfg)
     n_params = params_per_device(cfg, layout)
@@ -150,21 +179,28 @@ def memory_per_device(
     hidden = expert_hidden_shards(cfg, layout) if cfg.num_experts else 1
     E = logical_shards("expert", layout) if cfg.num_experts else 1  # devices an MoE layer's experts split over
     residuals = layer_residual_bytes(cfg, seq_len, logical_shards("heads", layout), hidden) * tokens  # one layer
+    exchange = 0.0
     if E > 1:  # worst-case exchange buffers (sharding.experts)
-        exchange = moe_residual_bytes(cfg, E, hidden) - moe_residual_bytes(cfg, 1, hidden)
-        residuals += exchange / cfg.moe_every * tokens
+        exchange = (moe_residual_bytes(cfg, E, hidden) - moe_residual_bytes(cfg, 1, hidden)) / cfg.moe_every * tokens
+        residuals += exchange
     layer_input = cfg.d_model * cb * tokens
     kept = layer_input if remat == "full" else residuals  # what a layer keeps per microbatch for the backward
+    if platform == "tpu" and remat != "full":  # XLA:TPU keeps the norms' outputs, not their fp32 insides
+        kept -= 2 * (cfg.d_model * 8 + 2 * 4) * tokens
     logits = tokens * cfg.vocab_size / logical_shards("vocab", layout) * 4
     other = 12 * tokens * M * accumulation  # inputs, targets, loss_mask
     if accumulation > 1:  # train_step's scan over microbatches: the accumulated grads beside this microbatch's
         other += 4 * n_params
-    if cb != 4 and platform != "gpu":  # the compute-dtype copy of every weight, kept for the backward
-        other += n_params * cb
+    if cb != 4 and platform != "gpu":  # the compute-dtype copy of every weight, kept for the backward (TPU: fitted)
+        other += n_params * (TPU_WEIGHT_COPY_BYTES if platform == "tpu" else cb)
     # FSDP: the weights in use all-gathered (compute dtype) and their gradients before the reduce-scatter
     layer_weights = fsdp_gathered_params(cfg, layout, "layers") / layers
     if platform == "gpu":  # each gradient reduce-scattered as it is formed (compute dtype): one whole at a time
         layer_phase = residuals + layer_weights * cb + largest_gathered_param(cfg, layout, "layers") * cb
+    elif platform == "tpu":  # fitted (docstring)
+        own = residuals - exchange  # a layer's own residuals: recomputed under remat, then their cotangents
+        layer_phase = (own if remat == "full" else 0.0) + TPU_LAYER_COTANGENTS * own + exchange
+        layer_phase += (TPU_LAYER_WEIGHT_BYTES + (TPU_PADDED_LAYER_BYTES if padded_gathers else 0)) * layer_weights
     else:  # all of the layer's gradients whole in fp32
         layer_phase = residuals + layer_weights * (cb + 4)
     layer_phase += context_kv_bytes(cfg, layout, tokens)
@@ -177,6 +213,9 @@ def memory_per_device(
         # XLA's GPU program: the logits in the compute dtype and in fp32 (the loss's and its cotangent's buffers
         # shared), the gathered head in the compute dtype; its gradient reduce-scattered as it is formed
         loss_phase = logits / 4 * (4 + cb) + fsdp_gathered_params(cfg, layout, "head") * cb
+    elif platform == "tpu":  # fitted (docstring): no gathered head, but a padded one where gathers are all-reduces
+        padded_head = fsdp_gathered_params(cfg, layout, "head") if padded_gathers else 0
+        loss_phase = TPU_LOGITS * logits + TPU_PADDED_HEAD_BYTES * padded_head
     else:
         loss_phase = 2 * logits + fsdp_gathered_params(cfg, layout, "head") * (cb + 4)  # logits and their cotangent
     reorder = 0.0

@@ -7,7 +7,7 @@ Formulas, not profiling, so each number can be checked by hand:
   reverse-mode autodiff keeps per layer, for the microbatches a pipeline schedule keeps live; fp32 logits; one
   layer's backward working set. Each layout gets the fewest gradient-accumulation microbatches that make it fit. The
   loss's and a layer's working sets follow the XLA program of the hardware's platform where they differ (GPU:
-  measured against deviceless H100 compiles, docs/scale.md); CPU's rules serve TPU too until TPU's are measured.
+  measured against deviceless H100 compiles; TPU: fitted to deviceless v5p and v6e compiles, docs/scale.md).
 * compute: (6 N + attention) FLOPs per token / (devices x achievable FLOP/s), x 4/3 where the forward is recomputed
   (x 5/3 for ZB-H1 and ZB-V, which recompute it for B and for W), / (1 - bubble) with pipelining: bubble = (S - 1) /
   (M + S - 1) for GPipe and 1F1B with S stages and M microbatches, the table's idle share for the others
@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from sharding.hardware import Hardware
-from sharding.memory_model import Memory, dtype_bytes, memory_per_device
+from sharding.memory_model import Memory, dtype_bytes, memory_per_device, padded_gathers
 from sharding.mesh import MESH_AXES, LayoutError, MeshLayout
 from sharding.model_shape import (
     ModelShape,
@@ -178,7 +178,8 @@ def evaluate(
     cp = accumulation * context_comm_seconds(cfg, layout, batch_tokens, remat, bw["context"])
     ep = expert_comm_seconds(cfg, layout, batch_tokens, remat, bw["expert"])
     step = max(compute, fsdp + dp + cp) + tp + pp + ep
-    memory = memory_per_device(cfg, layout, batch_tokens // seq_len, seq_len, remat, accumulation, hw.platform)
+    padded = padded_gathers(layout, hw.platform, hw.torus_dims)
+    memory = memory_per_device(cfg, layout, batch_tokens // seq_len, seq_len, remat, accumulation, hw.platform, padded)
     mfu = (6 * n_params + attn) * batch_tokens / (step * devices * hw.peak_flops)
     return Estimate(
         layout,

@@ -17,8 +17,8 @@ from jaxlm.model import LOGICAL_AXES, Transformer
 from jaxlm.model import count_params as model_count_params
 from sharding import LayoutError, MeshLayout, build_mesh, load_layout
 from sharding import plan as plan_cli
-from sharding.hardware import Hardware, get_hardware
-from sharding.memory_model import memory_per_device
+from sharding.hardware import Hardware, get_hardware, torus_dims
+from sharding.memory_model import TPU_PADDED_HEAD_BYTES, memory_per_device, padded_gathers
 from sharding.model_shape import MODEL_PRESETS, active_params, count_params, largest_gathered_param, param_specs
 from sharding.planner import (
     attention_flops_per_token,
@@ -362,6 +362,49 @@ def test_a_gpu_layer_backward_holds_one_whole_gradient_the_largest(layout, shard
     gpu = memory_per_device(shape, layout, 8, 8192, "full", 1, "gpu")
     tpu = memory_per_device(shape, layout, 8, 8192, "full", 1, "tpu")
     assert gpu.layer_phase < tpu.layer_phase
+
+
+def test_tpu_gathers_over_a_whole_v5p_slice_are_padded_all_reduces_and_hold_a_padded_head():
+    """XLA:TPU writes the FSDP gathers as all-reduces of zero-padded full-size buffers when FSDP spans every chip of a
+    3D-torus slice (v5p), as all-gathers over part of one or on v5e / v6e's 2D torus (the collectives of the
+    deviceless compiles, docs/scale.md); the loss then holds the padded head too."""
+    v5p, v6e = get_hardware("tpu-v5p").torus_dims, get_hardware("tpu-v6e").torus_dims
+    assert padded_gathers(MeshLayout(fsdp=64), "tpu", v5p)
+    assert not padded_gathers(MeshLayout(data=2, fsdp=32), "tpu", v5p)
+    assert not padded_gathers(MeshLayout(fsdp=32, tensor=2), "tpu", v5p)
+    assert not padded_gathers(MeshLayout(fsdp=256), "tpu", v6e)
+    assert not padded_gathers(MeshLayout(fsdp=64), "gpu", 0)
+    assert not padded_gathers(MeshLayout(), "tpu", v5p)  # nothing gathered
+    # what jaxlm.memory_check reads from a device's kind
+    assert [torus_dims(k) for k in ("TPU v5p", "TPU v4", "TPU v5 lite", "TPU v6 lite", "cpu")] == [3, 3, 2, 2, 0]
+    shape, layout = MODEL_PRESETS["llama3-8b"], MeshLayout(fsdp=64)
+    plain = memory_per_device(shape, layout, 64, 8192, "full", 1, "tpu")
+    padded = memory_per_device(shape, layout, 64, 8192, "full", 1, "tpu", padded_gathers=True)
+    head = shape.d_model * shape.vocab_size + shape.d_model  # lm_head and the final norm, gathered whole
+    assert padded.loss_phase - plain.loss_phase == pytest.approx(TPU_PADDED_HEAD_BYTES * head)
+
+
+# XLA's memory per device (GiB) for the train step compiled deviceless by experiments.compile_at_scale (bf16, Pallas
+# attention, one sequence per device; docs/results/scale-tpu-2026-11-26.md): (model, cluster, layout, seq,
+# accumulation, XLA). One row of each kind the TPU fit covers.
+TPU_COMPILES = [
+    ("llama3-8b", "v5px64", MeshLayout(fsdp=64), 8192, 1, 14.68),
+    ("llama3-8b", "v6e-256", MeshLayout(data=2, fsdp=128), 8192, 1, 11.8),
+    ("llama3-8b", "v5px64", MeshLayout(fsdp=64), 32768, 1, 44.9),
+    ("llama3-1b", "v5px64", MeshLayout(data=2, fsdp=32), 2048, 1, 2.82),
+    ("llama3-70b", "v5px1024", MeshLayout(data=2, fsdp=512), 8192, 1, 27.9),
+    ("llama3-405b", "v5px256", MeshLayout(fsdp=128, tensor=2), 8192, 2, 89.0),
+    ("13b", "v5px64", MeshLayout(fsdp=64), 4096, 1, 42.8),  # Llama 2 13B, no remat
+]
+
+
+def test_the_tpu_memory_model_reads_within_10_percent_of_xla_s_compiles():
+    from sharding.clusters import parse_cluster
+
+    for model, cluster, layout, seq, accumulation, xla_gib in TPU_COMPILES:
+        c, shape = parse_cluster(cluster), MODEL_PRESETS[model]
+        e = evaluate(shape, layout, c.hardware, seq * c.chips, seq, shape.remat, accumulation)
+        assert 0.9 <= e.memory.total / 2**30 / xla_gib <= 1.1, (model, cluster, layout, e.memory.total / 2**30, xla_gib)
 
 
 def test_pipeline_bubble_and_recompute_in_compute_time():
