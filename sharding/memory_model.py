@@ -157,8 +157,8 @@ def memory_per_device(
     Not counted: the cotangents formed inside one layer's backward (on CPU, XLA's peak runs 0.1-0.4 of a layer's
     residuals above this estimate; more under remat), XLA's scratch and the runtime's own memory.
 
-    ``platform`` "gpu" follows XLA's GPU program (Llama 3 8B / 70B / 405B on 64-1024 H100s, seq 8k-128k: 0.96-1.08x
-    of its memory, 2026-11-25): it keeps the logits once in fp32 and once in the compute dtype, gathers the head and
+    ``platform`` "gpu" follows XLA's GPU program (Llama 3 8B / 70B / 405B on 64-1024 H100s, seq 8k-128k: 0.96-1.09x
+    of its memory, 2026-11-26): it keeps the logits once in fp32 and once in the compute dtype, gathers the head and
     each layer's weights in the compute dtype, reduce-scatters each gradient in it as it is formed (one whole at a
     time), and keeps no sharded compute-dtype copy of the weights. "cpu" keeps two fp32 logits, fp32 gradients of
     the gathered weights and that copy.
