@@ -30,7 +30,17 @@ TPU_PADDED_HEAD_BYTES = 1.72
 TPU_LAYER_COTANGENTS = 1.26
 TPU_LAYER_WEIGHT_BYTES = 6.05
 TPU_PADDED_LAYER_BYTES = 1.5
-TPU_FIT_HIGH = 1.09
+TPU_FIT_HIGH = 1.1
+# Mixtures of experts, fitted on 21 compiles of Mixtral-8x7B and Qwen3-30B-A3B on v5p and v6e
+# (docs/results/tpu-moe-memory-2026-11-27.md): per expert param a device holds, what XLA keeps beyond the dense fit's
+# (a whole compute-dtype copy of the stacked experts, and a second fp32 buffer of w_in's gradient in the layers'
+# backward loop: its peak buffers); per gathered expert weight in a layer's backward, in place of the dense layer's
+# bytes (the gathered weight in the compute dtype), and per gathered expert weight more when gathers are padded; the
+# SwiGLU residuals of each row the expert exchange receives, in expert widths (six elsewhere).
+TPU_EXPERT_PARAM_BYTES = 4.0
+TPU_EXPERT_LAYER_BYTES = 2.0
+TPU_PADDED_EXPERT_BYTES = 2.0
+TPU_EXCHANGE_SWIGLU_WIDTHS = 5
 
 
 def padded_gathers(layout: MeshLayout, platform: str, torus_dims: int) -> bool:
@@ -72,22 +82,23 @@ def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1, hidden:
     return norms + attention + mlp
 
 
-def moe_residual_bytes(cfg: ModelShape, expert: int = 1, hidden: int = 1) -> float:
+def moe_residual_bytes(cfg: ModelShape, expert: int = 1, hidden: int = 1, swiglu_widths: float = 6) -> float:
     """Bytes per token an MoE layer (jaxlm.moe) keeps for its backward: the router's fp32 logits and
     probabilities, and per routed copy (experts_per_token of them) its gathered input and a SwiGLU's residuals,
     plus the shared experts'. Dropless under an `expert` axis of E devices sharding.experts sends the copies
     themselves (a ragged all-to-all) but receives into, and computes over, the worst case, E x a device's copies;
     with capacity the experts' slots are capacity_factor x the copies, sent and received, with or without the axis.
     The ranks of a tensor axis take the same tokens, each its ``hidden``-th of every expert's width
-    (model_shape.expert_hidden_shards)."""
+    (model_shape.expert_hidden_shards). ``swiglu_widths``: a row's SwiGLU residuals in expert widths (six in jax's
+    reverse mode; TPU_EXCHANGE_SWIGLU_WIDTHS for the exchange's rows on TPU)."""
     cb = dtype_bytes(cfg)
     D, Z = cfg.d_model, cfg.experts_per_token
     f, shared = cfg.expert_mlp_dim / hidden, cfg.num_shared_experts * cfg.expert_mlp_dim
     router = 2 * cfg.num_experts * 4
     if cfg.capacity_factor > 0:
-        copies = cfg.capacity_factor * ((2 if expert > 1 else 1) * D + 6 * f)
+        copies = cfg.capacity_factor * ((2 if expert > 1 else 1) * D + swiglu_widths * f)
     else:
-        copies = expert * (D + 6 * f) + (D if expert > 1 else 0)  # received and computed; sent
+        copies = expert * (D + swiglu_widths * f) + (D if expert > 1 else 0)  # received and computed; sent
     return router + Z * copies * cb + 6 * shared * cb
 
 
@@ -168,7 +179,9 @@ def memory_per_device(
     v5e / v5p / v6e, 64-1024 chips, seq 2k-64k, FSDP, data, tensor and accumulation, remat full and none): 0.91-1.09x
     of XLA's memory on every one. It keeps the norms' outputs but not their fp32 insides without remat, and
     ``padded_gathers`` (XLA writes FSDP gathers as all-reduces of zero-padded full-size buffers: FSDP over every chip
-    of a 3D-torus slice, v5p) costs bytes per head and layer weight more.
+    of a 3D-torus slice, v5p) costs bytes per head and layer weight more. Experts have four terms of their own
+    (TPU_*EXPERT*, TPU_EXCHANGE_SWIGLU_WIDTHS), fitted to 21 Mixtral and Qwen3 compiles on v5p and v6e: 0.91-1.10x
+    of XLA's memory on those and on 4 compiled after.
     """
     cb = dtype_bytes(cfg)
     n_params = params_per_device(cfg, layout)
@@ -181,7 +194,9 @@ def memory_per_device(
     residuals = layer_residual_bytes(cfg, seq_len, logical_shards("heads", layout), hidden) * tokens  # one layer
     exchange = 0.0
     if E > 1:  # worst-case exchange buffers (sharding.experts)
-        exchange = (moe_residual_bytes(cfg, E, hidden) - moe_residual_bytes(cfg, 1, hidden)) / cfg.moe_every * tokens
+        widths = TPU_EXCHANGE_SWIGLU_WIDTHS if platform == "tpu" else 6
+        exchange = moe_residual_bytes(cfg, E, hidden, widths) - moe_residual_bytes(cfg, 1, hidden, widths)
+        exchange *= tokens / cfg.moe_every
         residuals += exchange
     layer_input = cfg.d_model * cb * tokens
     kept = layer_input if remat == "full" else residuals  # what a layer keeps per microbatch for the backward
@@ -200,7 +215,11 @@ def memory_per_device(
     elif platform == "tpu":  # fitted (docstring)
         own = residuals - exchange  # a layer's own residuals: recomputed under remat, then their cotangents
         layer_phase = (own if remat == "full" else 0.0) + TPU_LAYER_COTANGENTS * own + exchange
-        layer_phase += (TPU_LAYER_WEIGHT_BYTES + (TPU_PADDED_LAYER_BYTES if padded_gathers else 0)) * layer_weights
+        per_weight = TPU_LAYER_WEIGHT_BYTES + (TPU_PADDED_LAYER_BYTES if padded_gathers else 0)
+        expert_weights = fsdp_gathered_params(cfg, layout, "experts") / layers  # 0 for a dense model
+        expert_bytes = TPU_EXPERT_LAYER_BYTES + (TPU_PADDED_EXPERT_BYTES if padded_gathers else 0)
+        layer_phase += per_weight * (layer_weights - expert_weights) + expert_bytes * expert_weights
+        other += TPU_EXPERT_PARAM_BYTES * params_per_device(cfg, layout, "experts")
     else:  # all of the layer's gradients whole in fp32
         layer_phase = residuals + layer_weights * (cb + 4)
     layer_phase += context_kv_bytes(cfg, layout, tokens)

@@ -395,6 +395,12 @@ TPU_COMPILES = [
     ("llama3-70b", "v5px1024", MeshLayout(data=2, fsdp=512), 8192, 1, 27.9),
     ("llama3-405b", "v5px256", MeshLayout(fsdp=128, tensor=2), 8192, 2, 89.0),
     ("13b", "v5px64", MeshLayout(fsdp=64), 4096, 1, 42.8),  # Llama 2 13B, no remat
+    # mixtures of experts (docs/results/tpu-moe-memory-2026-11-27.md): the experts' own terms
+    ("qwen3-30b-a3b", "v5px64", MeshLayout(data=8, fsdp=8), 4096, 1, 88.0),  # was 0.75x
+    ("mixtral-8x7b", "v5px64", MeshLayout(fsdp=64), 4096, 1, 24.3),  # padded gathers of the experts
+    ("qwen3-30b-a3b", "v5px64", MeshLayout(expert=8, fsdp=8), 4096, 1, 20.2),
+    ("mixtral-8x7b", "v5px64", MeshLayout(data=4, fsdp=16), 4096, 1, 65.2),
+    ("mixtral-8x7b", "v5px256", MeshLayout(expert=8, fsdp=32), 8192, 1, 30.4),  # the exchange's rows
 ]
 
 
