@@ -255,20 +255,15 @@ def train_step(
     else:
 
         def accumulate(carry, microbatch):
-            g_acc, l_acc, n_acc, s_acc = carry
+            g_acc, l_acc, n_acc = carry
             (_, (l, n, s)), g = grad_fn(state.params, graphdef, microbatch, layout)
-            s = jax.tree.map(lambda a, b: a + b / microbatches, s_acc, s)
-            return (combine_microbatch_grads(g_acc, g, microbatches), l_acc + l, n_acc + n, s), None
+            return (combine_microbatch_grads(g_acc, g, microbatches), l_acc + l, n_acc + n), s
 
-        first = jax.tree.map(lambda x: x[0], split_microbatches(batch, microbatches))
-        abstract_stats = jax.eval_shape(lambda p, b: objective_sums(p, graphdef, b, layout)[1][2], state.params, first)
-        zeros = (
-            jax.tree.map(jnp.zeros_like, state.params),
-            jnp.zeros(()),
-            jnp.zeros(()),
-            jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), abstract_stats),
-        )
-        (grads, loss_sum, count, stats), _ = jax.lax.scan(accumulate, zeros, split_microbatches(batch, microbatches))
+        # the routing statistics (small) come out per microbatch and are averaged after: a carry would need their
+        # shapes before the scan, one more trace of the whole model
+        zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros(()), jnp.zeros(()))
+        (grads, loss_sum, count), stats = jax.lax.scan(accumulate, zeros, split_microbatches(batch, microbatches))
+        stats = jax.tree.map(lambda a: jnp.mean(a.astype(jnp.float32), axis=0), stats)
     count = jnp.maximum(count, 1.0)
     grads, new_histories = split_trainable(grads)
     params, _ = split_trainable(state.params)
