@@ -385,7 +385,7 @@ def test_tpu_gathers_over_a_whole_v5p_slice_are_padded_all_reduces_and_hold_a_pa
 
 
 # XLA's memory per device (GiB) for the train step compiled deviceless by experiments.compile_at_scale (bf16, Pallas
-# attention, one sequence per device; docs/results/scale-tpu-2026-11-26.md): (model, cluster, layout, seq,
+# attention, one sequence per device; docs/results/tpu-memory-2026-11-26.md): (model, cluster, layout, seq,
 # accumulation, XLA). One row of each kind the TPU fit covers.
 TPU_COMPILES = [
     ("llama3-8b", "v5px64", MeshLayout(fsdp=64), 8192, 1, 14.68),
