@@ -26,7 +26,12 @@ class Hardware:
     inter_bw: float  # bytes/s per device per direction across fast domains
     usable_memory: float = 0.9  # of hbm_bytes; the rest is runtime, XLA workspace and fragmentation
     platform: str = "gpu"  # gpu | tpu | cpu: whose XLA program the memory estimate follows (planner.memory_per_device)
-    torus_dims: int = 0  # a TPU slice's ICI torus (3 on v5p): XLA:TPU gathers over a whole 3D torus by all-reduce
+
+    @property
+    def torus_dims(self) -> int:
+        """A TPU slice's ICI torus (3 on v5p), from the name as from a device's kind (`torus_dims`): XLA:TPU gathers
+        over a whole 3D torus by all-reduce."""
+        return torus_dims(self.name)
 
     @property
     def flops(self) -> float:
@@ -49,13 +54,13 @@ PRESETS = {
     # TPU v5p: 459 TFLOP/s bf16, 95 GB HBM; a slice (up to 8,960 chips) is one ICI 3D torus: 4,800 Gb/s per chip
     # over 6 links, of which a ring along one torus dimension uses 2 (~200 GB/s); slices talk over DCN, about
     # 200 Gb/s per 4-chip host (~6 GB/s per chip).
-    "tpu-v5p": Hardware("tpu-v5p", 459e12, 0.5, 95 * GB, 8960, 200 * GB, 6.25 * GB, platform="tpu", torus_dims=3),
+    "tpu-v5p": Hardware("tpu-v5p", 459e12, 0.5, 95 * GB, 8960, 200 * GB, 6.25 * GB, platform="tpu"),
     # TPU v5e: 197 TFLOP/s bf16, 16 GB HBM; slices of up to 256 chips in a 2D torus, 1,600 Gb/s of ICI per chip over
     # 4 links, of which a ring along one dimension uses 2 (~100 GB/s); DCN as v5p's.
-    "tpu-v5e": Hardware("tpu-v5e", 197e12, 0.5, 16 * GB, 256, 100 * GB, 6.25 * GB, platform="tpu", torus_dims=2),
+    "tpu-v5e": Hardware("tpu-v5e", 197e12, 0.5, 16 * GB, 256, 100 * GB, 6.25 * GB, platform="tpu"),
     # TPU v6e (Trillium): 918 TFLOP/s bf16, 32 GB HBM; slices of up to 256 chips in a 2D torus, 3,584 Gb/s of ICI per
     # chip over 4 links (~224 GB/s along one dimension); DCN as v5p's.
-    "tpu-v6e": Hardware("tpu-v6e", 918e12, 0.5, 32 * GB, 256, 224 * GB, 6.25 * GB, platform="tpu", torus_dims=2),
+    "tpu-v6e": Hardware("tpu-v6e", 918e12, 0.5, 32 * GB, 256, 224 * GB, 6.25 * GB, platform="tpu"),
     # A small fake for tests and CPU experiments (8 simulated devices per "node").
     "cpu": Hardware("cpu", 200e9, 0.5, 16 * GB, 8, 10 * GB, 1 * GB, platform="cpu"),
 }
