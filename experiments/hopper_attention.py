@@ -2,13 +2,14 @@
 kernels, measured in one run.
 
     python -m experiments.hopper_attention                      # check + speed (about 3 minutes on an H200)
-    python -m experiments.hopper_attention --only check,speed,documents,sweep --json out.json
+    python -m experiments.hopper_attention --only check,speed,mods,documents,sweep --json out.json
 
 ``check`` compares the Mosaic kernels (``block_sparse_attention(..., lowering="mosaic")``), forward and gradients,
 with the float32 reference on bfloat16 inputs for each static mask kind, packed documents, GQA, T != S, a ragged
 length and score mods (a T5 bias table: the Mosaic forward and dK/dV, the Triton dQ, with the table's gradient).
 ``speed`` times forward and forward + backward for the full and causal masks at T = 2k and 8k, head dims 64 and 128,
-and prints the Mosaic rows' ratio to cuDNN and Triton. ``documents`` does the same for 8 packed documents per
+and prints the Mosaic rows' ratio to cuDNN and Triton; ``mods`` times causal attention with a soft-cap and a T5
+bias table against the same on Triton. ``documents`` does the same for 8 packed documents per
 sequence against cuDNN given the equivalent dense mask; ``sweep`` times the Mosaic kernels' candidate tiles.
 Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
 """
@@ -198,6 +199,31 @@ def run_documents(seqs=(2048, 8192), head_dims=(64, 128), tokens=16384, width=20
     return rows
 
 
+def run_mods(T=4096, head_dims=(64, 128), tokens=16384, width=2048, repeats=10, log=print) -> list[dict]:
+    """Causal attention with score mods on the Mosaic and Triton kernels: no mod, a soft-cap (elementwise) and a T5
+    bias table of 32 buckets per head (captured arrays: the Mosaic forward and dK/dV read the head's row, dQ is
+    Triton's), forward and forward + backward with the table's gradient left to XLA's sum of the kernels' parts."""
+    rows = []
+    for E in head_dims:
+        B, H = max(1, tokens // T), width // E
+        r = np.random.default_rng(0)
+        q, k, v = (jnp.asarray(r.normal(size=(B, H, T, E)), jnp.bfloat16) for _ in range(3))
+        bm = pk.make_block_mask(pk.causal(), T, T, pk.BlockSizes(128, 128))
+        flops = kept_pairs("causal", T, 0) * B * H * E
+        for mod_name, mod in {
+            "none": None,
+            "soft_cap(30)": pk.soft_cap(30.0),
+            "relative_bias(32)": pk.relative_bias(_table(H, 32)),
+        }.items():
+            for impl in ("mosaic", "triton"):
+                fn = lambda q, k, v, mod=mod, impl=impl: pk.block_sparse_attention(  # noqa: E731
+                    q, k, v, bm, score_mod=mod, lowering=impl
+                )[0]
+                row = {"T": T, "E": E, "B": B, "H": H, "mask": f"causal, {mod_name}", "impl": impl}
+                rows.append(_time_row(row, fn, (q, k, v), flops, repeats, log))
+    return rows
+
+
 def _time_row(row: dict, fn, args, flops: int, repeats: int, log) -> dict:
     """``row`` with forward and forward + backward times and TFLOP/s (or the error)."""
     try:
@@ -269,13 +295,16 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.hopper_attention", description=__doc__.split("\n")[0])
-    p.add_argument("--only", default="check,speed", help="check, speed, documents, sweep, comma-separated")
+    p.add_argument("--only", default="check,speed", help="check, speed, mods, documents, sweep, comma-separated")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--impls", default="mosaic,triton,cudnn", help="speed rows to time, comma-separated")
     args = p.parse_args(argv)
     only = set(args.only.split(","))
-    if not only or only - {"check", "speed", "documents", "sweep"}:
-        print(f"hopper_attention: error: --only {args.only!r}: give check, speed, documents or sweep", file=sys.stderr)
+    if not only or only - {"check", "speed", "mods", "documents", "sweep"}:
+        print(
+            f"hopper_attention: error: --only {args.only!r}: give check, speed, mods, documents or sweep",
+            file=sys.stderr,
+        )
         return 2
     if jax.devices()[0].platform != "gpu":
         print(
@@ -291,6 +320,9 @@ def main(argv=None) -> int:
     if "speed" in only:
         result["speed"] = run_speed(impls=tuple(args.impls.split(",")))
         result["ratios"] = ratios(result["speed"])
+    if "mods" in only:
+        result["mods"] = run_mods()
+        result["ratios"] = result.get("ratios", []) + ratios(result["mods"])
     if "documents" in only:
         result["documents"] = run_documents()
         result["ratios"] = result.get("ratios", []) + ratios(result["documents"])
