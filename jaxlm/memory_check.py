@@ -36,10 +36,13 @@ def device_memory_bytes() -> tuple[float, str] | None:
     return available / n, f"this host has available (shared by {n} CPU devices)" if n > 1 else "this host has available"
 
 
-def estimated_step_bytes(cfg: TrainConfig, layout: MeshLayout) -> float:
+def estimated_step_bytes(cfg: TrainConfig, layout: MeshLayout, microbatches: int | None = None) -> float:
+    """The planner's bytes per device for this run's step on the default device's platform; ``microbatches``
+    None is what the step takes (``step_microbatches``)."""
     d = cfg.data
     device = jax.devices()[0]
-    microbatches = step_microbatches(cfg, layout, device.platform)
+    if microbatches is None:
+        microbatches = step_microbatches(cfg, layout, device.platform)
     memory = memory_per_device(
         ModelShape.from_config(cfg.model),
         layout,
@@ -59,14 +62,15 @@ def check_step_fits(cfg: TrainConfig, layout: MeshLayout, available: tuple[float
     if available is None:
         return
     limit, where = available
+    platform = jax.devices()[0].platform
     try:
-        need = estimated_step_bytes(cfg, layout)
+        microbatches = step_microbatches(cfg, layout, platform)
+        need = estimated_step_bytes(cfg, layout, microbatches)
     except (ArithmeticError, ValueError):  # a layout the planner does not model: compiling will tell
         return
-    if need <= limit * (TPU_FIT_HIGH if jax.devices()[0].platform == "tpu" else 1.0):
+    if need <= limit * (TPU_FIT_HIGH if platform == "tpu" else 1.0):
         return
     d, m = cfg.data, cfg.model
-    microbatches = step_microbatches(cfg, layout, jax.devices()[0].platform)
     auto = "" if d.microbatches else ", auto"
     raise ConfigError(
         f"the train step needs about {need / 2**30:.1f} GiB per device (estimated before compiling) but {where} "
