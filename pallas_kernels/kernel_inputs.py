@@ -51,21 +51,40 @@ class AttentionStatic:
         """How many arrays the score mod captures: kernel inputs after the document ids."""
         return len(self.score_mod.arrays()) if self.score_mod is not None else 0
 
-    def mod_scores(self, s, q_pos, kv_pos, head, with_grad: bool = False, arrays=()):
+    def mod_scores(self, s, q_pos, kv_pos, head, with_grad: bool = False, arrays=(), tile=None):
         """(the score mod applied to scores ``s``, d mod / d s when ``with_grad``), positions and head broadcasting
         against ``s``; (s, None) without a score mod. Score mods are elementwise in the score, so a jvp with ones is
-        the derivative. A mod that captures arrays reads ``arrays`` (``score_tables``: HeadRows in a kernel, the
-        arrays in their own shapes elsewhere)."""
+        the derivative; it is None too where the mod only adds to the score (``adds_to_score``: the derivative is
+        1). A mod that captures arrays reads ``arrays`` (``score_tables``: HeadRows in a kernel, the
+        arrays in their own shapes elsewhere). ``tile`` (q_first, q_last, kv_first, kv_last: the tile's positions)
+        lets the mod's ``tile_shortcut`` take the tile where it holds. The positions and ``arrays`` may be given as
+        functions that make them: with a shortcut they are then made inside each branch, not held across it (in
+        the Mosaic GPU kernels what a branch holds adds to the registers the scores already take)."""
         if self.score_mod is None:
             return s, None
-        score_mod = self.score_mod.with_arrays(arrays) if arrays else self.score_mod
 
-        def mod(x):
-            return score_mod(x, q_pos, kv_pos, head)
+        def made(x):
+            return x() if callable(x) else x
 
-        if with_grad:
-            return jax.jvp(mod, (s,), (jnp.ones_like(s),))
-        return mod(s), None
+        def modded(score_mod, ones):
+            read = made(arrays)
+            score_mod = score_mod.with_arrays(read) if read else score_mod
+            q, kv = made(q_pos), made(kv_pos)
+
+            def mod(x):
+                return score_mod(x, q, kv, head)
+
+            if with_grad and not self.score_mod.adds_to_score:
+                return jax.jvp(mod, (s,), (ones(),))
+            return mod(s), None
+
+        cut = self.score_mod.tile_shortcut(*tile) if tile is not None else None
+        if cut is None:
+            return modded(self.score_mod, lambda: jnp.ones_like(s))
+        # the tangent laid out like the scores: a branch that passes a constant's through yields another layout
+        # than one that selects over it, and Mosaic GPU's branches must yield the same
+        ones = lambda: s * 0.0 + 1.0  # noqa: E731
+        return jax.lax.cond(cut[0], lambda: modded(cut[1], ones), lambda: modded(self.score_mod, ones))
 
     def keep(self, doc_tiles, q_pos, kv_pos):
         """The element mask of a tile: the template with its document slots bound to the loaded id tiles

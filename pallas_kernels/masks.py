@@ -20,6 +20,7 @@ broadcastable array such as ``arange(H)[:, None, None]`` in the reference path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -360,6 +361,10 @@ class ScoreMod:
     ``score_tables.head_lookup`` only. The kernels take them as inputs and return gradients to the float ones
     (``score_tables``)."""
 
+    # True where the mod is the score plus a term that does not depend on it: its derivative in the score is 1,
+    # so the backward passes skip the product by it (and a tile shortcut's branch yields no derivative tile)
+    adds_to_score = False
+
     def __call__(self, score, q_idx, kv_idx, head=0):
         raise NotImplementedError
 
@@ -370,6 +375,13 @@ class ScoreMod:
     def with_arrays(self, arrays) -> ScoreMod:
         """This mod reading ``arrays`` (as many as ``arrays()``, in its order) instead of its own."""
         return self
+
+    def tile_shortcut(self, q_first, q_last, kv_first, kv_last) -> tuple | None:
+        """None, or (holds, cheaper): where the bool ``holds`` (traced from the bounds), the mod ``cheaper`` equals
+        this one on every score of the tile of queries q_first..q_last and keys kv_first..kv_last. The kernels take
+        it per tile: a mod that looks up a table costs a select per entry per score, while far from the diagonal
+        T5's bias reads one entry (``score_tables``)."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +404,8 @@ class Alibi(ScoreMod):
 
     Meant for causal masks, where q - kv >= 0 is the distance; keys after the query would get a bonus.
     """
+
+    adds_to_score = True
 
     slopes: tuple[float, ...]
 
@@ -416,6 +430,10 @@ class Chain(ScoreMod):
 
     mods: tuple[ScoreMod, ...]
 
+    @property
+    def adds_to_score(self) -> bool:
+        return all(m.adds_to_score for m in self.mods)
+
     def __call__(self, score, q_idx, kv_idx, head=0):
         for m in self.mods:
             score = m(score, q_idx, kv_idx, head)
@@ -431,6 +449,13 @@ class Chain(ScoreMod):
             mods.append(m.with_arrays(arrays[:n]))
             arrays = arrays[n:]
         return Chain(tuple(mods))
+
+    def tile_shortcut(self, q_first, q_last, kv_first, kv_last) -> tuple | None:
+        cuts = [m.tile_shortcut(q_first, q_last, kv_first, kv_last) for m in self.mods]
+        if all(c is None for c in cuts):
+            return None
+        holds = functools.reduce(lambda a, b: a & b, [c[0] for c in cuts if c is not None])
+        return holds, Chain(tuple(m if c is None else c[1] for m, c in zip(self.mods, cuts)))
 
     def __repr__(self):
         return f"chain({', '.join(map(repr, self.mods))})"

@@ -40,6 +40,7 @@ from .kernel_mask import DocumentSlot, PositionSlot
 from .masks import And, Or
 from .score_tables import pack_rows, packed_rows, packed_width
 from .targets import H100_SHARED_MEMORY_PER_BLOCK
+from .tile_math import tile_bounds
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -369,16 +370,26 @@ def mosaic_forward(
                 s = pl.run_scoped(qk, plgpu.ACC((rows, tkv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked or static.score_mod is not None:
-                    q_pos = modes.iota((rows, tkv), 0) + q_base
-                    kv_pos = modes.iota((rows, tkv), 1) + tile_start(j)
-                    # the mod's entries are read from shared memory on every tile, not held in registers
-                    entries = packed_rows(static.score_mod, mod_smem2.at[wg]) if packed else ()
-                    s, _ = static.mod_scores(s * static.scale, q_pos, kv_pos, h, arrays=entries)
+
+                    def make_q_pos():
+                        return modes.iota((rows, tkv), 0) + q_base
+
+                    def make_kv_pos():
+                        return modes.iota((rows, tkv), 1) + tile_start(j)
+
+                    # the mod's entries are read from shared memory on every tile (inside the branch that reads
+                    # them, with a tile shortcut), not held in registers
+                    def read_entries():
+                        return packed_rows(static.score_mod, mod_smem2.at[wg]) if packed else ()
+
+                    bounds = tile_bounds(q_base, rows, tile_start(j), tkv)
+                    scaled = s * static.scale
+                    s, _ = static.mod_scores(scaled, make_q_pos, make_kv_pos, h, arrays=read_entries, tile=bounds)
                     if masked:
                         # the kv ids are read here, where the mask needs them (their ring slot frees with V's;
                         # read sooner, two slots' ids held 64 more registers across the wgmma wait and spilled)
                         ids = modes.id_tiles(q_ids, kvid_smem, kvid_ready, slot, s.shape, True)
-                        s = jnp.where(static.keep(ids, q_pos, kv_pos), s, -jnp.inf)
+                        s = jnp.where(static.keep(ids, make_q_pos(), make_kv_pos()), s, -jnp.inf)
                     s2 = s * _LOG2E
                 else:
                     s2 = s * (static.scale * _LOG2E)

@@ -46,6 +46,7 @@ from .mosaic_attention import (
     vary_like,
 )
 from .score_tables import pack_rows, packed_rows, packed_width
+from .tile_math import tile_bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,13 +114,15 @@ def supports_backward(static, dtype, head_dim: int) -> str | None:
     return None
 
 
-def _scores(static, s, q_pos, kv_pos, head, masked, doc_tiles, entries=()):
+def _scores(static, s, q_pos, kv_pos, head, masked, doc_tiles, entries=(), tile=None):
     """Scaled, score-modded scores (masked to -inf on PARTIAL tiles) and d mod / d s (None without a mod).
     ``doc_tiles()`` gives the mask's (q ids, kv ids) tiles per slot, shaped like ``s``; called on PARTIAL tiles
-    only, where the mask needs them. ``entries``: the head's rows of the mod's captured arrays (HeadRows)."""
-    s, d_mod = static.mod_scores(s * static.scale, q_pos, kv_pos, head, with_grad=True, arrays=entries)
+    only, where the mask needs them. ``q_pos()`` / ``kv_pos()`` make the positions and ``entries()`` reads the
+    head's rows of the mod's captured arrays (HeadRows) where they are used (with the mod's tile shortcut, inside
+    its branch: held across it, they spilled); ``tile``: the tile's bounds, for that shortcut."""
+    s, d_mod = static.mod_scores(s * static.scale, q_pos, kv_pos, head, with_grad=True, arrays=entries, tile=tile)
     if masked:
-        s = jnp.where(static.keep(doc_tiles(), q_pos, kv_pos), s, -jnp.inf)
+        s = jnp.where(static.keep(doc_tiles(), q_pos(), kv_pos()), s, -jnp.inf)
     return s, d_mod
 
 
@@ -194,10 +197,16 @@ def mosaic_dq(
                 k_t = modes.transposed(k_smem.at[slot], t_smem2, wg)
                 s = modes.product(q_smem, k_t, (rows, tkv))
                 if masked or static.score_mod is not None:
-                    q_pos = modes.iota((rows, tkv), 0) + base
-                    kv_pos = modes.iota((rows, tkv), 1) + tile_start(j)
+
+                    def q_pos():
+                        return modes.iota((rows, tkv), 0) + base
+
+                    def kv_pos():
+                        return modes.iota((rows, tkv), 1) + tile_start(j)
+
                     ids = functools.partial(modes.id_tiles, q_ids, kvid_smem, kvid_ready, slot, s.shape, True)
-                    s, d_mod = _scores(static, s, q_pos, kv_pos, h, masked, ids)
+                    bounds = tile_bounds(base, rows, tile_start(j), tkv)
+                    s, d_mod = _scores(static, s, q_pos, kv_pos, h, masked, ids, tile=bounds)
                     p = jnp.exp2(s * _LOG2E - lse2)
                 else:
                     s, d_mod = s, None
@@ -352,11 +361,19 @@ def mosaic_dkv(
                 s = modes.product(k_own, q_t, (rows, tq))  # s^T [kv rows, q]
                 head = hk * G + g
                 if masked or static.score_mod is not None:
-                    kv_pos = modes.iota((rows, tq), 0) + base
-                    q_pos = modes.iota((rows, tq), 1) + tile_start(t)
+
+                    def kv_pos():
+                        return modes.iota((rows, tq), 0) + base
+
+                    def q_pos():
+                        return modes.iota((rows, tq), 1) + tile_start(t)
+
+                    def entries():
+                        return packed_rows(static.score_mod, mod_smem2.at[wg, g]) if packed else ()
+
                     ids = functools.partial(modes.id_tiles, kv_ids, qid_smem, qid_ready, slot, s.shape, False)
-                    entries = packed_rows(static.score_mod, mod_smem2.at[wg, g]) if packed else ()
-                    s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked, ids, entries)
+                    bounds = tile_bounds(tile_start(t), tq, base, rows)
+                    s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked, ids, entries, bounds)
                     s2 = s * _LOG2E
                 else:
                     d_mod = None

@@ -42,7 +42,7 @@ from .masks import ScoreMod
 from .mosaic_attention import MosaicTiles, mosaic_forward
 from .mosaic_attention_bwd import BackwardTiles, mosaic_dkv, mosaic_dq
 from .score_tables import load_rows, row_grads, rows_as_vector, split_arrays, vector_as_grads
-from .tile_math import dot, iota, masked_scores
+from .tile_math import dot, iota, masked_scores, tile_bounds
 from .tpu_attention import block_sparse_attention_tpu
 
 
@@ -177,11 +177,11 @@ def _mosaic_dq_dkv(args, interpret: bool):
 # ----------------------------------------------------------------------------- shared tile math
 
 
-def _scores(static, q, k, q_pos, kv_pos, head, masked, doc_tiles, with_grad=False, rows=()):
+def _scores(static, q, k, q_pos, kv_pos, head, masked, doc_tiles, with_grad=False, rows=(), tile=None):
     """Scaled scores of q against k, one tile [bq, bkv] (float32), score-modded (reading ``rows``, the head's
-    rows of the mod's arrays) and masked (tile_math)."""
+    rows of the mod's arrays; ``tile``: its bounds, for the mod's shortcut) and masked (tile_math)."""
     s = dot(q, k, 1, 1) * static.scale
-    return masked_scores(static, s, q_pos, kv_pos, head, masked, doc_tiles, with_grad, rows)
+    return masked_scores(static, s, q_pos, kv_pos, head, masked, doc_tiles, with_grad, rows, tile)
 
 
 def _split_refs(static, refs, n_out: int):
@@ -231,7 +231,8 @@ def _forward_kernel(static, q_ref, k_ref, v_ref, kv_idx_ref, kv_np_ref, kv_cnt_r
             k = k_ref[pl.ds(start, tkv), :]
             v = v_ref[pl.ds(start, tkv), :]
             tiles = [(qs, r[:, pl.ds(start, tkv)]) for qs, r in zip(q_segs, doc_refs[1::2])]
-            s, _ = _scores(static, q, k, q_pos, start + iota(tkv, 1), h, masked, tiles, rows=rows)
+            bounds = tile_bounds(i * tq, tq, start, tkv)
+            s, _ = _scores(static, q, k, q_pos, start + iota(tkv, 1), h, masked, tiles, rows=rows, tile=bounds)
             m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet in this row
             alpha = jnp.exp(m_prev - m_safe)
@@ -299,12 +300,14 @@ def _dq_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_idx_r
             v = v_ref[pl.ds(start, tkv), :]
             kv_pos = start + iota(tkv, 1)
             tiles = [(qs, r[:, pl.ds(start, tkv)]) for qs, r in zip(q_segs, doc_refs[1::2])]
-            s, d_mod = _scores(static, q, k, q_pos, kv_pos, h, masked, tiles, with_grad=True, rows=rows)
+            bounds = tile_bounds(i * tq, tq, start, tkv)
+            s, d_mod = _scores(static, q, k, q_pos, kv_pos, h, masked, tiles, True, rows, bounds)
             p = jnp.exp(s - lse)
             ds = p * (dot(do, v, 1, 1) - delta)  # d loss / d (modded scores)
             if rows:
                 s_raw = dot(q, k, 1, 1) * static.scale
-                d_rows = jax.tree.map(jnp.add, d_rows, row_grads(static.score_mod, rows, s_raw, q_pos, kv_pos, h, ds))
+                grads = row_grads(static.score_mod, rows, s_raw, q_pos, kv_pos, h, ds, bounds)
+                d_rows = jax.tree.map(jnp.add, d_rows, grads)
             if d_mod is not None:
                 ds = ds * d_mod
             return dq + dot(ds.astype(k.dtype), k, 1, 0), d_rows
@@ -376,7 +379,8 @@ def _dkv_kernel(static, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_idx_r
                 delta = delta_ref[g, pl.ds(start, tq), :]
                 tiles = [(r[pl.ds(start, tq), :], ks) for r, ks in zip(doc_refs[0::2], kv_segs)]
                 q_pos = start + iota(tq, 0)
-                s, d_mod = _scores(static, q, k, q_pos, kv_pos, head, masked, tiles, with_grad=True, rows=rows)
+                bounds = tile_bounds(start, tq, j * tkv, tkv)
+                s, d_mod = _scores(static, q, k, q_pos, kv_pos, head, masked, tiles, True, rows, bounds)
                 p = jnp.exp(s - lse)
                 # p stays float32 here: dV sums p over every query of the column and has the tightest error budget
                 dv = dv + dot(p, do.astype(jnp.float32), 0, 0)

@@ -62,6 +62,8 @@ def head_lookup(array, head, index=None):
     if isinstance(array, HeadRow):
         if index is None:
             return array.values[0]
+        if isinstance(index, int):
+            return array.values[index]
         out = jnp.zeros(jnp.shape(index), jnp.float32)
         for i, value in enumerate(array.values):
             out = jnp.where(index == i, value, out)
@@ -82,6 +84,7 @@ class RelativeBias(ScoreMod):
     table: Any  # [H, num_buckets]
     bidirectional: bool
     max_distance: int
+    adds_to_score = True
 
     def __call__(self, score, q_idx, kv_idx, head=0):
         bucket = relative_bucket(kv_idx - q_idx, self.table.shape[-1], self.bidirectional, self.max_distance)
@@ -93,9 +96,43 @@ class RelativeBias(ScoreMod):
     def with_arrays(self, arrays) -> ScoreMod:
         return dataclasses.replace(self, table=arrays[0])
 
+    def tile_shortcut(self, q_first, q_last, kv_first, kv_last):
+        """Keys ``max_distance`` or more from every query of the tile all take the last bucket of their side (and
+        when not bidirectional, keys at or after every query bucket 0): one entry for the tile."""
+        n = self.table.shape[-1]
+        far_past = q_first - kv_last >= self.max_distance
+        if self.bidirectional:
+            far_future = kv_first - q_last >= self.max_distance
+            return far_past | far_future, TableEntry(self.table, (n - 1, n // 2 - 1), far_future)
+        not_past = kv_first - q_last >= 0
+        return far_past | not_past, TableEntry(self.table, (n - 1, 0), far_past)
+
     def __repr__(self):
         shape, args = list(self.table.shape), f"bidirectional={self.bidirectional}, max_distance={self.max_distance}"
         return f"relative_bias({shape}, {args})"
+
+
+@dataclasses.dataclass(frozen=True)
+class TableEntry(ScoreMod):
+    """score + table[head, entries[0] where ``first`` else entries[1]]: a table mod on a tile where every score
+    reads the same entry (``RelativeBias.tile_shortcut``), one scalar add per score instead of a select per entry.
+    The two candidates are static and ``first`` a traced bool (a traced index compared in a kernel's branch did not
+    lower to Triton)."""
+
+    table: Any  # [H, n]
+    entries: tuple[int, int]
+    first: Any  # bool scalar
+    adds_to_score = True
+
+    def __call__(self, score, q_idx, kv_idx, head=0):
+        a, b = (jnp.asarray(head_lookup(self.table, head, e)) for e in self.entries)
+        return score + jnp.where(self.first, a, b).astype(score.dtype)
+
+    def arrays(self) -> tuple:
+        return (self.table,)
+
+    def with_arrays(self, arrays) -> ScoreMod:
+        return dataclasses.replace(self, table=arrays[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +140,7 @@ class LearnedAlibi(ScoreMod):
     """score - slopes[head] * (q_idx - kv_idx) with the slopes an array [H] (ALiBi whose slopes train)."""
 
     slopes: Any  # [H]
+    adds_to_score = True
 
     def __call__(self, score, q_idx, kv_idx, head=0):
         slope = head_lookup(self.slopes, head).astype(score.dtype)
@@ -226,10 +264,26 @@ def packed_rows(static_mod: ScoreMod, row_ref) -> tuple[HeadRow, ...]:
     return tuple(rows)
 
 
-def row_grads(static_mod: ScoreMod, rows, s, q_pos, kv_pos, head, ds) -> tuple[HeadRow, ...]:
-    """d loss / d rows for one tile: the vjp of the mod in the rows' scalars, ``ds`` = d loss / d (modded scores)."""
-    _, vjp = jax.vjp(lambda rows: static_mod.with_arrays(rows)(s, q_pos, kv_pos, head), rows)
-    return vjp(ds)[0]
+def row_grads(static_mod: ScoreMod, rows, s, q_pos, kv_pos, head, ds, tile=None) -> tuple[HeadRow, ...]:
+    """d loss / d rows for one tile: the vjp of the mod in the rows' scalars, ``ds`` = d loss / d (modded scores).
+    ``tile`` (q_first, q_last, kv_first, kv_last) lets the mod's ``tile_shortcut`` take the tile."""
+
+    def grads(mod_of):
+        _, vjp = jax.vjp(lambda rows: mod_of(rows)(s, q_pos, kv_pos, head), rows)
+        return vjp(ds)[0]
+
+    cut = static_mod.tile_shortcut(*tile) if tile is not None else None
+    if cut is None:
+        return grads(static_mod.with_arrays)
+
+    def computed(grads):  # entries a branch leaves at zero are literals, which Triton's branch cannot yield
+        return jax.tree.map(lambda g, r: g + 0.0 * r, grads, rows)
+
+    return jax.lax.cond(
+        cut[0],
+        lambda: computed(grads(lambda rows: static_mod.with_arrays(rows).tile_shortcut(*tile)[1])),
+        lambda: computed(grads(static_mod.with_arrays)),
+    )
 
 
 def rows_as_vector(rows, width: int, leading: tuple[int, ...] = ()):

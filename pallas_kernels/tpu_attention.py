@@ -39,7 +39,7 @@ from .kernel_inputs import AttentionStatic, check_attention_inputs, like, list_a
 from .kernel_mask import split_documents
 from .masks import ScoreMod
 from .score_tables import load_rows, row_grads, rows_as_vector, split_arrays, vector_as_grads
-from .tile_math import dot, iota, masked_scores
+from .tile_math import dot, iota, masked_scores, tile_bounds
 
 LANES = 128  # a TPU vector register's lanes: tiles are multiples of it so ids and lse rows load lane-dense
 DEFAULT_TILE = 512  # q and kv tile side: what splash attention's tuned configs use at head dims 64-256
@@ -225,7 +225,9 @@ def _forward_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_r
         kv_pos = kv_idx_ref[bm, i, j] * tkv + iota(tkv, 1)
         doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
         rows = load_rows(static.score_mod, mod_refs, h) if mod_refs else ()
-        s, _ = masked_scores(static, dot(q, k, 1, 1) * static.scale, q_pos, kv_pos, h, masked, doc_tiles, False, rows)
+        bounds = tile_bounds(i * tq, tq, kv_idx_ref[bm, i, j] * tkv, tkv)
+        s = dot(q, k, 1, 1) * static.scale
+        s, _ = masked_scores(static, s, q_pos, kv_pos, h, masked, doc_tiles, False, rows, bounds)
         m_prev, l_prev = m_ref[...], l_ref[...]
         m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet in this row
@@ -285,14 +287,17 @@ def _forward(static, q, k, v, mask_arrays, segments, mod_arrays=()):
 # ----------------------------------------------------------------------------- backward: dQ
 
 
-def _transposed_step(static, q, k, v, do, lse, delta, q_pos, kv_pos, head, masked, doc_tiles, rows=(), grads=False):
+def _transposed_step(
+    static, q, k, v, do, lse, delta, q_pos, kv_pos, head, masked, doc_tiles, rows=(), grads=False, tile=None
+):
     """One tile of the backward in the [kv, q] orientation: (p^T, ds^T), both [tkv, tq] float32, and with ``grads``
-    this tile's gradient to ``rows`` (the head's rows of the mod's captured arrays, as scalars), else None."""
+    this tile's gradient to ``rows`` (the head's rows of the mod's captured arrays, as scalars), else None.
+    ``tile``: its (q_first, q_last, kv_first, kv_last), for the mod's shortcut."""
     s_raw = dot(k, q, 1, 1) * static.scale
-    s, d_mod = masked_scores(static, s_raw, q_pos, kv_pos, head, masked, doc_tiles, True, rows)
+    s, d_mod = masked_scores(static, s_raw, q_pos, kv_pos, head, masked, doc_tiles, True, rows, tile)
     p = jnp.exp(s - lse)
     ds = p * (dot(v, do, 1, 1) - delta)  # d loss / d (modded scores)
-    d_rows = row_grads(static.score_mod, rows, s_raw, q_pos, kv_pos, head, ds) if grads and rows else None
+    d_rows = row_grads(static.score_mod, rows, s_raw, q_pos, kv_pos, head, ds, tile) if grads and rows else None
     if d_mod is not None:
         ds = ds * d_mod
     return p, ds, d_rows
@@ -322,7 +327,8 @@ def _dq_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_ref, d
         doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
         args = q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
         rows = load_rows(static.score_mod, mod_refs, h) if n_mod else ()
-        _, ds, d_rows = _transposed_step(static, *args, q_pos, kv_pos, h, masked, doc_tiles, rows, grads=True)
+        bounds = tile_bounds(i * tq, tq, kv_idx_ref[bm, i, j] * tkv, tkv)
+        _, ds, d_rows = _transposed_step(static, *args, q_pos, kv_pos, h, masked, doc_tiles, rows, True, bounds)
         acc_ref[...] += dot(ds.astype(k.dtype), k, 0, 0)
         if n_mod:
             rows_acc[...] += rows_as_vector(d_rows, rows_acc.shape[-1], leading=(1,))
@@ -400,8 +406,9 @@ def _dkv_kernel(static, q_idx_ref, q_np_ref, q_cnt_ref, q_ref, k_ref, v_ref, do_
         doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
         head = hk * static.groups + g
         rows = load_rows(static.score_mod, mod_refs, head) if n_mod else ()
+        bounds = tile_bounds(q_idx_ref[bm, c, slot] * tq, tq, c * tkv, tkv)
         p, ds, _ = _transposed_step(static, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], q_pos,
-                                    kv_pos, head, masked, doc_tiles, rows)  # fmt: skip
+                                    kv_pos, head, masked, doc_tiles, rows, tile=bounds)  # fmt: skip
         dv_acc[...] += dot(p.astype(do.dtype), do, 1, 0)
         dk_acc[...] += dot(ds.astype(q.dtype), q, 1, 0)
 

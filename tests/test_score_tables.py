@@ -80,3 +80,67 @@ def _inputs(H=2, T=128, E=64, dtype=jnp.bfloat16):
 def test_bad_tables_are_refused_in_one_line(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_a_tile_shortcut_equals_the_mod_on_every_score_of_the_tile(bidirectional):
+    """Random tiles of 48 queries by 80 keys (and 80 by 48) at offsets up to 600 apart, T5 tables of 32 and 16
+    buckets: where ``tile_shortcut`` holds, its one-entry mod gives every score of the tile what the bias table
+    gives (and chained with a soft-cap, the chain's does); it holds on the far tiles (both sides when
+    bidirectional, keys at or after every query when not) and on no tile that comes within ``max_distance`` of its
+    queries on the past side."""
+    r = np.random.default_rng(3)
+    holds_seen = 0
+    for num_buckets, max_distance in ((32, 128), (16, 40)):
+        table = jnp.asarray(r.normal(size=(3, num_buckets)), jnp.float32)
+        mod = pk.relative_bias(table, bidirectional=bidirectional, max_distance=max_distance)
+        for nq, nk in ((48, 80), (80, 48)):
+            for m in (mod, pk.chain(mod, pk.soft_cap(4.0))):
+
+                @jax.jit
+                def both(q0, kv0, score, head, m=m, nq=nq, nk=nk):
+                    q_idx, kv_idx = q0 + jnp.arange(nq)[:, None], kv0 + jnp.arange(nk)[None, :]
+                    holds, cheaper = m.tile_shortcut(q0, q0 + nq - 1, kv0, kv0 + nk - 1)
+                    return holds, cheaper(score, q_idx, kv_idx, head), m(score, q_idx, kv_idx, head)
+
+                for _ in range(30):
+                    q0, kv0 = (int(x) for x in r.integers(0, 600, 2))
+                    score = jnp.asarray(r.normal(size=(nq, nk)), jnp.float32)
+                    holds, got, want = both(q0, kv0, score, int(r.integers(3)))
+                    if holds:
+                        np.testing.assert_allclose(got, want)
+                    far_past = q0 - (kv0 + nk - 1) >= max_distance
+                    other_side = (kv0 - (q0 + nq - 1)) >= (max_distance if bidirectional else 0)
+                    assert bool(holds) == (far_past or other_side)
+                    holds_seen += bool(holds)
+    assert holds_seen > 40
+    assert pk.soft_cap(4.0).tile_shortcut(0, 63, 512, 575) is None
+
+
+@pytest.mark.parametrize("mask", [pytest.param("full", marks=pytest.mark.slow), "causal"])  # full: 15 s
+def test_kernels_take_the_shortcut_on_far_tiles_with_the_same_gradients(mask):
+    """A T5 table (max distance 40) and learned slopes chained, T = 128 in blocks of 32 (the Triton kernels' code in
+    the interpreter): tiles far in the past (and, with the full mask, after the queries) take one entry of the table
+    per tile, the rest the lookup. Output and the gradients to q, k, v, the table and the slopes equal the float32
+    reference's."""
+    B, H, T, E = 1, 2, 128, 16
+    r = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(r.normal(size=(B, H, T, E)), jnp.float32) for _ in range(3))
+    table = jnp.asarray(r.normal(size=(H, 32)), jnp.float32)
+    slopes = jnp.asarray(pk.alibi_slopes(H), jnp.float32)
+    d_out = jnp.asarray(r.normal(size=q.shape), jnp.float32)
+    the_mask = pk.full() if mask == "full" else pk.causal()
+    bm = pk.make_block_mask(the_mask, T, T, pk.BlockSizes(32, 32))
+
+    def mod(table, slopes):
+        return pk.chain(pk.relative_bias(table, max_distance=40), pk.learned_alibi(slopes))
+
+    def loss(attention):
+        return lambda q, k, v, table, slopes: jnp.sum(attention(q, k, v, mod(table, slopes))[0] * d_out)
+
+    pallas = loss(lambda q, k, v, m: pk.block_sparse_attention(q, k, v, bm, score_mod=m))
+    reference = loss(lambda q, k, v, m: pk.reference_attention(q, k, v, the_mask, score_mod=m))
+    args = (q, k, v, table, slopes)
+    got, want = jax.grad(pallas, argnums=range(5))(*args), jax.grad(reference, argnums=range(5))(*args)
+    for name, g, w in zip(("dq", "dk", "dv", "d table", "d slopes"), got, want):
+        np.testing.assert_allclose(g, w, atol=5e-5 * float(jnp.abs(w).max()), err_msg=name)
