@@ -180,10 +180,15 @@ def run_training(prog: str, default_config: Path, default_workdir: str, argv: li
     training starts end the process at once with one line (jaxlm.preemption; once training runs, they stop it
     after a step with a checkpoint)."""
     from jaxlm.preemption import StopSignals
-    from jaxlm.workdir_lock import WorkdirBusy
 
+    busy = ()  # (WorkdirBusy,) once imported, for the except below
     try:
         with StopSignals(prog, nothing_to_save=True):
+            # imported under StopSignals: it brings in `data`, which takes a while, and a Ctrl-C meanwhile must be
+            # the one line too (it was a KeyboardInterrupt traceback)
+            from jaxlm.workdir_lock import WorkdirBusy
+
+            busy = (WorkdirBusy,)
             args = build_parser(prog, default_workdir).parse_args(argv)
             if args.cpu_devices < 0:
                 raise UsageError(f"--cpu-devices must be >= 0, got {args.cpu_devices}")
@@ -194,7 +199,7 @@ def run_training(prog: str, default_config: Path, default_workdir: str, argv: li
             check_compilation_cache(args.compilation_cache)
             *setup, lock = _prepare(prog, args, default_config)
     # UsageError, ConfigError, LayoutError, TokenFileError, an unreadable file, another run holding the workdir
-    except (ValueError, OSError, WorkdirBusy) as e:
+    except (ValueError, OSError, *busy) as e:
         return _fail(prog, str(e))
     try:
         return _train(prog, args, *setup)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import gaussian, rel
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.quantize import amax, dequantize, qmax, quantize, round_to
@@ -26,6 +26,7 @@ FP8 = ("float8_e4m3fn", "float8_e5m2")
     dtype=st.sampled_from(("int8",) + FP8),
     seed=st.integers(0, 2**16),
 )
+@example(rows=27, cols=224, axis=0, dtype="int8", seed=39501)
 def test_quantize_round_trip_error_is_within_half_a_step(rows, cols, axis, dtype, seed):
     x = gaussian((rows, cols), seed) * 3
     q, s = quantize(x, dtype, axis=axis)
@@ -35,8 +36,9 @@ def test_quantize_round_trip_error_is_within_half_a_step(rows, cols, axis, dtype
     )
     err = np.abs(np.asarray(dequantize(q, s)) - np.asarray(x))
     s = np.broadcast_to(np.asarray(s), x.shape)
-    if dtype == "int8":
-        assert np.all(err <= s / 2 * (1 + 1e-6))
+    if dtype == "int8":  # half a step, and the float32 rounding of the dequantized value (rows=27, cols=224,
+        # axis=0, seed=39501: 0.02737188 against half a step of 0.02737175 at x = 3.48)
+        assert np.all(err <= s / 2 * (1 + 1e-6) + np.abs(np.asarray(x)) * np.finfo(np.float32).eps)
     else:  # relative half-ulp for normal values, half the subnormal spacing below them
         info = jnp.finfo(jnp.dtype(dtype))
         bound = np.maximum(np.abs(np.asarray(x)) * 2.0 ** -(info.nmant + 1), s * 2.0 ** (info.minexp - info.nmant - 1))
