@@ -66,6 +66,14 @@ def _table(H: int, n: int):
     return jnp.asarray(np.random.default_rng(7).normal(size=(H, n)), jnp.float32)
 
 
+def _qkv(T: int, E: int, tokens: int, width: int):
+    """(B, H, q, k, v): bfloat16 [B, H, T, E] inputs of ``tokens`` tokens per batch and ``width`` model width."""
+    B, H = max(1, tokens // T), width // E
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.normal(size=(B, H, T, E)), jnp.bfloat16) for _ in range(3))
+    return B, H, q, k, v
+
+
 def doc_ids(B: int, T: int, n_docs: int, seed: int = 0) -> np.ndarray:
     """[B, T] int32 segment ids: each row packs ``n_docs`` documents of seeded random lengths (each at least T / 4n)."""
     r = np.random.default_rng(seed)
@@ -143,9 +151,7 @@ def run_speed(
     rows = []
     for T in seqs:
         for E in head_dims:
-            B, H = max(1, tokens // T), width // E
-            r = np.random.default_rng(0)
-            q, k, v = (jnp.asarray(r.normal(size=(B, H, T, E)), jnp.bfloat16) for _ in range(3))
+            B, H, q, k, v = _qkv(T, E, tokens, width)
             q_t, k_t, v_t = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
             for mask_name, mask in {"full": pk.full(), "causal": pk.causal()}.items():
                 bm = pk.make_block_mask(mask, T, T, pk.BlockSizes(128, 128))
@@ -175,13 +181,11 @@ def run_documents(seqs=(2048, 8192), head_dims=(64, 128), tokens=16384, width=20
     rows = []
     for T in seqs:
         for E in head_dims:
-            B, H = max(1, tokens // T), width // E
+            B, H, q, k, v = _qkv(T, E, tokens, width)
             ids = doc_ids(B, T, n_docs)
             mask = pk.causal() & pk.document(ids)
             bm = pk.make_block_mask(mask, T, T, pk.BlockSizes(128, 128))
             dense = jnp.asarray((ids[:, :, None] == ids[:, None, :]) & np.tril(np.ones((T, T), bool)))[:, None]
-            r = np.random.default_rng(0)
-            q, k, v = (jnp.asarray(r.normal(size=(B, H, T, E)), jnp.bfloat16) for _ in range(3))
             bthe = tuple(x.transpose(0, 2, 1, 3) for x in (q, k, v))
             impls = {
                 "mosaic": (lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic")[0], (q, k, v)),
@@ -205,9 +209,7 @@ def run_mods(T=4096, head_dims=(64, 128), tokens=16384, width=2048, repeats=10, 
     Triton's), forward and forward + backward with the table's gradient left to XLA's sum of the kernels' parts."""
     rows = []
     for E in head_dims:
-        B, H = max(1, tokens // T), width // E
-        r = np.random.default_rng(0)
-        q, k, v = (jnp.asarray(r.normal(size=(B, H, T, E)), jnp.bfloat16) for _ in range(3))
+        B, H, q, k, v = _qkv(T, E, tokens, width)
         bm = pk.make_block_mask(pk.causal(), T, T, pk.BlockSizes(128, 128))
         flops = kept_pairs("causal", T, 0) * B * H * E
         for mod_name, mod in {
@@ -250,9 +252,7 @@ def run_sweep(T=8192, head_dims=(64, 128), width=2048, tokens=16384, backward_to
     list is what the kernels use today."""
     rows = []
     for E in head_dims:
-        B, H = max(1, tokens // T), width // E
-        r = np.random.default_rng(0)
-        q, k, v = (jnp.asarray(r.normal(size=(B, H, T, E)), jnp.bfloat16) for _ in range(3))
+        B, H, q, k, v = _qkv(T, E, tokens, width)
         for mask_name, mask in {"full": pk.full(), "causal": pk.causal()}.items():
             bm = pk.make_block_mask(mask, T, T, pk.BlockSizes(128, 128))
             flops = kept_pairs(mask_name, T, 0) * B * H * E

@@ -370,19 +370,20 @@ def mosaic_forward(
                 s = pl.run_scoped(qk, plgpu.ACC((rows, tkv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked or static.score_mod is not None:
+                    kv_first = tile_start(j)
 
                     def make_q_pos():
                         return modes.iota((rows, tkv), 0) + q_base
 
                     def make_kv_pos():
-                        return modes.iota((rows, tkv), 1) + tile_start(j)
+                        return modes.iota((rows, tkv), 1) + kv_first
 
                     # the mod's entries are read from shared memory on every tile (inside the branch that reads
                     # them, with a tile shortcut), not held in registers
                     def read_entries():
                         return packed_rows(static.score_mod, mod_smem2.at[wg]) if packed else ()
 
-                    bounds = tile_bounds(q_base, rows, tile_start(j), tkv)
+                    bounds = tile_bounds(q_base, rows, kv_first, tkv)
                     scaled = s * static.scale
                     s, _ = static.mod_scores(scaled, make_q_pos, make_kv_pos, h, arrays=read_entries, tile=bounds)
                     if masked:

@@ -197,15 +197,16 @@ def mosaic_dq(
                 k_t = modes.transposed(k_smem.at[slot], t_smem2, wg)
                 s = modes.product(q_smem, k_t, (rows, tkv))
                 if masked or static.score_mod is not None:
+                    kv_first = tile_start(j)
 
                     def q_pos():
                         return modes.iota((rows, tkv), 0) + base
 
                     def kv_pos():
-                        return modes.iota((rows, tkv), 1) + tile_start(j)
+                        return modes.iota((rows, tkv), 1) + kv_first
 
                     ids = functools.partial(modes.id_tiles, q_ids, kvid_smem, kvid_ready, slot, s.shape, True)
-                    bounds = tile_bounds(base, rows, tile_start(j), tkv)
+                    bounds = tile_bounds(base, rows, kv_first, tkv)
                     s, d_mod = _scores(static, s, q_pos, kv_pos, h, masked, ids, tile=bounds)
                     p = jnp.exp2(s * _LOG2E - lse2)
                 else:
@@ -361,18 +362,19 @@ def mosaic_dkv(
                 s = modes.product(k_own, q_t, (rows, tq))  # s^T [kv rows, q]
                 head = hk * G + g
                 if masked or static.score_mod is not None:
+                    q_first = tile_start(t)
 
                     def kv_pos():
                         return modes.iota((rows, tq), 0) + base
 
                     def q_pos():
-                        return modes.iota((rows, tq), 1) + tile_start(t)
+                        return modes.iota((rows, tq), 1) + q_first
 
                     def entries():
                         return packed_rows(static.score_mod, mod_smem2.at[wg, g]) if packed else ()
 
                     ids = functools.partial(modes.id_tiles, kv_ids, qid_smem, qid_ready, slot, s.shape, False)
-                    bounds = tile_bounds(tile_start(t), tq, base, rows)
+                    bounds = tile_bounds(q_first, tq, base, rows)
                     s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked, ids, entries, bounds)
                     s2 = s * _LOG2E
                 else:

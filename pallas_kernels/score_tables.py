@@ -281,7 +281,7 @@ def row_grads(static_mod: ScoreMod, rows, s, q_pos, kv_pos, head, ds, tile=None)
 
     return jax.lax.cond(
         cut[0],
-        lambda: computed(grads(lambda rows: static_mod.with_arrays(rows).tile_shortcut(*tile)[1])),
+        lambda: computed(grads(cut[1].with_arrays)),
         lambda: computed(grads(static_mod.with_arrays)),
     )
 

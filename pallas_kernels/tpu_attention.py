@@ -222,10 +222,11 @@ def _forward_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_r
     def step(masked):
         q, k, v = q_ref[...], k_ref[...], v_ref[...]
         q_pos = i * tq + iota(tq, 0)
-        kv_pos = kv_idx_ref[bm, i, j] * tkv + iota(tkv, 1)
+        kv_first = kv_idx_ref[bm, i, j] * tkv
+        kv_pos = kv_first + iota(tkv, 1)
         doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
         rows = load_rows(static.score_mod, mod_refs, h) if mod_refs else ()
-        bounds = tile_bounds(i * tq, tq, kv_idx_ref[bm, i, j] * tkv, tkv)
+        bounds = tile_bounds(i * tq, tq, kv_first, tkv)
         s = dot(q, k, 1, 1) * static.scale
         s, _ = masked_scores(static, s, q_pos, kv_pos, h, masked, doc_tiles, False, rows, bounds)
         m_prev, l_prev = m_ref[...], l_ref[...]
@@ -323,11 +324,12 @@ def _dq_kernel(static, kv_idx_ref, kv_np_ref, kv_cnt_ref, q_ref, k_ref, v_ref, d
     def step(masked):
         k = k_ref[...]
         q_pos = i * tq + iota(tq, 1)
-        kv_pos = kv_idx_ref[bm, i, j] * tkv + iota(tkv, 0)
+        kv_first = kv_idx_ref[bm, i, j] * tkv
+        kv_pos = kv_first + iota(tkv, 0)
         doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
         args = q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
         rows = load_rows(static.score_mod, mod_refs, h) if n_mod else ()
-        bounds = tile_bounds(i * tq, tq, kv_idx_ref[bm, i, j] * tkv, tkv)
+        bounds = tile_bounds(i * tq, tq, kv_first, tkv)
         _, ds, d_rows = _transposed_step(static, *args, q_pos, kv_pos, h, masked, doc_tiles, rows, True, bounds)
         acc_ref[...] += dot(ds.astype(k.dtype), k, 0, 0)
         if n_mod:
@@ -401,12 +403,13 @@ def _dkv_kernel(static, q_idx_ref, q_np_ref, q_cnt_ref, q_ref, k_ref, v_ref, do_
 
     def step(masked):
         q, do = q_ref[...], do_ref[...]
-        q_pos = q_idx_ref[bm, c, slot] * tq + iota(tq, 1)
+        q_first = q_idx_ref[bm, c, slot] * tq
+        q_pos = q_first + iota(tq, 1)
         kv_pos = c * tkv + iota(tkv, 0)
         doc_tiles = [(doc_refs[2 * d][...], doc_refs[2 * d + 1][...]) for d in range(n_docs)]
         head = hk * static.groups + g
         rows = load_rows(static.score_mod, mod_refs, head) if n_mod else ()
-        bounds = tile_bounds(q_idx_ref[bm, c, slot] * tq, tq, c * tkv, tkv)
+        bounds = tile_bounds(q_first, tq, c * tkv, tkv)
         p, ds, _ = _transposed_step(static, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], q_pos,
                                     kv_pos, head, masked, doc_tiles, rows, tile=bounds)  # fmt: skip
         dv_acc[...] += dot(p.astype(do.dtype), do, 1, 0)
