@@ -105,8 +105,8 @@ def _compile_attention(mask, E: int, dtype: str) -> str:
 
 def _compile_relative_bias() -> str:
     """Causal attention with T5's relative bias table [H, 32] as an input, gradients to it included: on sm_90 the
-    forward and dK/dV are Mosaic GPU kernels (the table's head rows in shared memory), dQ the Triton kernel (it
-    forms the table's gradient)."""
+    forward, dQ (which forms the table's gradient) and dK/dV are Mosaic GPU kernels (the table's head rows in shared
+    memory)."""
     import jax
     import jax.numpy as jnp
 
@@ -122,7 +122,7 @@ def _compile_relative_bias() -> str:
     q = jax.ShapeDtypeStruct((1, HEADS, SEQ, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, KV_HEADS, SEQ, 128), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((HEADS, 32), jnp.float32)
-    return _kernels_in(compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3)), q, kv, kv, table), triton=1, mosaic=2)
+    return _kernels_in(compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3)), q, kv, kv, table), triton=0, mosaic=3)
 
 
 def kernel_counts(hlo_text: str) -> tuple[int, int]:

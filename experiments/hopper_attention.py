@@ -6,7 +6,7 @@ kernels, measured in one run.
 
 ``check`` compares the Mosaic kernels (``block_sparse_attention(..., lowering="mosaic")``), forward and gradients,
 with the float32 reference on bfloat16 inputs for each static mask kind, packed documents, GQA, T != S, a ragged
-length and score mods (a T5 bias table: the Mosaic forward and dK/dV, the Triton dQ, with the table's gradient).
+length and score mods (a T5 bias table: the Mosaic forward, dQ with the table's gradient, and dK/dV).
 ``speed`` times forward and forward + backward for the full and causal masks at T = 2k and 8k, head dims 64 and 128,
 and prints the Mosaic rows' ratio to cuDNN and Triton; ``mods`` times causal attention with a soft-cap and a T5
 bias table against the same on Triton. ``documents`` does the same for 8 packed documents per
@@ -205,8 +205,9 @@ def run_documents(seqs=(2048, 8192), head_dims=(64, 128), tokens=16384, width=20
 
 def run_mods(T=4096, head_dims=(64, 128), tokens=16384, width=2048, repeats=10, log=print) -> list[dict]:
     """Causal attention with score mods on the Mosaic and Triton kernels: no mod, a soft-cap (elementwise) and a T5
-    bias table of 32 buckets per head (captured arrays: the Mosaic forward and dK/dV read the head's row, dQ is
-    Triton's), forward and forward + backward with the table's gradient left to XLA's sum of the kernels' parts."""
+    bias table of 32 buckets per head (captured arrays: the Mosaic kernels read the head's row, and dQ forms the
+    table's gradient per query row), forward and forward + backward with the table's gradient left to XLA's sum of
+    the kernels' parts."""
     rows = []
     for E in head_dims:
         B, H, q, k, v = _qkv(T, E, tokens, width)

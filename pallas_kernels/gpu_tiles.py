@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from .kernel_inputs import hopper_target
 from .mosaic_attention import MosaicTiles, mosaic_tiles, supports
-from .mosaic_attention_bwd import BackwardTiles, backward_tiles, supports_backward
+from .mosaic_attention_bwd import BackwardTiles, backward_footprint, backward_tiles, supports_backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,14 +100,12 @@ def mosaic_lowerings(static, lowering: str | None, dtype, E: int, explicit_tiles
         raise ValueError(f"block_sparse_attention: the Mosaic GPU forward cannot take {why_not}")
     why_not_bwd = why_not or supports_backward(static, dtype, E)
     _log_once("forward", why_not)
-    if why_not_bwd is None and static.score_mod is not None and static.score_mod.arrays():
-        _log_once("backward dK/dV", None)
-        _log_once("backward dQ", "a score mod that captures arrays (its dQ kernel forms their gradients)")
-    else:
-        _log_once("backward", why_not_bwd)
+    _log_once("backward", why_not_bwd)
     return {
         "mosaic": None if why_not else mosaic_tiles(E, dtype, static.block_q, static.block_kv),
-        "mosaic_bwd": None if why_not_bwd else backward_tiles(E, dtype, static.block_q, static.block_kv),
+        "mosaic_bwd": None
+        if why_not_bwd
+        else backward_tiles(E, dtype, static.block_q, static.block_kv, **backward_footprint(static)),
     }
 
 

@@ -18,8 +18,8 @@ consumer warpgroup reads its rows' q ids once (a vector in the row layout of the
 streams each PARTIAL tile's kv ids with TMA beside its K tile (one more ring, one more barrier per slot); FULL tiles
 load none. A score mod's captured arrays (``score_tables``: a bias table, learned slopes) come packed as one [H, n]
 input; each consumer warpgroup copies its head's row to shared memory once and reads the entries as scalars on
-every tile. The backward (``mosaic_attention_bwd``, or the Triton kernels where it cannot run; with captured arrays
-the Triton dQ kernel, which forms their gradients) takes the same outputs (out, lse) from either forward.
+every tile. The backward (``mosaic_attention_bwd``, or the Triton kernels where it cannot run) takes the same outputs
+(out, lse) from either forward.
 
 Shape suffixes follow the legend in docs/architecture.md.
 """

@@ -11,13 +11,19 @@ consumer warpgroups each own half of the program's rows and multiply on the tens
   p^T = exp(K Q^T - lse), dV += p^T dO, dp^T = V dO^T, ds^T = p^T (dp^T - delta), dK += ds^T Q. Summing the query
   heads of a group inside the program keeps grouped-query attention free of repeated K/V.
 
-The element mask and score mod (with its derivative) run on PARTIAL tiles only. Nothing is accumulated across
-programs, so the result is deterministic. Document and position slots (``kernel_mask``) are loaded as ids, as the
-forward loads them: each consumer warpgroup reads the ids of its own rows once (dQ: its q ids; dK/dV: its kv ids), a
-vector in the row layout of the wgmma accumulator, and the producer streams the ids of each PARTIAL tile's other axis
-with TMA beside its first operand (dQ: kv ids beside K; dK/dV: q ids beside Q) through one more ring, one more
-barrier per slot; FULL tiles load none. Head dim 256 is not taken (its dK and dV accumulators do not fit the
-registers; ``supports_backward`` sends it to the Triton kernels).
+A score mod's captured arrays come packed, as to the forward: each consumer warpgroup copies its head's row (dK/dV:
+its kv head's query heads' rows) to shared memory once. dQ also forms their gradients: per query row, each entry's
+share of dS summed over the row's keys (``score_tables.add_row_grads_per_row``: Mosaic GPU reduces a tile one axis
+at a time), carried in registers across the row's tiles as a [rows, packed entries] tile (entry i in column i) and
+written as [B, H, Tp, packed entries]; the rows and batch are summed outside.
+
+The element mask runs on PARTIAL tiles only, the score mod (with its derivative) on every tile. Nothing is
+accumulated across programs, so the result is deterministic. Document and position slots (``kernel_mask``) are
+loaded as ids, as the forward loads them: each consumer warpgroup reads the ids of its own rows once (dQ: its q ids;
+dK/dV: its kv ids), a vector in the row layout of the wgmma accumulator, and the producer streams the ids of each
+PARTIAL tile's other axis with TMA beside its first operand (dQ: kv ids beside K; dK/dV: q ids beside Q) through one
+more ring, one more barrier per slot; FULL tiles load none. Head dim 256 is not taken (its dK and dV accumulators do
+not fit the registers; ``supports_backward`` sends it to the Triton kernels).
 
 Shape suffixes follow the legend in docs/architecture.md.
 """
@@ -45,7 +51,14 @@ from .mosaic_attention import (
     stream_kv,
     vary_like,
 )
-from .score_tables import pack_rows, packed_rows, packed_width
+from .score_tables import (
+    add_row_grads_per_row,
+    pack_rows,
+    packed_entries,
+    packed_rows,
+    packed_width,
+    row_entries,
+)
 from .tile_math import tile_bounds
 
 
@@ -73,44 +86,72 @@ def _dkv_slot_extra(tiles: BackwardTiles) -> int:
     return 2 * tiles.dkv_q * 4  # lse and delta
 
 
-def backward_candidates(head_dim: int, dtype, block_q: int, block_kv: int) -> list[BackwardTiles]:
-    """Every tiling these kernels can take for this head dim and blocks, best guess first. Streamed tiles are 64 wide
-    from head dim 128 on in the first guess, so that the score tiles, the float32 accumulators and the softmax fit
-    232 registers; ``experiments.hopper_attention --only sweep`` times the rest."""
+def _dq_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entries: int) -> int:
+    """dQ's shared memory; with a mod's captured arrays also each warpgroup's packed row and its gradient vectors."""
+    arrays = 2 * 4 * packed_entries(entries) * (1 + t.dq_rows) if entries else 0
+    return _smem_bytes(t.dq_rows, t.dq_kv, t.dq_stages, head_dim, itemsize, 0, slots) + arrays
+
+
+def _dkv_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entries: int, groups: int) -> int:
+    """dK/dV's shared memory; with a mod's captured arrays also each warpgroup's packed rows of its query heads."""
+    arrays = 2 * 4 * groups * packed_entries(entries) if entries else 0
+    rest = _smem_bytes(t.dkv_rows, t.dkv_q, t.dkv_stages, head_dim, itemsize, _dkv_slot_extra(t), slots)
+    return rest + arrays
+
+
+def backward_candidates(
+    head_dim: int, dtype, block_q: int, block_kv: int, slots: int = 0, entries: int = 0, groups: int = 1
+) -> list[BackwardTiles]:
+    """Every tiling these kernels can take for this head dim and blocks, best guess first, whose shared memory fits
+    with ``slots`` document / position slots and a mod's captured arrays of ``entries`` per head (``groups`` query
+    heads per kv head). Streamed tiles are 64 wide from head dim 128 on in the first guess, so that the score tiles,
+    the float32 accumulators and the softmax fit 232 registers, and at every head dim with captured arrays (dQ's
+    gradient tile takes registers too; sm_90 ptxas at head dim 64, T5 table and learned slopes chained: dQ 12 bytes
+    of spills, dK/dV 0, against 240 with 128-wide tiles); ``experiments.hopper_attention --only sweep`` times the
+    rest."""
     itemsize = jnp.dtype(dtype).itemsize
     if head_dim % 64 or head_dim > 128 or block_q % 128 or block_kv % 128 or max(block_q, block_kv) > 256:
         return []
     dq_rows, dkv_rows = block_q // 2, block_kv // 2
     out = []
-    for wide in (128, 64) if head_dim <= 64 else (64, 128):
+    for wide in (128, 64) if head_dim <= 64 and not entries else (64, 128):
         fitting = [
-            BackwardTiles(dq_rows, wide, a, dkv_rows, wide, b)
+            t
             for a in (4, 3, 2)
             for b in (4, 3, 2)
-            if _smem_bytes(dq_rows, wide, a, head_dim, itemsize) <= _SHARED_MEMORY
-            and _smem_bytes(dkv_rows, wide, b, head_dim, itemsize, 2 * wide * 4) <= _SHARED_MEMORY
+            for t in [BackwardTiles(dq_rows, wide, a, dkv_rows, wide, b)]
+            if _dq_smem(t, head_dim, itemsize, slots, entries) <= _SHARED_MEMORY
+            and _dkv_smem(t, head_dim, itemsize, slots, entries, groups) <= _SHARED_MEMORY
         ]
         out += sorted(fitting, key=lambda t: -(t.dq_stages + t.dkv_stages))  # the deepest rings first
     return out
 
 
-def backward_tiles(head_dim: int, dtype, block_q: int, block_kv: int) -> BackwardTiles | None:
-    """The tiles these kernels use for this head dim and blocks (the first candidate), or None when they cannot."""
-    return next(iter(backward_candidates(head_dim, dtype, block_q, block_kv)), None)
+def backward_tiles(head_dim: int, dtype, block_q: int, block_kv: int, **footprint) -> BackwardTiles | None:
+    """The tiles these kernels use for this head dim and blocks (the first candidate), or None when they cannot.
+    ``footprint``: ``backward_footprint``'s, what beside the tiles takes shared memory."""
+    return next(iter(backward_candidates(head_dim, dtype, block_q, block_kv, **footprint)), None)
+
+
+def backward_footprint(static) -> dict:
+    """What beside the tiles takes these kernels' shared memory: document / position slots, the mod's captured
+    arrays (entries per head), query heads per kv head."""
+    return {"slots": id_slots(static.template), "entries": row_entries(static.score_mod), "groups": static.groups}
 
 
 def supports_backward(static, dtype, head_dim: int) -> str | None:
     """None when these kernels can run this backward, else why not (the Triton kernels run instead)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name}"
-    tiles = backward_tiles(head_dim, dtype, static.block_q, static.block_kv)
-    if tiles is None:
+    if backward_tiles(head_dim, dtype, static.block_q, static.block_kv) is None:
         return f"head dim {head_dim} with blocks {static.block_q}x{static.block_kv}"
-    slots, itemsize = id_slots(static.template), jnp.dtype(dtype).itemsize
-    dq = _smem_bytes(tiles.dq_rows, tiles.dq_kv, tiles.dq_stages, head_dim, itemsize, 0, slots)
-    dkv = _smem_bytes(tiles.dkv_rows, tiles.dkv_q, tiles.dkv_stages, head_dim, itemsize, _dkv_slot_extra(tiles), slots)
-    if max(dq, dkv) > _SHARED_MEMORY:
-        return f"{slots} document / position slots at head dim {head_dim} (their ids do not fit shared memory)"
+    footprint = backward_footprint(static)
+    if backward_tiles(head_dim, dtype, static.block_q, static.block_kv, **footprint) is None:
+        slots, entries = footprint["slots"], footprint["entries"]
+        return (
+            f"{slots} document / position slots and {entries} captured score-mod entries at head dim {head_dim} "
+            "(they do not fit shared memory)"
+        )
     return None
 
 
@@ -143,33 +184,64 @@ def _layout(plgpu):
 
 
 def mosaic_dq(
-    static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays=(), *, interpret: bool = False
+    static,
+    tiles: BackwardTiles,
+    q,
+    k,
+    v,
+    d_out,
+    lse,
+    delta,
+    mask_arrays,
+    doc_arrays=(),
+    mod_arrays=(),
+    *,
+    interpret: bool = False,
 ):
     """dQ [B, H, Tp, E] in q.dtype; lse and delta [B, H, Tp, 1] float32 as the Triton kernels take them.
-    ``doc_arrays``: the forward's (``mosaic_forward``), per document / position slot its q ids and kv ids."""
+    ``doc_arrays``: the forward's (``mosaic_forward``), per document / position slot its q ids and kv ids.
+    ``mod_arrays``: the mod's captured arrays as ``mosaic_forward`` takes them; with them the result is (dQ, their
+    gradients per query row [B, H, Tp, packed entries] float32: each entry's share of dS summed over the row's keys,
+    ``add_row_grads_per_row``), summed over rows and batch outside."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    if static.score_mod is not None and static.score_mod.arrays():
-        raise ValueError(
-            "mosaic_dq: a score mod's captured arrays take the Triton dQ kernel (it forms their gradients)"
-        )
+    n_entries = row_entries(static.score_mod)
+    if bool(n_entries) != bool(mod_arrays):
+        raise ValueError(f"mosaic_dq: {len(mod_arrays)} captured arrays for a mod with {n_entries} entries")
     B, H, Tp, E = q.shape
     Sp = k.shape[2]
     G, rows, tkv, stages = static.groups, tiles.dq_rows, tiles.dq_kv, tiles.dq_stages
     dtype = q.dtype
     kv_idx, kv_np, kv_cnt = (a.astype(jnp.int32) for a in mask_arrays[:3])
     n_ids, id_arrays, ids_batched = id_inputs("mosaic_dq", static, doc_arrays, Tp, Sp)
-    n_ready = 4 + bool(n_ids)  # a consumer's own copies: q, dO, lse, delta (and its q ids)
+    packed = (pack_rows(mod_arrays),) if mod_arrays else ()
+    width = packed_entries(n_entries)  # of the gradient tile: a packed row's
+    n_ready = 4 + bool(n_ids) + bool(packed)  # a consumer's own copies: q, dO, lse, delta (its q ids, its mod row)
     modes = Modes(plgpu, interpret)
     # Registers per thread of a consumer / the producer warpgroup: the forward's 240 / 24. sm_90 ptxas, dQ: head dim 64
     # with document and position slots spilled 20 bytes at 232 / 40, 4 at 240 / 24; with a soft-cap 308 and 272.
     consumer_regs, producer_regs = (240, 24)
 
     def kernel(
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, idx_ref, np_ref, cnt_ref, qid_ref, kvid_ref, dq_ref, scoped
+        q_ref,
+        k_ref,
+        v_ref,
+        do_ref,
+        lse_ref,
+        delta_ref,
+        idx_ref,
+        np_ref,
+        cnt_ref,
+        qid_ref,
+        kvid_ref,
+        mod_ref,
+        dq_ref,
+        rows_ref,
+        scoped,
     ):
         smem, ready, (k_ready, v_ready), (k_free, v_free), kvid_ready = scoped
-        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, t_smem2, a_smem2, qid_smem2, kvid_smem = smem
+        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, t_smem2, a_smem2, qid_smem2, kvid_smem = smem[:10]
+        mod_smem2, grads_smem2 = smem[10:]
         b, h, row, wg = (lax.axis_index(n) for n in ("batch", "heads", "rows", "wg"))
         bd = b if ids_batched else 0
         blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, row, static.block_kv, tkv)
@@ -184,13 +256,19 @@ def mosaic_dq(
             copies = [(src.at[b, h, pl.ds(base, rows)], dst) for src, dst in own]
             if n_ids:
                 copies.append((qid_ref.at[bd, slice(None), pl.ds(base, rows)], qid_smem2.at[wg]))
+            if packed:
+                copies.append((mod_ref.at[h], mod_smem2.at[wg]))
             _load_resident(plgpu, copies, ready, n_ready, wg)
             lse2 = lax.broadcast_in_dim(modes.vector(lse_smem2.at[wg], 0), (rows, tkv), [0]) * _LOG2E
             delta = lax.broadcast_in_dim(modes.vector(delta_smem2.at[wg], 0), (rows, tkv), [0])
             # [rows] per slot, read once; broadcast over a tile's columns where a PARTIAL tile needs them
             q_ids = [modes.vector(qid_smem2.at[wg, i], 0) for i in range(n_ids)]
 
-            def step(j, dq, masked):
+            def entries():
+                return packed_rows(static.score_mod, mod_smem2.at[wg]) if packed else ()
+
+            def step(j, carry, masked):
+                dq, d_rows = carry
                 slot = lax.rem(j, stages)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -207,7 +285,8 @@ def mosaic_dq(
 
                     ids = functools.partial(modes.id_tiles, q_ids, kvid_smem, kvid_ready, slot, s.shape, True)
                     bounds = tile_bounds(base, rows, kv_first, tkv)
-                    s, d_mod = _scores(static, s, q_pos, kv_pos, h, masked, ids, tile=bounds)
+                    scaled = s * static.scale
+                    s, d_mod = _scores(static, s, q_pos, kv_pos, h, masked, ids, entries, bounds)
                     p = jnp.exp2(s * _LOG2E - lse2)
                 else:
                     s, d_mod = s, None
@@ -215,19 +294,32 @@ def mosaic_dq(
                 v_t = modes.transposed(v_smem.at[slot], t_smem2, wg)
                 dp = modes.product(do_smem, v_t, (rows, tkv))
                 plgpu.barrier_arrive(v_free.at[slot])
-                ds = p * (dp - delta)
+                ds = p * (dp - delta)  # d loss / d (modded scores)
+                if packed:
+                    args = (static.score_mod, entries, scaled, q_pos, kv_pos, h, ds, d_rows, add_entry, bounds)
+                    d_rows = add_row_grads_per_row(*args)
                 if d_mod is not None:
                     ds = ds * d_mod
                 ds = modes.operand(ds.astype(dtype), a_smem2, wg)
                 dq = _accumulate(plgpu, dq, ds, k_smem.at[slot], lambda: None, interpret)
                 plgpu.barrier_arrive(k_free.at[slot])
-                return dq
+                return dq, d_rows
 
-            dq = lax.fori_loop(0, n_partial, functools.partial(step, masked=True), modes.zeros((rows, E)))
-            dq = lax.fori_loop(n_partial, n_tiles, functools.partial(step, masked=False), dq)
+            def add_entry(d_rows, i, vector):  # entry i's column: a [rows, width] tile holds 4x fewer registers
+                # than a [rows] vector per entry (each of those is held by the 4 threads of its rows)
+                column = modes.iota(d_rows.shape, 1) == i
+                return d_rows + jnp.where(column, lax.broadcast_in_dim(vector, d_rows.shape, [0]), 0.0)
+
+            carry = (modes.zeros((rows, E)), modes.zeros((rows, width)) if packed else ())
+            carry = lax.fori_loop(0, n_partial, functools.partial(step, masked=True), carry)
+            dq, d_rows = lax.fori_loop(n_partial, n_tiles, functools.partial(step, masked=False), carry)
             q_smem[...] = (dq * static.scale).astype(dtype)
+            if packed:
+                grads_smem2.at[wg][...] = d_rows
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, pl.ds(base, rows)])
+            if packed:
+                plgpu.copy_smem_to_gmem(grads_smem2.at[wg], rows_ref.at[b, h, pl.ds(base, rows)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -238,8 +330,10 @@ def mosaic_dq(
             stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids)
 
     def entry(*refs):
-        ins, (dq_ref,) = refs[:-1], refs[-1:]
-        refs = (*ins, *((None, None) if not n_ids else ()), dq_ref)
+        n_out = 1 + bool(packed)
+        ins, outs = refs[:-n_out], refs[-n_out:]
+        ins, mod = (ins[:-1], ins[-1:]) if packed else (ins, (None,))
+        refs = (*ins, *((None, None) if not n_ids else ()), *mod, *outs, *((None,) if not packed else ()))
         layout = _layout(plgpu)
         scratch = (
             plgpu.SMEM((2, rows, E), dtype, transforms=layout),
@@ -252,6 +346,8 @@ def mosaic_dq(
             plgpu.SMEM((2, rows, tkv), dtype) if interpret else None,
             plgpu.SMEM((2, n_ids, rows), jnp.int32) if n_ids else None,
             plgpu.SMEM((stages, n_ids, tkv), jnp.int32) if n_ids else None,
+            plgpu.SMEM((2, packed_width(mod_arrays)), jnp.float32) if packed else None,
+            plgpu.SMEM((2, rows, width), jnp.float32) if packed else None,
         )
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped),
@@ -263,17 +359,20 @@ def mosaic_dq(
             collective_axes="wg",
         )
 
-    dq = plgpu.kernel(
+    out_type = like(q.shape, dtype, q)
+    if packed:
+        out_type = (out_type, like((B, H, Tp, width), jnp.float32, q))
+    out = plgpu.kernel(
         entry,
-        out_type=like(q.shape, dtype, q),
+        out_type=out_type,
         grid=(H, Tp // (2 * rows), B),
         grid_names=("heads", "rows", "batch"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **interpret_params(interpret),
-    )(q, k, v, d_out, lse[..., 0], delta[..., 0], kv_idx, kv_np, kv_cnt, *id_arrays)
-    return vary_like(dq, q)
+    )(q, k, v, d_out, lse[..., 0], delta[..., 0], kv_idx, kv_np, kv_cnt, *id_arrays, *packed)
+    return (vary_like(out[0], q), vary_like(out[1], q)) if packed else vary_like(out, q)
 
 
 # ----------------------------------------------------------------------------- dK, dV
@@ -296,7 +395,7 @@ def mosaic_dkv(
 ):
     """(dK, dV) [B, K, Sp, E] in k.dtype, summed over each kv head's query heads. ``doc_arrays`` as ``mosaic_dq``'s;
     ``mod_arrays`` as ``mosaic_forward``'s: each consumer warpgroup copies the packed rows of the kv head's query
-    heads to shared memory once (the arrays' own gradients are the Triton dQ kernel's)."""
+    heads to shared memory once (the arrays' own gradients are ``mosaic_dq``'s)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     B, H, Tp, E = q.shape

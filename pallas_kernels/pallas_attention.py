@@ -152,26 +152,22 @@ def _attention_bwd(static, residuals, cotangents):
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True) - d_lse
     interpret = static.backend == "interpret"
     args = (static, static.mosaic_bwd, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
-    if static.mosaic_bwd is not None and not mod_arrays:
-        return (*_mosaic_dq_dkv(args, interpret), None, None, ())
-    # a mod's captured arrays: their gradients are sums over every score of a row per entry, which the Triton dQ
-    # kernel forms per program; dK/dV only reads them, on Mosaic GPU where it runs
-    dq, d_rows = _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
+    # a mod's captured arrays: their gradients are sums per entry over every score, formed by the dQ kernels (the
+    # Triton one per program, the Mosaic one per query row); dK/dV only reads them
     if static.mosaic_bwd is not None:
+        dq = mosaic_dq(*args, mod_arrays, interpret=interpret)
         dk, dv = mosaic_dkv(*args, mod_arrays, interpret=interpret)
-    else:
-        dk, dv = _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
+        if not mod_arrays:
+            return dq, dk, dv, None, None, ()
+        dq, d_rows = dq
+        return dq, dk, dv, None, None, vector_as_grads(d_rows, mod_arrays)
+    dq, d_rows = _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
+    dk, dv = _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
     d_mod_arrays = vector_as_grads(d_rows, mod_arrays) if mod_arrays else ()
     return dq, dk, dv, None, None, d_mod_arrays
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
-
-
-def _mosaic_dq_dkv(args, interpret: bool):
-    dq = mosaic_dq(*args, interpret=interpret)
-    dk, dv = mosaic_dkv(*args, interpret=interpret)
-    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------- shared tile math

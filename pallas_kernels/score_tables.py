@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -243,7 +244,11 @@ PACKED_ALIGN = 32  # entries: a packed row is whole 128-byte pieces (a warpgroup
 
 def packed_width(flat) -> int:
     """Entries of one head's packed row (``pack_rows``): every array's row, rounded up to ``PACKED_ALIGN``."""
-    n = sum(math.prod(jnp.shape(a)[1:]) for a in flat)
+    return packed_entries(sum(math.prod(jnp.shape(a)[1:]) for a in flat))
+
+
+def packed_entries(n: int) -> int:
+    """``n`` entries rounded up to ``PACKED_ALIGN``: a packed row's width."""
     return -(-n // PACKED_ALIGN) * PACKED_ALIGN
 
 
@@ -270,20 +275,65 @@ def row_grads(static_mod: ScoreMod, rows, s, q_pos, kv_pos, head, ds, tile=None)
 
     def grads(mod_of):
         _, vjp = jax.vjp(lambda rows: mod_of(rows)(s, q_pos, kv_pos, head), rows)
-        return vjp(ds)[0]
+        # entries the mod leaves at zero are literals, which Triton's branch cannot yield
+        return jax.tree.map(lambda g, r: g + 0.0 * r, vjp(ds)[0], rows)
 
+    return _shortcut(static_mod, tile, grads)
+
+
+def add_row_grads_per_row(static_mod: ScoreMod, rows, s, q_pos, kv_pos, head, ds, acc, add, tile=None):
+    """``acc`` with d loss / d rows for one tile added per row of the tile: ``add(acc, i, vector)`` adds entry i's
+    gradient summed over the tile's columns only, a [rows] vector like ``ds.sum(axis=1)`` (Mosaic GPU reduces one
+    axis of a tile at a time, never a tile to a scalar across warps; the rows are summed outside the kernel).
+    ``rows`` and the positions may be functions that make them, inside the shortcut's branch.
+
+    Forward mode, an entry at a time: a vjp computes every entry's compare tile before it transposes the first (on
+    Mosaic GPU 11 KB of spills for a T5 table); the jvp of one entry uses its compare at once, and the selects of
+    the other entries see the same tangent on both sides and fold away."""
+
+    def grads(mod_of):
+        values, q, kv = (x() if callable(x) else x for x in (rows, q_pos, kv_pos))
+        flat, tree = jax.tree.flatten(values)
+        out = acc
+        for i, x in enumerate(flat):
+
+            def with_entry(x_i, i=i):
+                return mod_of(jax.tree.unflatten(tree, [*flat[:i], x_i, *flat[i + 1 :]]))(s, q, kv, head)
+
+            if _reads(with_entry, x):  # a shortcut's mod reads one or two entries
+                _, d_entry = jax.jvp(with_entry, (x,), (jnp.ones_like(x),))
+                out = add(out, i, (ds * d_entry).sum(axis=1))
+        return out
+
+    return _shortcut(static_mod, tile, grads)
+
+
+def _reads(fn, x) -> bool:
+    """Whether ``fn(x)`` depends on ``x`` at all (its jvp would be zeros, multiplied and summed for nothing)."""
+    jaxpr = jax.make_jaxpr(fn)(x).jaxpr
+    live = set(jaxpr.invars)
+
+    def used(atoms):
+        return any(not isinstance(v, jax.extend.core.Literal) and v in live for v in atoms)
+
+    for eqn in jaxpr.eqns:
+        if used(eqn.invars):
+            live.update(eqn.outvars)
+    return used(jaxpr.outvars)
+
+
+def _shortcut(static_mod: ScoreMod, tile, grads):
+    """``grads(mod_of)`` for the mod, or on a tile where the mod's ``tile_shortcut`` holds for its cheaper mod
+    (``mod_of``: the mod with given arrays)."""
     cut = static_mod.tile_shortcut(*tile) if tile is not None else None
     if cut is None:
         return grads(static_mod.with_arrays)
+    return jax.lax.cond(cut[0], lambda: grads(cut[1].with_arrays), lambda: grads(static_mod.with_arrays))
 
-    def computed(grads):  # entries a branch leaves at zero are literals, which Triton's branch cannot yield
-        return jax.tree.map(lambda g, r: g + 0.0 * r, grads, rows)
 
-    return jax.lax.cond(
-        cut[0],
-        lambda: computed(grads(cut[1].with_arrays)),
-        lambda: computed(grads(static_mod.with_arrays)),
-    )
+def row_entries(static_mod: ScoreMod | None) -> int:
+    """Entries in one head's rows of the mod's captured arrays (0 without any)."""
+    return sum(math.prod(spec.shape[1:]) for spec in static_mod.arrays()) if static_mod is not None else 0
 
 
 def rows_as_vector(rows, width: int, leading: tuple[int, ...] = ()):
@@ -298,8 +348,8 @@ def rows_as_vector(rows, width: int, leading: tuple[int, ...] = ()):
 
 
 def vector_as_grads(partials_BHPW, flat) -> tuple:
-    """Per-program gradient vectors [B, H, programs, width] summed over batch rows and programs, split into the
-    gradients of the [H, n] arrays ``flat`` (``split_arrays``')."""
+    """Per-program (or per-row) gradient vectors [B, H, programs, width] summed over batch rows and programs, split
+    into the gradients of the [H, n] arrays ``flat`` (``split_arrays``')."""
     total = partials_BHPW.sum(axis=(0, 2))  # [H, width]
     out, at = [], 0
     for a in flat:

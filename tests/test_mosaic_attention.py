@@ -111,13 +111,15 @@ def test_causal_with_grouped_query_heads_at_a_ragged_length_forward_and_mosaic_b
         _close(got, want, 2e-2, name)
 
 
-def _captured_mod(H: int, seed: int = 5):
+def _captured_mod(H: int, seed: int = 5, buckets: int = 32, max_distance: int = 128):
     """T5's bias table and learned ALiBi slopes (arrays the kernels take as inputs), then a soft-cap."""
     r = np.random.default_rng(seed)
-    table, slopes = jnp.asarray(r.normal(size=(H, 32)), jnp.float32), jnp.asarray(r.uniform(0, 0.2, H), jnp.float32)
-    return pk.chain(pk.relative_bias(table), pk.learned_alibi(slopes), pk.soft_cap(5.0))
+    table = jnp.asarray(r.normal(size=(H, buckets)), jnp.float32)
+    slopes = jnp.asarray(r.uniform(0, 0.2, H), jnp.float32)
+    return pk.chain(pk.relative_bias(table, max_distance=max_distance), pk.learned_alibi(slopes), pk.soft_cap(5.0))
 
 
+@pytest.mark.slow  # covered by the document test's forward with the same mod (FULL tiles, more keys than queries)
 def test_prefix_lm_with_captured_arrays_and_soft_cap_and_more_keys_than_queries():
     """T = 128 queries against S = 256 keys: the kv tile past the prefix is PARTIAL, the first FULL, and the score
     mod runs on both (the FULL tile takes the path that applies only the mod). The mod reads a bias table and
@@ -125,28 +127,27 @@ def test_prefix_lm_with_captured_arrays_and_soft_cap_and_more_keys_than_queries(
     _check_forward(*_qkv(1, 2, 1, 128, 256), pk.prefix_lm(200), _captured_mod(2))
 
 
-def test_captured_arrays_take_the_triton_dq_kernel_which_returns_their_gradients():
-    """Traced only: with a mod that captures arrays the forward and dK/dV are Mosaic kernels and dQ the Triton one
-    (the arrays' gradients are per-entry sums over every score, which the Triton dQ kernel forms); without one the
-    whole backward is Mosaic's."""
+def test_captured_arrays_take_the_mosaic_backward_whose_dq_kernel_returns_their_gradients():
+    """Traced only: with a mod that captures arrays the forward, dQ (which forms the arrays' gradients) and dK/dV are
+    the three Mosaic kernels, as without one; with lowering="triton" none is."""
     q = jnp.zeros((1, 2, 128, 64), jnp.bfloat16)
     bm = pk.make_block_mask(pk.causal(), 128, 128, BLOCKS)
 
-    def traced(mod):
-        loss = lambda q: pk.block_sparse_attention(q, q, q, bm, score_mod=mod, lowering="mosaic")[0].sum()  # noqa: E731
+    def traced(mod, lowering="mosaic"):
+        loss = lambda q: pk.block_sparse_attention(q, q, q, bm, score_mod=mod, lowering=lowering)[0].sum()  # noqa: E731
         return str(jax.make_jaxpr(jax.grad(loss))(q))
 
-    with_arrays, plain = traced(_captured_mod(2)), traced(pk.soft_cap(5.0))
-    assert with_arrays.count("axis_name=wg") == 2  # the forward and dK/dV
-    assert "name=block_sparse_attention_dq" in with_arrays and "name=block_sparse_attention_dkv" not in with_arrays
-    assert plain.count("axis_name=wg") == 3 and "name=block_sparse_attention_dq" not in plain
+    with_arrays, plain, triton = traced(_captured_mod(2)), traced(pk.soft_cap(5.0)), traced(_captured_mod(2), "triton")
+    for jaxpr in (with_arrays, plain):
+        assert jaxpr.count("axis_name=wg") == 3 and "name=block_sparse_attention_d" not in jaxpr
+    assert "axis_name=wg" not in triton and "name=block_sparse_attention_dq" in triton
 
 
-@pytest.mark.slow  # covered by the forward test above, the trace test's choice of kernels and test_score_tables
+@pytest.mark.slow  # covered by the document test's gradients with the same mod
 def test_gradients_to_captured_arrays_through_the_mosaic_forward():
-    """The forward above on Mosaic, then the backward from its out and lse (dQ and the arrays' gradients from the
-    Triton kernel, dK/dV from the Mosaic one, which reads both query heads' rows of the arrays: GQA, two query heads
-    on one kv head): dQ, dK, dV and the gradients to the table and slopes against the float32 reference's."""
+    """The forward above on Mosaic, then the Mosaic backward from its out and lse (dQ forms the arrays' gradients;
+    dK/dV reads both query heads' rows of the arrays: GQA, two query heads on one kv head): dQ, dK, dV and the
+    gradients to the table and slopes against the float32 reference's."""
     q, k, v = _qkv(1, 2, 1, 128, 256)
     mask, mod = pk.prefix_lm(200), _captured_mod(2)
     bm = pk.make_block_mask(mask, 128, 256, BLOCKS)
@@ -166,33 +167,45 @@ def test_gradients_to_captured_arrays_through_the_mosaic_forward():
         _close(g, w, 2e-2, name)
 
 
-def test_document_and_position_slots_per_batch_row_forward_and_gradients():
+def test_document_and_position_slots_per_batch_row_with_captured_arrays_forward_and_gradients():
     """causal & document with different segment ids per batch row (3 documents, then 1), at token positions shuffled
     within each half of the sequence: a document slot and a position slot, both loaded as ids. The queries are the
     last 128 of 256 tokens, so each program walks two kv tiles: both PARTIAL in the first batch row (through the
-    ids' ring), PARTIAL then FULL (no ids) in the second. Then the gradients of out and lse through that forward
-    from the Mosaic backward kernels, which load the ids too: dQ as the forward does (its rows' q ids once, each
-    PARTIAL kv tile's ids beside K), dK/dV transposed (its kv rows' ids once, each PARTIAL q tile's ids beside Q)."""
+    ids' ring), PARTIAL then FULL (no ids) in the second. The score mod reads a T5 table and learned slopes, one row
+    per query head (two query heads on one kv head), then soft-caps; its tile shortcut takes the kv tiles 64 or more
+    before a program's queries. Then the gradients of out and lse through that
+    forward from the Mosaic backward kernels, which load the ids too: dQ as the forward does (its rows' q ids once,
+    each PARTIAL kv tile's ids beside K), dK/dV transposed (its kv rows' ids once, each PARTIAL q tile's ids beside
+    Q); dQ also forms the gradients to the table and slopes, per query row, summed outside."""
     T, S = 128, 256
     r = np.random.default_rng(2)
     ids = np.stack([np.repeat(np.arange(3), [100, 90, 66]), np.zeros(S, int)]).astype(np.int32)
     order = np.concatenate([r.permutation(T), T + r.permutation(S - T)]).astype(np.int32)
     mask = at_positions(pk.causal() & pk.document(ids[:, S - T :], ids), order[S - T :], order)
-    q, k, v = _qkv(2, 1, 1, T, S, seed=3)
+    q, k, v = _qkv(2, 2, 1, T, S, seed=3)
+    mod = _captured_mod(2, buckets=8, max_distance=64)  # 8 entries: each costs the interpreter seconds
     bm = pk.make_block_mask(mask, T, S, BLOCKS)
     d_out = jnp.asarray(r.normal(size=q.shape), jnp.bfloat16)
     d_lse = jnp.asarray(r.normal(size=q.shape[:3]), jnp.float32)
 
-    (out, lse), vjp = jax.vjp(lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic"), q, k, v)
+    def kernel(q, k, v, arrays):
+        return pk.block_sparse_attention(q, k, v, bm, score_mod=mod.with_arrays(arrays), lowering="mosaic")
+
+    def reference(q, k, v, arrays):
+        return pk.reference_attention(q, k, v, mask, score_mod=mod.with_arrays(arrays))
+
+    (out, lse), vjp = jax.vjp(kernel, q, k, v, mod.arrays())
     grads = vjp((d_out, d_lse))
     f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
-    (ref_out, ref_lse), ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, mask), *f32[:3])
+    (ref_out, ref_lse), ref_vjp = jax.vjp(reference, *f32[:3], mod.arrays())
     ref_grads = ref_vjp((f32[3], d_lse))
 
     _close(out, ref_out, 1e-2, "out")
     np.testing.assert_allclose(lse, ref_lse, atol=1e-3)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert got.dtype == jnp.bfloat16
+        _close(got, want, 2e-2, name)
+    for name, got, want in zip(("d table", "d slopes"), grads[3], ref_grads[3]):
         _close(got, want, 2e-2, name)
 
 
@@ -307,12 +320,15 @@ targets.compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), S64, S64, S64, jax.Sh
 sys.stdout.flush()
 print("COMPILED backward", file=sys.stderr, flush=True)
 
-# the Mosaic forward reading a T5 bias table [H, 32] from shared memory (head dim 64)
+# the Mosaic forward, dQ (forming the table's gradient) and dK/dV reading a T5 bias table [H, 32] from shared memory
+# (head dim 64)
 def biased(q, k, v, table):
     bm = pk.make_block_mask(pk.causal(), T, T, pk.BlockSizes(128, 128))
-    return pk.block_sparse_attention(q, k, v, bm, score_mod=pk.relative_bias(table), lowering="mosaic")
+    out, _ = pk.block_sparse_attention(q, k, v, bm, score_mod=pk.relative_bias(table), lowering="mosaic")
+    return out.astype(jnp.float32).sum()
 
-targets.compile_for_gpu(biased, S64, S64, S64, jax.ShapeDtypeStruct((H, 32), jnp.float32))
+TABLE = jax.ShapeDtypeStruct((H, 32), jnp.float32)
+targets.compile_for_gpu(jax.grad(biased, argnums=(0, 1, 2, 3)), S64, S64, S64, TABLE)
 sys.stdout.flush()
 print("COMPILED table", file=sys.stderr, flush=True)
 """
@@ -322,8 +338,8 @@ MARKERS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
 
 def test_compiles_for_h100_with_tma_wgmma_register_reallocation_and_no_spills(tmp_path):
     """causal & document (a document slot) at head dim 128, B=2, T=1024, for both forwards in one subprocess, the
-    Mosaic forward and backward at head dim 64 of a causal mask and of causal & document, and the forward with a T5
-    bias table (eight Mosaic kernels in all). The
+    Mosaic forward and backward at head dim 64 of a causal mask and of causal & document, and the forward and
+    backward with a T5 bias table (ten Mosaic kernels in all). The
     Mosaic kernel's PTX (MOSAIC_GPU_DUMP_PTX: this process's output) has TMA bulk-tensor copies, wgmma and setmaxnreg,
     and ptxas reports no spills; the Triton forward's PTX (XLA's dump) has neither TMA nor setmaxnreg (Triton issues
     wgmma on sm_90 too, so that marker is in both)."""
@@ -347,4 +363,17 @@ def test_compiles_for_h100_with_tma_wgmma_register_reallocation_and_no_spills(tm
     assert [m for m in MARKERS if m not in mosaic] == []
     assert [m for m in MARKERS if m in triton] == ["wgmma.mma_async"]
     spills = [line.strip() for line in mosaic.splitlines() if "spill stores" in line]
-    assert len(spills) == 8 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
+    assert len(spills) == 10 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
+
+
+def test_backward_tiles_make_room_for_captured_arrays():
+    """No kernel runs: with a mod's captured arrays the backward walks 64-wide tiles at head dim 64 too (dQ's
+    gradient tile takes registers) and, at head dim 128 with 64 entries per head and a document slot, dQ a shallower
+    ring (its gradient tile's shared memory takes a slot's room); dK/dV keeps its ring."""
+    from pallas_kernels.mosaic_attention_bwd import backward_tiles
+
+    plain64, table64 = (backward_tiles(64, jnp.bfloat16, 128, 128, entries=n) for n in (0, 33))
+    assert (plain64.dq_kv, plain64.dkv_q, table64.dq_kv, table64.dkv_q) == (128, 128, 64, 64)
+    plain = backward_tiles(128, jnp.bfloat16, 128, 128)
+    wide = backward_tiles(128, jnp.bfloat16, 128, 128, slots=1, entries=64, groups=8)
+    assert (plain.dq_stages, wide.dq_stages) == (4, 3) and wide.dkv_stages == plain.dkv_stages

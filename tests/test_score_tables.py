@@ -144,3 +144,45 @@ def test_kernels_take_the_shortcut_on_far_tiles_with_the_same_gradients(mask):
     got, want = jax.grad(pallas, argnums=range(5))(*args), jax.grad(reference, argnums=range(5))(*args)
     for name, g, w in zip(("dq", "dk", "dv", "d table", "d slopes"), got, want):
         np.testing.assert_allclose(g, w, atol=5e-5 * float(jnp.abs(w).max()), err_msg=name)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_per_row_gradients_to_the_rows_equal_the_vjps_row_by_row(bidirectional):
+    """``add_row_grads_per_row`` (what the Mosaic GPU dQ kernel accumulates: per query row, each entry's share of
+    dS summed over the tile's keys) on random 32 x 48 tiles near and far from the diagonal, with the tile shortcut:
+    the accumulator [entries, rows] plus, per row, the vjp of that row's modded scores in the table and slopes, for
+    the table alone, chained with slopes, and then soft-capped."""
+    from pallas_kernels.score_tables import HeadRow, add_row_grads_per_row
+
+    r = np.random.default_rng(4)
+    nq, nk, H = 32, 48, 2
+    table = jnp.asarray(r.normal(size=(H, 16)), jnp.float32)
+    slopes = jnp.asarray(r.uniform(0, 0.2, H), jnp.float32)
+    table_mod = pk.relative_bias(table, bidirectional=bidirectional, max_distance=40)
+    mods = (table_mod, pk.chain(table_mod, pk.learned_alibi(slopes)))
+    mods += (pk.chain(*mods[1].mods, pk.soft_cap(3.0)),)
+    for mod in mods:
+
+        @jax.jit
+        def both(q0, kv0, s, ds, head, acc, mod=mod):
+            q_idx, kv_idx = q0 + jnp.arange(nq)[:, None], kv0 + jnp.arange(nk)[None, :]
+            rows = tuple(HeadRow(tuple(jnp.reshape(a[head], -1)), a.shape[1:]) for a in mod.arrays())
+            tile = (q0, q0 + nq - 1, kv0, kv0 + nk - 1)
+            add = lambda acc, i, vector: acc.at[i].add(vector)  # noqa: E731
+            got = add_row_grads_per_row(mod, rows, s, q_idx, kv_idx, head, ds, acc, add, tile)
+
+            def row_grad(one_row):
+                _, vjp = jax.vjp(lambda arrays: mod.with_arrays(arrays)(s, q_idx, kv_idx, head), mod.arrays())
+                return [jnp.reshape(g[head], -1) for g in vjp(ds * one_row[:, None])[0]]
+
+            want = jax.vmap(row_grad)(jnp.eye(nq))  # per array [nq rows, entries]
+            return got, jnp.concatenate(want, axis=1).T + acc
+
+        n = sum(a[0].size for a in mod.arrays())
+        for q0, kv0 in ((300, 0), (0, 300), (100, 90), (60, 100)):
+            s, ds = (jnp.asarray(r.normal(size=(nq, nk)), jnp.float32) for _ in range(2))
+            acc = jnp.asarray(r.normal(size=(n, nq)), jnp.float32)
+            got, want = both(q0, kv0, s, ds, int(r.integers(H)), acc)
+            # the slopes' entry (the last) sums ~50 terms of ds * (kv - q) ~ 1e2 each: float32 rounding ~1e-4
+            tol = np.where(np.arange(n) == n - 1, 1e-3 if n > 16 else 1e-5, 1e-5)[:, None]
+            np.testing.assert_array_less(np.abs(np.asarray(got) - np.asarray(want)), np.broadcast_to(tol, got.shape))
