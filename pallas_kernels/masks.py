@@ -383,6 +383,13 @@ class ScoreMod:
         T5's bias reads one entry (``score_tables``)."""
         return None
 
+    @property
+    def output_derivative(self):
+        """None, or a function of the mod's output (the modded score) that gives d mod / d score: a backward kernel
+        that has the probabilities rebuilds the modded score, hence the derivative, from them where it needs it
+        instead of holding a derivative tile in registers across its products."""
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class SoftCap(ScoreMod):
@@ -393,6 +400,14 @@ class SoftCap(ScoreMod):
     def __call__(self, score, q_idx, kv_idx, head=0):
         xp = _xp(score)
         return self.cap * xp.tanh(score / self.cap)
+
+    @property
+    def output_derivative(self):
+        def derivative(out):  # 1 - tanh^2; the clip keeps a rebuilt -inf (a masked score) at 0
+            xp = _xp(out)
+            return 1.0 - xp.square(xp.clip(out / self.cap, -1.0, 1.0))
+
+        return derivative
 
     def __repr__(self):
         return f"soft_cap({self.cap})"
@@ -456,6 +471,11 @@ class Chain(ScoreMod):
             return None
         holds = functools.reduce(lambda a, b: a & b, [c[0] for c in cuts if c is not None])
         return holds, Chain(tuple(m if c is None else c[1] for m, c in zip(self.mods, cuts)))
+
+    @property
+    def output_derivative(self):
+        *first, last = self.mods  # terms added before the last mod leave its derivative a function of the output
+        return last.output_derivative if all(m.adds_to_score for m in first) else None
 
     def __repr__(self):
         return f"chain({', '.join(map(repr, self.mods))})"

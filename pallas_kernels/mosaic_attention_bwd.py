@@ -15,15 +15,19 @@ A score mod's captured arrays come packed, as to the forward: each consumer warp
 its kv head's query heads' rows) to shared memory once. dQ also forms their gradients: per query row, each entry's
 share of dS summed over the row's keys (``score_tables.add_row_grads_per_row``: Mosaic GPU reduces a tile one axis
 at a time), carried in registers across the row's tiles as a [rows, packed entries] tile (entry i in column i) and
-written as [B, H, Tp, packed entries]; the rows and batch are summed outside.
+written as [B, H, Tp, packed entries]; the rows and batch are summed outside. Where the arrays only add terms before
+the rest of the mod acts (``score_tables.added_part``: a table and slopes, then a soft-cap), the gradients are the
+adding part's, at dS times the mod's derivative.
 
-The element mask runs on PARTIAL tiles only, the score mod (with its derivative) on every tile. Nothing is
-accumulated across programs, so the result is deterministic. Document and position slots (``kernel_mask``) are
-loaded as ids, as the forward loads them: each consumer warpgroup reads the ids of its own rows once (dQ: its q ids;
-dK/dV: its kv ids), a vector in the row layout of the wgmma accumulator, and the producer streams the ids of each
-PARTIAL tile's other axis with TMA beside its first operand (dQ: kv ids beside K; dK/dV: q ids beside Q) through one
-more ring, one more barrier per slot; FULL tiles load none. Head dim 256 is not taken (its dK and dV accumulators do
-not fit the registers; ``supports_backward`` sends it to the Triton kernels).
+The element mask runs on PARTIAL tiles only, the score mod on every tile. A mod's derivative in the score is a tile
+held from the scores to dS, unless the mod only adds to the score (it is 1) or has an ``output_derivative`` (a
+soft-cap: 1 - (out / cap)^2), which is rebuilt from p where dS needs it. Nothing is accumulated across programs, so the
+result is deterministic. Document and position slots (``kernel_mask``) are loaded as ids, as the forward loads them:
+each consumer warpgroup reads the ids of its own rows once (dQ: its q ids; dK/dV: its kv ids), a vector in the row
+layout of the wgmma accumulator, and the producer streams the ids of each PARTIAL tile's other axis with TMA beside
+its first operand (dQ: kv ids beside K; dK/dV: q ids beside Q) through one more ring, one more barrier per slot;
+FULL tiles load none. Head dim 256 is not taken (its dK and dV accumulators do not fit the registers;
+``supports_backward`` sends it to the Triton kernels).
 
 Shape suffixes follow the legend in docs/architecture.md.
 """
@@ -39,6 +43,7 @@ from jax.experimental import pallas as pl
 
 from .kernel_inputs import like
 from .mosaic_attention import (
+    _LN2,
     _LOG2E,
     _SHARED_MEMORY,
     BlockList,
@@ -53,6 +58,7 @@ from .mosaic_attention import (
 )
 from .score_tables import (
     add_row_grads_per_row,
+    added_part,
     pack_rows,
     packed_entries,
     packed_rows,
@@ -156,15 +162,32 @@ def supports_backward(static, dtype, head_dim: int) -> str | None:
 
 
 def _scores(static, s, q_pos, kv_pos, head, masked, doc_tiles, entries=(), tile=None):
-    """Scaled, score-modded scores (masked to -inf on PARTIAL tiles) and d mod / d s (None without a mod).
+    """Scaled, score-modded scores (masked to -inf on PARTIAL tiles) and d mod / d s (None without a mod, or where
+    the mod rebuilds it from its output: ``_rebuilt_derivative``).
     ``doc_tiles()`` gives the mask's (q ids, kv ids) tiles per slot, shaped like ``s``; called on PARTIAL tiles
     only, where the mask needs them. ``q_pos()`` / ``kv_pos()`` make the positions and ``entries()`` reads the
     head's rows of the mod's captured arrays (HeadRows) where they are used (with the mod's tile shortcut, inside
     its branch: held across it, they spilled); ``tile``: the tile's bounds, for that shortcut."""
-    s, d_mod = static.mod_scores(s * static.scale, q_pos, kv_pos, head, with_grad=True, arrays=entries, tile=tile)
+    with_grad = _output_derivative(static) is None
+    s, d_mod = static.mod_scores(s * static.scale, q_pos, kv_pos, head, with_grad=with_grad, arrays=entries, tile=tile)
     if masked:
         s = jnp.where(static.keep(doc_tiles(), q_pos(), kv_pos()), s, -jnp.inf)
     return s, d_mod
+
+
+def _output_derivative(static):
+    return static.score_mod.output_derivative if static.score_mod is not None else None
+
+
+def _rebuilt_derivative(static, p, lse2, d_mod):
+    """``d_mod``, or where the mod has an ``output_derivative`` (a soft-cap), d mod / d s rebuilt from the
+    probabilities ``p`` = exp2(modded * log2(e) - ``lse2``): held from the scores to dS instead, the derivative tile
+    spilled registers (sm_90, dK/dV: 404 bytes at head dim 64, 164 at 128). Where p is 0 (masked scores, rows that
+    see nothing, whose lse is inf) it is 0."""
+    derivative = _output_derivative(static)
+    if derivative is None:
+        return d_mod
+    return jnp.where(p > 0.0, derivative((jnp.log2(p) + lse2) * _LN2), 0.0)
 
 
 def _load_resident(plgpu, copies, ready, n_ready: int, wg):
@@ -216,10 +239,15 @@ def mosaic_dq(
     n_ids, id_arrays, ids_batched = id_inputs("mosaic_dq", static, doc_arrays, Tp, Sp)
     packed = (pack_rows(mod_arrays),) if mod_arrays else ()
     width = packed_entries(n_entries)  # of the gradient tile: a packed row's
+    # where the arrays only add terms to the scores before the rest of the mod (a soft-cap) acts, their gradients
+    # take dS through the mod's derivative and the adding part alone: no jvp through the rest per entry (through a
+    # soft-cap that spilled 2.4 KB at head dim 128)
+    added = added_part(static.score_mod) if packed else None
     n_ready = 4 + bool(n_ids) + bool(packed)  # a consumer's own copies: q, dO, lse, delta (its q ids, its mod row)
     modes = Modes(plgpu, interpret)
     # Registers per thread of a consumer / the producer warpgroup: the forward's 240 / 24. sm_90 ptxas, dQ: head dim 64
-    # with document and position slots spilled 20 bytes at 232 / 40, 4 at 240 / 24; with a soft-cap 308 and 272.
+    # with document and position slots spilled 20 bytes at 232 / 40, 4 at 240 / 24; with a soft-cap 308 and 272 (0
+    # since its derivative is rebuilt from p).
     consumer_regs, producer_regs = (240, 24)
 
     def kernel(
@@ -295,11 +323,16 @@ def mosaic_dq(
                 dp = modes.product(do_smem, v_t, (rows, tkv))
                 plgpu.barrier_arrive(v_free.at[slot])
                 ds = p * (dp - delta)  # d loss / d (modded scores)
-                if packed:
+                if static.score_mod is not None:
+                    d_mod = _rebuilt_derivative(static, p, lse2, d_mod)
+                if packed and added is None:
                     args = (static.score_mod, entries, scaled, q_pos, kv_pos, h, ds, d_rows, add_entry, bounds)
                     d_rows = add_row_grads_per_row(*args)
                 if d_mod is not None:
-                    ds = ds * d_mod
+                    ds = ds * d_mod  # d loss / d (scaled scores): of the terms the arrays add to them too
+                if packed and added is not None:
+                    args = (added, entries, scaled, q_pos, kv_pos, h, ds, d_rows, add_entry, bounds)
+                    d_rows = add_row_grads_per_row(*args)
                 ds = modes.operand(ds.astype(dtype), a_smem2, wg)
                 dq = _accumulate(plgpu, dq, ds, k_smem.at[slot], lambda: None, interpret)
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -409,6 +442,7 @@ def mosaic_dkv(
     modes = Modes(plgpu, interpret)
     # As dQ's. sm_90 ptxas, spill bytes at 232 / 40 -> 240 / 24: head dim 64 with a document slot 8 -> 0, with a
     # soft-cap 484 -> 404; head dim 128 with GQA (G = 2) 52 -> 20, with a soft-cap 268 -> 164, a document slot 4 -> 4.
+    # With the soft-cap's derivative rebuilt from p (``_rebuilt_derivative``), 0 at both head dims.
     consumer_regs, producer_regs = (240, 24)
 
     def kernel(
@@ -488,6 +522,9 @@ def mosaic_dkv(
                 dp = modes.product(v_own, do_t, (rows, tq))
                 delta = lax.broadcast_in_dim(modes.vector(delta_smem.at[slot], 1), (rows, tq), [1])
                 ds = p * (dp - delta)
+                if static.score_mod is not None and _output_derivative(static) is not None:  # lse read again
+                    lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1]) * _LOG2E
+                    d_mod = _rebuilt_derivative(static, p, lse2, d_mod)
                 if d_mod is not None:
                     ds = ds * d_mod
                 ds = modes.operand(ds.astype(dtype), a_smem2, wg)

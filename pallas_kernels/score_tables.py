@@ -18,7 +18,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from .masks import ScoreMod
+from .masks import Chain, ScoreMod
 
 MAX_ROW = 64  # entries per head a kernel reads as scalars: each costs a select per score, a sum per tile (backward)
 
@@ -306,6 +306,22 @@ def add_row_grads_per_row(static_mod: ScoreMod, rows, s, q_pos, kv_pos, head, ds
         return out
 
     return _shortcut(static_mod, tile, grads)
+
+
+def added_part(static_mod: ScoreMod):
+    """The mod's leading part that adds terms to the score and holds every captured array, where the rest acts on
+    the score elementwise after it: the mod itself when it only adds, a chain's leading adding mods when the later
+    ones capture no arrays (table and slopes, then a soft-cap); else None. d loss / d arrays is then the adding
+    part's vjp at d loss / d (score before the rest)."""
+    if static_mod.adds_to_score:
+        return static_mod
+    if not isinstance(static_mod, Chain):
+        return None
+    mods = static_mod.mods
+    lead = next((i for i, m in enumerate(mods) if not m.adds_to_score), len(mods))
+    if lead == 0 or any(m.arrays() for m in mods[lead:]):
+        return None
+    return mods[0] if lead == 1 else Chain(tuple(mods[:lead]))
 
 
 def _reads(fn, x) -> bool:

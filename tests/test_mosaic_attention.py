@@ -227,14 +227,22 @@ def test_unsupported_cases_are_refused_with_the_reason(dtype, E, blocks, reason)
 def test_rows_longer_than_the_ring_with_given_tiles_forward_and_backward():
     """The tile sweep's override, and rows of more tiles than ring slots (the producer reuses each slot; every other
     case here fits its ring): 64-wide tiles in two-slot rings, so the forward, dQ and dK/dV kernels each walk four
-    tiles per row (or column) of T = S = 256. Equal to the reference, forward and gradients, without asking for
-    lowering="mosaic"."""
-    q, k, v = _qkv(1, 1, 1, 256, 256, seed=3)
-    bm = pk.make_block_mask(pk.full(), 256, 256, BLOCKS)
+    tiles per row (or column) of T = S = 200, padded to 256. A soft-cap, whose derivative the backward rebuilds from
+    the probabilities: 0 on the padding rows, whose lse is inf. Equal to the reference, forward and gradients,
+    without asking for lowering="mosaic"."""
+    q, k, v = _qkv(1, 1, 1, 200, 200, seed=3)
+    bm = pk.make_block_mask(pk.full(), 200, 200, BLOCKS)
     tiles = (MosaicTiles(64, 64, 2), BackwardTiles(64, 64, 2, 64, 64, 2))
-    (out, lse), vjp = jax.vjp(lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, tiles=tiles), q, k, v)
+    mod = pk.soft_cap(2.0)
+
+    def kernel(q, k, v):
+        return pk.block_sparse_attention(q, k, v, bm, tiles=tiles, score_mod=mod)
+
+    (out, lse), vjp = jax.vjp(kernel, q, k, v)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    (ref_out, ref_lse), ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, pk.full()), *f32)
+    (ref_out, ref_lse), ref_vjp = jax.vjp(
+        lambda q, k, v: pk.reference_attention(q, k, v, pk.full(), score_mod=mod), *f32
+    )
     _close(out, ref_out, 1e-2, "out")
     np.testing.assert_allclose(lse, ref_lse, atol=1e-3)
     d_out = jnp.asarray(np.random.default_rng(5).normal(size=q.shape), jnp.bfloat16)

@@ -186,3 +186,17 @@ def test_per_row_gradients_to_the_rows_equal_the_vjps_row_by_row(bidirectional):
             # the slopes' entry (the last) sums ~50 terms of ds * (kv - q) ~ 1e2 each: float32 rounding ~1e-4
             tol = np.where(np.arange(n) == n - 1, 1e-3 if n > 16 else 1e-5, 1e-5)[:, None]
             np.testing.assert_array_less(np.abs(np.asarray(got) - np.asarray(want)), np.broadcast_to(tol, got.shape))
+
+
+def test_the_added_part_of_a_mod_holds_its_arrays_before_anything_else_acts():
+    """``added_part``: where a mod's arrays only add terms to the score before the rest of it acts elementwise, the
+    Mosaic dQ takes their gradients through that part alone, at dS times the mod's derivative."""
+    from pallas_kernels.score_tables import added_part
+
+    table, slopes = pk.relative_bias(jnp.zeros((2, 8))), pk.learned_alibi(jnp.zeros(2))
+    cap = pk.soft_cap(3.0)
+    assert added_part(table) is table and added_part(pk.chain(table, slopes)) == pk.chain(table, slopes)
+    assert added_part(pk.chain(table, slopes, cap)) == pk.chain(table, slopes)
+    assert added_part(pk.chain(table, cap)) is table
+    for acting_first in (cap, pk.chain(cap, table), pk.chain(table, cap, slopes)):
+        assert added_part(acting_first) is None
