@@ -122,8 +122,16 @@ class _OneLineOrbaxFailures(logging.Filter):
     def __init__(self):
         super().__init__()
         self.held: list[str] = []
+        self.reported = False  # a failed save or restore has reported its one line
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio" and "exception was never retrieved" in record.getMessage().split("\n")[0]:
+            # An abandoned future of a failed write, collected late: its error was raised in TensorStore, so it
+            # carries no traceback to tell it Orbax's (jaxlm runs no asyncio of its own), and once printed after
+            # the run's one line it was the last line of a disk-full exit. Dropped once a failure is reported.
+            if not self.reported:
+                self.held.append(" ".join(record.getMessage().split())[:300])
+            return False
         if not _raised_in_orbax(record.exc_info):
             return True
         if record.getMessage().startswith("Task exception was never retrieved"):
@@ -136,6 +144,7 @@ class _OneLineOrbaxFailures(logging.Filter):
 
     def held_back(self) -> list[str]:
         """The held error lines, distinct, in order; they count as reported."""
+        self.reported = True
         held, self.held = self.held, []
         return list(dict.fromkeys(held))
 

@@ -363,3 +363,36 @@ def test_digest_does_not_depend_on_the_sharding():
     mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     sharded = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
     assert integrity({"x": sharded}) == integrity({"x": x})
+
+
+def test_an_abandoned_writes_error_collected_after_the_failure_line_is_not_printed(caplog):
+    """A disk-full exit once ended with a bare "ValueError: OUT_OF_RANGE ... File too large" line after the run's
+    own one: asyncio's "Future exception was never retrieved" for one of TensorStore's abandoned writes, collected
+    late, its error raised in C++ (no traceback to tell it Orbax's). Before any failure is reported it is held (and
+    printed at exit if nothing reports it); once one is, it is dropped."""
+    import asyncio
+    import gc
+    import logging
+
+    from jaxlm.checkpoint import _OneLineOrbaxFailures
+
+    quiet, log = _OneLineOrbaxFailures(), logging.getLogger("asyncio")
+
+    def abandon_a_failed_write():
+        loop = asyncio.new_event_loop()
+        future = loop.create_future()
+        future.set_exception(ValueError("OUT_OF_RANGE: Failed to write 56678 bytes: File too large"))
+        del future
+        gc.collect()
+        loop.close()
+
+    kept, log.filters = log.filters, [quiet]  # a Checkpointer of an earlier test installed the process's one
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            abandon_a_failed_write()
+            assert caplog.records == [] and len(quiet.held) == 1 and "File too large" in quiet.held[0]
+            quiet.held_back()  # a failed save reports its line
+            abandon_a_failed_write()
+            assert caplog.records == [] and quiet.held == []
+    finally:
+        log.filters = kept
