@@ -364,6 +364,10 @@ class ScoreMod:
     # True where the mod is the score plus a term that does not depend on it: its derivative in the score is 1,
     # so the backward passes skip the product by it (and a tile shortcut's branch yields no derivative tile)
     adds_to_score = False
+    # True for an adding mod whose term takes a select per table entry: a chain adds it after the adding mods next to
+    # it (terms commute), so that the positions those read are not held across its selects (sm_90: a T5 table before
+    # learned slopes spilled 376 bytes in the Mosaic forward at head dim 128, after them 84)
+    adds_late = False
 
     def __call__(self, score, q_idx, kv_idx, head=0):
         raise NotImplementedError
@@ -450,9 +454,21 @@ class Chain(ScoreMod):
         return all(m.adds_to_score for m in self.mods)
 
     def __call__(self, score, q_idx, kv_idx, head=0):
-        for m in self.mods:
-            score = m(score, q_idx, kv_idx, head)
+        for i in self.order():
+            score = self.mods[i](score, q_idx, kv_idx, head)
         return score
+
+    def order(self) -> list[int]:
+        """The indices of the mods in the order they apply: within each run of adding mods, the ones that add late
+        (``adds_late``) last."""
+        out, run = [], []
+        for i, m in enumerate(self.mods):
+            if m.adds_to_score:
+                run.append(i)
+                continue
+            out += sorted(run, key=lambda r: self.mods[r].adds_late) + [i]
+            run = []
+        return out + sorted(run, key=lambda r: self.mods[r].adds_late)
 
     def arrays(self) -> tuple:
         return tuple(a for m in self.mods for a in m.arrays())

@@ -93,7 +93,7 @@ def _dkv_slot_extra(tiles: BackwardTiles) -> int:
 
 
 def _dq_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entries: int) -> int:
-    """dQ's shared memory; with a mod's captured arrays also each warpgroup's packed row and its gradient vectors."""
+    """dQ's shared memory; with a mod's captured arrays also each warpgroup's packed row and its gradient tile."""
     arrays = 2 * 4 * packed_entries(entries) * (1 + t.dq_rows) if entries else 0
     return _smem_bytes(t.dq_rows, t.dq_kv, t.dq_stages, head_dim, itemsize, 0, slots) + arrays
 

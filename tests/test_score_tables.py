@@ -151,7 +151,7 @@ def test_per_row_gradients_to_the_rows_equal_the_vjps_row_by_row(bidirectional):
     """``add_row_grads_per_row`` (what the Mosaic GPU dQ kernel accumulates: per query row, each entry's share of
     dS summed over the tile's keys) on random 32 x 48 tiles near and far from the diagonal, with the tile shortcut:
     the accumulator [entries, rows] plus, per row, the vjp of that row's modded scores in the table and slopes, for
-    the table alone, chained with slopes, and then soft-capped."""
+    the table chained with slopes, and then soft-capped."""
     from pallas_kernels.score_tables import HeadRow, add_row_grads_per_row
 
     r = np.random.default_rng(4)
@@ -159,9 +159,8 @@ def test_per_row_gradients_to_the_rows_equal_the_vjps_row_by_row(bidirectional):
     table = jnp.asarray(r.normal(size=(H, 16)), jnp.float32)
     slopes = jnp.asarray(r.uniform(0, 0.2, H), jnp.float32)
     table_mod = pk.relative_bias(table, bidirectional=bidirectional, max_distance=40)
-    mods = (table_mod, pk.chain(table_mod, pk.learned_alibi(slopes)))
-    mods += (pk.chain(*mods[1].mods, pk.soft_cap(3.0)),)
-    for mod in mods:
+    chained = pk.chain(table_mod, pk.learned_alibi(slopes))
+    for mod in (chained, pk.chain(*chained.mods, pk.soft_cap(3.0))):
 
         @jax.jit
         def both(q0, kv0, s, ds, head, acc, mod=mod):
@@ -200,3 +199,21 @@ def test_the_added_part_of_a_mod_holds_its_arrays_before_anything_else_acts():
     assert added_part(pk.chain(table, cap)) is table
     for acting_first in (cap, pk.chain(cap, table), pk.chain(table, cap, slopes)):
         assert added_part(acting_first) is None
+
+
+def test_a_chain_adds_table_lookups_after_the_other_adding_mods_next_to_them():
+    """``Chain.order``: within a run of adding mods a table lookup (``adds_late``) comes last, so that the
+    positions the others read are free before its select chain; terms commute, so the chain's value is the one in
+    the order given (up to float32 rounding); mods that act on the score keep their place."""
+    table, slopes = pk.relative_bias(jnp.arange(16.0).reshape(2, 8)), pk.learned_alibi(jnp.asarray([0.5, 0.25]))
+    cap = pk.soft_cap(3.0)
+    assert pk.chain(table, slopes, cap).order() == [1, 0, 2]
+    assert pk.chain(table, cap, slopes, table).order() == [0, 1, 2, 3]
+    assert pk.chain(cap, table, slopes).order() == [0, 2, 1]
+    score = jnp.asarray(np.random.default_rng(0).normal(size=(6, 9)), jnp.float32)
+    q, kv = jnp.arange(6)[:, None] + 3, jnp.arange(9)[None, :]
+    for mods in ((table, slopes, cap), (cap, table, slopes)):
+        given = score
+        for m in mods:
+            given = m(given, q, kv, 1)
+        np.testing.assert_allclose(pk.chain(*mods)(score, q, kv, 1), given, rtol=1e-6)
