@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from .kernel_inputs import hopper_target
 from .mosaic_attention import MosaicTiles, mosaic_tiles, supports
 from .mosaic_attention_bwd import BackwardTiles, backward_footprint, backward_tiles, supports_backward
+from .score_tables import row_entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,9 @@ def mosaic_lowerings(static, lowering: str | None, dtype, E: int, explicit_tiles
     _log_once("forward", why_not)
     _log_once("backward", why_not_bwd)
     return {
-        "mosaic": None if why_not else mosaic_tiles(E, dtype, static.block_q, static.block_kv),
+        "mosaic": None
+        if why_not
+        else mosaic_tiles(E, dtype, static.block_q, static.block_kv, row_entries(static.score_mod)),
         "mosaic_bwd": None
         if why_not_bwd
         else backward_tiles(E, dtype, static.block_q, static.block_kv, **backward_footprint(static)),

@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from .kernel_inputs import like
 from .kernel_mask import DocumentSlot, PositionSlot
 from .masks import And, Or
-from .score_tables import pack_rows, packed_rows, packed_width
+from .score_tables import pack_rows, packed_rows, packed_width, row_entries
 from .targets import H100_SHARED_MEMORY_PER_BLOCK
 from .tile_math import tile_bounds
 
@@ -66,22 +66,27 @@ def _smem_bytes(tiles: MosaicTiles, head_dim: int, itemsize: int, n_slots: int =
     return qo + kv + 2 * tiles.rows * 4 + ids
 
 
-def forward_candidates(head_dim: int, dtype, block_q: int, block_kv: int) -> list[MosaicTiles]:
+def forward_candidates(head_dim: int, dtype, block_q: int, block_kv: int, entries: int = 0) -> list[MosaicTiles]:
     """Every tiling the kernel can take for this head dim and blocks, best guess first: the rows of a program are
     one block row of 128 split between two warpgroups (wgmma's 64 rows each), kv tiles divide the block, and the
-    K/V ring (two slots at least) fits shared memory. ``experiments.hopper_attention --only sweep`` times them."""
+    K/V ring (two slots at least) fits shared memory. ``experiments.hopper_attention --only sweep`` times them.
+    With a mod's captured arrays (``entries`` per head) 64-wide kv tiles come first from head dim 128 on: a table's
+    bucket tile takes registers beside the scores and the wider accumulator (sm_90, head dim 128, T5 table: 96 bytes
+    of spills with 128-wide tiles, 0 with 64; chained with learned slopes 84 and 0; at head dim 64 128-wide spill
+    nothing)."""
     itemsize = jnp.dtype(dtype).itemsize
     if block_q != 128 or head_dim % 64 or head_dim > 256:  # block_q 256 (128 rows a warpgroup) spills
         return []
     rows = block_q // 2
-    candidates = [MosaicTiles(rows, kv, stages) for kv in (128, 64) if block_kv % kv == 0 for stages in (4, 3, 2)]
+    widths = (64, 128) if entries and head_dim >= 128 else (128, 64)
+    candidates = [MosaicTiles(rows, kv, stages) for kv in widths if block_kv % kv == 0 for stages in (4, 3, 2)]
     return [t for t in candidates if _smem_bytes(t, head_dim, itemsize) <= _SHARED_MEMORY]
 
 
-def mosaic_tiles(head_dim: int, dtype, block_q: int, block_kv: int) -> MosaicTiles | None:
-    """The tiles for this head dim and blocks (the widest kv tile with the deepest ring that fits), or None when the
-    kernel cannot take them."""
-    return next(iter(forward_candidates(head_dim, dtype, block_q, block_kv)), None)
+def mosaic_tiles(head_dim: int, dtype, block_q: int, block_kv: int, entries: int = 0) -> MosaicTiles | None:
+    """The tiles for this head dim and blocks (the widest kv tile with the deepest ring that fits; from head dim 128
+    on, 64 wide with a mod's captured arrays), or None when the kernel cannot take them."""
+    return next(iter(forward_candidates(head_dim, dtype, block_q, block_kv, entries)), None)
 
 
 def id_slots(mask) -> int:
@@ -97,7 +102,7 @@ def supports(static, dtype, head_dim: int) -> str | None:
     """None when the Mosaic forward can run this attention, else why not (the Triton kernel runs instead)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(dtype).name} (wgmma takes bfloat16 / float16 here)"
-    tiles = mosaic_tiles(head_dim, dtype, static.block_q, static.block_kv)
+    tiles = mosaic_tiles(head_dim, dtype, static.block_q, static.block_kv, row_entries(static.score_mod))
     if tiles is None:
         return f"head dim {head_dim} with blocks {static.block_q}x{static.block_kv}"
     slots = id_slots(static.template)

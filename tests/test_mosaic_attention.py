@@ -374,11 +374,15 @@ def test_compiles_for_h100_with_tma_wgmma_register_reallocation_and_no_spills(tm
     assert len(spills) == 10 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
 
 
-def test_backward_tiles_make_room_for_captured_arrays():
-    """No kernel runs: with a mod's captured arrays the backward walks 64-wide tiles at head dim 64 too (dQ's
-    gradient tile takes registers) and, at head dim 128 with 64 entries per head and a document slot, dQ a shallower
-    ring (its gradient tile's shared memory takes a slot's room); dK/dV keeps its ring."""
+def test_tiles_make_room_for_captured_arrays():
+    """No kernel runs: with a mod's captured arrays the forward walks 64-wide kv tiles at head dim 128 (128 without;
+    a table's bucket tile takes registers), the backward 64-wide tiles at head dim 64 too (dQ's gradient tile takes
+    registers) and, at head dim 128 with 64 entries per head and a document slot, dQ a shallower ring (its gradient
+    tile's shared memory takes a slot's room); dK/dV keeps its ring."""
+    from pallas_kernels.mosaic_attention import mosaic_tiles
     from pallas_kernels.mosaic_attention_bwd import backward_tiles
+
+    assert [mosaic_tiles(E, jnp.bfloat16, 128, 128, n).kv for E in (64, 128) for n in (0, 33)] == [128, 128, 128, 64]
 
     plain64, table64 = (backward_tiles(64, jnp.bfloat16, 128, 128, entries=n) for n in (0, 33))
     assert (plain64.dq_kv, plain64.dkv_q, table64.dq_kv, table64.dkv_q) == (128, 128, 64, 64)
