@@ -102,13 +102,10 @@ def mosaic_lowerings(static, lowering: str | None, dtype, E: int, explicit_tiles
     why_not_bwd = why_not or supports_backward(static, dtype, E)
     _log_once("forward", why_not)
     _log_once("backward", why_not_bwd)
+    blocks = (static.block_q, static.block_kv)
     return {
-        "mosaic": None
-        if why_not
-        else mosaic_tiles(E, dtype, static.block_q, static.block_kv, row_entries(static.score_mod)),
-        "mosaic_bwd": None
-        if why_not_bwd
-        else backward_tiles(E, dtype, static.block_q, static.block_kv, **backward_footprint(static)),
+        "mosaic": None if why_not else mosaic_tiles(E, dtype, *blocks, row_entries(static.score_mod)),
+        "mosaic_bwd": None if why_not_bwd else backward_tiles(E, dtype, *blocks, **backward_footprint(static)),
     }
 
 
