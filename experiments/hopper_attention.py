@@ -29,7 +29,7 @@ from experiments.cli import exit_with
 from experiments.report_speed import _peer, kept_pairs
 from experiments.timing import best_time
 from pallas_kernels.mosaic_attention import forward_candidates
-from pallas_kernels.mosaic_attention_bwd import backward_candidates
+from pallas_kernels.mosaic_backward_tiles import backward_candidates
 from pallas_kernels.targets import first_line
 
 TOLERANCE = 2e-2  # relative L2 error of a bfloat16 attention output against the float32 reference

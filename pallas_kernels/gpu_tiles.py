@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from .kernel_inputs import hopper_target
 from .mosaic_attention import MosaicTiles, mosaic_tiles, supports
-from .mosaic_attention_bwd import BackwardTiles, backward_footprint, backward_tiles, supports_backward
+from .mosaic_backward_tiles import BackwardTiles, backward_footprint, backward_tiles, supports_backward
 from .score_tables import row_entries
 
 

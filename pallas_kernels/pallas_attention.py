@@ -40,7 +40,8 @@ from .kernel_inputs import (
 from .kernel_mask import split_documents
 from .masks import ScoreMod
 from .mosaic_attention import MosaicTiles, mosaic_forward
-from .mosaic_attention_bwd import BackwardTiles, mosaic_dkv, mosaic_dq
+from .mosaic_attention_bwd import mosaic_dkv, mosaic_dq
+from .mosaic_backward_tiles import BackwardTiles
 from .score_tables import load_rows, row_grads, rows_as_vector, split_arrays, vector_as_grads
 from .tile_math import dot, iota, masked_scores, tile_bounds
 from .tpu_attention import block_sparse_attention_tpu

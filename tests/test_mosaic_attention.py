@@ -22,7 +22,7 @@ import pallas_kernels as pk
 from pallas_kernels import targets
 from pallas_kernels.masks import at_positions
 from pallas_kernels.mosaic_attention import MosaicTiles
-from pallas_kernels.mosaic_attention_bwd import BackwardTiles
+from pallas_kernels.mosaic_backward_tiles import BackwardTiles
 
 BLOCKS = pk.BlockSizes(128, 128)
 
@@ -380,7 +380,7 @@ def test_tiles_make_room_for_captured_arrays():
     registers) and, at head dim 128 with 64 entries per head and a document slot, dQ a shallower ring (its gradient
     tile's shared memory takes a slot's room); dK/dV keeps its ring."""
     from pallas_kernels.mosaic_attention import mosaic_tiles
-    from pallas_kernels.mosaic_attention_bwd import backward_tiles
+    from pallas_kernels.mosaic_backward_tiles import backward_tiles
 
     assert [mosaic_tiles(E, jnp.bfloat16, 128, 128, n).kv for E in (64, 128) for n in (0, 33)] == [128, 128, 128, 64]
 

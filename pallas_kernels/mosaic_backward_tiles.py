@@ -1,0 +1,105 @@
+"""Which tiles the Mosaic GPU attention backward (``mosaic_attention_bwd``) takes: the candidates for a head dim and
+blocks whose shared memory fits beside what else the kernels load (document slots, a mod's captured arrays), and
+whether the kernels can take a case at all (else the Triton kernels run)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from .mosaic_attention import _SHARED_MEMORY, id_slots
+from .score_tables import packed_entries, row_entries
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTiles:
+    """Rows per consumer warpgroup (half a block), the streamed tile, and ring slots, per kernel."""
+
+    dq_rows: int
+    dq_kv: int
+    dq_stages: int
+    dkv_rows: int
+    dkv_q: int
+    dkv_stages: int
+
+
+def _smem_bytes(rows, tile, stages, head_dim, itemsize, per_slot_extra=0, n_slots=0) -> int:
+    """One kernel's shared memory: the two warpgroups' resident tiles (q, dO or k, v) and, per document / position
+    slot, their ids; ``stages`` ring slots of two streamed tiles, ``per_slot_extra`` bytes and each slot's tile ids."""
+    own = 2 * 2 * rows * head_dim * itemsize + n_slots * 2 * rows * 4
+    slot = 2 * tile * head_dim * itemsize + per_slot_extra + n_slots * tile * 4
+    return own + stages * slot
+
+
+def _dkv_slot_extra(tiles: BackwardTiles) -> int:
+    return 2 * tiles.dkv_q * 4  # lse and delta
+
+
+def _dq_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entries: int) -> int:
+    """dQ's shared memory; with a mod's captured arrays also each warpgroup's packed row and its gradient tile."""
+    arrays = 2 * 4 * packed_entries(entries) * (1 + t.dq_rows) if entries else 0
+    return _smem_bytes(t.dq_rows, t.dq_kv, t.dq_stages, head_dim, itemsize, 0, slots) + arrays
+
+
+def _dkv_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entries: int, groups: int) -> int:
+    """dK/dV's shared memory; with a mod's captured arrays also each warpgroup's packed rows of its query heads."""
+    arrays = 2 * 4 * groups * packed_entries(entries) if entries else 0
+    rest = _smem_bytes(t.dkv_rows, t.dkv_q, t.dkv_stages, head_dim, itemsize, _dkv_slot_extra(t), slots)
+    return rest + arrays
+
+
+def backward_candidates(
+    head_dim: int, dtype, block_q: int, block_kv: int, slots: int = 0, entries: int = 0, groups: int = 1
+) -> list[BackwardTiles]:
+    """Every tiling these kernels can take for this head dim and blocks, best guess first, whose shared memory fits
+    with ``slots`` document / position slots and a mod's captured arrays of ``entries`` per head (``groups`` query
+    heads per kv head). Streamed tiles are 64 wide from head dim 128 on in the first guess, so that the score tiles,
+    the float32 accumulators and the softmax fit 232 registers, and at every head dim with captured arrays (dQ's
+    gradient tile takes registers too; sm_90 ptxas at head dim 64, T5 table and learned slopes chained: dQ 12 bytes
+    of spills, dK/dV 0, against 240 with 128-wide tiles); ``experiments.hopper_attention --only sweep`` times the
+    rest."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if head_dim % 64 or head_dim > 128 or block_q % 128 or block_kv % 128 or max(block_q, block_kv) > 256:
+        return []
+    dq_rows, dkv_rows = block_q // 2, block_kv // 2
+    out = []
+    for wide in (128, 64) if head_dim <= 64 and not entries else (64, 128):
+        fitting = [
+            t
+            for a in (4, 3, 2)
+            for b in (4, 3, 2)
+            for t in [BackwardTiles(dq_rows, wide, a, dkv_rows, wide, b)]
+            if _dq_smem(t, head_dim, itemsize, slots, entries) <= _SHARED_MEMORY
+            and _dkv_smem(t, head_dim, itemsize, slots, entries, groups) <= _SHARED_MEMORY
+        ]
+        out += sorted(fitting, key=lambda t: -(t.dq_stages + t.dkv_stages))  # the deepest rings first
+    return out
+
+
+def backward_tiles(head_dim: int, dtype, block_q: int, block_kv: int, **footprint) -> BackwardTiles | None:
+    """The tiles these kernels use for this head dim and blocks (the first candidate), or None when they cannot.
+    ``footprint``: ``backward_footprint``'s, what beside the tiles takes shared memory."""
+    return next(iter(backward_candidates(head_dim, dtype, block_q, block_kv, **footprint)), None)
+
+
+def backward_footprint(static) -> dict:
+    """What beside the tiles takes these kernels' shared memory: document / position slots, the mod's captured
+    arrays (entries per head), query heads per kv head."""
+    return {"slots": id_slots(static.template), "entries": row_entries(static.score_mod), "groups": static.groups}
+
+
+def supports_backward(static, dtype, head_dim: int) -> str | None:
+    """None when these kernels can run this backward, else why not (the Triton kernels run instead)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(dtype).name}"
+    if backward_tiles(head_dim, dtype, static.block_q, static.block_kv) is None:
+        return f"head dim {head_dim} with blocks {static.block_q}x{static.block_kv}"
+    footprint = backward_footprint(static)
+    if backward_tiles(head_dim, dtype, static.block_q, static.block_kv, **footprint) is None:
+        slots, entries = footprint["slots"], footprint["entries"]
+        return (
+            f"{slots} document / position slots and {entries} captured score-mod entries at head dim {head_dim} "
+            "(they do not fit shared memory)"
+        )
+    return None
