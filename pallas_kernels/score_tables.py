@@ -335,9 +335,8 @@ def _entries_in_order(static_mod: ScoreMod) -> list[int]:
     mods = static_mod.mods if isinstance(static_mod, Chain) else (static_mod,)
     ranges, at = [], 0
     for m in mods:
-        n = sum(math.prod(spec.shape[1:]) for spec in m.arrays())
-        ranges.append(range(at, at + n))
-        at += n
+        ranges.append(range(at, at + row_entries(m)))
+        at += row_entries(m)
     order = static_mod.order() if isinstance(static_mod, Chain) else [0]
     return [i for k in order for i in ranges[k]]
 
