@@ -258,9 +258,9 @@ def _compile_quantized_dot(recipe_name: str, delayed: bool) -> str:
     step = jax.value_and_grad(loss, argnums=(0, 1) + ((2,) if delayed else ()))
     x, w = jax.ShapeDtypeStruct((X, C), jnp.bfloat16), jax.ShapeDtypeStruct((C, Y), jnp.bfloat16)
     # forward, dX and dW are three quantized products; weight-only quantizes the forward alone (its dX and dW are
-    # float products of the dequantized weight and of x). On Mosaic GPU: all three for int8, fp8's forward (its
-    # backward multiplies e5m2 by e4m3: Triton), not weight-only.
-    mosaic = {"int8": 3, "fp8": 1}.get(recipe_name, 0)
+    # float products of the dequantized weight and of x). On Mosaic GPU: all three for int8 and for fp8 with e4m3
+    # gradients, fp8's forward (its backward multiplies e5m2 by e4m3: Triton), not weight-only.
+    mosaic = {"int8": 3, "fp8_e4m3": 3, "fp8": 1}.get(recipe_name, 0)
     total = 1 if recipe.weight_only else 3
     return _kernels_in(compile_for_gpu(step, x, w, history), triton=total - mosaic, mosaic=mosaic)
 
@@ -268,9 +268,10 @@ def _compile_quantized_dot(recipe_name: str, delayed: bool) -> str:
 def matmul_cases(quick: bool) -> list[Case]:
     names = list(MATMULS)[:2] if quick else list(MATMULS)
     cases = [Case("matmul", name, lambda spec=MATMULS[name]: _compile_matmul(spec)) for name in names]
-    trains = [("fp8", True), ("fp8", False), ("int8", False), ("int8_weight_only", False)]
+    trains = [("fp8", True), ("fp8", False), ("fp8_e4m3", True), ("int8", False), ("int8_weight_only", False)]
     for recipe, delayed in trains[:1] if quick else trains:
-        label = f"quantized_dot {recipe} forward + backward, {'delayed' if delayed else 'current'} scaling"
+        name = {"fp8_e4m3": "fp8 (dY in e4m3)"}.get(recipe, recipe)
+        label = f"quantized_dot {name} forward + backward, {'delayed' if delayed else 'current'} scaling"
         cases.append(Case("matmul", label, lambda r=recipe, d=delayed: _compile_quantized_dot(r, d)))
     return cases
 
@@ -327,6 +328,16 @@ def _compile_small_step() -> str:
     return _kernels_in(_compile_step(small_llama()), triton=4 * 2 + 2, mosaic=1 + 4 + 1, total=3 + 4 * 3 + 3)
 
 
+def _compile_small_step_e4m3() -> str:
+    # the same with fp8's dY in e4m3: every product of the 4 fp8 matmuls and the lm_head's on Mosaic GPU (so at most
+    # attention's dQ and dK/dV on Triton)
+    import dataclasses
+
+    cfg = small_llama()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quant_backward="e4m3"))
+    return _kernels_in(_compile_step(cfg), mosaic=1 + 4 * 3 + 3, total=3 + 4 * 3 + 3)
+
+
 def _compile_report_step(overrides: dict, mosaic: int = 3) -> str:
     """The GPU report's 1B model: it must compile, hold at least ``mosaic`` Mosaic GPU kernels (sm_90) and its state
     plus temporaries fit the H100's memory."""
@@ -354,8 +365,14 @@ def train_cases(core: bool = False, quick: bool = False) -> list[Case]:
         return []
     if quick:
         return [small]
+    e4m3 = Case(
+        "train step",
+        "2-layer Llama, head dim 128, bf16, Pallas attention + fp8 matmuls with e4m3 gradients",
+        _compile_small_step_e4m3,
+    )
     return [
         small,
+        e4m3,
         Case("train step", "the report's 1.01B Llama, Pallas attention", lambda: _compile_report_step(pallas)),
         Case(
             "train step",

@@ -47,7 +47,7 @@ CONTEXT_ORDERS = ("auto", "documents", "zigzag", "contiguous")  # sharding.conte
 MATMUL_PRECISIONS = ("default", "int8", "fp8", "int8_weight_only")  # jaxlm.quantized
 LAYER_CLASSES = ("attention", "mlp", "lm_head")  # the matmuls a precision is set for
 QUANT_SCALINGS = ("delayed", "current")
-QUANT_BACKWARDS = ("quantized", "high")
+QUANT_BACKWARDS = ("quantized", "e4m3", "high")
 MATMUL_IMPLS = ("auto", "pallas", "xla")  # pallas_kernels.quantized_matmul
 OPTIMIZERS = ("adamw", "sgd")
 ROPE_SCALINGS = ("none", "llama3")  # jaxlm.model.rope_frequencies
@@ -102,7 +102,9 @@ class ModelConfig(Section):
     # precisions default | int8 | fp8 | int8_weight_only.
     matmul_precision: str = "default"
     quant_scaling: str = "delayed"  # delayed (per-tensor, amax history) | current (per row / per channel)
-    quant_backward: str = "quantized"  # quantized (dY in e5m2 / int8) | high (backward in the compute dtype)
+    # quantized (dY in e5m2 / int8) | e4m3 (fp8's dY in e4m3: on Hopper the backward runs on the Mosaic GPU kernel
+    # too) | high (backward in the compute dtype)
+    quant_backward: str = "quantized"
     quant_amax_history: int = 16  # steps of amax history for delayed scaling
     matmul_impl: str = "auto"  # auto (Pallas kernel on one TPU, else XLA) | pallas | xla
     # Mixture of experts (jaxlm.moe): 0 experts is a dense model. Every moe_every-th layer's MLP (the rest: dense,
@@ -224,6 +226,11 @@ class ModelConfig(Section):
             raise ConfigError(f"model.matmul_precision: {e}") from None
         check_choice("model.quant_scaling", m.quant_scaling, QUANT_SCALINGS, how="comma")
         check_choice("model.quant_backward", m.quant_backward, QUANT_BACKWARDS, how="comma")
+        if m.quant_backward == "e4m3" and "fp8" not in parse_matmul_precision(m.matmul_precision).values():
+            raise ConfigError(
+                f"model.quant_backward=e4m3 sets fp8 matmuls' gradient dtype, and model.matmul_precision "
+                f"{m.matmul_precision!r} has none; use quantized or high"
+            )
         check_choice("model.matmul_impl", m.matmul_impl, MATMUL_IMPLS, how="comma")
         check_moe(m)
 

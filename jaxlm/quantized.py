@@ -40,8 +40,13 @@ def layer_recipe(cfg, layer_class: str) -> QuantRecipe | None:
         return None
     if precision == "int8_weight_only":
         return QuantRecipe.int8_weight_only(impl=cfg.matmul_impl)
-    recipe = QuantRecipe.fp8(impl=cfg.matmul_impl) if precision == "fp8" else QuantRecipe.int8(impl=cfg.matmul_impl)
-    return recipe if cfg.quant_backward == "quantized" else dataclasses.replace(recipe, grad_dtype=None)
+    if precision == "int8":
+        recipe = QuantRecipe.int8(impl=cfg.matmul_impl)
+    elif cfg.quant_backward == "e4m3":
+        recipe = QuantRecipe.fp8_e4m3(impl=cfg.matmul_impl)
+    else:
+        recipe = QuantRecipe.fp8(impl=cfg.matmul_impl)
+    return dataclasses.replace(recipe, grad_dtype=None) if cfg.quant_backward == "high" else recipe
 
 
 def _keeps_history(cfg, recipe: QuantRecipe | None) -> bool:

@@ -1,7 +1,9 @@
 """A quantized matmul that trains: ``quantized_dot(x, w, history, recipe)`` with a ``jax.custom_vjp``.
 
 Forward: x and w in int8 or float8_e4m3fn. Backward (Transformer Engine's recipe): dX = dY·Wᵀ and dW = Xᵀ·dY with
-dY in float8_e5m2 (or int8), or unquantized in the compute dtype (``grad_dtype=None``).
+dY in float8_e5m2 (or int8), or unquantized in the compute dtype (``grad_dtype=None``). ``QuantRecipe.fp8_e4m3``
+puts dY in float8_e4m3fn as well (a mantissa bit more, 2^7 less range than e5m2; its scale tracks dY's amax like
+the others'), so that every product multiplies one dtype.
 
 Scaling:
 - delayed (``history`` given): one scale per tensor from the largest amax of the last A steps, rows x / w / dY of
@@ -13,10 +15,11 @@ Scaling:
   contraction of every backward product), re-quantizing x and w for the transposed products.
 
 Kernels: with ``impl="pallas"`` on a Hopper-or-newer GPU, the products whose two operands share one 8-bit dtype run
-as the Mosaic GPU kernel (all three for int8; for fp8 the forward only, its backward multiplying e5m2 by e4m3), the
-others as the Triton kernel (``scaled_matmul`` picks). The Mosaic kernel reads its second operand K-major, so where
-a product quantizes that operand itself the quantization writes it K-major in the same pass, and the delayed-scaling
-weight is kept in the layout that needs the fewest transposes (``_forward``).
+as the Mosaic GPU kernel (all three for int8 and for fp8 with e4m3 gradients; for fp8 the forward only, its backward
+multiplying e5m2 by e4m3, which Mosaic's wgmma refuses), the others as the Triton kernel (``scaled_matmul``
+picks). The Mosaic kernel reads its second operand K-major, so where a product quantizes that operand itself the
+quantization writes it K-major in the same pass, and the delayed-scaling weight is kept in the layout that needs the
+fewest transposes (``_forward``).
 
 Weight-only (``recipe.weight_only``): int8 per-channel weights, float activations; dX is the exact derivative of
 the quantized forward, dW the straight-through estimate (Xᵀ·dY), so a weight-only model can also be fine-tuned.
@@ -66,6 +69,11 @@ class QuantRecipe:
     @classmethod
     def fp8(cls, **kw) -> "QuantRecipe":
         return cls("float8_e4m3fn", "float8_e5m2", **kw)
+
+    @classmethod
+    def fp8_e4m3(cls, **kw) -> "QuantRecipe":
+        """fp8 with dY in e4m3 too: on Hopper every product, the backward's included, is the Mosaic GPU kernel's."""
+        return cls("float8_e4m3fn", "float8_e4m3fn", **kw)
 
     @classmethod
     def int8(cls, **kw) -> "QuantRecipe":
@@ -154,7 +162,8 @@ def _forward(x, w, history, recipe):
     ws = scale_from_amax(delayed_amax(history[1], amax_w), recipe.dtype, recipe.margin).reshape(1, 1)
     xq, _ = quantize(x, recipe.dtype, scale=xs)
     # The weight is kept [Y, C]: K-major for the forward (the Mosaic kernel reads it as is), and the [C, Y] of dX's
-    # product (the Triton kernel reads it as is: fp8's dX is mixed e5m2 x e4m3). Only int8's dX (Mosaic) transposes.
+    # product (the Triton kernel reads it as is: fp8's dX is mixed e5m2 x e4m3). Where dX runs on Mosaic (int8, fp8
+    # with e4m3 gradients) it transposes the 8-bit weight once.
     wq_YC, _ = quantize(w.T, recipe.dtype, scale=ws)
     y = _matmul(recipe, xq, xs, wq_YC, ws, x.dtype, "YC")
     keep = (xq, xs, wq_YC, ws) if recipe.grad_dtype is not None else (x, w)

@@ -51,7 +51,7 @@ def test_every_mask_at_every_head_dim_compiles_for_h100(tmp_path):
             assert len(_attention_cases(rows, E, dtype)) == 6 + extra, (E, dtype)  # every mask kind
     (table,) = [r for r in rows if "relative_bias" in r["case"]]
     assert table["detail"] == "0 Triton + 3 Mosaic GPU kernels"  # dQ too, which forms the table's gradient
-    small, *report_model = [r for r in rows if r["group"] == "train step"]
+    small, e4m3, *report_model = [r for r in rows if r["group"] == "train step"]
     assert len(report_model) == 2 and all("of 84.9 GB" in r["detail"] for r in report_model)  # fits the H100
     # the small step's scanned layer body once: 3 attention kernels + 4 fp8 matmuls x (forward, dX, dW), and the
     # lm_head's 3; the attention forward and the fp8 forwards on Mosaic GPU, dX and dW (mixed e5m2 x e4m3) on Triton,
@@ -60,6 +60,11 @@ def test_every_mask_at_every_head_dim_compiles_for_h100(tmp_path):
         int(n) for n in re.fullmatch(r"(\d+) Triton \+ (\d+) Mosaic GPU kernels", small["detail"]).groups()
     )
     assert triton + mosaic == 18 and triton >= 10 and mosaic >= 6, small["detail"]
+    # with fp8's dY in e4m3 every matmul product is Mosaic GPU's: Triton at most for attention's dQ and dK/dV
+    triton, mosaic = (
+        int(n) for n in re.fullmatch(r"(\d+) Triton \+ (\d+) Mosaic GPU kernels", e4m3["detail"]).groups()
+    )
+    assert triton + mosaic == 18 and triton <= 2, e4m3["detail"]
 
 
 def test_every_kernel_compiles_for_h100(tmp_path):
@@ -79,12 +84,15 @@ def test_every_kernel_compiles_for_h100(tmp_path):
         c for E, d in ((64, "bfloat16"), (64, "float32"), (128, "float32")) for c in _attention_cases(rows, E, d)
     ]
     matmuls = {r["case"]: r["detail"] for r in rows if r["group"] == "matmul"}
-    assert len(matmuls) == 10
+    assert len(matmuls) == 11
     # on sm_90 the same-dtype 8-bit products with per-tensor / per-channel scales run on Mosaic GPU, the rest on Triton
     assert matmuls["int8 x int8, per channel"] == matmuls["fp8 x fp8, per tensor"] == "0 Triton + 1 Mosaic GPU kernels"
     assert matmuls["fp8 e5m2 x e4m3 (mixed), per block of 128"] == "1 Triton + 0 Mosaic GPU kernels"
     assert matmuls["quantized_dot int8 forward + backward, current scaling"] == "0 Triton + 3 Mosaic GPU kernels"
     assert matmuls["quantized_dot fp8 forward + backward, delayed scaling"] == "2 Triton + 1 Mosaic GPU kernels"
+    # with dY in e4m3 too, the backward's products share one dtype: all three on Mosaic GPU
+    e4m3 = matmuls["quantized_dot fp8 (dY in e4m3) forward + backward, delayed scaling"]
+    assert e4m3 == "0 Triton + 3 Mosaic GPU kernels"
     for r in rows:  # bfloat16 attention runs on Mosaic GPU where its kernels take the case, on Triton elsewhere
         if r["group"] == "attention" and "float32" in r["case"]:
             assert r["detail"] == "3 Triton + 0 Mosaic GPU kernels", r

@@ -132,6 +132,32 @@ def test_scaled_matmul_refuses_what_mosaic_cannot_take(x_dtype, w_dtype, k_block
         qm.scaled_matmul(x, x_scale, w, jnp.ones((n, 64)), impl="pallas", lowering="cuda")
 
 
+@pytest.mark.parametrize("delayed", [True, False])
+def test_fp8_training_with_e4m3_gradients_runs_every_product_on_mosaic(delayed):
+    """QuantRecipe.fp8_e4m3 quantizes dY in e4m3 like the forward's operands, so the backward's dX and dW are
+    e4m3 x e4m3 and the Mosaic GPU kernel takes all three products (``lowering="mosaic"`` raises for one it cannot
+    take, as it does for the default recipe's e5m2 x e4m3 backward); in its interpreter they equal XLA's products of
+    the same quantized operands."""
+    from pallas_kernels.quantized_training import QuantRecipe, new_amax_history, quantized_dot
+
+    kx, kw, kg = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(kx, (64, 128), jnp.float32)
+    w = jax.random.normal(kw, (128, 64), jnp.float32) / 8
+    g = jax.random.normal(kg, (64, 64), jnp.float32)
+    history = new_amax_history(4) if delayed else None
+
+    def grads(recipe):
+        y, vjp = jax.vjp(lambda x, w, h: quantized_dot(x, w, h, recipe), x, w, history)
+        return (y, *vjp(g)[:2])
+
+    mosaic = grads(QuantRecipe.fp8_e4m3(impl="pallas", lowering="mosaic", blocks=SMALL))
+    xla = grads(QuantRecipe.fp8_e4m3(impl="xla"))
+    for name, got, want in zip(("y", "dx", "dw"), mosaic, xla):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=name)
+    with pytest.raises(ValueError, match="cannot take mixed operand dtypes"):
+        grads(QuantRecipe.fp8(impl="pallas", lowering="mosaic", blocks=SMALL))
+
+
 _COMPILE = """
 import sys
 from pallas_kernels import targets

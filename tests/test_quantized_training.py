@@ -162,6 +162,33 @@ def test_precision_spec_parsing_and_config_errors():
         validate(tiny_config(model={"matmul_impl": "triton"}))
     with pytest.raises(ConfigError, match="model.quant_amax_history must be positive"):
         validate(tiny_config(model={"quant_amax_history": 0}))
+    with pytest.raises(
+        ConfigError, match="quant_backward=e4m3 sets fp8 matmuls' gradient dtype, and .* 'int8' has none"
+    ):
+        validate(tiny_config(model={"matmul_precision": "int8", "quant_backward": "e4m3"}))
+
+
+def test_quant_backward_picks_each_layer_class_gradient_dtype():
+    """quantized: fp8's dY in e5m2, int8's in int8; e4m3: fp8's dY in e4m3 (int8 layers keep int8); high: none."""
+    from jaxlm.quantized import layer_recipe
+
+    spec = "attention=fp8,mlp=int8,lm_head=default"
+    grads = {
+        backward: {
+            c: getattr(
+                layer_recipe(tiny_config(model={"matmul_precision": spec, "quant_backward": backward}).model, c),
+                "grad_dtype",
+                "-",
+            )
+            for c in ("attention", "mlp", "lm_head")
+        }
+        for backward in ("quantized", "e4m3", "high")
+    }
+    assert grads == {
+        "quantized": {"attention": "float8_e5m2", "mlp": "int8", "lm_head": "-"},
+        "e4m3": {"attention": "float8_e4m3fn", "mlp": "int8", "lm_head": "-"},
+        "high": {"attention": None, "mlp": None, "lm_head": "-"},
+    }
 
 
 def histories(state):
@@ -236,14 +263,17 @@ def test_resume_restores_scale_state_bit_for_bit(tokens, tmp_path):
 
 
 def test_fp8_and_int8_training_track_float32(tokens, tmp_path):
-    """A short run: the final loss of quantized attention + MLP projections stays within 3% of float32."""
+    """A short run: the final loss of quantized attention + MLP projections stays within 3% of float32, fp8's with
+    its dY in e5m2 (the default) and in e4m3."""
     base = tiny_config(steps=25, log_every=5, optim=dict(learning_rate=1e-2))
     final = {}
-    for name, spec in [("f32", "default"), ("fp8", "attention=fp8,mlp=fp8"), ("int8", "attention=int8,mlp=int8")]:
-        cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, matmul_precision=spec))
-        final[name] = run(tokens, tmp_path / name, cfg)[25]
+    runs = [("f32", "default", "quantized"), ("fp8", "attention=fp8,mlp=fp8", "quantized")]
+    runs += [("fp8 e4m3 dY", "attention=fp8,mlp=fp8", "e4m3"), ("int8", "attention=int8,mlp=int8", "quantized")]
+    for name, spec, backward in runs:
+        model = dataclasses.replace(base.model, matmul_precision=spec, quant_backward=backward)
+        final[name] = run(tokens, tmp_path / name.replace(" ", "_"), dataclasses.replace(base, model=model))[25]
     assert final["f32"] < 2.0  # it learned something
-    for name in ("fp8", "int8"):
+    for name in ("fp8", "fp8 e4m3 dY", "int8"):
         assert abs(final[name] - final["f32"]) / final["f32"] < 0.03, final
 
 
