@@ -7,8 +7,9 @@ kernels, measured in one run.
 ``check`` compares the Mosaic kernels (``block_sparse_attention(..., lowering="mosaic")``), forward and gradients,
 with the float32 reference on bfloat16 inputs for each static mask kind, packed documents, GQA, T != S, a ragged
 length and score mods (a T5 bias table: the Mosaic forward, dQ with the table's gradient, and dK/dV).
-``speed`` times forward and forward + backward for the full and causal masks at T = 2k and 8k, head dims 64 and 128,
-and prints the Mosaic rows' ratio to cuDNN and Triton; ``mods`` times causal attention with a soft-cap and a T5
+``speed`` times forward and forward + backward for the full and causal masks at T = 2k and 8k, head dims 64 and 128
+(``--head-dims``: 256 too, whose backward runs one consumer warpgroup), and prints the Mosaic rows' ratio to cuDNN and
+Triton; ``mods`` times causal attention with a soft-cap and a T5
 bias table against the same on Triton. ``documents`` does the same for 8 packed documents per
 sequence against cuDNN given the equivalent dense mask; ``sweep`` times the Mosaic kernels' candidate tiles.
 Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
@@ -299,8 +300,19 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="check,speed", help="check, speed, mods, documents, sweep, comma-separated")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--impls", default="mosaic,triton,cudnn", help="speed rows to time, comma-separated")
+    p.add_argument("--head-dims", default="64,128", help="speed's head dims, comma-separated (256: one consumer)")
     args = p.parse_args(argv)
     only = set(args.only.split(","))
+    try:
+        head_dims = tuple(int(e) for e in args.head_dims.split(","))
+    except ValueError:
+        head_dims = ()
+    if not head_dims or any(e not in (64, 128, 256) for e in head_dims):
+        print(
+            f"hopper_attention: error: --head-dims {args.head_dims!r}: give 64, 128 or 256, comma-separated",
+            file=sys.stderr,
+        )
+        return 2
     if not only or only - {"check", "speed", "mods", "documents", "sweep"}:
         print(
             f"hopper_attention: error: --only {args.only!r}: give check, speed, mods, documents or sweep",
@@ -319,7 +331,7 @@ def main(argv=None) -> int:
     if "check" in only:
         result["check"] = run_check()
     if "speed" in only:
-        result["speed"] = run_speed(impls=tuple(args.impls.split(",")))
+        result["speed"] = run_speed(head_dims=head_dims, impls=tuple(args.impls.split(",")))
         result["ratios"] = ratios(result["speed"])
     if "mods" in only:
         result["mods"] = run_mods()

@@ -88,7 +88,8 @@ _logged: set = set()
 def mosaic_lowerings(static, lowering: str | None, dtype, E: int, explicit_tiles: bool = False) -> dict:
     """{"mosaic": forward tiles, "mosaic_bwd": backward tiles}, each None where that pass runs on Triton (or the
     Pallas interpreter). An explicit "mosaic" raises when the forward cannot take the case; the backward then still
-    falls back to Triton where its kernels cannot (head dim 256). Which ran is logged once."""
+    falls back to Triton where its kernels cannot (float32, head dims other than 64 / 128 / 256, blocks other than
+    128 / 256, what does not fit shared memory). Which ran is logged once."""
     if lowering not in (None, *LOWERINGS):
         raise ValueError(f"block_sparse_attention: unknown lowering {lowering!r}; choose one of {LOWERINGS}")
     if lowering == "triton" or (static.backend == "interpret" and lowering is None):

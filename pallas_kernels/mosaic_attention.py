@@ -132,6 +132,15 @@ class BlockList:
         return self.idx_ref[self.bm, self.line, lax.div(j, self.sub)] * self.block + lax.rem(j, self.sub) * self.tile
 
 
+def fresh_zero(tile_first):
+    """0, from a step's tile start (>= 0, read off the block list): a resident tile indexed with it (``ref.at[wg +
+    zero]``) gets its wgmma descriptors made anew each step, a few integer adds, instead of held across the loop, one
+    64-bit register pair per k-step of 16. The held descriptors took the registers that spilled (sm_90 ptxas, B 2,
+    T 1024: the backward at head dim 256, one consumer warpgroup, 208-236 bytes per kernel -> 0; at head dim 128
+    dK/dV with GQA 20 -> 0, dQ / dK/dV with a T5 table 80 / 48 -> 0)."""
+    return jnp.minimum(tile_first, 0)
+
+
 def stream(plgpu, n_steps, stages: int, load, free) -> None:
     """The producer warpgroup's loop: fill the ring's ``stages`` slots, then refill each slot once both consumer
     warpgroups have arrived on its ``free`` barriers; at the end, wait for the last ``stages`` steps' releases too,
@@ -367,8 +376,12 @@ def mosaic_forward(
 
                 k_t = modes.transposed(k_smem.at[slot], kt_smem, wg)
 
+                # at head dim 256 Q's wgmma descriptors (16 k-steps) are made anew each step (sm_90 ptxas, documents
+                # with GQA: 12 bytes of spills -> 0); head dims 64 and 128, measured on a GPU, keep their code
+                z = fresh_zero(tile_start(j)) if E > 128 else 0
+
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, qo_smem, k_t)
+                    plgpu.wgmma(acc_ref, qo_smem2.at[wg + z], k_t)
                     take_turn()
                     return acc_ref[...]
 

@@ -26,8 +26,14 @@ result is deterministic. Document and position slots (``kernel_mask``) are loade
 each consumer warpgroup reads the ids of its own rows once (dQ: its q ids; dK/dV: its kv ids), a vector in the row
 layout of the wgmma accumulator, and the producer streams the ids of each PARTIAL tile's other axis with TMA beside
 its first operand (dQ: kv ids beside K; dK/dV: q ids beside Q) through one more ring, one more barrier per slot;
-FULL tiles load none. Head dim 256 is not taken (its dK and dV accumulators do not fit the registers;
-``supports_backward`` sends it to the Triton kernels).
+FULL tiles load none.
+
+Head dim 256 (``BackwardTiles.consumers`` 1, ``dkv_parts`` 2): its resident tiles leave shared memory for a ring of
+one slot with two consumer warpgroups, so a program has one, of 64 rows (two programs per block), and no register
+reallocation (each of its 256 threads may take 255); dK and dV at once took 256 registers a thread, so dK/dV runs as
+two launches, each accumulating half of the head dim's columns, the scores and dP^T over all of it computed in both
+(1.5x dK/dV's products). sm_90 ptxas: about 210 bytes of spills per backward kernel (the resident tiles' wgmma
+descriptors for 16 k-steps, held across the loop).
 
 Shape suffixes follow the legend in docs/architecture.md.
 """
@@ -47,6 +53,7 @@ from .mosaic_attention import (
     BlockList,
     Modes,
     _accumulate,
+    fresh_zero,
     id_inputs,
     interpret_params,
     stream,
@@ -139,6 +146,7 @@ def mosaic_dq(
     B, H, Tp, E = q.shape
     Sp = k.shape[2]
     G, rows, tkv, stages = static.groups, tiles.dq_rows, tiles.dq_kv, tiles.dq_stages
+    n_wg = tiles.consumers  # consumer warpgroups: a program owns n_wg * rows query rows
     dtype = q.dtype
     kv_idx, kv_np, kv_cnt = (a.astype(jnp.int32) for a in mask_arrays[:3])
     n_ids, id_arrays, ids_batched = id_inputs("mosaic_dq", static, doc_arrays, Tp, Sp)
@@ -175,16 +183,18 @@ def mosaic_dq(
         smem, ready, (k_ready, v_ready), (k_free, v_free), kvid_ready = scoped
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, t_smem2, a_smem2, qid_smem2, kvid_smem = smem[:10]
         mod_smem2, grads_smem2 = smem[10:]
-        b, h, row, wg = (lax.axis_index(n) for n in ("batch", "heads", "rows", "wg"))
+        b, h, prog, wg = (lax.axis_index(n) for n in ("batch", "heads", "rows", "wg"))
         bd = b if ids_batched else 0
+        row = lax.div(prog * (n_wg * rows), static.block_q)  # the program's block row
         blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, row, static.block_kv, tkv)
         n_tiles, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
 
-        @pl.when(wg < 2)
+        @pl.when(wg < n_wg)
         def _consumer():
-            plgpu.set_max_registers(consumer_regs, action="increase")
+            if n_wg == 2:  # one consumer and the producer have 255 registers a thread each without reallocation
+                plgpu.set_max_registers(consumer_regs, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-            base = row * (2 * rows) + wg * rows
+            base = prog * (n_wg * rows) + wg * rows
             own = [(q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem2.at[wg]), (delta_ref, delta_smem2.at[wg])]
             copies = [(src.at[b, h, pl.ds(base, rows)], dst) for src, dst in own]
             if n_ids:
@@ -206,7 +216,8 @@ def mosaic_dq(
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
                 k_t = modes.transposed(k_smem.at[slot], t_smem2, wg)
-                s = modes.product(q_smem, k_t, (rows, tkv))
+                z = fresh_zero(tile_start(j))
+                s = modes.product(q_smem2.at[wg + z], k_t, (rows, tkv))
                 if masked or static.score_mod is not None:
                     kv_first = tile_start(j)
 
@@ -225,7 +236,7 @@ def mosaic_dq(
                     s, d_mod = s, None
                     p = jnp.exp2(s * (static.scale * _LOG2E) - lse2)
                 v_t = modes.transposed(v_smem.at[slot], t_smem2, wg)
-                dp = modes.product(do_smem, v_t, (rows, tkv))
+                dp = modes.product(do_smem2.at[wg + z], v_t, (rows, tkv))
                 plgpu.barrier_arrive(v_free.at[slot])
                 ds = p * (dp - delta)  # d loss / d (modded scores)
                 if static.score_mod is not None:
@@ -260,9 +271,10 @@ def mosaic_dq(
                 plgpu.copy_smem_to_gmem(grads_smem2.at[wg], rows_ref.at[b, h, pl.ds(base, rows)])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 2)
+        @pl.when(wg == n_wg)
         def _producer():
-            plgpu.set_max_registers(producer_regs, action="decrease")
+            if n_wg == 2:
+                plgpu.set_max_registers(producer_regs, action="decrease")
             ids = (kvid_ref.at[bd], kvid_smem, kvid_ready) if n_ids else None
             kv = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))
             stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids)
@@ -274,25 +286,25 @@ def mosaic_dq(
         refs = (*ins, *((None, None) if not n_ids else ()), *mod, *outs, *((None,) if not packed else ()))
         layout = _layout(plgpu)
         scratch = (
-            plgpu.SMEM((2, rows, E), dtype, transforms=layout),
-            plgpu.SMEM((2, rows, E), dtype, transforms=layout),
-            plgpu.SMEM((2, rows), jnp.float32),
-            plgpu.SMEM((2, rows), jnp.float32),
+            plgpu.SMEM((n_wg, rows, E), dtype, transforms=layout),
+            plgpu.SMEM((n_wg, rows, E), dtype, transforms=layout),
+            plgpu.SMEM((n_wg, rows), jnp.float32),
+            plgpu.SMEM((n_wg, rows), jnp.float32),
             plgpu.SMEM((stages, tkv, E), dtype, transforms=layout),
             plgpu.SMEM((stages, tkv, E), dtype, transforms=layout),
-            plgpu.SMEM((2, E, tkv), dtype) if interpret else None,
-            plgpu.SMEM((2, rows, tkv), dtype) if interpret else None,
-            plgpu.SMEM((2, n_ids, rows), jnp.int32) if n_ids else None,
+            plgpu.SMEM((n_wg, E, tkv), dtype) if interpret else None,
+            plgpu.SMEM((n_wg, rows, tkv), dtype) if interpret else None,
+            plgpu.SMEM((n_wg, n_ids, rows), jnp.int32) if n_ids else None,
             plgpu.SMEM((stages, n_ids, tkv), jnp.int32) if n_ids else None,
-            plgpu.SMEM((2, packed_width(mod_arrays)), jnp.float32) if packed else None,
-            plgpu.SMEM((2, rows, width), jnp.float32) if packed else None,
+            plgpu.SMEM((n_wg, packed_width(mod_arrays)), jnp.float32) if packed else None,
+            plgpu.SMEM((n_wg, rows, width), jnp.float32) if packed else None,
         )
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped),
             scratch,
-            plgpu.Barrier(num_barriers=2 * n_ready),
+            plgpu.Barrier(num_barriers=n_wg * n_ready),
             (plgpu.Barrier(num_barriers=stages),) * 2,
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            (plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),) * 2,
             plgpu.Barrier(num_barriers=stages) if n_ids else None,
             collective_axes="wg",
         )
@@ -303,9 +315,9 @@ def mosaic_dq(
     out = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(H, Tp // (2 * rows), B),
+        grid=(H, Tp // (n_wg * rows), B),
         grid_names=("heads", "rows", "batch"),
-        num_threads=3,
+        num_threads=n_wg + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **interpret_params(interpret),
@@ -333,12 +345,32 @@ def mosaic_dkv(
 ):
     """(dK, dV) [B, K, Sp, E] in k.dtype, summed over each kv head's query heads. ``doc_arrays`` as ``mosaic_dq``'s;
     ``mod_arrays`` as ``mosaic_forward``'s: each consumer warpgroup copies the packed rows of the kv head's query
-    heads to shared memory once (the arrays' own gradients are ``mosaic_dq``'s)."""
+    heads to shared memory once (the arrays' own gradients are ``mosaic_dq``'s). With ``tiles.dkv_parts`` > 1 each
+    part of the head dim is a launch of its own, concatenated here."""
+    parts = [
+        _dkv_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays, part, interpret)
+        for part in range(tiles.dkv_parts)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(jnp.concatenate(xs, axis=-1) for xs in zip(*parts))
+
+
+def _dkv_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays, part, interpret):
+    """dK and dV's columns of head-dim part ``part`` of ``tiles.dkv_parts``: the scores and dP^T contract over the
+    whole head dim (each part computes them again), the accumulators hold only the part's columns (at head dim 256
+    the whole dK and dV took 256 registers a thread)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     B, H, Tp, E = q.shape
     K, Sp = k.shape[1], k.shape[2]
     G, rows, tq, stages = static.groups, tiles.dkv_rows, tiles.dkv_q, tiles.dkv_stages
+    n_wg = tiles.consumers  # consumer warpgroups: a program owns n_wg * rows kv rows
+    E_out = E // tiles.dkv_parts  # the part's columns of dK and dV
+
+    def cols(ref):  # a tile's columns of this part
+        return ref if E_out == E else ref.at[:, pl.ds(part * E_out, E_out)]
+
     dtype = q.dtype
     q_idx, q_np, q_cnt = (a.astype(jnp.int32) for a in mask_arrays[3:6])
     n_ids, id_arrays, ids_batched = id_inputs("mosaic_dkv", static, doc_arrays, Tp, Sp)
@@ -347,7 +379,8 @@ def mosaic_dkv(
     modes = Modes(plgpu, interpret)
     # As dQ's. sm_90 ptxas, spill bytes at 232 / 40 -> 240 / 24: head dim 64 with a document slot 8 -> 0, with a
     # soft-cap 484 -> 404; head dim 128 with GQA (G = 2) 52 -> 20, with a soft-cap 268 -> 164, a document slot 4 -> 4.
-    # With the soft-cap's derivative rebuilt from p (``_rebuilt_derivative``), 0 at both head dims.
+    # With the soft-cap's derivative rebuilt from p (``_rebuilt_derivative``), 0 at both head dims; with the
+    # resident K and V's descriptors made each step (``fresh_zero``), GQA and a document slot 0 too.
     consumer_regs, producer_regs = (240, 24)
 
     def kernel(
@@ -368,19 +401,20 @@ def mosaic_dkv(
         scoped,
     ):
         smem, ready, slot_ready, slot_free, qid_ready = scoped
-        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, t_smem2, a_smem2, kvid_smem2, qid_smem, mod_smem2 = (
-            smem
-        )
-        b, hk, col, wg = (lax.axis_index(n) for n in ("batch", "heads", "cols", "wg"))
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, t_smem2, a_smem2, kvid_smem2, qid_smem = smem[:10]
+        mod_smem2, out_smem2 = smem[10:]
+        b, hk, prog, wg = (lax.axis_index(n) for n in ("batch", "heads", "cols", "wg"))
         bd = b if ids_batched else 0
+        col = lax.div(prog * (n_wg * rows), static.block_kv)  # the program's block column
         blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, col, static.block_q, tq)
         per_head, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
 
-        @pl.when(wg < 2)
+        @pl.when(wg < n_wg)
         def _consumer():
-            plgpu.set_max_registers(consumer_regs, action="increase")
+            if n_wg == 2:  # one consumer and the producer have 255 registers a thread each without reallocation
+                plgpu.set_max_registers(consumer_regs, action="increase")
             k_own, v_own = k_smem2.at[wg], v_smem2.at[wg]
-            base = col * (2 * rows) + wg * rows
+            base = prog * (n_wg * rows) + wg * rows
             copies = [(k_ref.at[b, hk, pl.ds(base, rows)], k_own), (v_ref.at[b, hk, pl.ds(base, rows)], v_own)]
             if n_ids:
                 copies.append((kvid_ref.at[bd, slice(None), pl.ds(base, rows)], kvid_smem2.at[wg]))
@@ -397,7 +431,8 @@ def mosaic_dkv(
                 for r in slot_ready:
                     plgpu.barrier_wait(r.at[slot])
                 q_t = modes.transposed(q_smem.at[slot], t_smem2, wg)
-                s = modes.product(k_own, q_t, (rows, tq))  # s^T [kv rows, q]
+                z = fresh_zero(tile_start(t))
+                s = modes.product(k_smem2.at[wg + z], q_t, (rows, tq))  # s^T [kv rows, q]
                 head = hk * G + g
                 if masked or static.score_mod is not None:
                     q_first = tile_start(t)
@@ -422,9 +457,9 @@ def mosaic_dkv(
                 lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1]) * _LOG2E
                 p = jnp.exp2(s2 - lse2)
                 p16 = modes.operand(p.astype(dtype), a_smem2, wg)
-                dv = _accumulate(plgpu, dv, p16, do_smem.at[slot], lambda: None, interpret)
+                dv = _accumulate(plgpu, dv, p16, cols(do_smem.at[slot]), lambda: None, interpret)
                 do_t = modes.transposed(do_smem.at[slot], t_smem2, wg)
-                dp = modes.product(v_own, do_t, (rows, tq))
+                dp = modes.product(v_smem2.at[wg + z], do_t, (rows, tq))
                 delta = lax.broadcast_in_dim(modes.vector(delta_smem.at[slot], 1), (rows, tq), [1])
                 ds = p * (dp - delta)
                 if static.score_mod is not None and _output_derivative(static) is not None:  # lse read again
@@ -433,7 +468,7 @@ def mosaic_dkv(
                 if d_mod is not None:
                     ds = ds * d_mod
                 ds = modes.operand(ds.astype(dtype), a_smem2, wg)
-                dk = _accumulate(plgpu, dk, ds, q_smem.at[slot], lambda: None, interpret)
+                dk = _accumulate(plgpu, dk, ds, cols(q_smem.at[slot]), lambda: None, interpret)
                 for f in slot_free:
                     plgpu.barrier_arrive(f.at[slot])
                 return dk, dv
@@ -442,18 +477,27 @@ def mosaic_dkv(
                 carry = lax.fori_loop(0, n_partial, functools.partial(step, g=g, masked=True), carry)
                 return lax.fori_loop(n_partial, per_head, functools.partial(step, g=g, masked=False), carry)
 
-            zeros = modes.zeros((rows, E))
+            zeros = modes.zeros((rows, E_out))
             dk, dv = lax.fori_loop(0, G, per_group, (zeros, zeros))
-            k_own[...] = (dk * static.scale).astype(dtype)
-            v_own[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_own, dk_ref.at[b, hk, pl.ds(base, rows)])
-            plgpu.copy_smem_to_gmem(v_own, dv_ref.at[b, hk, pl.ds(base, rows)])
+            if E_out == E:  # K and V are read no more: their tiles take dK and dV
+                k_own[...] = (dk * static.scale).astype(dtype)
+                v_own[...] = dv.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(k_own, dk_ref.at[b, hk, pl.ds(base, rows)])
+                plgpu.copy_smem_to_gmem(v_own, dv_ref.at[b, hk, pl.ds(base, rows)])
+            else:  # a TMA store reads contiguous shared memory, not a part's columns: one tile, dK's then dV's
+                out_own = out_smem2.at[wg]
+                for acc, ref, factor in ((dk, dk_ref, static.scale), (dv, dv_ref, 1.0)):
+                    out_own[...] = (acc * factor).astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_own, ref.at[b, hk, pl.ds(base, rows)])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 2)
+        @pl.when(wg == n_wg)
         def _producer():
-            plgpu.set_max_registers(producer_regs, action="decrease")
+            if n_wg == 2:
+                plgpu.set_max_registers(producer_regs, action="decrease")
             n_steps = G * per_head
 
             def load(j, slot):
@@ -479,35 +523,36 @@ def mosaic_dkv(
         refs = (*ins, *((None, None) if not n_ids else ()), *mod, *outs)
         layout = _layout(plgpu)
         scratch = (
-            plgpu.SMEM((2, rows, E), dtype, transforms=layout),
-            plgpu.SMEM((2, rows, E), dtype, transforms=layout),
+            plgpu.SMEM((n_wg, rows, E), dtype, transforms=layout),
+            plgpu.SMEM((n_wg, rows, E), dtype, transforms=layout),
             plgpu.SMEM((stages, tq, E), dtype, transforms=layout),
             plgpu.SMEM((stages, tq, E), dtype, transforms=layout),
             plgpu.SMEM((stages, tq), jnp.float32),
             plgpu.SMEM((stages, tq), jnp.float32),
-            plgpu.SMEM((2, E, tq), dtype) if interpret else None,
-            plgpu.SMEM((2, rows, tq), dtype) if interpret else None,
-            plgpu.SMEM((2, n_ids, rows), jnp.int32) if n_ids else None,
+            plgpu.SMEM((n_wg, E, tq), dtype) if interpret else None,
+            plgpu.SMEM((n_wg, rows, tq), dtype) if interpret else None,
+            plgpu.SMEM((n_wg, n_ids, rows), jnp.int32) if n_ids else None,
             plgpu.SMEM((stages, n_ids, tq), jnp.int32) if n_ids else None,
-            plgpu.SMEM((2, G, packed_width(mod_arrays)), jnp.float32) if packed else None,
+            plgpu.SMEM((n_wg, G, packed_width(mod_arrays)), jnp.float32) if packed else None,
+            plgpu.SMEM((n_wg, rows, E_out), dtype, transforms=layout) if E_out < E else None,
         )
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped),
             scratch,
-            plgpu.Barrier(num_barriers=2 * n_ready),
+            plgpu.Barrier(num_barriers=n_wg * n_ready),
             (plgpu.Barrier(num_barriers=stages),) * 4,
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),),
+            (plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),),
             plgpu.Barrier(num_barriers=stages) if n_ids else None,
             collective_axes="wg",
         )
 
-    out = like(k.shape, k.dtype, k)
+    out = like((*k.shape[:3], E_out), k.dtype, k)
     dk, dv = plgpu.kernel(
         entry,
         out_type=(out, out),
-        grid=(K, Sp // (2 * rows), B),
+        grid=(K, Sp // (n_wg * rows), B),
         grid_names=("heads", "cols", "batch"),
-        num_threads=3,
+        num_threads=n_wg + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **interpret_params(interpret),

@@ -1,6 +1,6 @@
-"""Which tiles the Mosaic GPU attention backward (``mosaic_attention_bwd``) takes: the candidates for a head dim and
-blocks whose shared memory fits beside what else the kernels load (document slots, a mod's captured arrays), and
-whether the kernels can take a case at all (else the Triton kernels run)."""
+"""Which tiles the Mosaic GPU attention backward (``mosaic_attention_bwd``) takes: the candidates for a head dim (64,
+128, 256) and blocks whose shared memory fits beside what else the kernels load (document slots, a mod's captured
+arrays), and whether the kernels can take a case at all (else the Triton kernels run)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from .score_tables import packed_entries, row_entries
 
 @dataclasses.dataclass(frozen=True)
 class BackwardTiles:
-    """Rows per consumer warpgroup (half a block), the streamed tile, and ring slots, per kernel."""
+    """Rows per consumer warpgroup, the streamed tile, and ring slots, per kernel; consumer warpgroups per program
+    (two, each half a block; one at head dim 256, whose resident tiles leave shared memory for a one-slot ring
+    only with two), and launches of dK/dV over parts of the head dim (at 256 two: the whole dK and dV accumulators
+    took 256 registers a thread)."""
 
     dq_rows: int
     dq_kv: int
@@ -22,12 +25,19 @@ class BackwardTiles:
     dkv_rows: int
     dkv_q: int
     dkv_stages: int
+    consumers: int = 2
+    dkv_parts: int = 1
+
+    def __post_init__(self):
+        if self.consumers not in (1, 2) or self.dkv_parts not in (1, 2):
+            raise ValueError(f"BackwardTiles: consumers and dkv_parts are 1 or 2, got {self}")
 
 
-def _smem_bytes(rows, tile, stages, head_dim, itemsize, per_slot_extra=0, n_slots=0) -> int:
-    """One kernel's shared memory: the two warpgroups' resident tiles (q, dO or k, v) and, per document / position
-    slot, their ids; ``stages`` ring slots of two streamed tiles, ``per_slot_extra`` bytes and each slot's tile ids."""
-    own = 2 * 2 * rows * head_dim * itemsize + n_slots * 2 * rows * 4
+def _smem_bytes(rows, tile, stages, head_dim, itemsize, per_slot_extra=0, n_slots=0, consumers=2) -> int:
+    """One kernel's shared memory: the consumer warpgroups' resident tiles (q, dO or k, v) and, per document /
+    position slot, their ids; ``stages`` ring slots of two streamed tiles, ``per_slot_extra`` bytes and each slot's
+    tile ids."""
+    own = consumers * (2 * rows * head_dim * itemsize + n_slots * rows * 4)
     slot = 2 * tile * head_dim * itemsize + per_slot_extra + n_slots * tile * 4
     return own + stages * slot
 
@@ -38,14 +48,17 @@ def _dkv_slot_extra(tiles: BackwardTiles) -> int:
 
 def _dq_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entries: int) -> int:
     """dQ's shared memory; with a mod's captured arrays also each warpgroup's packed row and its gradient tile."""
-    arrays = 2 * 4 * packed_entries(entries) * (1 + t.dq_rows) if entries else 0
-    return _smem_bytes(t.dq_rows, t.dq_kv, t.dq_stages, head_dim, itemsize, 0, slots) + arrays
+    arrays = t.consumers * 4 * packed_entries(entries) * (1 + t.dq_rows) if entries else 0
+    return _smem_bytes(t.dq_rows, t.dq_kv, t.dq_stages, head_dim, itemsize, 0, slots, t.consumers) + arrays
 
 
 def _dkv_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entries: int, groups: int) -> int:
     """dK/dV's shared memory; with a mod's captured arrays also each warpgroup's packed rows of its query heads."""
-    arrays = 2 * 4 * groups * packed_entries(entries) if entries else 0
-    rest = _smem_bytes(t.dkv_rows, t.dkv_q, t.dkv_stages, head_dim, itemsize, _dkv_slot_extra(t), slots)
+    arrays = t.consumers * 4 * groups * packed_entries(entries) if entries else 0
+    extra = _dkv_slot_extra(t)
+    rest = _smem_bytes(t.dkv_rows, t.dkv_q, t.dkv_stages, head_dim, itemsize, extra, slots, t.consumers)
+    if t.dkv_parts > 1:  # the tile that stages a part's dK, then dV, for their TMA stores
+        rest += t.consumers * t.dkv_rows * (head_dim // t.dkv_parts) * itemsize
     return rest + arrays
 
 
@@ -58,18 +71,25 @@ def backward_candidates(
     the float32 accumulators and the softmax fit 232 registers, and at every head dim with captured arrays (dQ's
     gradient tile takes registers too; sm_90 ptxas at head dim 64, T5 table and learned slopes chained: dQ 12 bytes
     of spills, dK/dV 0, against 240 with 128-wide tiles); ``experiments.hopper_attention --only sweep`` times the
-    rest."""
+    rest. Head dim 256 has one tiling: one consumer warpgroup of 64 rows, 64-wide tiles, two-slot rings, dK/dV in
+    two halves of the head dim."""
     itemsize = jnp.dtype(dtype).itemsize
-    if head_dim % 64 or head_dim > 128 or block_q % 128 or block_kv % 128 or max(block_q, block_kv) > 256:
+    if head_dim % 64 or head_dim not in (64, 128, 256) or block_q % 128 or block_kv % 128:
         return []
-    dq_rows, dkv_rows = block_q // 2, block_kv // 2
+    if max(block_q, block_kv) > 256:
+        return []
+    if head_dim == 256:  # one consumer warpgroup of 64 rows per program, dK/dV in two head-dim halves
+        dq_rows, dkv_rows, layout, widths = 64, 64, {"consumers": 1, "dkv_parts": 2}, (64,)
+    else:
+        dq_rows, dkv_rows, layout = block_q // 2, block_kv // 2, {}
+        widths = (128, 64) if head_dim <= 64 and not entries else (64, 128)
     out = []
-    for wide in (128, 64) if head_dim <= 64 and not entries else (64, 128):
+    for wide in widths:
         fitting = [
             t
             for a in (4, 3, 2)
             for b in (4, 3, 2)
-            for t in [BackwardTiles(dq_rows, wide, a, dkv_rows, wide, b)]
+            for t in [BackwardTiles(dq_rows, wide, a, dkv_rows, wide, b, **layout)]
             if _dq_smem(t, head_dim, itemsize, slots, entries) <= _SHARED_MEMORY
             and _dkv_smem(t, head_dim, itemsize, slots, entries, groups) <= _SHARED_MEMORY
         ]
@@ -96,6 +116,10 @@ def supports_backward(static, dtype, head_dim: int) -> str | None:
     if backward_tiles(head_dim, dtype, static.block_q, static.block_kv) is None:
         return f"head dim {head_dim} with blocks {static.block_q}x{static.block_kv}"
     footprint = backward_footprint(static)
+    if head_dim > 128 and footprint["entries"]:
+        # dQ forms the arrays' gradients in a tile beside its [64, 256] accumulator: sm_90 ptxas, a T5 table 224
+        # bytes of spills, chained with slopes and a soft-cap 424
+        return f"a score mod's captured arrays at head dim {head_dim} (dQ's gradient tile spills registers there)"
     if backward_tiles(head_dim, dtype, static.block_q, static.block_kv, **footprint) is None:
         slots, entries = footprint["slots"], footprint["entries"]
         return (

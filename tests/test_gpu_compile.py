@@ -23,18 +23,27 @@ def _env():
     return env
 
 
-def _python(args, timeout):
+def _python(args, timeout, **env):
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=_env(), cwd=os.getcwd()
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env() | env,
+        cwd=os.getcwd(),
     )
 
 
-def _compile_rows(tmp_path, *flags):
+def _compile_rows(tmp_path, *flags, spills: list | None = None):
+    """gpu_compile's rows; ``spills``, when given, gets ptxas' spill line of every Mosaic GPU kernel compiled."""
     out = tmp_path / "rows.json"
-    proc = _python(["-m", "experiments.gpu_compile", "--json", str(out), *flags], timeout=1200)
+    env = {"MOSAIC_GPU_DUMP_PTXAS": "1"} if spills is not None else {}
+    proc = _python(["-m", "experiments.gpu_compile", "--json", str(out), *flags], timeout=1200, **env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert all(r["ok"] for r in rows)
+    if spills is not None:
+        spills += [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if "spill stores" in line]
     return rows
 
 
@@ -70,9 +79,13 @@ def test_every_mask_at_every_head_dim_compiles_for_h100(tmp_path):
 def test_every_kernel_compiles_for_h100(tmp_path):
     """Causal, a sliding window and documents at head dim 128 in bfloat16 (a kernel takes every static mask down
     one path); causal and document at 256 in bfloat16, causal at 256 in float32 (its largest tiles); every matmul.
-    Head dim 64 in bfloat16 is test_mosaic_attention.py's compile (its Mosaic kernels, spills checked). The slow test
-    above compiles every mask everywhere and the train steps that hold the kernels."""
-    rows = _compile_rows(tmp_path, "--core")
+    Head dim 64 in bfloat16 is test_mosaic_attention.py's compile. The slow test above compiles every mask
+    everywhere and the train steps that hold the kernels. No Mosaic GPU kernel spills registers (ptxas): the
+    attention kernels at head dim 128 with GQA and a document slot, at 256 the backward's one consumer warpgroup and
+    dK/dV's two head-dim halves, the matmuls."""
+    spills = []
+    rows = _compile_rows(tmp_path, "--core", spills=spills)
+    assert len(spills) >= 20 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
     assert [c.split(",")[0].split("(")[0] for c in _attention_cases(rows, 128, "bfloat16")] == [
         "causal",
         "sliding_window",
@@ -96,6 +109,8 @@ def test_every_kernel_compiles_for_h100(tmp_path):
     for r in rows:  # bfloat16 attention runs on Mosaic GPU where its kernels take the case, on Triton elsewhere
         if r["group"] == "attention" and "float32" in r["case"]:
             assert r["detail"] == "3 Triton + 0 Mosaic GPU kernels", r
+        if r["group"] == "attention" and "head dim 256, bfloat16" in r["case"]:  # dK/dV in two head-dim halves
+            assert r["detail"] == "0 Triton + 4 Mosaic GPU kernels", r
     assert not [r for r in rows if r["group"] == "train step"]
 
 

@@ -111,6 +111,22 @@ def test_causal_with_grouped_query_heads_at_a_ragged_length_forward_and_mosaic_b
         _close(got, want, 2e-2, name)
 
 
+def test_head_dim_256_backward_with_one_consumer_warpgroup_and_dkv_in_head_dim_halves():
+    """At head dim 256 the Mosaic backward runs one consumer warpgroup of 64 rows per program, two programs per
+    block, and dK/dV as two launches, each accumulating one half of the head dim's columns (the scores and dP^T
+    contract over all of it in both). Two query heads on one kv head, T = 100 padded to 128, causal: dQ, dK, dV
+    equal the reference's."""
+    q, k, v = _qkv(1, 2, 1, 100, 100, E=256)
+    bm = pk.make_block_mask(pk.causal(), 100, 100, BLOCKS)
+    d_out = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), jnp.bfloat16)
+    _, vjp = jax.vjp(lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic")[0], q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    _, ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, pk.causal())[0], *f32[:3])
+    for name, got, want in zip(("dq", "dk", "dv"), vjp(d_out), ref_vjp(f32[3])):
+        assert got.dtype == jnp.bfloat16
+        _close(got, want, 2e-2, name)
+
+
 def _captured_mod(H: int, seed: int = 5, buckets: int = 32, max_distance: int = 128):
     """T5's bias table and learned ALiBi slopes (arrays the kernels take as inputs), then a soft-cap."""
     r = np.random.default_rng(seed)
@@ -309,13 +325,15 @@ def forward(lowering):
     return fn
 
 S = jax.ShapeDtypeStruct((B, H, T, E), jnp.bfloat16)
-for lowering in ("mosaic", "triton"):
-    targets.compile_for_gpu(forward(lowering), S, S, S, jax.ShapeDtypeStruct((B, T), jnp.int32))
-    sys.stdout.flush()
-    print("COMPILED", lowering, file=sys.stderr, flush=True)
+if "--forwards" in sys.argv:  # the slow test's: both forwards at head dim 128, nothing else
+    for lowering in ("mosaic", "triton"):
+        targets.compile_for_gpu(forward(lowering), S, S, S, jax.ShapeDtypeStruct((B, T), jnp.int32))
+        sys.stdout.flush()
+        print("COMPILED", lowering, file=sys.stderr, flush=True)
+    sys.exit(0)
 
 # the Mosaic forward, dQ and dK/dV kernels at head dim 64 of a causal mask, then of causal & document (ids loaded
-# by all three; at head dim 128 dK/dV spills a few bytes on masked steps)
+# by all three; head dims 128 and 256 are tests/test_gpu_compile.py's, spills checked there too)
 S64 = jax.ShapeDtypeStruct((B, H, T, 64), jnp.bfloat16)
 
 def loss(q, k, v, ids=None):
@@ -344,13 +362,8 @@ print("COMPILED table", file=sys.stderr, flush=True)
 MARKERS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
 
 
-def test_compiles_for_h100_with_tma_wgmma_register_reallocation_and_no_spills(tmp_path):
-    """causal & document (a document slot) at head dim 128, B=2, T=1024, for both forwards in one subprocess, the
-    Mosaic forward and backward at head dim 64 of a causal mask and of causal & document, and the forward and
-    backward with a T5 bias table (ten Mosaic kernels in all). The
-    Mosaic kernel's PTX (MOSAIC_GPU_DUMP_PTX: this process's output) has TMA bulk-tensor copies, wgmma and setmaxnreg,
-    and ptxas reports no spills; the Triton forward's PTX (XLA's dump) has neither TMA nor setmaxnreg (Triton issues
-    wgmma on sm_90 too, so that marker is in both)."""
+def _compile_in_subprocess(tmp_path, *flags) -> tuple[str, str]:
+    """(the Mosaic kernels' PTX and ptxas' report: the subprocess's output, the Triton kernels' PTX: XLA's dump)."""
     if not targets.installed(targets.CUDA_PLUGIN, targets.plugin_dir()):
         pytest.skip(f"no CUDA plugin in {targets.plugin_dir()} (pallas_kernels.targets.install_plugin installs it)")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS")}
@@ -360,18 +373,35 @@ def test_compiles_for_h100_with_tma_wgmma_register_reallocation_and_no_spills(tm
         XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_module_re=triton".strip(),
     )
     proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=300, env=env, cwd=os.getcwd()
+        [sys.executable, "-c", _COMPILE, *flags], capture_output=True, text=True, timeout=300, env=env, cwd=os.getcwd()
     )
     mosaic = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "COMPILED table" in proc.stderr, mosaic[-3000:]
-    triton_files = sorted(tmp_path.glob("*triton_forward*.ptx"))
-    triton = "".join(p.read_text() for p in triton_files)
-    assert ".entry block_sparse_attention_fwd" in triton, [p.name for p in triton_files]
+    done = "COMPILED triton" if flags else "COMPILED table"
+    assert proc.returncode == 0 and done in proc.stderr, mosaic[-3000:]
+    return mosaic, "".join(p.read_text() for p in sorted(tmp_path.glob("*triton_forward*.ptx")))
 
+
+def test_compiles_for_h100_with_tma_wgmma_register_reallocation_and_no_spills(tmp_path):
+    """The Mosaic forward and backward at head dim 64, B=2, T=1024, of a causal mask, of causal & document (a
+    document slot), and with a T5 bias table (nine Mosaic kernels in all): their PTX (MOSAIC_GPU_DUMP_PTX: the
+    subprocess's output) has TMA bulk-tensor copies, wgmma and setmaxnreg, and ptxas reports no spills. Head dims 128
+    and 256: tests/test_gpu_compile.py (spills checked); the markers failing on the Triton kernels: the slow test
+    below."""
+    mosaic, _ = _compile_in_subprocess(tmp_path)
+    assert [m for m in MARKERS if m not in mosaic] == []
+    spills = [line.strip() for line in mosaic.splitlines() if "spill stores" in line]
+    assert len(spills) == 9 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
+
+
+@pytest.mark.slow  # the fast test's markers on the Mosaic kernels; this shows once that the Triton ones lack them
+def test_the_ptx_markers_tell_the_mosaic_forward_from_the_triton_one(tmp_path):
+    """causal & document at head dim 128, both forwards in one subprocess: the Mosaic forward's PTX has TMA, wgmma
+    and setmaxnreg; the Triton forward's (XLA's dump) neither TMA nor setmaxnreg (Triton issues wgmma on sm_90 too,
+    so that marker is in both)."""
+    mosaic, triton = _compile_in_subprocess(tmp_path, "--forwards")
+    assert ".entry block_sparse_attention_fwd" in triton
     assert [m for m in MARKERS if m not in mosaic] == []
     assert [m for m in MARKERS if m in triton] == ["wgmma.mma_async"]
-    spills = [line.strip() for line in mosaic.splitlines() if "spill stores" in line]
-    assert len(spills) == 10 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
 
 
 def test_tiles_make_room_for_captured_arrays():
@@ -389,3 +419,26 @@ def test_tiles_make_room_for_captured_arrays():
     plain = backward_tiles(128, jnp.bfloat16, 128, 128)
     wide = backward_tiles(128, jnp.bfloat16, 128, 128, slots=1, entries=64, groups=8)
     assert (plain.dq_stages, wide.dq_stages) == (4, 3) and wide.dkv_stages == plain.dkv_stages
+
+
+def test_head_dim_256_takes_one_consumer_and_two_dkv_parts_and_refuses_captured_arrays():
+    """No kernel runs: at head dim 256 the backward's one tiling is one 64-row consumer warpgroup, 64-wide tiles,
+    two-slot rings (its 192 KB of tiles leave no room for a third), dK/dV in two halves; with a document slot too; a
+    mod's captured arrays send it to Triton, saying why."""
+    from pallas_kernels.mosaic_backward_tiles import BackwardTiles, backward_candidates, supports_backward
+
+    want = BackwardTiles(64, 64, 2, 64, 64, 2, consumers=1, dkv_parts=2)
+    assert backward_candidates(256, jnp.bfloat16, 128, 128) == [want]
+    assert backward_candidates(256, jnp.bfloat16, 128, 128, slots=1, groups=4) == [want]
+    assert backward_candidates(192, jnp.bfloat16, 128, 128) == []
+    with pytest.raises(ValueError, match="BackwardTiles: consumers and dkv_parts are 1 or 2"):
+        BackwardTiles(64, 64, 2, 64, 64, 2, consumers=3)
+    assert "captured arrays at head dim 256" in supports_backward(_Static256(_captured_mod(2)), jnp.bfloat16, 256)
+    assert supports_backward(_Static256(None), jnp.bfloat16, 256) is None
+
+
+class _Static256:
+    """What supports_backward reads of a kernel's static description."""
+
+    def __init__(self, score_mod):
+        self.score_mod, self.template, self.groups, self.block_q, self.block_kv = score_mod, pk.causal(), 1, 128, 128
