@@ -143,8 +143,8 @@ TRAIN_VARIANTS = {  # name: --set style overrides of the base config
     "attention jax, matmuls fp8": {"attention_impl": "jax", "matmul_precision": "fp8"},  # auto: XLA's fp8 dots
     "attention jax, matmuls fp8 pallas": {"attention_impl": "jax", "matmul_precision": "fp8", "matmul_impl": "pallas"},
     "attention pallas, matmuls fp8": {"attention_impl": "pallas", "matmul_precision": "fp8"},
-    # dY in e4m3: on Hopper every fp8 product, the backward's included, runs on the Mosaic GPU kernel (against the
-    # variant two above, whose backward multiplies e5m2 by e4m3 on Triton)
+    # dY in e4m3: on Hopper every fp8 product, the backward's included, runs on the Mosaic GPU kernel (against
+    # "attention jax, matmuls fp8 pallas", whose backward multiplies e5m2 by e4m3 on Triton)
     "attention jax, matmuls fp8 pallas, e4m3 gradients": {
         "attention_impl": "jax",
         "matmul_precision": "fp8",

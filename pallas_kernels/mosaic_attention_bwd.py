@@ -32,8 +32,8 @@ Head dim 256 (``BackwardTiles.consumers`` 1, ``dkv_parts`` 2): its resident tile
 one slot with two consumer warpgroups, so a program has one, of 64 rows (two programs per block), and no register
 reallocation (each of its 256 threads may take 255); dK and dV at once took 256 registers a thread, so dK/dV runs as
 two launches, each accumulating half of the head dim's columns, the scores and dP^T over all of it computed in both
-(1.5x dK/dV's products). sm_90 ptxas: about 210 bytes of spills per backward kernel (the resident tiles' wgmma
-descriptors for 16 k-steps, held across the loop).
+(1.5x dK/dV's products). The resident tiles' wgmma descriptors are made each step (``fresh_zero``): held across
+the loop, 16 k-steps' of them for two resident operands spilled about 210 bytes per kernel on sm_90.
 
 Shape suffixes follow the legend in docs/architecture.md.
 """
@@ -216,6 +216,8 @@ def mosaic_dq(
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
                 k_t = modes.transposed(k_smem.at[slot], t_smem2, wg)
+                # the tile start read again below where the mask and mod need it: held from here, it spilled 88
+                # bytes beside a T5 table and learned slopes at head dim 128 (sm_90 ptxas; 8 read twice)
                 z = fresh_zero(tile_start(j))
                 s = modes.product(q_smem2.at[wg + z], k_t, (rows, tkv))
                 if masked or static.score_mod is not None:
@@ -431,11 +433,11 @@ def _dkv_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays
                 for r in slot_ready:
                     plgpu.barrier_wait(r.at[slot])
                 q_t = modes.transposed(q_smem.at[slot], t_smem2, wg)
-                z = fresh_zero(tile_start(t))
+                q_first = tile_start(t)
+                z = fresh_zero(q_first)
                 s = modes.product(k_smem2.at[wg + z], q_t, (rows, tq))  # s^T [kv rows, q]
                 head = hk * G + g
                 if masked or static.score_mod is not None:
-                    q_first = tile_start(t)
 
                     def kv_pos():
                         return modes.iota((rows, tq), 0) + base
