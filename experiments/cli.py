@@ -75,6 +75,19 @@ def exit_with(code: int, grace_s: float | None = None) -> None:
     sys.exit(code)
 
 
+def csv_of(kind, choices=None):
+    """An argparse type: a comma-separated list of ``kind`` (from ``choices`` when given), as a tuple."""
+
+    def parse(text):
+        items = [kind(x) for x in text.split(",") if x]
+        bad = [x for x in items if choices is not None and x not in choices]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(map(str, choices or ()))}")
+        return tuple(items)
+
+    return parse
+
+
 def check_writable_dir(path: Path, flag: str) -> None:
     """Creates `path` if needed and proves it writable with a real write (permission bits do not stop root, and a
     read-only mount ignores them); UsageError naming `flag` when a parent is a file or it cannot be written."""

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
-from experiments.cli import exit_with
+from experiments.cli import csv_of, exit_with
 from experiments.report_speed import _peer, kept_pairs
 from experiments.timing import best_time
 from pallas_kernels.mosaic_attention import forward_candidates
@@ -300,19 +300,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="check,speed", help="check, speed, mods, documents, sweep, comma-separated")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--impls", default="mosaic,triton,cudnn", help="speed rows to time, comma-separated")
-    p.add_argument("--head-dims", default="64,128", help="speed's head dims, comma-separated (256: one consumer)")
+    p.add_argument("--head-dims", type=csv_of(int, (64, 128, 256)), default=(64, 128), help="speed's, comma-separated")
     args = p.parse_args(argv)
     only = set(args.only.split(","))
-    try:
-        head_dims = tuple(int(e) for e in args.head_dims.split(","))
-    except ValueError:
-        head_dims = ()
-    if not head_dims or any(e not in (64, 128, 256) for e in head_dims):
-        print(
-            f"hopper_attention: error: --head-dims {args.head_dims!r}: give 64, 128 or 256, comma-separated",
-            file=sys.stderr,
-        )
-        return 2
     if not only or only - {"check", "speed", "mods", "documents", "sweep"}:
         print(
             f"hopper_attention: error: --only {args.only!r}: give check, speed, mods, documents or sweep",
@@ -331,7 +321,7 @@ def main(argv=None) -> int:
     if "check" in only:
         result["check"] = run_check()
     if "speed" in only:
-        result["speed"] = run_speed(head_dims=head_dims, impls=tuple(args.impls.split(",")))
+        result["speed"] = run_speed(head_dims=args.head_dims, impls=tuple(args.impls.split(",")))
         result["ratios"] = ratios(result["speed"])
     if "mods" in only:
         result["mods"] = run_mods()

@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from experiments.cli import exit_with
+from experiments.cli import csv_of, exit_with
 from experiments.gpu_compile import MATMULS, Case, attention_masks, matmul_program, run
 
 TPU_CALL = "tpu_custom_call"
@@ -125,25 +125,14 @@ def matmul_cases(generations) -> list[Case]:
     ]
 
 
-def _csv(kind, choices=None):
-    def parse(text):
-        items = [kind(x) for x in text.split(",") if x]
-        bad = [x for x in items if choices is not None and x not in choices]
-        if not items or bad:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(map(str, choices or ()))}")
-        return tuple(items)
-
-    return parse
-
-
 def main(argv=None) -> int:
     from pallas_kernels import targets
 
     p = argparse.ArgumentParser(prog="python -m experiments.tpu_compile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--generations", type=_csv(str, tuple(targets.TPU_GENERATIONS)), default=GENERATIONS)
-    p.add_argument("--seqs", type=_csv(int), default=SEQS, help="sequence lengths (comma-separated)")
-    p.add_argument("--head-dims", type=_csv(int, HEAD_DIMS), default=HEAD_DIMS)
-    p.add_argument("--dtypes", type=_csv(str, DTYPES), default=DTYPES)
+    p.add_argument("--generations", type=csv_of(str, tuple(targets.TPU_GENERATIONS)), default=GENERATIONS)
+    p.add_argument("--seqs", type=csv_of(int), default=SEQS, help="sequence lengths (comma-separated)")
+    p.add_argument("--head-dims", type=csv_of(int, HEAD_DIMS), default=HEAD_DIMS)
+    p.add_argument("--dtypes", type=csv_of(str, DTYPES), default=DTYPES)
     p.add_argument("--core", action="store_true", help="v5p, head dim 128, bfloat16, T 8192 and 32768 (the suite's)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--no-install", action="store_true", help="fail instead of installing libtpu with pip")
