@@ -74,9 +74,7 @@ def backward_candidates(
     rest. Head dim 256 has one tiling: one consumer warpgroup of 64 rows, 64-wide tiles, two-slot rings, dK/dV in
     two halves of the head dim."""
     itemsize = jnp.dtype(dtype).itemsize
-    if head_dim % 64 or head_dim not in (64, 128, 256) or block_q % 128 or block_kv % 128:
-        return []
-    if max(block_q, block_kv) > 256:
+    if head_dim not in (64, 128, 256) or block_q % 128 or block_kv % 128 or max(block_q, block_kv) > 256:
         return []
     if head_dim == 256:  # one consumer warpgroup of 64 rows per program, dK/dV in two head-dim halves
         dq_rows, dkv_rows, layout, widths = 64, 64, {"consumers": 1, "dkv_parts": 2}, (64,)
