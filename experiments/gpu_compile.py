@@ -322,20 +322,17 @@ def _compile_step(cfg):
         return program.train_step.lower(program.abstract_with_shardings(), batch).compile()
 
 
-def _compile_small_step() -> str:
+def _compile_small_step(quant_backward: str = "quantized") -> str:
     # the scanned layer body once: 3 attention kernels (causal bf16: the forward on Mosaic GPU, dQ and dK/dV on
-    # either) and 4 fp8 matmuls x (forward on Mosaic GPU; dX, dW, mixed e5m2 x e4m3, on Triton); the lm_head's 3
-    return _kernels_in(_compile_step(small_llama()), triton=4 * 2 + 2, mosaic=1 + 4 + 1, total=3 + 4 * 3 + 3)
-
-
-def _compile_small_step_e4m3() -> str:
-    # the same with fp8's dY in e4m3: every product of the 4 fp8 matmuls and the lm_head's on Mosaic GPU (so at most
-    # attention's dQ and dK/dV on Triton)
+    # either) and 4 fp8 matmuls x (forward on Mosaic GPU; dX, dW, mixed e5m2 x e4m3, on Triton); the lm_head's 3.
+    # With fp8's dY in e4m3 every matmul product is on Mosaic GPU (so at most attention's dQ and dK/dV on Triton)
     import dataclasses
 
     cfg = small_llama()
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quant_backward="e4m3"))
-    return _kernels_in(_compile_step(cfg), mosaic=1 + 4 * 3 + 3, total=3 + 4 * 3 + 3)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quant_backward=quant_backward))
+    if quant_backward == "e4m3":
+        return _kernels_in(_compile_step(cfg), mosaic=1 + 4 * 3 + 3, total=3 + 4 * 3 + 3)
+    return _kernels_in(_compile_step(cfg), triton=4 * 2 + 2, mosaic=1 + 4 + 1, total=3 + 4 * 3 + 3)
 
 
 def _compile_report_step(overrides: dict, mosaic: int = 3) -> str:
@@ -368,7 +365,7 @@ def train_cases(core: bool = False, quick: bool = False) -> list[Case]:
     e4m3 = Case(
         "train step",
         "2-layer Llama, head dim 128, bf16, Pallas attention + fp8 matmuls with e4m3 gradients",
-        _compile_small_step_e4m3,
+        lambda: _compile_small_step("e4m3"),
     )
     return [
         small,
