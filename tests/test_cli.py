@@ -20,6 +20,8 @@ from jaxlm.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 TINY = ["--set", "model.d_model=64", "--set", "model.num_layers=2", "--set", "model.mlp_dim=128"]
+# for runs whose losses are what a test reads: no eval programs to compile, no samples to generate
+NO_EVAL = ["--set", "eval_every=0", "--set", "eval_prompts=", "--set", "data.eval_batches=0"]
 
 
 def tiny_lm(*args, timeout=300):
@@ -427,6 +429,7 @@ def test_pipeline_layout_end_to_end_and_resume_under_another_layout(tmp_path):
         "data.seq_len=64",
         "--set",
         "data.microbatches=1",
+        *NO_EVAL,
         "--no-progress",
     ]
     proc, _ = tiny_lm("--steps", 3, "--mesh", meshes / "fsdp2_tp2_pp2.py", *common)

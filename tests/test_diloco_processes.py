@@ -151,7 +151,8 @@ def test_two_replica_processes_train_like_two_replicas_in_one_program(tmp_path, 
     for i in (0, 1):
         got = records(uninterrupted / f"replica_{i}", "eval_loss")
         assert sorted(got) == sorted(want)
-        np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-6)
+        # the eval's loss sums a whole split: its rounding differs between the two programs a little more
+        np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-5)
         assert records(uninterrupted / f"replica_{i}", "diloco_bytes") == records(tmp_path, "diloco_bytes")
     kept = kept_decisions(uninterrupted)  # checkpoint_every x keep_checkpoints + H steps: all a restore replays
     assert sorted(kept) == list(range(10, STEPS + 1, 2)) and all(m == [0, 1] for m in kept.values())

@@ -226,8 +226,9 @@ def test_accumulated_microbatches_write_the_max_of_their_histories():
         histories(alone.train_step(alone.init(), alone.device_batch(mb))[0])
         for mb in (jax.tree.map(lambda a: a[j::4], batch) for j in range(4))
     ]
-    for name, h in combined.items():
-        np.testing.assert_array_equal(h, np.max([p[name] for p in per_microbatch], axis=0), err_msg=name)
+    for name, h in combined.items():  # to rounding: the accumulating program and the one-microbatch one sum in
+        # other orders, so an activation's amax can differ in its last bit
+        np.testing.assert_allclose(h, np.max([p[name] for p in per_microbatch], axis=0), rtol=1e-6, err_msg=name)
 
 
 @pytest.fixture(scope="module")
