@@ -59,6 +59,8 @@ TINY_FLAGS = [
     "--set",
     "eval_every=0",
     "--set",
+    "eval_prompts=",
+    "--set",
     "tensorboard=false",
 ]
 EXIT_PREEMPTED, EXIT_CHECKPOINT_FAILED = 75, 4

@@ -1,7 +1,7 @@
 """Compile every Pallas kernel for TPU v5e / v5p / v6e (and v4), on a machine without a TPU.
 
     python -m experiments.tpu_compile                          # every generation, mask, head dim, dtype, T 8k-128k
-    python -m experiments.tpu_compile --core                   # v5p, head dim 128, bf16, T 8192 and 32768
+    python -m experiments.tpu_compile --core                   # v5p, head dim 128, bf16, T 8k and 32k, 4 masks
     python -m experiments.tpu_compile --generations v6e --seqs 131072 --json out.json
 
 Mosaic compiles each kernel for the generation and XLA checks its VMEM and SMEM, so a kernel that would not fit a
@@ -30,6 +30,10 @@ DTYPES = ("bfloat16", "float32")
 HEADS, KV_HEADS, BLOCK = 4, 2, 128
 TRACED_DOCUMENT = "document, ids traced"
 TABLE = "causal, relative_bias (T5 table as an input)"
+# A kernel's VMEM holds its tiles and the operands it loads, whatever the mask's expression: causal stands for the
+# masks that load nothing more (window, prefix, global tokens, full); documents load ids, from the host or traced;
+# a table is a score mod's array.
+CORE_MASKS = ("causal", "document", TRACED_DOCUMENT, TABLE)
 
 
 def _kernels_in(compiled, expected: int) -> str:
@@ -91,7 +95,8 @@ def _compile_attention(generation: str, mask, T: int, E: int, dtype: str) -> str
     return _kernels_in(compiled, expected=3)
 
 
-def attention_cases(generations, seqs, head_dims, dtypes) -> list[Case]:
+def attention_cases(generations, seqs, head_dims, dtypes, core: bool = False) -> list[Case]:
+    """Every mask at each generation, length, head dim and dtype (`core`: CORE_MASKS)."""
     cases = []
     for generation in generations:
         for T in seqs:
@@ -100,6 +105,8 @@ def attention_cases(generations, seqs, head_dims, dtypes) -> list[Case]:
                 for dtype in dtypes:
                     extra = {TABLE: TABLE} if (E, dtype) == (128, "bfloat16") else {}  # a score mod's array
                     for name, mask in {**masks, **extra}.items():
+                        if core and name not in CORE_MASKS:
+                            continue
                         cases.append(
                             Case(
                                 "attention",
@@ -130,15 +137,22 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m experiments.tpu_compile", description=__doc__.split("\n\n")[0])
     p.add_argument("--generations", type=csv_of(str, tuple(targets.TPU_GENERATIONS)), default=GENERATIONS)
-    p.add_argument("--seqs", type=csv_of(int), default=SEQS, help="sequence lengths (comma-separated)")
+    p.add_argument("--seqs", type=csv_of(int), help=f"sequence lengths (comma-separated; default {SEQS})")
     p.add_argument("--head-dims", type=csv_of(int, HEAD_DIMS), default=HEAD_DIMS)
     p.add_argument("--dtypes", type=csv_of(str, DTYPES), default=DTYPES)
-    p.add_argument("--core", action="store_true", help="v5p, head dim 128, bfloat16, T 8192 and 32768 (the suite's)")
+    p.add_argument(
+        "--core",
+        action="store_true",
+        help="v5p, head dim 128, bfloat16, T 8192 and 32768 unless --seqs, and the masks that load different operands "
+        "(causal, documents on the host and traced, a T5 table)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--no-install", action="store_true", help="fail instead of installing libtpu with pip")
     args = p.parse_args(argv)
     if args.core:
-        args.generations, args.seqs, args.head_dims, args.dtypes = ("v5p",), (8192, 32768), (128,), ("bfloat16",)
+        args.generations, args.head_dims, args.dtypes = ("v5p",), (128,), ("bfloat16",)
+        args.seqs = args.seqs or (8192, 32768)
+    args.seqs = args.seqs or SEQS
     bad = [T for T in args.seqs if T < 1]
     if bad:
         p.error(f"--seqs: {bad[0]} is not a positive length")
@@ -153,7 +167,8 @@ def main(argv=None) -> int:
         print(f"tpu_compile: error: {e}", file=sys.stderr)
         return 2
     print(f"tpu_compile: compiling for TPU {', '.join(args.generations)}, libtpu {directory}")
-    cases = attention_cases(args.generations, args.seqs, args.head_dims, args.dtypes) + matmul_cases(args.generations)
+    attention = attention_cases(args.generations, args.seqs, args.head_dims, args.dtypes, core=args.core)
+    cases = attention + matmul_cases(args.generations)
     rows = run(cases)
     failed = [r for r in rows if not r["ok"]]
     print(f"tpu_compile: {len(rows) - len(failed)} of {len(rows)} compile for TPU {', '.join(args.generations)}")

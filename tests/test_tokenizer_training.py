@@ -19,6 +19,7 @@ TINY = [
     *("--set", "model.d_model=32", "--set", "model.num_layers=1", "--set", "model.mlp_dim=64"),
     *("--set", "model.max_seq_len=32", "--set", "data.seq_len=32", "--set", "data.batch_size=4"),
     *("--set", "data.microbatches=1", "--set", "eval_every=0", "--set", "data.eval_batches=2"),
+    *("--set", "eval_prompts="),  # the final eval's loss, no samples
     *("--set", "tensorboard=false", "--no-progress"),
 ]
 
