@@ -186,10 +186,10 @@ MOE_CONFIG = """from jaxlm.config import DataConfig, ModelConfig, TrainConfig
 config = TrainConfig(
     model=ModelConfig(vocab_size=4096, d_model=512, num_layers=2, num_heads=8, num_kv_heads=4, mlp_dim=1024,
                       num_experts=8, experts_per_token=2, expert_mlp_dim=512, dtype="bfloat16",
-                      attention_impl="pallas", remat="full"),
+                      attention_impl="xla_blocksparse", remat="full"),
     data=DataConfig(seq_len=1024, batch_size=8),
 )
-"""
+"""  # attention by XLA: what this step is for is the experts' exchanges (a step with the kernels: the 1B's)
 
 
 @pytest.mark.parametrize("cluster", ["h100x8", pytest.param("v5px8", marks=pytest.mark.slow)])
@@ -226,7 +226,6 @@ def test_an_moe_step_compiles_with_the_all_to_all_bytes_the_planner_counts(tmp_p
         dense = sum(c["bytes"] for c in row["collectives"] if c["kind"] == "all-to-all" and c["group"] == 4)
         assert dense < 1024, row["collectives"]
         assert want <= ragged["bytes"], (ragged, want)
+        assert ragged["count"] == 2 * 8, ragged
         if row["cluster"] == "h100x8":
-            assert ragged["count"] == 2 * 8 and ragged["bytes"] == buffers, (ragged, buffers)
-        else:  # XLA:TPU kept the last layer's forward exchanges instead of recomputing them: 3 fewer of 16
-            assert ragged["count"] == 2 * 8 - 3, ragged
+            assert ragged["bytes"] == buffers, (ragged, buffers)
