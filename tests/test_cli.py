@@ -82,8 +82,9 @@ def test_tiny_run_end_to_end_then_resume(tmp_path):
     )
     assert f"sample at step 3: 'def ' -> {samples[0]['continuation'][:120]!r}" in proc.stderr
 
-    proc, _ = tiny_lm(
-        "--steps", 5, "--workdir", workdir, "--log-every", 1, *TINY, "--set", "optim.decay_steps=5", "--no-progress"
+    proc, _ = tiny_lm(  # the first run's eval and samples too: their programs come from the compilation cache
+        *("--steps", 5, "--workdir", workdir, "--log-every", 1, *TINY, "--set", "optim.decay_steps=5"),
+        *("--set", "eval_prompts=def |x = ", "--set", "eval_sample_tokens=8", "--no-progress"),
     )
     assert proc.returncode == 0, proc.stderr
     assert "resuming at step 3" in proc.stderr

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from helpers import one_device_mesh, pid_of_process, random_batch, tiny_config
 
+from experiments.tiny_lm import main as tiny_lm_main
 from jaxlm.config import DiLoCoConfig, validate
 from jaxlm.diloco.exchange import ExchangeError
 from jaxlm.diloco.processes import ProcessDiLoCoProgram
@@ -311,8 +312,9 @@ def test_a_replica_gone_for_good_is_left_out_and_rejoins_from_a_snapshot_when_it
     assert records(tmp_path / "replica_1", "loss").keys() == set(range(9, 13))
 
 
-def test_bad_replica_settings_exit_2_with_one_line(tmp_path):
-    base = ["-m", "experiments.tiny_lm", "--workdir", tmp_path, *TINY, "--steps", 2]
+def test_bad_replica_settings_exit_2_with_one_line(tmp_path, capsys):
+    """Through the command's main() in this process; a mesh of other devices than this process has, as a process."""
+    base = ["--workdir", tmp_path, *TINY, "--steps", 2]
     cases = [
         (
             ["--set", f"diloco.exchange={tmp_path}/ex", "--replica-id", 2],
@@ -320,24 +322,14 @@ def test_bad_replica_settings_exit_2_with_one_line(tmp_path):
         ),
         (["--set", f"diloco.exchange={tmp_path}/ex", "--set", "diloco.drop=1@1-2"], "leave diloco.drop empty"),
         (["--replica-id", 1], "--replica-id needs DiLoCo replicas in their own processes"),
-        (
-            [
-                "--set",
-                f"diloco.exchange={tmp_path}/ex",
-                "--mesh",
-                REPO / "experiments/meshes/replicas2_fsdp.py",
-                "--cpu-devices",
-                4,
-            ],
-            "the mesh layout's replica axis must be 1, got 2",
-        ),
     ]
     for extra, message in cases:
-        proc = run([*base, *extra], timeout=120)
-        assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (
-            extra,
-            proc.stderr,
-        )
+        code, err = tiny_lm_main([str(a) for a in (*base, *extra)]), capsys.readouterr().err
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (extra, err)
+    layout = ["--mesh", REPO / "experiments/meshes/replicas2_fsdp.py", "--cpu-devices", 4]
+    proc = run(["-m", "experiments.tiny_lm", *base, "--set", f"diloco.exchange={tmp_path}/ex", *layout], timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "the mesh layout's replica axis must be 1, got 2" in proc.stderr
 
 
 @pytest.mark.slow  # covered by the killed-replica, left-out and heartbeat tests (docs/testing.md)
