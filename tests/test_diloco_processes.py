@@ -313,7 +313,8 @@ def test_a_replica_gone_for_good_is_left_out_and_rejoins_from_a_snapshot_when_it
 
 
 def test_bad_replica_settings_exit_2_with_one_line(tmp_path, capsys):
-    """Through the command's main() in this process; a mesh of other devices than this process has, as a process."""
+    """Through the command's main() in this process; the layout case, which asks for 4 CPU devices where this
+    process has 8, as a process of its own."""
     base = ["--workdir", tmp_path, *TINY, "--steps", 2]
     cases = [
         (
