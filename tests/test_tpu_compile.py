@@ -35,12 +35,13 @@ def test_every_attention_kernel_and_matmul_compiles_for_v5p_at_8k_and_32k(tmp_pa
     """Head dim 128, bf16, forward + dQ + dK/dV in one program, at the lengths where the kernels that held whole
     sequences in VMEM overflowed it; every scaled matmul. At 32k (`--core`) the masks whose kernels load different
     operands: causal (as the masks that load nothing more), document ids on the host and traced, a T5 bias table as
-    an input. 8k (slow; its tiles are 32k's, and what once held a whole sequence now streams it): every mask kind."""
+    an input (8 buckets: the lookup's compile time grows with them; the slow run's table has 32). 8k (slow; its
+    tiles are 32k's, and what once held a whole sequence now streams it): every mask kind."""
     core = ("--generations", "v5p", "--head-dims", "128", "--dtypes", "bfloat16")
     rows = _compile_rows(tmp_path, *(("--core",) if seqs == "32768" else core), "--seqs", seqs)
     attention = [r for r in rows if r["group"] == "attention"]
     cases = [r for r in attention if f"v5p, T {seqs}," in r["case"]]
-    want = ["causal", "document", "document, ids traced", "causal, relative_bias (T5 table as an input)"]
+    want = ["causal", "document", "document, ids traced", "causal, relative_bias (T5 table of 8 buckets as an input)"]
     if seqs == "32768":
         assert [r["case"].split(f"T {seqs}, ")[1].split(", head dim")[0] for r in cases] == want
     assert len(cases) == len(attention) == (4 if seqs == "32768" else 8), cases
