@@ -5,6 +5,7 @@ and the planner both count from here."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -108,7 +109,8 @@ class ParamSpec:
     axes: tuple[str | None, ...]  # logical axis names, as jaxlm.model tags them
 
 
-def param_specs(cfg: ModelShape) -> list[ParamSpec]:
+@functools.lru_cache(maxsize=64)  # the planner counts the same model's parameters for every layout it weighs
+def param_specs(cfg: ModelShape) -> tuple[ParamSpec, ...]:
     """jaxlm.model's parameters: fused wqkv [D, K, G+2, E], wo [H, E, D], SwiGLU w_in [D, 2, F] and w_out [F, D],
     RMSNorm scales, stacked over a leading `layers` axis; embedding [V, D]; lm_head [D, V] unless tied."""
     D, V, L, H, K, F, E = (
@@ -145,7 +147,7 @@ def param_specs(cfg: ModelShape) -> list[ParamSpec]:
         ]  # fmt: skip
     if not cfg.tie_embeddings:
         specs.append(ParamSpec("lm_head", (D, V), ("embed", "vocab")))
-    return specs
+    return tuple(specs)
 
 
 def _moe_specs(cfg: ModelShape, stack: str, n: int) -> list[ParamSpec]:
@@ -218,6 +220,28 @@ def _in_group(spec: ParamSpec, cfg: ModelShape, group: str | None) -> bool:
     return True
 
 
+def _per_layout(count):
+    """Memoizes a count by the model, what the layout's split depends on (its axis sizes and rules) and the group:
+    the planner asks the same counts of many layouts that differ only in schedule or microbatches."""
+    cache: dict = {}
+
+    @functools.wraps(count)
+    def memoized(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
+        try:
+            key = (cfg, tuple(layout.axis_sizes.items()), tuple(sorted(layout.rules.items())), group)
+            hash(key)
+        except TypeError:  # a rule that cannot be hashed (a list): counted, not kept
+            return count(cfg, layout, group)
+        if key not in cache:
+            if len(cache) >= 4096:
+                cache.clear()
+            cache[key] = count(cfg, layout, group)
+        return cache[key]
+
+    return memoized
+
+
+@_per_layout
 def params_per_device(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
     return sum(_local_size(p, layout) for p in param_specs(cfg) if _in_group(p, cfg, group))
 
@@ -233,6 +257,7 @@ def fsdp_size(layout: MeshLayout) -> int:
     return math.prod(layout.axis_sizes[a] for a in fsdp_axes(layout))
 
 
+@_per_layout
 def largest_gathered_param(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
     """The largest single array (one layer's slice of a stacked one) one device all-gathers over its FSDP ring."""
     axes = fsdp_axes(layout)
@@ -250,6 +275,7 @@ def _on_mesh_axis(spec: ParamSpec, layout: MeshLayout, mesh_axis: str) -> bool:
     return any(mesh_axis in _mesh_axes(t) for t in logical_spec(spec.axes, layout.rules))
 
 
+@_per_layout
 def fsdp_gathered_params(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
     """Params one device all-gathers over its FSDP ring: its tensor/pipeline slice of every FSDP-sharded array."""
     axes = fsdp_axes(layout)
