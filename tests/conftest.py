@@ -1,9 +1,7 @@
 """Eight simulated CPU devices, set before JAX initializes, so mesh code is exercised on any machine.
 
-One persistent compilation cache for the whole session, for the experiments tests run as subprocesses: a resumed
-run, or a process of a multi-process run, finds the programs another process compiled. The test processes
-themselves compile without it: their programs are small and seldom repeat, and keying and writing every one cost
-more than the hits saved (model, train and attention tests: 77 -> 71 s on 2 cores, 2026-11-27).
+One persistent compilation cache for the whole session (also inherited by the experiments tests run as
+subprocesses): many tests build the same tiny programs, and a cache hit replaces a compile of seconds.
 """
 
 import atexit
@@ -28,4 +26,3 @@ for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitter
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_enable_compilation_cache", False)  # this process's; its subprocesses read the directory
