@@ -47,9 +47,11 @@ def checkpoint_steps(workdir):
 
 def test_tiny_run_end_to_end_then_resume(tmp_path):
     workdir = tmp_path / "run"
-    # optim.decay_steps: the same schedule for --steps 3 and 5, so the resumed run reuses the compiled programs
+    # optim.decay_steps: the same schedule for --steps 3 and 5, so the resumed run reuses the compiled programs;
+    # batches of 8 x 64 tokens, not 16 x 256: what is checked does not depend on them
+    tiny = [*TINY, "--set", "optim.decay_steps=5", "--set", "data.seq_len=64", "--set", "data.batch_size=8"]
     proc, _ = tiny_lm(
-        *("--steps", 3, "--workdir", workdir, "--log-every", 1, *TINY, "--set", "optim.decay_steps=5"),
+        *("--steps", 3, "--workdir", workdir, "--log-every", 1, *tiny),
         *("--set", "eval_prompts=def |x = ", "--set", "eval_sample_tokens=8"),
     )
     assert proc.returncode == 0, proc.stderr
@@ -83,7 +85,7 @@ def test_tiny_run_end_to_end_then_resume(tmp_path):
     assert f"sample at step 3: 'def ' -> {samples[0]['continuation'][:120]!r}" in proc.stderr
 
     proc, _ = tiny_lm(  # the first run's eval and samples too: their programs come from the compilation cache
-        *("--steps", 5, "--workdir", workdir, "--log-every", 1, *TINY, "--set", "optim.decay_steps=5"),
+        *("--steps", 5, "--workdir", workdir, "--log-every", 1, *tiny),
         *("--set", "eval_prompts=def |x = ", "--set", "eval_sample_tokens=8", "--no-progress"),
     )
     assert proc.returncode == 0, proc.stderr
@@ -95,7 +97,7 @@ def test_tiny_run_end_to_end_then_resume(tmp_path):
 
     # Same workdir, different model: refused in one line, before compiling, with the record untouched.
     before = (workdir / "metrics.jsonl").read_text()
-    proc, seconds = tiny_lm("--steps", 6, "--workdir", workdir, *TINY, "--set", "model.d_model=32", "--no-progress")
+    proc, seconds = tiny_lm("--steps", 6, "--workdir", workdir, *tiny, "--set", "model.d_model=32", "--no-progress")
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tiny_lm: error: "), proc.stderr

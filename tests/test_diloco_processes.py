@@ -161,7 +161,7 @@ def test_two_replica_processes_train_like_two_replicas_in_one_program(tmp_path, 
     assert sorted(kept) == list(range(10, STEPS + 1, 2)) and all(m == [0, 1] for m in kept.values())
 
 
-@pytest.mark.slow  # covered by the two-process replicas' kill-and-restart test and the replay test (docs/testing.md)
+@pytest.mark.slow  # covered by the fast tests that cover the kill-and-restart test below (docs/testing.md)
 def test_a_killed_replica_process_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, uninterrupted):
     launcher = subprocess.Popen(
         launch_cmd(tmp_path, "--steps", STEPS, "--checkpoint-every", 4, restart=1),
@@ -187,6 +187,9 @@ def test_a_killed_replica_process_is_restarted_and_the_run_ends_as_if_uninterrup
     assert kept_decisions(tmp_path) == kept_decisions(uninterrupted)
 
 
+@pytest.mark.slow  # 41 s; covered by its parts (docs/testing.md): the launcher restarting a replica of two processes
+# as a whole (test_multihost), two processes training as one, replica processes training as one program, the replay
+# and rejoin of a restarted replica (below), and a killed run's rerun continuing exactly (fault injection)
 def test_replicas_of_two_processes_each_survive_a_killed_process_and_train_like_one_process_each(
     tmp_path, uninterrupted
 ):
