@@ -184,12 +184,13 @@ def test_plan_verify_names_hardware_it_cannot_compile_for(capsys):
 MOE_CONFIG = """from jaxlm.config import DataConfig, ModelConfig, TrainConfig
 
 config = TrainConfig(
-    model=ModelConfig(vocab_size=4096, d_model=512, num_layers=2, num_heads=8, num_kv_heads=4, mlp_dim=1024,
+    model=ModelConfig(vocab_size=4096, d_model=512, num_layers=1, num_heads=8, num_kv_heads=4, mlp_dim=1024,
                       num_experts=8, experts_per_token=2, expert_mlp_dim=512, dtype="bfloat16",
                       attention_impl="xla_blocksparse", remat="full"),
     data=DataConfig(seq_len=1024, batch_size=8),
 )
-"""  # attention by XLA: what this step is for is the experts' exchanges (a step with the kernels: the 1B's)
+"""  # attention by XLA: what this step is for is the experts' exchanges (a step with the kernels: the 1B's); one
+# layer: every layer's exchanges are the same (a second cost 8 s of XLA:GPU's compile)
 
 
 @pytest.mark.parametrize("cluster", ["h100x8", pytest.param("v5px8", marks=pytest.mark.slow)])
@@ -214,10 +215,10 @@ def test_an_moe_step_compiles_with_the_all_to_all_bytes_the_planner_counts(tmp_p
 
     shape = ModelShape.from_config(load_config(config).model)
     want = expert_all_to_all_bytes(shape, MeshLayout(expert=4, fsdp=2), 8 * 1024, "full")
-    E, A, D, cb = 4, 1024 * 2, 512, 2  # a device's 1,024 tokens x top 2 = A copies
+    L, E, A, D, cb = 1, 4, 1024 * 2, 512, 2  # layers; a device's 1,024 tokens x top 2 = A copies
     # per layer, buffers: out [E A, D] + their experts [E A] int32 + back [A, D], twice (remat), and the backward's
     # transposes [A, D] and [E A, D]
-    buffers = 2 * (3 * E * A * D * cb + 3 * A * D * cb + 2 * E * A * 4)
+    buffers = L * (3 * E * A * D * cb + 3 * A * D * cb + 2 * E * A * 4)
     for row in json.loads(out.with_suffix(".json").read_text())["rows"]:
         assert row["compiled"] and row["fits"] and row["layout"] == "d1 f2 t1 p1 e4", row
         (ragged,) = [c for c in row["collectives"] if c["kind"] == "ragged-all-to-all" and c["group"] == 4]
@@ -226,6 +227,6 @@ def test_an_moe_step_compiles_with_the_all_to_all_bytes_the_planner_counts(tmp_p
         dense = sum(c["bytes"] for c in row["collectives"] if c["kind"] == "all-to-all" and c["group"] == 4)
         assert dense < 1024, row["collectives"]
         assert want <= ragged["bytes"], (ragged, want)
-        assert ragged["count"] == 2 * 8, ragged
+        assert ragged["count"] == L * 8, ragged
         if row["cluster"] == "h100x8":
             assert ragged["bytes"] == buffers, (ragged, buffers)
