@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from sharding.mesh import LayoutError, MeshLayout
-from sharding.rules import dividing_axes, logical_spec
+from sharding.rules import dividing_axes, logical_spec, rules_key
 
 
 @dataclass(frozen=True)
@@ -227,11 +227,10 @@ def _per_layout(count):
 
     @functools.wraps(count)
     def memoized(cfg: ModelShape, layout: MeshLayout, group: str | None = None) -> int:
-        try:
-            key = (cfg, tuple(layout.axis_sizes.items()), tuple(sorted(layout.rules.items())), group)
-            hash(key)
-        except TypeError:  # a rule that cannot be hashed (a list): counted, not kept
+        rules = rules_key(layout.rules)
+        if rules is None:  # a rule that cannot be hashed (a list): counted, not kept
             return count(cfg, layout, group)
+        key = (cfg, tuple(layout.axis_sizes.items()), rules, group)
         if key not in cache:
             if len(cache) >= 4096:
                 cache.clear()

@@ -100,10 +100,21 @@ def logical_spec(axes: tuple[str | None, ...], rules: dict | None = None) -> P:
     """PartitionSpec for an array whose dims carry these logical names. Two dims on one mesh axis is an error.
 
     Memoized: the planner asks it for every parameter of every layout it weighs (70B over 32 layouts: ~10^5 calls)."""
-    try:
-        return _logical_spec(tuple(axes), tuple(sorted((rules or {}).items())))
-    except TypeError:  # a rule's target that cannot be hashed (a list): LayoutError or not, said by the uncached path
+    key = rules_key(rules)
+    if key is None:  # said by the uncached path, as before
         return _logical_spec.__wrapped__(tuple(axes), tuple((rules or {}).items()))
+    return _logical_spec(tuple(axes), key)
+
+
+def rules_key(rules: dict | None) -> tuple | None:
+    """A layout's rules as a key for memos (their sorted items), or None where a target cannot be hashed (a list,
+    which a layout's validation refuses)."""
+    key = tuple(sorted((rules or {}).items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 @functools.lru_cache(maxsize=4096)
