@@ -35,6 +35,7 @@ TABLE = "causal, relative_bias (T5 table as an input)"
 # a table is a score mod's array. Its lookup compiles in time growing with its buckets (v5p: 8 in 13 s, 32 in 40 s):
 # `--core` compiles an 8-bucket table, the full run T5's 32.
 CORE_MASKS = ("causal", "document", TRACED_DOCUMENT, TABLE)
+TABLE_BUCKETS, CORE_TABLE_BUCKETS = 32, 8
 
 
 def _kernels_in(compiled, expected: int) -> str:
@@ -47,7 +48,7 @@ def _kernels_in(compiled, expected: int) -> str:
     return f"{found} Mosaic kernels, {temp / 2**20:.0f} MiB temporaries"
 
 
-def _attention_fns(mask, T: int, E: int, dtype: str, buckets: int = 32):
+def _attention_fns(mask, T: int, E: int, dtype: str, buckets: int = TABLE_BUCKETS):
     """(forward, dQ, dK/dV, all three) as functions of q, k, v, segment ids (``TABLE``: a T5 bias table
     [H, buckets], whose gradient dQ forms), and their argument specs."""
     import jax
@@ -79,7 +80,7 @@ def _attention_fns(mask, T: int, E: int, dtype: str, buckets: int = 32):
     return fns, (q, kv, kv, ids)
 
 
-def _compile_attention(generation: str, mask, T: int, E: int, dtype: str, buckets: int = 32) -> str:
+def _compile_attention(generation: str, mask, T: int, E: int, dtype: str, buckets: int = TABLE_BUCKETS) -> str:
     from pallas_kernels.targets import compile_for_tpu, first_line
 
     fns, args = _attention_fns(mask, T, E, dtype, buckets)
@@ -98,7 +99,7 @@ def _compile_attention(generation: str, mask, T: int, E: int, dtype: str, bucket
 
 def attention_cases(generations, seqs, head_dims, dtypes, core: bool = False) -> list[Case]:
     """Every mask at each generation, length, head dim and dtype (`core`: CORE_MASKS, the table of 8 buckets)."""
-    cases, buckets = [], 8 if core else 32
+    cases, buckets = [], CORE_TABLE_BUCKETS if core else TABLE_BUCKETS
     for generation in generations:
         for T in seqs:
             masks = {**attention_masks(1, T), TRACED_DOCUMENT: None}
