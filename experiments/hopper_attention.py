@@ -318,24 +318,33 @@ def main(argv=None) -> int:
         return 2
     print(f"hopper_attention: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+
+    def save():
+        # After every part, so a run stopped by a lease's timeout keeps the parts it finished.
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
     if "check" in only:
         result["check"] = run_check()
+        save()
     if "speed" in only:
         result["speed"] = run_speed(head_dims=args.head_dims, impls=tuple(args.impls.split(",")))
         result["ratios"] = ratios(result["speed"])
+        save()
     if "mods" in only:
         result["mods"] = run_mods()
         result["ratios"] = result.get("ratios", []) + ratios(result["mods"])
+        save()
     if "documents" in only:
         result["documents"] = run_documents()
         result["ratios"] = result.get("ratios", []) + ratios(result["documents"])
+        save()
     for r in result.get("ratios", []):
         print("ratio", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
     if "sweep" in only:
         result["sweep"] = run_sweep()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        save()
     return 0 if all(r["ok"] for r in result.get("check", [])) else 1
 
 
