@@ -122,6 +122,7 @@ def first(records: dict, steps: int) -> dict:
     return {s: v for s, v in records.items() if s <= steps}
 
 
+@pytest.mark.slow  # covered by the SIGTERM test below: its two processes' 12 steps and evals equal this reference
 def test_data_parallel_two_processes_match_one(tmp_path, cached_env, reference):
     proc = two_processes(cached_env, tmp_path / "two", "--steps", 4)
     assert_same_run(losses(tmp_path / "two"), first(losses(reference), 4))
@@ -173,8 +174,10 @@ def test_diloco_one_replica_per_process_matches_one_process(tmp_path, cached_env
 def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tmp_path, cached_env, reference):
     """A signal that reaches only process 1 (a preempted host): the processes agree at the next log step, both
     write the checkpoint of that step and exit 75; the rerun continues with nothing lost, as one uninterrupted
-    process would have trained."""
+    process would have trained: two processes x 2 devices, data parallel, give one process x 4 devices' losses and
+    eval losses, and only process 0 logs and writes the run's files."""
     workdir, steps = tmp_path / "two", 12
+    every = ["--checkpoint-every", "0", "--set", "eval_every=4"]
     launcher = subprocess.Popen(
         [
             sys.executable,
@@ -193,8 +196,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
             *map(str, TINY),
             "--steps",
             str(steps),
-            "--checkpoint-every",
-            "0",
+            *every,
         ],
         cwd=REPO,
         env=cached_env,
@@ -213,8 +215,15 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
     step = int(stopped[1])
     assert step < steps and sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [step]
     assert max(losses(workdir)) == step  # 0 steps lost
-    two_processes(cached_env, workdir, "--steps", steps, "--checkpoint-every", 0)
+    proc = two_processes(cached_env, workdir, "--steps", steps, *every)
     assert_same_run(losses(workdir), losses(reference))  # one process's 12 uninterrupted steps
+    assert_same_run(losses(workdir, "eval_loss"), losses(reference, "eval_loss"))
+    # Only process 0 logs and writes files; every process took part (both connected to the collectives).
+    for output in (out, proc.stdout):
+        assert "[p0] params" in output and "[p1] params" not in output, output
+    assert f"[p0] tiny_lm: step {steps}" in proc.stdout and "[p1] tiny_lm: step" not in proc.stdout
+    for name in ("config.json", "loss.png", "tensorboard"):
+        assert (workdir / name).exists(), name
 
 
 # ----------------------------------------------------------------------------- the launcher
