@@ -22,7 +22,7 @@ from jaxlm.evaluate import batches, score, text_stream
 from jaxlm.inference import load_model
 from jaxlm.model import Transformer
 
-HELD_OUT = Path(json.__file__).read_text()  # text the model below never trained on
+HELD_OUT = Path(json.__file__).read_text()[:3000]  # text the model below never trained on (63 windows of 48)
 
 
 @settings(max_examples=60, deadline=None)
@@ -155,7 +155,7 @@ def test_careless_input_is_one_line_and_exit_2(run, tmp_path, capsys, args, mess
 def test_a_sharded_model_scores_as_one_device(run, tmp_path, capsys):
     """Params placed on a data x tensor mesh by the layout's rules: the same figures as on one device."""
     held_out = tmp_path / "held_out.txt"
-    held_out.write_text(HELD_OUT[:3000])
+    held_out.write_text(HELD_OUT)
     mesh = tmp_path / "mesh.py"
     mesh.write_text("layout = dict(data=4, tensor=2)\n")
     figures = []
