@@ -46,12 +46,16 @@ def attention_masks(B: int, T: int) -> dict:
     import numpy as np
 
     import pallas_kernels as pk
+    from pallas_kernels.masks import at_positions
 
     segments = np.repeat(np.arange(4, dtype=np.int32), T // 4)[None].repeat(B, 0)
+    zigzag = np.concatenate([np.arange(T // 2, T), np.arange(T // 2)]).astype(np.int32)  # a context shard's order
     return {
         "causal": pk.causal(),
         "sliding_window(256)": pk.sliding_window(256),
         "document": pk.causal() & pk.document(segments),
+        # two id slots, documents and positions, as context parallelism's shards load them
+        "document at positions": at_positions(pk.causal() & pk.document(segments), zigzag, zigzag),
         f"prefix_lm({T // 4})": pk.prefix_lm(T // 4),
         "global_tokens(4) | sliding_window(256)": pk.global_tokens(4) | pk.sliding_window(256),
         "full": pk.full(),

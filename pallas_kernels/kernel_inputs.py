@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from .block_mask import BlockMask
 from .kernel_mask import bind_documents
-from .masks import Document, Mask, ScoreMod
+from .masks import Document, Full, Mask, ScoreMod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,13 @@ class AttentionStatic:
             q_len=block_mask.q_len,
             kv_len=block_mask.kv_len,
         )
+
+    @property
+    def masks_nothing(self) -> bool:
+        """A full mask over lengths that fill their blocks: no tile is PARTIAL, so a kernel needs no masked path
+        (in the Mosaic GPU dK/dV the path's code alone, never run, cost registers: sm_90 ptxas, head dim 64, 120
+        bytes of spills with it, 0 without)."""
+        return isinstance(self.template, Full) and not (self.q_len % self.block_q or self.kv_len % self.block_kv)
 
     @property
     def n_mod_arrays(self) -> int:

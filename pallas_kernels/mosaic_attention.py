@@ -436,7 +436,9 @@ def mosaic_forward(
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
-            carry = lax.fori_loop(0, n_partial, functools.partial(step, masked=True), (acc, m, l))
+            carry = (acc, m, l)
+            if not static.masks_nothing:
+                carry = lax.fori_loop(0, n_partial, functools.partial(step, masked=True), carry)
             acc, m, l = lax.fori_loop(n_partial, n_tiles, functools.partial(step, masked=False), carry)
             pl.when(wg == 0)(take_turn)  # pair warpgroup 1's first half turn
 

@@ -262,7 +262,8 @@ def mosaic_dq(
                 return d_rows + jnp.where(column, lax.broadcast_in_dim(vector, d_rows.shape, [0]), 0.0)
 
             carry = (modes.zeros((rows, E)), modes.zeros((rows, width)) if packed else ())
-            carry = lax.fori_loop(0, n_partial, functools.partial(step, masked=True), carry)
+            if not static.masks_nothing:
+                carry = lax.fori_loop(0, n_partial, functools.partial(step, masked=True), carry)
             dq, d_rows = lax.fori_loop(n_partial, n_tiles, functools.partial(step, masked=False), carry)
             q_smem[...] = (dq * static.scale).astype(dtype)
             if packed:
@@ -476,7 +477,8 @@ def _dkv_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays
                 return dk, dv
 
             def per_group(g, carry):
-                carry = lax.fori_loop(0, n_partial, functools.partial(step, g=g, masked=True), carry)
+                if not static.masks_nothing:  # a full mask's masked path, never run, spilled registers
+                    carry = lax.fori_loop(0, n_partial, functools.partial(step, g=g, masked=True), carry)
                 return lax.fori_loop(n_partial, per_head, functools.partial(step, g=g, masked=False), carry)
 
             zeros = modes.zeros((rows, E_out))

@@ -70,9 +70,10 @@ def backward_candidates(
     heads per kv head). Streamed tiles are 64 wide from head dim 128 on in the first guess, so that the score tiles,
     the float32 accumulators and the softmax fit 232 registers, and at every head dim with captured arrays (dQ's
     gradient tile takes registers too; sm_90 ptxas at head dim 64, T5 table and learned slopes chained: dQ 12 bytes
-    of spills, dK/dV 0, against 240 with 128-wide tiles); ``experiments.hopper_attention --only sweep`` times the
-    rest. Head dim 256 has one tiling: one consumer warpgroup of 64 rows, 64-wide tiles, two-slot rings, dK/dV in
-    two halves of the head dim."""
+    of spills, dK/dV 0, against 240 with 128-wide tiles) or two document / position slots (each PARTIAL tile
+    compares two pairs of id tiles; at head dim 64 dK/dV spilled 64 bytes with 128-wide tiles, 0 with 64-wide);
+    ``experiments.hopper_attention --only sweep`` times the rest. Head dim 256 has one tiling: one consumer
+    warpgroup of 64 rows, 64-wide tiles, two-slot rings, dK/dV in two halves of the head dim."""
     itemsize = jnp.dtype(dtype).itemsize
     if head_dim not in (64, 128, 256) or block_q % 128 or block_kv % 128 or max(block_q, block_kv) > 256:
         return []
@@ -80,7 +81,7 @@ def backward_candidates(
         dq_rows, dkv_rows, layout, widths = 64, 64, {"consumers": 1, "dkv_parts": 2}, (64,)
     else:
         dq_rows, dkv_rows, layout = block_q // 2, block_kv // 2, {}
-        widths = (128, 64) if head_dim <= 64 and not entries else (64, 128)
+        widths = (128, 64) if head_dim <= 64 and not entries and slots < 2 else (64, 128)
     out = []
     for wide in widths:
         fitting = [

@@ -20,6 +20,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import targets
+from pallas_kernels.kernel_inputs import AttentionStatic
 from pallas_kernels.masks import at_positions
 from pallas_kernels.mosaic_attention import MosaicTiles
 from pallas_kernels.mosaic_backward_tiles import BackwardTiles
@@ -225,6 +226,41 @@ def test_document_and_position_slots_per_batch_row_with_captured_arrays_forward_
         _close(got, want, 2e-2, name)
 
 
+def test_a_full_mask_over_whole_blocks_builds_its_kernels_without_the_masked_path():
+    """Traced only: full() over lengths that fill their blocks has no PARTIAL tile, so the forward, dQ and dK/dV are
+    built without their masked loop (``AttentionStatic.masks_nothing``: the loop's code alone, never run, spilled
+    registers in dK/dV at head dim 64); with padding (T = 120) each keeps it. The numbers: the slow test below, and
+    the ring test above for the padded full mask."""
+
+    def loops(T):
+        q, k, v = _qkv(1, 1, 1, T, T)
+        bm = pk.make_block_mask(pk.full(), T, T, BLOCKS)
+        loss = lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic")[0].astype(jnp.float32).sum()  # noqa: E731
+        return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)).count("while[")
+
+    assert loops(120) - loops(128) == 3  # one masked loop per kernel
+    static_full, static_padded = (AttentionStatic(pk.full(), None, 1.0, 128, 128, n, n) for n in (128, 120))
+    assert static_full.masks_nothing and not static_padded.masks_nothing
+    assert not AttentionStatic(pk.causal(), None, 1.0, 128, 128, 128, 128).masks_nothing
+
+
+@pytest.mark.slow  # 11 s; the fast cover: the traced test above (the masked loop is left out only where it never runs)
+def test_a_full_mask_over_whole_blocks_equals_the_reference():
+    """full() at T = S = 128 in the Mosaic GPU interpreter, kernels without their masked path: forward and
+    gradients equal the reference's."""
+    q, k, v = _qkv(1, 1, 1, 128, 128, seed=7)
+    bm = pk.make_block_mask(pk.full(), 128, 128, BLOCKS)
+    (out, lse), vjp = jax.vjp(lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic"), q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (ref_out, ref_lse), ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, pk.full()), *f32)
+    _close(out, ref_out, 1e-2, "out")
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-3)
+    d_out = jnp.asarray(np.random.default_rng(8).normal(size=q.shape), jnp.bfloat16)
+    d_lse = jnp.zeros(q.shape[:3], jnp.float32)
+    for name, got, want in zip(("dq", "dk", "dv"), vjp((d_out, d_lse)), ref_vjp((d_out.astype(jnp.float32), d_lse))):
+        _close(got, want, 2e-2, name)
+
+
 @pytest.mark.parametrize(
     "dtype, E, blocks, reason",
     [
@@ -311,6 +347,7 @@ def test_interpret_mode_picks_triton_unless_told():
 _COMPILE = """
 import glob, os, sys
 from pallas_kernels import targets
+from pallas_kernels.kernel_inputs import AttentionStatic
 targets.enable_plugin(targets.plugin_dir())
 import jax, jax.numpy as jnp, numpy as np
 import pallas_kernels as pk
@@ -405,8 +442,9 @@ def test_the_ptx_markers_tell_the_mosaic_forward_from_the_triton_one(tmp_path):
 def test_tiles_make_room_for_captured_arrays():
     """No kernel runs: with a mod's captured arrays the forward walks 64-wide kv tiles at head dim 128 (128 without;
     a table's bucket tile takes registers), the backward 64-wide tiles at head dim 64 too (dQ's gradient tile takes
-    registers) and, at head dim 128 with 64 entries per head and a document slot, dQ a shallower ring (its gradient
-    tile's shared memory takes a slot's room); dK/dV keeps its ring."""
+    registers), as with two document / position slots (their id tiles take registers) and, at head dim 128 with 64
+    entries per head and a document slot, dQ a shallower ring (its gradient tile's shared memory takes a slot's
+    room); dK/dV keeps its ring."""
     from pallas_kernels.mosaic_attention import mosaic_tiles
     from pallas_kernels.mosaic_backward_tiles import backward_tiles
 
@@ -414,6 +452,8 @@ def test_tiles_make_room_for_captured_arrays():
 
     plain64, table64 = (backward_tiles(64, jnp.bfloat16, 128, 128, entries=n) for n in (0, 33))
     assert (plain64.dq_kv, plain64.dkv_q, table64.dq_kv, table64.dkv_q) == (128, 128, 64, 64)
+    one, two = (backward_tiles(64, jnp.bfloat16, 128, 128, slots=n) for n in (1, 2))  # two slots: two id tile pairs
+    assert (one.dq_kv, one.dkv_q, two.dq_kv, two.dkv_q) == (128, 128, 64, 64)
     plain = backward_tiles(128, jnp.bfloat16, 128, 128)
     wide = backward_tiles(128, jnp.bfloat16, 128, 128, slots=1, entries=64, groups=8)
     assert (plain.dq_stages, wide.dq_stages) == (4, 3) and wide.dkv_stages == plain.dkv_stages
