@@ -149,7 +149,9 @@ def _kernels_in(compiled, *, triton: int = 0, mosaic: int = 0, total: int | None
 
 # What a kernel's shared memory and registers depend on: its tiles (head dim, dtype) and the operands it loads
 # (segment ids with a document mask), not the mask's elementwise expression: every static mask takes one path
-# through a kernel, and causal documents are causal's kernels loading ids as well. So --core compiles causal documents
+# through a kernel (but a full mask over whole blocks, built without the masked loop it never runs: that loop's code
+# cost dK/dV registers at head dim 64; the full run checks every mask's spills), and causal documents are causal's
+# kernels loading ids as well. So --core compiles causal documents
 # at each head dim in bfloat16 (float32 only causal at 256: its largest tiles; head dim 64 in bfloat16 is
 # tests/test_mosaic_attention.py's compile).
 CORE_MASKS = ("document",)

@@ -81,9 +81,9 @@ def test_every_mask_at_every_head_dim_compiles_for_h100(tmp_path):
 
 
 def test_every_kernel_compiles_for_h100(tmp_path):
-    """Causal documents at head dims 128 and 256 in bfloat16 (a kernel takes every static mask down one path;
-    causal documents are causal's kernels loading ids too), causal at 256 in float32 (its largest tiles); every
-    matmul.
+    """Causal documents at head dims 128 and 256 in bfloat16 (a kernel takes every static mask down one path, a full
+    mask over whole blocks without the masked loop; causal documents are causal's kernels loading ids too), causal
+    at 256 in float32 (its largest tiles); every matmul.
     Head dim 64 in bfloat16 is test_mosaic_attention.py's compile. The slow test above compiles every mask
     everywhere and the train steps that hold the kernels. No Mosaic GPU kernel spills registers (ptxas): the
     attention kernels at head dim 128 with GQA and a document slot, at 256 the backward's one consumer warpgroup and
