@@ -56,6 +56,7 @@ from .mosaic_attention import (
     fresh_zero,
     id_inputs,
     interpret_params,
+    over_tiles,
     stream,
     stream_kv,
     vary_like,
@@ -262,9 +263,7 @@ def mosaic_dq(
                 return d_rows + jnp.where(column, lax.broadcast_in_dim(vector, d_rows.shape, [0]), 0.0)
 
             carry = (modes.zeros((rows, E)), modes.zeros((rows, width)) if packed else ())
-            if not static.masks_nothing:
-                carry = lax.fori_loop(0, n_partial, functools.partial(step, masked=True), carry)
-            dq, d_rows = lax.fori_loop(n_partial, n_tiles, functools.partial(step, masked=False), carry)
+            dq, d_rows = over_tiles(static, step, n_partial, n_tiles, carry)
             q_smem[...] = (dq * static.scale).astype(dtype)
             if packed:
                 grads_smem2.at[wg][...] = d_rows
@@ -477,9 +476,7 @@ def _dkv_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays
                 return dk, dv
 
             def per_group(g, carry):
-                if not static.masks_nothing:  # a full mask's masked path, never run, spilled registers
-                    carry = lax.fori_loop(0, n_partial, functools.partial(step, g=g, masked=True), carry)
-                return lax.fori_loop(n_partial, per_head, functools.partial(step, g=g, masked=False), carry)
+                return over_tiles(static, functools.partial(step, g=g), n_partial, per_head, carry)
 
             zeros = modes.zeros((rows, E_out))
             dk, dv = lax.fori_loop(0, G, per_group, (zeros, zeros))
