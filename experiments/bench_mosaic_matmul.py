@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from experiments.cli import exit_with
-from pallas_kernels.mosaic_matmul import mosaic_scaled_matmul
+from pallas_kernels.mosaic_matmul import MosaicTiles, mosaic_scaled_matmul
 from pallas_kernels.targets import first_line
 
 ITERS = 20
@@ -62,9 +62,14 @@ def rel_error(out, ref) -> float:
     return float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
 
 
-def items(size: int):
-    """(name, function, operands, whether to check against the exact product) for one size."""
-    mosaic = jax.jit(lambda a, b, sa, sb: mosaic_scaled_matmul(a, b, sa, sb, out_dtype=jnp.bfloat16))
+def _mosaic(tiles: MosaicTiles | None):
+    return jax.jit(lambda a, b, sa, sb: mosaic_scaled_matmul(a, b, sa, sb, out_dtype=jnp.bfloat16, tiles=tiles))
+
+
+def items(size: int, tiles: tuple[MosaicTiles, ...] = ()):
+    """(name, function, operands, whether to check against the exact product) for one size; each of ``tiles`` adds
+    an fp8 row of the Mosaic kernel with those tiles."""
+    mosaic = _mosaic(None)
 
     @jax.jit
     def xla_fp8(a, b, sa, sb):
@@ -82,16 +87,27 @@ def items(size: int):
         ("mosaic fp8 e4m3", mosaic, fp8, True),
         ("mosaic int8", mosaic, int8, True),
         ("xla fp8 dot_general", xla_fp8, fp8, True),
+        *((f"mosaic fp8 {_short(t)}", _mosaic(t), fp8, True) for t in tiles),
     ]
 
 
-def bench(sizes=(4096, 8192)) -> list[dict]:
+def _short(t: MosaicTiles) -> str:
+    return f"{t.tile_m},{t.tile_n},{t.tile_k},{t.stages},{t.consumers},{t.band}"
+
+
+def parse_tiles(text: str) -> tuple[MosaicTiles, ...]:
+    """'128,128,128,3,2,8;...' -> MosaicTiles (tile_m, tile_n, tile_k, stages, consumers, band; trailing ones
+    may be left out)."""
+    return tuple(MosaicTiles(*(int(x) for x in part.split(","))) for part in text.split(";") if part)
+
+
+def bench(sizes=(4096, 8192), tiles: tuple[MosaicTiles, ...] = ()) -> list[dict]:
     print(f"device: {jax.devices()[0].device_kind}, median of {ITERS} calls")
     rows = []
     for size in sizes:
         flops = 2 * size**3
         bf16_s = None
-        for name, fn, make, check in items(size):
+        for name, fn, make, check in items(size, tiles):
             row = {"size": size, "item": name}
             try:
                 args = make()
@@ -109,13 +125,16 @@ def bench(sizes=(4096, 8192)) -> list[dict]:
             except Exception as e:  # noqa: BLE001 - one failing item must not stop the others
                 row["error"] = line = first_line(e)
             rows.append(row)
-            print(f"{size:6d}^3 {name:22s} {line}", flush=True)
+            print(f"{size:6d}^3 {name:30s} {line}", flush=True)
     return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_mosaic_matmul", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="4096,8192", help="M = N = K sizes, comma-separated")
+    p.add_argument(
+        "--tiles", default="", help="more fp8 rows with these MosaicTiles, e.g. '128,128,64,4;128,128,128,3,1'"
+    )
     args = p.parse_args(argv)
     try:
         sizes = tuple(int(x) for x in args.sizes.split(","))
@@ -123,7 +142,12 @@ def main(argv=None) -> int:
         message = f"--sizes {args.sizes!r}: give whole numbers, e.g. 4096,8192"
         print(f"bench_mosaic_matmul: error: {message}", file=sys.stderr)
         return 2
-    bench(sizes)
+    try:
+        tiles = parse_tiles(args.tiles)
+    except (TypeError, ValueError) as e:
+        print(f"bench_mosaic_matmul: error: --tiles {args.tiles!r}: {first_line(e)}", file=sys.stderr)
+        return 2
+    bench(sizes, tiles)
     return 0
 
 

@@ -190,6 +190,7 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 """
 
 H100_SHARED_MEMORY_PER_BLOCK = 232448  # bytes: what a kernel may ask for, and what the compile checks against
+H100_SMS = 132  # streaming multiprocessors (core_count above): how many resident CTAs fill one
 H100_MEMORY = 84942979072  # bytes of HBM3 (device_memory_size above)
 
 

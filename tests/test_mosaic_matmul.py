@@ -19,7 +19,7 @@ import pytest
 
 from pallas_kernels import quantized_matmul as qm
 from pallas_kernels import targets
-from pallas_kernels.mosaic_matmul import MosaicTiles, mosaic_scaled_matmul
+from pallas_kernels.mosaic_matmul import MosaicTiles, default_tiles, mosaic_scaled_matmul
 
 SMALL = MosaicTiles(64, 64, 64, 2)
 
@@ -65,6 +65,21 @@ def test_interpreter_matches_the_exact_scaled_product(dtype, out_dtype, shape, p
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=rtol, atol=rtol * np.abs(want).max() / 64)
 
 
+@pytest.mark.parametrize("consumers, band", [(2, 1), (1, 2)])
+def test_resident_ctas_walk_several_output_tiles(monkeypatch, consumers, band):
+    """Two resident CTAs (as if the GPU had 2 SMs) walk six output tiles each way the bands order them: every
+    tile's scales and out tile pass through the same shared buffers and barriers, and each lands in its place."""
+    from pallas_kernels import mosaic_matmul
+
+    monkeypatch.setattr(mosaic_matmul, "_sm_count", lambda: 2)
+    tiles = MosaicTiles(64, 64, 64, 2, consumers=consumers, band=band)
+    M, N, K = 64 * consumers * 2, 192, 128
+    a, b, a_scale, b_scale = _operands(M, N, K, jnp.float8_e4m3fn, seed=3)
+    out = mosaic_scaled_matmul(a, b, a_scale, b_scale, out_dtype=jnp.float32, tiles=tiles, interpret=True)
+    want = _reference(a, b, a_scale, b_scale)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-6, atol=1e-6 * np.abs(want).max() / 64)
+
+
 @pytest.mark.parametrize(
     "a_dtype, b_dtype, a_scale, b_scale, message",
     [
@@ -85,8 +100,13 @@ def test_tiles_are_checked():
         MosaicTiles(tile_m=96)
     with pytest.raises(ValueError, match="shared memory"):
         a = jnp.zeros((256, 256), jnp.float8_e4m3fn)
-        mosaic_scaled_matmul(a, a, 1.0, 1.0, tiles=MosaicTiles(256, 256, 256, 4), interpret=True)
-    assert MosaicTiles().smem_bytes(jnp.float32) <= 232448
+        mosaic_scaled_matmul(a, a, 1.0, 1.0, tiles=MosaicTiles(256, 128, 128, 4), interpret=True)
+    with pytest.raises(ValueError, match="B tile is over 16 KiB"):
+        MosaicTiles(64, 256, 128)
+    for out_dtype in (jnp.bfloat16, jnp.float32):
+        assert default_tiles(out_dtype).smem_bytes(out_dtype) <= 232448
+    with pytest.raises(ValueError, match="1 or 2 compute warpgroups"):
+        MosaicTiles(consumers=3)
 
 
 @pytest.mark.parametrize(
@@ -167,7 +187,8 @@ from pallas_kernels.mosaic_matmul import mosaic_scaled_matmul
 S = jax.ShapeDtypeStruct
 for dtype in (jnp.float8_e4m3fn, jnp.int8):
     fn = lambda a, b, sa, sb: mosaic_scaled_matmul(a, b, sa, sb, out_dtype=jnp.bfloat16)
-    ab, scales = S((512, 512), dtype), (S((512, 1), jnp.float32), S((1, 512), jnp.float32))
+    # 8192^3: 4096 output tiles over 132 resident CTAs, so each walks its share of them
+    ab, scales = S((8192, 8192), dtype), (S((8192, 1), jnp.float32), S((1, 8192), jnp.float32))
     targets.compile_for_gpu(fn, ab, ab, *scales)
 sys.stdout.flush()
 print("COMPILED", file=sys.stderr)
@@ -187,5 +208,6 @@ def test_compiles_for_h100_with_fp8_and_int8_wgmma_tma_and_no_spills():
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in text
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in text
     assert "cp.async.bulk.tensor" in text
+    assert "setmaxnreg.dec.sync.aligned.u32 \t40;" in text  # the memory warpgroup gives its registers away
     spills = [line for line in text.splitlines() if "spill stores" in line]
     assert len(spills) == 2 and all("0 bytes spill stores, 0 bytes spill loads" in s for s in spills), spills
