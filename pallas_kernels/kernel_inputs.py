@@ -13,10 +13,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from .block_mask import BlockMask
+from .block_mask import PARTIAL, BlockMask
 from .kernel_mask import bind_documents
-from .masks import Document, Full, Mask, ScoreMod
+from .masks import Document, Mask, ScoreMod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,10 @@ class AttentionStatic:
     block_kv: int
     q_len: int
     kv_len: int
+    # No block the kernels walk is PARTIAL, so they need no masked path (in the Mosaic GPU dK/dV the path's code
+    # alone, never run, cost registers: sm_90 ptxas, head dim 64, 120 bytes of spills with it, 0 without). Known on
+    # the host only: a block mask classified under tracing (documents from the batch) may have PARTIAL blocks.
+    masks_nothing: bool
 
     @staticmethod
     def shared(template: Mask, score_mod: ScoreMod | None, scale: float | None, block_mask: BlockMask, E: int) -> dict:
@@ -44,14 +49,8 @@ class AttentionStatic:
             block_kv=bs.block_kv,
             q_len=block_mask.q_len,
             kv_len=block_mask.kv_len,
+            masks_nothing=not block_mask.is_traced and not np.any(block_mask.kind == PARTIAL),
         )
-
-    @property
-    def masks_nothing(self) -> bool:
-        """A full mask over lengths that fill their blocks: no tile is PARTIAL, so a kernel needs no masked path
-        (in the Mosaic GPU dK/dV the path's code alone, never run, cost registers: sm_90 ptxas, head dim 64, 120
-        bytes of spills with it, 0 without)."""
-        return isinstance(self.template, Full) and not (self.q_len % self.block_q or self.kv_len % self.block_kv)
 
     @property
     def n_mod_arrays(self) -> int:

@@ -226,33 +226,42 @@ def test_document_and_position_slots_per_batch_row_with_captured_arrays_forward_
         _close(got, want, 2e-2, name)
 
 
-def test_a_full_mask_over_whole_blocks_builds_its_kernels_without_the_masked_path():
-    """Traced only: full() over lengths that fill their blocks has no PARTIAL tile, so the forward, dQ and dK/dV are
-    built without their masked loop (``AttentionStatic.masks_nothing``: the loop's code alone, never run, spilled
-    registers in dK/dV at head dim 64); with padding (T = 120) each keeps it. The numbers: the slow test below, and
-    the ring test above for the padded full mask."""
+def test_a_mask_without_partial_blocks_builds_its_kernels_without_the_masked_path():
+    """Traced only: a block mask with no PARTIAL block (full() over lengths that fill their blocks, documents that
+    start on block boundaries) builds the forward, dQ and dK/dV without their masked loop
+    (``AttentionStatic.masks_nothing``: the loop's code alone, never run, spilled registers in dK/dV at head dim
+    64); with padding (T = 120) or a document boundary inside a block each keeps it. The numbers: the slow test
+    below, and the ring test above for the padded full mask."""
 
-    def loops(T):
+    def loops(mask, T):
         q, k, v = _qkv(1, 1, 1, T, T)
-        bm = pk.make_block_mask(pk.full(), T, T, BLOCKS)
+        bm = pk.make_block_mask(mask, T, T, BLOCKS)
         loss = lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic")[0].astype(jnp.float32).sum()  # noqa: E731
         return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)).count("while[")
 
-    assert loops(120) - loops(128) == 3  # one masked loop per kernel
-    static_full, static_padded = (AttentionStatic(pk.full(), None, 1.0, 128, 128, n, n) for n in (128, 120))
-    assert static_full.masks_nothing and not static_padded.masks_nothing
-    assert not AttentionStatic(pk.causal(), None, 1.0, 128, 128, 128, 128).masks_nothing
+    aligned, inside = (pk.document(np.repeat([0, 1], [n, 256 - n]).astype(np.int32)) for n in (128, 100))
+    assert loops(pk.full(), 120) - loops(pk.full(), 128) == 3  # one masked loop per kernel
+    assert loops(inside, 256) - loops(aligned, 256) == 3
+
+    def static(mask, T):
+        return AttentionStatic.shared(mask, None, 1.0, pk.make_block_mask(mask, T, T, BLOCKS), 64)["masks_nothing"]
+
+    assert static(pk.full(), 128) and static(aligned, 256)
+    assert not (static(pk.full(), 120) or static(inside, 256) or static(pk.causal(), 128))
 
 
 @pytest.mark.slow  # 11 s; the fast cover: the traced test above (the masked loop is left out only where it never runs)
-def test_a_full_mask_over_whole_blocks_equals_the_reference():
-    """full() at T = S = 128 in the Mosaic GPU interpreter, kernels without their masked path: forward and
-    gradients equal the reference's."""
-    q, k, v = _qkv(1, 1, 1, 128, 128, seed=7)
-    bm = pk.make_block_mask(pk.full(), 128, 128, BLOCKS)
+@pytest.mark.parametrize("mask_name", ["full", "documents on block boundaries"])
+def test_a_mask_without_partial_blocks_equals_the_reference(mask_name):
+    """full() at T = 128, and two documents of 128 at T = 256, in the Mosaic GPU interpreter, kernels without
+    their masked path: forward and gradients equal the reference's."""
+    T = 128 if mask_name == "full" else 256
+    mask = pk.full() if mask_name == "full" else pk.document(np.repeat([0, 1], 128).astype(np.int32))
+    q, k, v = _qkv(1, 1, 1, T, T, seed=7)
+    bm = pk.make_block_mask(mask, T, T, BLOCKS)
     (out, lse), vjp = jax.vjp(lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic"), q, k, v)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    (ref_out, ref_lse), ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, pk.full()), *f32)
+    (ref_out, ref_lse), ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, mask), *f32)
     _close(out, ref_out, 1e-2, "out")
     np.testing.assert_allclose(lse, ref_lse, atol=1e-3)
     d_out = jnp.asarray(np.random.default_rng(8).normal(size=q.shape), jnp.bfloat16)
