@@ -2,6 +2,7 @@
 GPU, at M = N = K = size.
 
     python -m experiments.bench_mosaic_matmul            # sizes 4096 and 8192 (under a minute on an H100)
+    python -m experiments.bench_mosaic_matmul --sizes 8192 --tiles '128,128,128,4,1;64,128'   # other tiles beside
 
 Each item is the median of 20 timed calls (each waited for with jax.block_until_ready) after a warmup call, on random
 inputs (zeros would flatter the tensor cores' power draw). Prints TFLOP/s and the ratio to bf16, and for the Mosaic

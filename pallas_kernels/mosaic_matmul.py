@@ -146,7 +146,7 @@ def _transforms(minor: int, dtype):
 def _sm_count() -> int:
     """The SMs the resident CTAs fill: the local GPU's, else an H100's (compiling for one, or the interpreter)."""
     device = jax.devices()[0]
-    return getattr(device, "core_count", 0) if device.platform == "gpu" else H100_SMS
+    return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or H100_SMS
 
 
 def _load(ref, layout, interpret: bool):

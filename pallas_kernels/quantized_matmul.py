@@ -149,7 +149,7 @@ def scaled_matmul(
     on sm_90+ where it takes the product, else Triton (in interpret mode: the Pallas interpreter). Which one ran
     is logged once per process and reason (logger "jaxlm.kernels"). It has no effect on the XLA implementation.
     ``blocks``: a ``MatmulBlocks`` (the Triton / TPU kernel's; giving one picks Triton when ``lowering`` is None),
-    or a ``mosaic_matmul.MosaicTiles`` for the Mosaic kernel; None: ``default_blocks`` / ``MosaicTiles()``.
+    or a ``mosaic_matmul.MosaicTiles`` for the Mosaic kernel; None: ``default_blocks`` / ``default_tiles``.
     """
     if w_layout not in W_LAYOUTS:
         raise ValueError(f"scaled_matmul: unknown w_layout {w_layout!r}; choose one of {W_LAYOUTS}")

@@ -80,6 +80,16 @@ def test_resident_ctas_walk_several_output_tiles(monkeypatch, consumers, band):
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-6, atol=1e-6 * np.abs(want).max() / 64)
 
 
+def test_bench_takes_tiles_and_refuses_bad_ones_with_one_line(capsys):
+    from experiments import bench_mosaic_matmul as bench
+
+    assert bench.parse_tiles("128,128,64,6;64,128") == (MosaicTiles(128, 128, 64, 6), MosaicTiles(64, 128))
+    for text, why in (("12,x", "invalid literal"), ("128,256,128", "B tile is over 16 KiB")):
+        assert bench.main(["--tiles", text]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"bench_mosaic_matmul: error: --tiles {text!r}") and why in err and "\n" not in err
+
+
 @pytest.mark.parametrize(
     "a_dtype, b_dtype, a_scale, b_scale, message",
     [
