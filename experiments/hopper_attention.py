@@ -30,7 +30,7 @@ from experiments.cli import csv_of, exit_with
 from experiments.report_speed import _peer, kept_pairs
 from experiments.timing import best_time
 from pallas_kernels.mosaic_attention import forward_candidates
-from pallas_kernels.mosaic_backward_tiles import backward_candidates
+from pallas_kernels.mosaic_backward_tiles import FUSED_BACKWARD_PRODUCTS, backward_candidates
 from pallas_kernels.targets import first_line
 
 TOLERANCE = 2e-2  # relative L2 error of a bfloat16 attention output against the float32 reference
@@ -279,7 +279,9 @@ def run_sweep(T=8192, head_dims=(64, 128), width=2048, tokens=16384, backward_to
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per (T, E, mask): Mosaic / cuDNN and Mosaic / Triton, forward and forward + backward."""
+    """Per (T, E, mask): Mosaic / cuDNN and Mosaic / Triton, forward and forward + backward; against cuDNN also the
+    backward alone (its time: forward + backward less forward) and the backward's products per second, the Mosaic
+    backward making ``BackwardTiles.products`` per pair to cuDNN's five (it sums dQ across programs)."""
     out = []
     keys = sorted({(r["T"], r["E"], r["mask"]) for r in rows})
     for T, E, mask in keys:
@@ -291,6 +293,11 @@ def ratios(rows: list[dict]) -> list[dict]:
             if peer in by:
                 for key in ("forward_tflops", "train_tflops"):
                     entry[f"{key.split('_')[0]}_vs_{peer}"] = by["mosaic"][key] / by[peer][key]
+        if "cudnn" in by and all("train_ms" in by[i] for i in ("mosaic", "cudnn")):
+            mosaic, cudnn = (by[i]["train_ms"] - by[i]["forward_ms"] for i in ("mosaic", "cudnn"))
+            products = backward_candidates(E, jnp.bfloat16, 128, 128)[0].products
+            entry["backward_vs_cudnn"] = cudnn / mosaic
+            entry["backward_products_vs_cudnn"] = cudnn / mosaic * products / FUSED_BACKWARD_PRODUCTS
         out.append(entry)
     return out
 

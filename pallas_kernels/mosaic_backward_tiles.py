@@ -32,6 +32,17 @@ class BackwardTiles:
         if self.consumers not in (1, 2) or self.dkv_parts not in (1, 2):
             raise ValueError(f"BackwardTiles: consumers and dkv_parts are 1 or 2, got {self}")
 
+    @property
+    def products(self) -> int:
+        """Matrix products the backward makes per (query, key) pair: dQ's three (S, dP, dQ) and dK/dV's four (S^T,
+        dV, dP^T, dK), S^T and dP^T once per dK/dV part: 7, or 9 at head dim 256. The kernels sum nothing across
+        programs (a deterministic result), so S and dP are made twice; a backward that sums dQ across programs
+        (cuDNN's, FlashAttention 2 and 3) makes FUSED_BACKWARD_PRODUCTS."""
+        return 3 + 2 + 2 * self.dkv_parts
+
+
+FUSED_BACKWARD_PRODUCTS = 5  # S, dP, dV, dK, dQ
+
 
 def _smem_bytes(rows, tile, stages, head_dim, itemsize, per_slot_extra=0, n_slots=0, consumers=2) -> int:
     """One kernel's shared memory: the consumer warpgroups' resident tiles (q, dO or k, v) and, per document /
