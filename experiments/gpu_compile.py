@@ -306,7 +306,7 @@ def small_llama():
     )
 
 
-def _compile_step(cfg):
+def compile_step(cfg):
     import jax
     import jax.numpy as jnp
 
@@ -336,8 +336,8 @@ def _compile_small_step(quant_backward: str = "quantized") -> str:
     cfg = small_llama()
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quant_backward=quant_backward))
     if quant_backward == "e4m3":
-        return _kernels_in(_compile_step(cfg), mosaic=1 + 4 * 3 + 3, total=3 + 4 * 3 + 3)
-    return _kernels_in(_compile_step(cfg), triton=4 * 2 + 2, mosaic=1 + 4 + 1, total=3 + 4 * 3 + 3)
+        return _kernels_in(compile_step(cfg), mosaic=1 + 4 * 3 + 3, total=3 + 4 * 3 + 3)
+    return _kernels_in(compile_step(cfg), triton=4 * 2 + 2, mosaic=1 + 4 + 1, total=3 + 4 * 3 + 3)
 
 
 def _compile_report_step(overrides: dict, mosaic: int = 3) -> str:
@@ -349,7 +349,7 @@ def _compile_report_step(overrides: dict, mosaic: int = 3) -> str:
     from pallas_kernels.targets import H100_MEMORY
 
     base = llama_1b()
-    compiled = _compile_step(dataclasses.replace(base, model=dataclasses.replace(base.model, **overrides)))
+    compiled = compile_step(dataclasses.replace(base, model=dataclasses.replace(base.model, **overrides)))
     memory = compiled.memory_analysis()
     used = memory.argument_size_in_bytes + memory.temp_size_in_bytes
     if used > H100_MEMORY:

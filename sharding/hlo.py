@@ -162,3 +162,65 @@ def collectives(hlo_text: str) -> list[Collective]:
 def custom_kernels(hlo_text: str) -> Counter:
     """The kernels ``KERNELS`` names, counted once per call site (XLA's own custom calls are left out)."""
     return Counter(KERNELS[target] for target in _CUSTOM_CALL.findall(hlo_text) if target in KERNELS)
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z\-]*)\((.*)$")
+_NO_TRAFFIC = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
+    "after-all", "partition-id", "replica-id", "iota",
+}  # fmt: skip
+_GEMM = re.compile(r'"kind":"__\w*gemm\w*"')  # XLA's GEMM fusions (Triton's), by their backend config
+PRODUCTS = "products"  # traffic()'s label for matrix products: custom kernels and XLA's GEMMs
+
+
+def _fused(computations: dict[str, str]) -> set[str]:
+    """Computations that are a fusion's or a reduction's insides: their instructions move nothing of their own."""
+    inside = re.compile(r"\b(?:calls|to_apply)=%([\w.\-]+)")
+    return {m.group(1) for text in computations.values() for m in inside.finditer(text)}
+
+
+def _operand_bytes(shape: str, runs: int) -> int:
+    """An operand's bytes; one whose leading dim is the number of times its loop runs (a stacked [layers, ...]
+    buffer, which each run slices a layer of) counts one layer."""
+    arrays = _ARRAY.findall(shape)
+    whole = sum(_bytes(d, s) for d, s in arrays)
+    lead = int(arrays[0][1].split(",")[0]) if len(arrays) == 1 and arrays[0][1] else 1
+    return whole // lead if runs > 1 and lead == runs else whole
+
+
+def traffic(hlo_text: str) -> Counter:
+    """Bytes of device memory each kind of kernel reads and writes in one run of the program: every kernel XLA
+    launches (a fusion, a custom call, a copy) counted as its operands plus its results, per run of its computation.
+    Matrix products (the custom kernels of ``KERNELS``, XLA's GEMMs) are labelled ``PRODUCTS``; the rest by their
+    name without its number (``loop_convert_fusion``, ``input_transpose_fusion``). An in-place dynamic-update-slice
+    counts the slice it writes and what it reads, not the buffer; in a loop, an operand whose leading dim is the
+    loop's trip count counts one slice of it (a stacked [layers, ...] buffer, of which each run reads a layer).
+
+    Why: bytes, not FLOPs, price the work around the products (quantization, transposes into the layouts a kernel
+    wants, saved residuals); two programs' totals, over the HBM bandwidth, bound how much of their time gap it
+    explains. An estimate: caches, and kernels that read an operand twice, are not modelled."""
+    computations, runs = computation_runs(hlo_text)
+    fused = _fused(computations)
+    total: Counter = Counter()
+    for name, text in computations.items():
+        if name in fused or not runs.get(name):
+            continue
+        matches = [_INSTRUCTION.match(line) for line in text.splitlines()[1:]]
+        shapes = {m.group(1): m.group(2) for m in matches if m}
+        for m in matches:
+            if not m or m.group(3) in _NO_TRAFFIC:
+                continue
+            label, result, op, rest = m.groups()
+            operands = re.findall(r"%([\w.\-]+)", re.split(r"\), |\)$", rest, maxsplit=1)[0])
+            out = sum(_bytes(d, s) for d, s in _ARRAY.findall(result))
+            ins = [_operand_bytes(shapes.get(o, ""), runs[name]) for o in operands]
+            if "dynamic_update_slice" in label or op == "dynamic-update-slice":
+                nbytes = 2 * (sum(ins) - max(ins, default=0))
+            else:
+                nbytes = out + sum(ins)
+            target = _CUSTOM_CALL.search(rest)
+            kernel = target.group(1) if target else ""
+            if kernel in KERNELS or kernel.startswith("__cublas") or _GEMM.search(rest):
+                label = PRODUCTS
+            total[re.sub(r"\.\d+$", "", label)] += runs[name] * nbytes
+    return total

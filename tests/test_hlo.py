@@ -2,7 +2,7 @@
 a TPU loop's condition), collectives (async tuples, all-to-all's included, TPU's mesh replica groups,
 reduce-scatter's input), kernels."""
 
-from sharding.hlo import Collective, collectives, computation_runs, custom_kernels
+from sharding.hlo import PRODUCTS, Collective, collectives, computation_runs, custom_kernels, traffic
 
 LOOP = """HloModule m
 
@@ -63,3 +63,42 @@ def test_fp8_and_integer_arrays_count_their_own_width():
 
 def test_kernels_are_named_and_xla_s_own_custom_calls_left_out():
     assert custom_kernels(LOOP) == {"Mosaic (Pallas TPU)": 1, "Triton (Pallas GPU)": 1}
+
+
+STEP = """HloModule m
+
+%fused_slice (p0: f32[4,256], p1: s32[]) -> f32[256] {
+  %p0 = f32[4,256]{1,0} parameter(0)
+  ROOT %big_inside = f32[4,256]{1,0} add(%p0, %p0)
+}
+
+%body (p: (s32[], f32[4,256], bf16[4,64])) -> (s32[], f32[4,256], bf16[4,64]) {
+  %p = (s32[], f32[4,256], bf16[4,64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %stack = f32[4,256]{1,0} get-tuple-element(%p), index=1
+  %saved = bf16[4,64]{1,0} get-tuple-element(%p), index=2
+  %layer = f32[256]{0} fusion(%stack, %i), kind=kLoop, calls=%fused_slice
+  %q = f8e4m3fn[64]{0} fusion(%layer), kind=kLoop, calls=%fused_slice
+  %mm.3 = bf16[64]{0} custom-call(%q, %q), custom_call_target="mosaic_gpu_v2"
+  %loop_dynamic_update_slice_fusion.7 = bf16[4,64]{1,0} fusion(%saved, %mm.3, %i), kind=kLoop, calls=%fused_slice
+  ROOT %t = (s32[], f32[4,256], bf16[4,64]) tuple(%i, %stack, %loop_dynamic_update_slice_fusion.7)
+}
+
+ENTRY %main (a: f32[4,256]) -> f32[4,256] {
+  %a = f32[4,256]{1,0} parameter(0)
+  %w = (s32[], f32[4,256], bf16[4,64]) while(%a), body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %gemm_fusion.2 = f32[8,8]{1,0} fusion(%a), kind=kCustom, calls=%fused_slice, backend_config={"kind":"__triton_gemm"}
+  ROOT %copy.1 = f32[4,256]{1,0} copy(%a)
+}
+"""
+
+
+def test_traffic_counts_each_kernel_s_operands_and_results_per_run():
+    """Per step: a layer's slice of a stacked buffer counts as the slice, an in-place update as what it writes and
+    reads, products (custom kernels, XLA's GEMMs) under one label, a fusion's insides not at all."""
+    t = traffic(STEP)
+    assert t["layer"] == 4 * (1024 + 1024 + 4)  # the 4 KiB stack of 4 layers read as one 1 KiB layer, and i
+    assert t["q"] == 4 * (64 + 1024)  # a reduction's operand counts whole
+    assert t[PRODUCTS] == 4 * (128 + 2 * 64) + (256 + 4096)  # mosaic_gpu_v2 in the loop, the GEMM fusion once
+    assert t["loop_dynamic_update_slice_fusion"] == 4 * 2 * (128 + 4)  # the 128-byte row and the index, not the stack
+    assert t["copy"] == 2 * 4096 and "big_inside" not in t and "t" not in t
