@@ -199,9 +199,15 @@ def _bwd(recipe, saved, g):
         gq, _ = quantize(g, recipe.grad_dtype, scale=gs, key=key)
         # per-tensor scales survive the transposes. dW contracts over the rows of both residuals, so a K-major
         # kernel transposes both (xq.T here, gq in scaled_matmul on the Mosaic path): unavoidable for dW.
-        dx = _matmul(recipe, gq, gs, wq_YC, ws, jnp.float32)
+        dx = _matmul(recipe, gq, gs, wq_YC, ws, _dx_dtype(g))
         dw = _matmul(recipe, xq.T, xs, gq, gs, jnp.float32)
     return dx.astype(g.dtype), dw.astype(w_like.dtype), new_history, None
+
+
+def _dx_dtype(g):
+    """dX's dtype out of its product: bfloat16 where dY is (the float32 product rounded once in the kernel's
+    epilogue, the value rounding it after gives, in half the bytes: on the 1B step 6.5 GB a step), else float32."""
+    return jnp.bfloat16 if g.dtype == jnp.bfloat16 else jnp.float32
 
 
 def _unquantized_backward(x, w, g):
@@ -219,7 +225,7 @@ def _current_backward(recipe, x, w, g, key):
     k_rows, k_cols = (None, None) if key is None else jax.random.split(key)
     g_rows, gs_rows = quantize(g, recipe.grad_dtype, axis=1, key=k_rows)  # [X, 1]
     wt_CY, wts = _quantize_kmajor(w.T, recipe.dtype)  # Wᵀ [Y, C] K-major is W [C, Y]; [1, C]: per column of Wᵀ
-    dx = _matmul(recipe, g_rows, gs_rows, wt_CY, wts, jnp.float32, "YC")
+    dx = _matmul(recipe, g_rows, gs_rows, wt_CY, wts, _dx_dtype(g), "YC")
     xt, xts = quantize(x.T, recipe.dtype, axis=1)  # [C, 1]
     g_YX, gs_cols = _quantize_kmajor(g, recipe.grad_dtype, key=k_cols)  # dY [X, Y] K-major: [Y, X]; [1, Y]
     dw = _matmul(recipe, xt, xts, g_YX, gs_cols, jnp.float32, "YC")

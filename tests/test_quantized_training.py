@@ -61,6 +61,25 @@ def test_int8_products_on_mosaic_gpu_equal_the_triton_kernels(delayed):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl, lowering", [("xla", None), ("pallas", "triton"), ("pallas", "mosaic")])
+def test_dx_leaves_its_product_in_bfloat16_as_the_float32_product_rounded(impl, lowering):
+    """A bfloat16 dY's dX comes out of its product in bfloat16 (half the bytes): bit for bit the float32 product
+    rounded once, on XLA, the Triton kernel and the Mosaic GPU kernel (their interpreters)."""
+    from pallas_kernels.mosaic_matmul import MosaicTiles
+    from pallas_kernels.quantized_matmul import scaled_matmul
+
+    blocks = MosaicTiles(64, 64, 64, 2) if lowering == "mosaic" else None
+    recipe = QuantRecipe.fp8_e4m3(impl=impl, lowering=lowering, blocks=blocks)
+    x, w = X.astype(jnp.bfloat16), W.astype(jnp.bfloat16)
+    dx = jax.grad(lambda x: jnp.sum(quantized_dot(x, w, None, recipe).astype(jnp.float32) * C))(x)
+    assert dx.dtype == jnp.bfloat16
+    gq, gs = quantize(C.astype(jnp.bfloat16), "float8_e4m3fn", axis=1)
+    wq, ws = quantize(w.T, "float8_e4m3fn", axis=0)  # W^T [Y, C] per column, as the backward quantizes it
+    kw = dict(impl=impl, lowering=lowering, blocks=blocks) if impl == "pallas" else dict(impl=impl)
+    f32, bf16 = (scaled_matmul(gq, gs, wq, ws, out_dtype=d, **kw) for d in (jnp.float32, jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(bf16), np.asarray(f32.astype(jnp.bfloat16)))
+
+
 def test_unquantized_backward_uses_the_float_operands():
     """grad_dtype=None: dX = dY Wᵀ and dW = Xᵀ dY exactly, whatever the forward quantized."""
     dx, dw, _ = grads(QuantRecipe("int8", None), None)
