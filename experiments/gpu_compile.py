@@ -418,10 +418,7 @@ def main(argv=None) -> int:
     from pallas_kernels import targets
 
     try:
-        directory = targets.plugin_dir()
-        if not args.no_install:
-            directory = targets.install_plugin(directory)
-        targets.enable_plugin(directory)
+        directory = targets.set_up_plugin(install_missing=not args.no_install)
     except targets.TargetError as e:
         print(f"gpu_compile: error: {e}", file=sys.stderr)
         return 2

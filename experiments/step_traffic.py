@@ -80,10 +80,7 @@ def main(argv=None) -> int:
     from pallas_kernels import targets
 
     try:
-        directory = targets.plugin_dir()
-        if not args.no_install:
-            directory = targets.install_plugin(directory)
-        targets.enable_plugin(directory)
+        targets.set_up_plugin(install_missing=not args.no_install)
     except targets.TargetError as e:
         print(f"step_traffic: error: {e}", file=sys.stderr)
         return 2

@@ -158,6 +158,16 @@ def plugin_dir() -> Path:
     return toolchain_dir(CUDA_PLUGIN)
 
 
+def set_up_plugin(install_missing: bool = True) -> Path:
+    """The CUDA plugin enabled from its directory, installed there first unless ``install_missing`` is False: what
+    a command that compiles for an H100 does before JAX starts its backends. TargetError says what is missing."""
+    directory = plugin_dir()
+    if install_missing:
+        directory = install_plugin(directory)
+    enable_plugin(directory)
+    return directory
+
+
 # ----------------------------------------------------------------------------- GPU: the H100
 
 # An H100 SXM5 80 GB as XLA's GPU compiler sees it (values from NVIDIA's published device properties: compute
