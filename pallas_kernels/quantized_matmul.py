@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .byte_transpose import byte_transpose
 from .kernel_inputs import hopper_target, pad_axis, resolve_backend, target_platform
 from .quantize import FLOAT8, dequantize, quantize
 
@@ -183,8 +184,8 @@ def scaled_matmul(
         from .mosaic_matmul import mosaic_scaled_matmul
 
         # The Mosaic kernel reads the weight K-major: a [C, Y] weight is transposed here, one pass over its bytes
-        # per call (where the weight is quantized in the same program, XLA fuses it into the quantization).
-        w_YC = wq if w_layout == "YC" else wq.T
+        # per call, by byte_transpose on a GPU (as x.T, XLA would transpose the passes that made it instead).
+        w_YC = wq if w_layout == "YC" else byte_transpose(wq, backend)
         return mosaic_scaled_matmul(
             xq, w_YC, x_scale, w_scale, out_dtype=out_dtype, tiles=blocks, interpret=backend == "interpret"
         )

@@ -19,7 +19,8 @@ as the Mosaic GPU kernel (all three for int8 and for fp8 with e4m3 gradients; fo
 multiplying e5m2 by e4m3, which Mosaic's wgmma refuses), the others as the Triton kernel (``scaled_matmul``
 picks). The Mosaic kernel reads its second operand K-major, so where a product quantizes that operand itself the
 quantization writes it K-major in the same pass, and the delayed-scaling weight is kept in the layout that needs the
-fewest transposes (``_forward``).
+fewest transposes (``_forward``); the 8-bit operands dW's product needs transposed are transposed by
+``byte_transpose`` on a GPU. dX leaves its product in dY's bfloat16.
 
 Weight-only (``recipe.weight_only``): int8 per-channel weights, float activations; dX is the exact derivative of
 the quantized forward, dW the straight-through estimate (Xᵀ·dY), so a weight-only model can also be fine-tuned.
@@ -36,8 +37,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .byte_transpose import byte_transpose
+from .kernel_inputs import resolve_backend
 from .quantize import amax, quant_dtype, quantize, scale_from_amax
-from .quantized_matmul import LOWERINGS, MatmulBlocks, scaled_matmul
+from .quantized_matmul import LOWERINGS, MatmulBlocks, resolve_impl, scaled_matmul
 
 HISTORY_ROWS = ("x", "w", "dy")
 
@@ -200,8 +203,16 @@ def _bwd(recipe, saved, g):
         # per-tensor scales survive the transposes. dW contracts over the rows of both residuals, so a K-major
         # kernel transposes both (xq.T here, gq in scaled_matmul on the Mosaic path): unavoidable for dW.
         dx = _matmul(recipe, gq, gs, wq_YC, ws, _dx_dtype(g))
-        dw = _matmul(recipe, xq.T, xs, gq, gs, jnp.float32)
+        dw = _matmul(recipe, _transposed(recipe, xq), xs, gq, gs, jnp.float32)
     return dx.astype(g.dtype), dw.astype(w_like.dtype), new_history, None
+
+
+def _transposed(recipe, q):
+    """An 8-bit operand's transpose: by a kernel of its own where the Pallas kernels run on a GPU (``byte_transpose``
+    says why), else a layout XLA picks."""
+    if resolve_impl(recipe.impl) != "pallas":
+        return q.T
+    return byte_transpose(q, resolve_backend("quantized_dot", None, None))
 
 
 def _dx_dtype(g):

@@ -35,7 +35,10 @@ def test_bad_arguments_get_one_line_and_exit_2(capsys):
 
 
 @pytest.mark.slow  # ~25 s: two compiles of the 1B step; the fast cover is tests/test_hlo.py's traffic test
-def test_the_all_mosaic_fp8_step_moves_more_than_xla_s_fp8_step():
+def test_the_all_mosaic_fp8_step_moves_about_what_xla_s_fp8_step_moves():
+    """Compiled for an H100, the 1B step with every fp8 product on the Mosaic GPU kernel moves at most 10% more
+    bytes than with XLA's fp8 products (with its 8-bit operands transposed by XLA, 1.28x on 2026-11-27; with
+    ``byte_transpose``, 1.04x)."""
     if not targets.installed(targets.CUDA_PLUGIN, targets.plugin_dir()):
         pytest.skip(f"no CUDA plugin in {targets.plugin_dir()}")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS")}
@@ -44,5 +47,9 @@ def test_the_all_mosaic_fp8_step_moves_more_than_xla_s_fp8_step():
         [sys.executable, "-m", "experiments.step_traffic", *argv], capture_output=True, text=True, env=env, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    diff = next(line for line in proc.stdout.splitlines() if line.startswith("fp8-pallas-e4m3 - fp8-xla-e4m3"))
-    assert float(diff.split(": ")[1].split(" GB")[0]) > 50  # +102 GB on 2026-11-27
+    totals = {
+        line.split(":")[0]: float(line.split(": ")[1].split(" GB")[0])
+        for line in proc.stdout.splitlines()
+        if " GB a step" in line
+    }
+    assert totals["fp8-pallas-e4m3"] < 1.1 * totals["fp8-xla-e4m3"], totals
