@@ -151,6 +151,13 @@ TRAIN_VARIANTS = {  # name: --set style overrides of the base config
         "matmul_impl": "pallas",
         "quant_backward": "e4m3",
     },
+    # every kernel of the step jaxlm's own: Pallas attention and every fp8 product on Mosaic GPU
+    "attention pallas, matmuls fp8 pallas, e4m3 gradients": {
+        "attention_impl": "pallas",
+        "matmul_precision": "fp8",
+        "matmul_impl": "pallas",
+        "quant_backward": "e4m3",
+    },
 }
 
 
