@@ -17,7 +17,7 @@ import numpy as np
 
 from .block_mask import PARTIAL, BlockMask
 from .kernel_mask import bind_documents
-from .masks import Document, Mask, ScoreMod
+from .masks import Document, Full, Mask, ScoreMod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,11 @@ class AttentionStatic:
             kv_len=block_mask.kv_len,
             masks_nothing=not block_mask.is_traced and not np.any(block_mask.kind == PARTIAL),
         )
+
+    @property
+    def masks_padding_only(self) -> bool:
+        """The mask has no term of its own (``full()``): its PARTIAL blocks, if any, only cut the padding."""
+        return isinstance(self.template, Full)
 
     @property
     def n_mod_arrays(self) -> int:

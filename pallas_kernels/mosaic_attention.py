@@ -132,12 +132,16 @@ class BlockList:
         return self.idx_ref[self.bm, self.line, lax.div(j, self.sub)] * self.block + lax.rem(j, self.sub) * self.tile
 
 
-def over_tiles(static, step, n_partial, n_tiles, carry):
+def over_tiles(static, step, n_partial, n_tiles, carry, padding_matters: bool = True):
     """A kernel's loop over its row's (or column's) tiles: ``step(j, carry, masked)`` on the PARTIAL ones, which
-    come first, then on the FULL ones. Where ``static.masks_nothing`` no tile is PARTIAL and the masked loop is not
-    built: its code alone, never run, cost the Mosaic GPU dK/dV registers (sm_90, head dim 64: 120 bytes of spills)."""
-    if not static.masks_nothing:
-        carry = lax.fori_loop(0, n_partial, functools.partial(step, masked=True), carry)
+    come first, then on the FULL ones. Where ``static.masks_nothing`` no tile is PARTIAL, and where the kernel's
+    result does not depend on masking padding (not ``padding_matters``) and padding is all the mask cuts
+    (``static.masks_padding_only``), PARTIAL tiles take the FULL ones' path: either way the masked loop is not
+    built. Its code alone, never run, cost the Mosaic GPU dK/dV registers (sm_90, head dim 64: 120 bytes of
+    spills)."""
+    if static.masks_nothing or (static.masks_padding_only and not padding_matters):
+        return lax.fori_loop(0, n_tiles, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(0, n_partial, functools.partial(step, masked=True), carry)
     return lax.fori_loop(n_partial, n_tiles, functools.partial(step, masked=False), carry)
 
 
