@@ -263,7 +263,9 @@ def mosaic_dq(
                 return d_rows + jnp.where(column, lax.broadcast_in_dim(vector, d_rows.shape, [0]), 0.0)
 
             carry = (modes.zeros((rows, E)), modes.zeros((rows, width)) if packed else ())
-            dq, d_rows = over_tiles(static, step, n_partial, n_tiles, carry)
+            # Padding needs no mask here unless captured arrays take gradients: a padded key's K row is zeros, so
+            # its dS adds nothing to dQ (but would to the arrays'), and a padded query's row is cut off.
+            dq, d_rows = over_tiles(static, step, n_partial, n_tiles, carry, padding_matters=bool(packed))
             q_smem[...] = (dq * static.scale).astype(dtype)
             if packed:
                 grads_smem2.at[wg][...] = d_rows

@@ -230,18 +230,22 @@ def test_a_mask_without_partial_blocks_builds_its_kernels_without_the_masked_pat
     """Traced only: a block mask with no PARTIAL block (full() over lengths that fill their blocks, documents that
     start on block boundaries) builds the forward, dQ and dK/dV without their masked loop
     (``AttentionStatic.masks_nothing``: the loop's code alone, never run, spilled registers in dK/dV at head dim
-    64); with a document boundary inside a block each keeps it, and with padding (T = 120) the forward and dQ keep
-    it: dK/dV needs no mask for padding alone (a padded query's lse is inf, a padded key's rows are cut off). The
+    64); with a document boundary inside a block each keeps it. Padding alone (T = 120) needs the mask in the forward
+    only (padded keys must take no probability): in dK/dV a padded query's lse is inf and a padded key's rows are
+    cut off, in dQ a padded key's K row is zeros, unless a mod's captured arrays take gradients there. The
     numbers: the slow test below, and the ring test above for the padded full mask."""
 
-    def loops(mask, T):
+    def loops(mask, T, mod=None):
         q, k, v = _qkv(1, 1, 1, T, T)
         bm = pk.make_block_mask(mask, T, T, BLOCKS)
-        loss = lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic")[0].astype(jnp.float32).sum()  # noqa: E731
+        attend = functools.partial(pk.block_sparse_attention, score_mod=mod, lowering="mosaic")
+        loss = lambda q, k, v: attend(q, k, v, bm)[0].astype(jnp.float32).sum()  # noqa: E731
         return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)).count("while[")
 
     aligned, inside = (pk.document(np.repeat([0, 1], [n, 256 - n]).astype(np.int32)) for n in (128, 100))
-    assert loops(pk.full(), 120) - loops(pk.full(), 128) == 2  # the forward's and dQ's masked loops
+    assert loops(pk.full(), 120) - loops(pk.full(), 128) == 1  # the forward's masked loop
+    table = pk.relative_bias(jnp.zeros((1, 8), jnp.float32))  # captured arrays: dQ forms their gradient
+    assert loops(pk.full(), 120, table) - loops(pk.full(), 128, table) == 2
     assert loops(inside, 256) - loops(aligned, 256) == 3
 
     def static(mask, T):
@@ -269,6 +273,30 @@ def test_a_mask_without_partial_blocks_equals_the_reference(mask_name):
     d_lse = jnp.zeros(q.shape[:3], jnp.float32)
     for name, got, want in zip(("dq", "dk", "dv"), vjp((d_out, d_lse)), ref_vjp((d_out.astype(jnp.float32), d_lse))):
         _close(got, want, 2e-2, name)
+
+
+@pytest.mark.slow  # 10 s; the fast cover: the traced loop counts above, and the ring test (padding, no arrays)
+def test_a_padded_full_mask_with_a_table_equals_the_reference():
+    """full() at T = 200 (padded to 256) with a T5 table: dK/dV without a mask (padding alone), dQ with it (the
+    table's gradient must not take the padded keys): every gradient equals the reference's."""
+    q, k, v = _qkv(1, 2, 1, 200, 200, seed=5)
+    table = jnp.asarray(np.random.default_rng(1).normal(size=(2, 8)), jnp.float32)
+    bm = pk.make_block_mask(pk.full(), 200, 200, BLOCKS)
+    d_out = np.random.default_rng(2).normal(size=q.shape).astype(np.float32)
+
+    def grads(attend, *args):
+        return jax.grad(lambda *a: jnp.sum(attend(*a)[0].astype(jnp.float32) * d_out), argnums=(0, 1, 2, 3))(*args)
+
+    def mosaic(q, k, v, t):
+        return pk.block_sparse_attention(q, k, v, bm, score_mod=pk.relative_bias(t), lowering="mosaic")
+
+    def reference(q, k, v, t):
+        return pk.reference_attention(q, k, v, pk.full(), score_mod=pk.relative_bias(t))
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    got, want = grads(mosaic, q, k, v, table), grads(reference, *f32, table)
+    for name, g, w in zip(("dq", "dk", "dv", "d table"), got, want):
+        _close(g, w, 2e-2, name)
 
 
 @pytest.mark.parametrize(
