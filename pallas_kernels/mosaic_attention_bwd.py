@@ -19,7 +19,10 @@ written as [B, H, Tp, packed entries]; the rows and batch are summed outside. Wh
 the rest of the mod acts (``score_tables.added_part``: a table and slopes, then a soft-cap), the gradients are the
 adding part's, at dS times the mod's derivative.
 
-The element mask runs on PARTIAL tiles only, the score mod on every tile. A mod's derivative in the score is a tile
+The element mask runs on PARTIAL tiles only, the score mod on every tile; where the mask cuts only padding
+(``full()`` over lengths that are not whole blocks) neither kernel needs it (``over_tiles``): a padded query's lse
+is inf, so its p is 0, and a padded key's K and V rows are zeros (its dK / dV rows are cut off), unless a mod's
+captured arrays take gradients in dQ. A mod's derivative in the score is a tile
 held from the scores to dS, unless the mod only adds to the score (it is 1) or has an ``output_derivative`` (a
 soft-cap: 1 - (out / cap)^2), which is rebuilt from p where dS needs it. Nothing is accumulated across programs, so the
 result is deterministic. Document and position slots (``kernel_mask``) are loaded as ids, as the forward loads them:
