@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,14 @@ from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 from sharding import MeshLayout, build_mesh
 
 VOCAB = 64
+
+
+def compile_env(**extra) -> dict:
+    """The environment of a subprocess that compiles for an accelerator this machine lacks: without the suite's CPU
+    pin (``targets.enable`` keeps CPU the default itself) and without its compilation cache (GPU and TPU
+    executables stay out of the CPU tests' shared one); ``extra`` added."""
+    drop = ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS")
+    return {k: v for k, v in os.environ.items() if k not in drop} | extra
 
 
 def tiny_model(**overrides) -> ModelConfig:

@@ -4,11 +4,11 @@ before anything compiles. The 8B-405B matrix runs as a slow test."""
 
 import json
 import math
-import os
 import subprocess
 import sys
 
 import pytest
+from helpers import compile_env
 
 from experiments import compile_at_scale
 
@@ -16,9 +16,7 @@ GiB = 2**30
 
 
 def _run(args, timeout=900):
-    env = dict(os.environ)
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    env.pop("JAX_PLATFORMS", None)
+    env = compile_env()
     return subprocess.run(
         [sys.executable, "-m", "experiments.compile_at_scale", *args],
         capture_output=True,
@@ -164,8 +162,9 @@ def test_the_matrix_of_llama3_8b_70b_405b_on_h100_and_v5p_clusters(tmp_path):
 def test_plan_verify_compiles_the_planner_s_best_layout_and_prints_xla_s_memory_beside_it():
     args = ["--model", "experiments/configs/tiny_lm.py", "--vocab-size", "4096", "--devices", "8"]
     args += ["--global-batch-tokens", "4096", "--seq", "256", "--hardware", "h100-sxm", "--verify", "1"]
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS")}
-    proc = subprocess.run([sys.executable, "-m", "sharding.plan", *args], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sharding.plan", *args], capture_output=True, text=True, env=compile_env()
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     (row,) = figures["verified"]

@@ -12,15 +12,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import compile_env
 
 from pallas_kernels import targets
-
-
-def _env():
-    env = dict(os.environ)
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # GPU executables stay out of the CPU tests' shared cache
-    env.pop("JAX_PLATFORMS", None)  # enable_plugin keeps CPU the default itself
-    return env
 
 
 def _python(args, timeout, **env):
@@ -29,7 +23,7 @@ def _python(args, timeout, **env):
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=_env() | env,
+        env=compile_env(**env),
         cwd=os.getcwd(),
     )
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import compile_env
 
 import pallas_kernels as pk
 from pallas_kernels import targets
@@ -456,11 +457,10 @@ def _compile_in_subprocess(tmp_path, *flags) -> tuple[str, str]:
     """(the Mosaic kernels' PTX and ptxas' report: the subprocess's output, the Triton kernels' PTX: XLA's dump)."""
     if not targets.installed(targets.CUDA_PLUGIN, targets.plugin_dir()):
         pytest.skip(f"no CUDA plugin in {targets.plugin_dir()} (pallas_kernels.targets.install_plugin installs it)")
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS")}
-    env.update(
+    env = compile_env(
         MOSAIC_GPU_DUMP_PTX="1",
         MOSAIC_GPU_DUMP_PTXAS="1",
-        XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_module_re=triton".strip(),
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path} --xla_dump_hlo_module_re=triton".strip(),
     )
     proc = subprocess.run(
         [sys.executable, "-c", _COMPILE, *flags], capture_output=True, text=True, timeout=300, env=env, cwd=os.getcwd()

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import compile_env
 
 from pallas_kernels import quantized_matmul as qm
 from pallas_kernels import targets
@@ -208,8 +209,7 @@ print("COMPILED", file=sys.stderr)
 def test_compiles_for_h100_with_fp8_and_int8_wgmma_tma_and_no_spills():
     if not targets.installed(targets.CUDA_PLUGIN, targets.plugin_dir()):
         pytest.skip(f"no CUDA plugin in {targets.plugin_dir()} (pallas_kernels.targets.install_plugin installs it)")
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS")}
-    env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
+    env = compile_env(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
     proc = subprocess.run(
         [sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=300, env=env, cwd=os.getcwd()
     )

@@ -1,12 +1,12 @@
 """experiments.step_traffic: its report of bytes per kind (fast, on made-up counts), its refusals, and (slow) the 1B
 step compiled for an H100, whose all-Mosaic fp8 program moves more bytes than XLA's fp8 one."""
 
-import os
 import subprocess
 import sys
 from collections import Counter
 
 import pytest
+from helpers import compile_env
 
 from experiments import step_traffic
 from pallas_kernels import targets
@@ -41,7 +41,7 @@ def test_the_all_mosaic_fp8_step_moves_about_what_xla_s_fp8_step_moves():
     ``byte_transpose``, 1.04x)."""
     if not targets.installed(targets.CUDA_PLUGIN, targets.plugin_dir()):
         pytest.skip(f"no CUDA plugin in {targets.plugin_dir()}")
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_PLATFORMS")}
+    env = compile_env()
     argv = ["--variants", "fp8-xla-e4m3,fp8-pallas-e4m3", "--no-install"]
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.step_traffic", *argv], capture_output=True, text=True, env=env, timeout=600

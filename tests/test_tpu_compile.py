@@ -5,20 +5,17 @@ The compiles run in subprocesses: libtpu must be found before JAX starts its bac
 started them. The first run installs libtpu (~300 MB from the package index) into ~/.cache/jaxlm."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from helpers import compile_env
 
 from pallas_kernels import targets
 
 
 def _python(args, timeout):
-    env = dict(os.environ)
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # TPU executables stay out of the CPU tests' shared cache
-    env.pop("JAX_PLATFORMS", None)  # targets.enable keeps CPU the default itself
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=compile_env())
 
 
 def _compile_rows(tmp_path, *flags, timeout=1200):
