@@ -191,8 +191,9 @@ def scaled_matmul(
         )
     if blocks is not None and not isinstance(blocks, MatmulBlocks):
         raise ValueError(f"scaled_matmul: the {_kernel_name(backend)} takes MatmulBlocks, got {blocks!r}")
-    # The Triton / TPU kernel reads [C, Y] tiles: a K-major weight is transposed here, one pass over its bytes.
-    w_CY = wq if w_layout == "CY" else wq.T
+    # The Triton / TPU kernel reads [C, Y] tiles: a K-major weight is transposed here, one pass over its bytes
+    # (by byte_transpose on a GPU, as for the Mosaic kernel).
+    w_CY = wq if w_layout == "CY" else byte_transpose(wq, backend)
     return _pallas(
         xq,
         x_scale,
