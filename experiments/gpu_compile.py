@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import sys
@@ -62,8 +63,9 @@ def attention_masks(B: int, T: int) -> dict:
     }
 
 
-def _attention_fns(mask, E: int, dtype: str):
-    """(forward, dQ, dK/dV, all three) as functions of q, k, v, and their argument specs."""
+def _attention_fns(mask, E: int, dtype: str, deterministic: bool = True):
+    """(forward, dQ, dK/dV, all three) as functions of q, k, v, and their argument specs; not ``deterministic``, the
+    Mosaic backward sums dQ across dK/dV's programs where it can (one kernel for both)."""
     import jax
     import jax.numpy as jnp
 
@@ -73,7 +75,7 @@ def _attention_fns(mask, E: int, dtype: str):
     bm = pk.make_block_mask(mask, SEQ, SEQ, pk.BlockSizes(BLOCK, BLOCK))
 
     def loss(q, k, v):
-        out, lse = pk.block_sparse_attention(q, k, v, bm)
+        out, lse = pk.block_sparse_attention(q, k, v, bm, deterministic=deterministic)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
 
     fns = {
@@ -87,10 +89,10 @@ def _attention_fns(mask, E: int, dtype: str):
     return fns, (q, kv, kv)
 
 
-def _compile_attention(mask, E: int, dtype: str) -> str:
+def _compile_attention(mask, E: int, dtype: str, deterministic: bool = True) -> str:
     from pallas_kernels.targets import compile_for_gpu, first_line
 
-    fns, args = _attention_fns(mask, E, dtype)
+    fns, args = _attention_fns(mask, E, dtype, deterministic)
     try:
         compiled = compile_for_gpu(fns["all"], *args)
     except Exception:  # name the kernel that does not compile
@@ -103,7 +105,9 @@ def _compile_attention(mask, E: int, dtype: str) -> str:
         raise RuntimeError("; ".join(failing) or "fails only when the three kernels compile together") from None
     # float32 runs all three on Triton (wgmma takes 16-bit floats); in bfloat16 block_sparse_attention's auto
     # lowering puts on Mosaic GPU what its kernels take (which masks and head dims: pallas_attention), so there the
-    # three are counted of either kind
+    # three are counted of either kind; dQ summed in dK/dV (not deterministic), two Mosaic GPU kernels at least
+    if not deterministic:
+        return _kernels_in(compiled, mosaic=2)
     return _kernels_in(compiled, triton=3) if dtype == "float32" else _kernels_in(compiled, total=3)
 
 
@@ -187,6 +191,14 @@ def attention_cases(quick: bool, core: bool = False) -> list[Case]:
     if not (quick or core):  # the default suite's interpreter tests cover its math; this, the sm_90 lowering
         name = "causal, relative_bias (T5 table as an input), head dim 128, bfloat16"
         cases.append(Case("attention", name, _compile_relative_bias))
+    if not quick:  # dQ summed across dK/dV's programs (TMA reduce-adds): --core causal at 128 (its two warpgroups
+        # share dS^T; at 64 tests/test_mosaic_attention.py's compile), the full run every mask at both
+        fused = {"causal": all_masks["causal"]} if core else all_masks
+        for E in (128,) if core else (64, 128):
+            for name, mask in fused.items():
+                case = f"{name}, head dim {E}, bfloat16, dQ summed across programs"
+                compile_fused = functools.partial(_compile_attention, mask, E, "bfloat16", deterministic=False)
+                cases.append(Case("attention", case, compile_fused))
     return cases
 
 

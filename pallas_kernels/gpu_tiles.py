@@ -85,11 +85,15 @@ LOWERINGS = ("mosaic", "triton")
 _logged: set = set()
 
 
-def mosaic_lowerings(static, lowering: str | None, dtype, E: int, explicit_tiles: bool = False) -> dict:
+def mosaic_lowerings(
+    static, lowering: str | None, dtype, E: int, explicit_tiles: bool = False, deterministic: bool = True
+) -> dict:
     """{"mosaic": forward tiles, "mosaic_bwd": backward tiles}, each None where that pass runs on Triton (or the
     Pallas interpreter). An explicit "mosaic" raises when the forward cannot take the case; the backward then still
     falls back to Triton where its kernels cannot (float32, head dims other than 64 / 128 / 256, blocks other than
-    128 / 256, what does not fit shared memory). Which ran is logged once."""
+    128 / 256, what does not fit shared memory). Not ``deterministic``: the backward sums dQ across programs
+    (``BackwardTiles.fused_dq``) where it can (head dims 64 and 128, no captured arrays). Which ran is logged
+    once."""
     if lowering not in (None, *LOWERINGS):
         raise ValueError(f"block_sparse_attention: unknown lowering {lowering!r}; choose one of {LOWERINGS}")
     if lowering == "triton" or (static.backend == "interpret" and lowering is None):
@@ -104,10 +108,23 @@ def mosaic_lowerings(static, lowering: str | None, dtype, E: int, explicit_tiles
     _log_once("forward", why_not)
     _log_once("backward", why_not_bwd)
     blocks = (static.block_q, static.block_kv)
+    footprint = backward_footprint(static)
+    fused = None if why_not_bwd or deterministic else backward_tiles(E, dtype, *blocks, **footprint, fused=True)
     return {
         "mosaic": None if why_not else mosaic_tiles(E, dtype, *blocks, row_entries(static.score_mod)),
-        "mosaic_bwd": None if why_not_bwd else backward_tiles(E, dtype, *blocks, **backward_footprint(static)),
+        "mosaic_bwd": None if why_not_bwd else fused or backward_tiles(E, dtype, *blocks, **footprint),
     }
+
+
+def check_fused_tiles(tiles: BackwardTiles, deterministic: bool, E: int, captured_arrays: bool) -> None:
+    """ValueError where given backward tiles that sum dQ across programs (``fused_dq``) cannot be used."""
+    if deterministic:
+        raise ValueError(
+            "block_sparse_attention: BackwardTiles(fused_dq=True) sums dQ in no fixed order; pass deterministic=False"
+        )
+    if E not in (64, 128) or captured_arrays:
+        what = f"head dim {E}" if E not in (64, 128) else "a score mod's captured arrays"
+        raise ValueError(f"block_sparse_attention: BackwardTiles(fused_dq=True) cannot take {what}")
 
 
 def given_mosaic_tiles(tiles, lowering: str | None, bs) -> dict:

@@ -1,4 +1,5 @@
-"""The block-sparse attention backward as two Mosaic GPU kernels for Hopper (sm_90): dQ, and dK/dV.
+"""The block-sparse attention backward as two Mosaic GPU kernels for Hopper (sm_90): dQ (here), and dK/dV
+(``mosaic_attention_dkv``), with what both compute alike.
 
 Both are laid out like the forward in ``mosaic_attention``: a producer warpgroup streams tiles with TMA through a
 ring of shared-memory slots, in the order of the block mask's lists (PARTIAL blocks first, then FULL ones), and two
@@ -24,12 +25,13 @@ The element mask runs on PARTIAL tiles only, the score mod on every tile; where 
 is inf, so its p is 0, and a padded key's K and V rows are zeros (its dK / dV rows are cut off), unless a mod's
 captured arrays take gradients in dQ. A mod's derivative in the score is a tile
 held from the scores to dS, unless the mod only adds to the score (it is 1) or has an ``output_derivative`` (a
-soft-cap: 1 - (out / cap)^2), which is rebuilt from p where dS needs it. Nothing is accumulated across programs, so the
-result is deterministic. Document and position slots (``kernel_mask``) are loaded as ids, as the forward loads them:
-each consumer warpgroup reads the ids of its own rows once (dQ: its q ids; dK/dV: its kv ids), a vector in the row
-layout of the wgmma accumulator, and the producer streams the ids of each PARTIAL tile's other axis with TMA beside
-its first operand (dQ: kv ids beside K; dK/dV: q ids beside Q) through one more ring, one more barrier per slot;
-FULL tiles load none.
+soft-cap: 1 - (out / cap)^2), which is rebuilt from p where dS needs it. Nothing is accumulated across programs, so
+the result is deterministic (``mosaic_attention_dkv.mosaic_fused_backward`` is the dK/dV kernel summing dQ too, in
+whatever order its programs run). Document and position slots (``kernel_mask``) are loaded as ids, as the forward
+loads them: each consumer warpgroup reads the ids of its own rows once (dQ: its q ids; dK/dV: its kv ids), a vector
+in the row layout of the wgmma accumulator, and the producer streams the ids of each PARTIAL tile's other axis with
+TMA beside its first operand (dQ: kv ids beside K; dK/dV: q ids beside Q) through one more ring, one more barrier per
+slot; FULL tiles load none.
 
 Head dim 256 (``BackwardTiles.consumers`` 1, ``dkv_parts`` 2): its resident tiles leave shared memory for a ring of
 one slot with two consumer warpgroups, so a program has one, of 64 rows (two programs per block), and no register
@@ -60,7 +62,6 @@ from .mosaic_attention import (
     id_inputs,
     interpret_params,
     over_tiles,
-    stream,
     stream_kv,
     vary_like,
 )
@@ -330,240 +331,3 @@ def mosaic_dq(
         **interpret_params(interpret),
     )(q, k, v, d_out, lse[..., 0], delta[..., 0], kv_idx, kv_np, kv_cnt, *id_arrays, *packed)
     return (vary_like(out[0], q), vary_like(out[1], q)) if packed else vary_like(out, q)
-
-
-# ----------------------------------------------------------------------------- dK, dV
-
-
-def mosaic_dkv(
-    static,
-    tiles: BackwardTiles,
-    q,
-    k,
-    v,
-    d_out,
-    lse,
-    delta,
-    mask_arrays,
-    doc_arrays=(),
-    mod_arrays=(),
-    *,
-    interpret: bool = False,
-):
-    """(dK, dV) [B, K, Sp, E] in k.dtype, summed over each kv head's query heads. ``doc_arrays`` as ``mosaic_dq``'s;
-    ``mod_arrays`` as ``mosaic_forward``'s: each consumer warpgroup copies the packed rows of the kv head's query
-    heads to shared memory once (the arrays' own gradients are ``mosaic_dq``'s). With ``tiles.dkv_parts`` > 1 each
-    part of the head dim is a launch of its own, concatenated here."""
-    parts = [
-        _dkv_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays, part, interpret)
-        for part in range(tiles.dkv_parts)
-    ]
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(jnp.concatenate(xs, axis=-1) for xs in zip(*parts))
-
-
-def _dkv_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays, part, interpret):
-    """dK and dV's columns of head-dim part ``part`` of ``tiles.dkv_parts``: the scores and dP^T contract over the
-    whole head dim (each part computes them again), the accumulators hold only the part's columns (at head dim 256
-    the whole dK and dV took 256 registers a thread)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    B, H, Tp, E = q.shape
-    K, Sp = k.shape[1], k.shape[2]
-    G, rows, tq, stages = static.groups, tiles.dkv_rows, tiles.dkv_q, tiles.dkv_stages
-    n_wg = tiles.consumers  # consumer warpgroups: a program owns n_wg * rows kv rows
-    E_out = E // tiles.dkv_parts  # the part's columns of dK and dV
-
-    def cols(ref):  # a tile's columns of this part
-        return ref if E_out == E else ref.at[:, pl.ds(part * E_out, E_out)]
-
-    dtype = q.dtype
-    q_idx, q_np, q_cnt = (a.astype(jnp.int32) for a in mask_arrays[3:6])
-    n_ids, id_arrays, ids_batched = id_inputs("mosaic_dkv", static, doc_arrays, Tp, Sp)
-    packed = (pack_rows(mod_arrays),) if mod_arrays else ()
-    n_ready = 2 + bool(n_ids) + bool(packed)  # a consumer's own copies: k, v (its kv ids, its heads' mod rows)
-    modes = Modes(plgpu, interpret)
-    # As dQ's. sm_90 ptxas, spill bytes at 232 / 40 -> 240 / 24: head dim 64 with a document slot 8 -> 0, with a
-    # soft-cap 484 -> 404; head dim 128 with GQA (G = 2) 52 -> 20, with a soft-cap 268 -> 164, a document slot 4 -> 4.
-    # With the soft-cap's derivative rebuilt from p (``_rebuilt_derivative``), 0 at both head dims; with the
-    # resident K and V's descriptors made each step (``fresh_zero``), GQA and a document slot 0 too.
-    consumer_regs, producer_regs = (240, 24)
-
-    def kernel(
-        q_ref,
-        k_ref,
-        v_ref,
-        do_ref,
-        lse_ref,
-        delta_ref,
-        idx_ref,
-        np_ref,
-        cnt_ref,
-        qid_ref,
-        kvid_ref,
-        mod_ref,
-        dk_ref,
-        dv_ref,
-        scoped,
-    ):
-        smem, ready, slot_ready, slot_free, qid_ready = scoped
-        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, t_smem2, a_smem2, kvid_smem2, qid_smem = smem[:10]
-        mod_smem2, out_smem2 = smem[10:]
-        b, hk, prog, wg = (lax.axis_index(n) for n in ("batch", "heads", "cols", "wg"))
-        bd = b if ids_batched else 0
-        col = lax.div(prog * (n_wg * rows), static.block_kv)  # the program's block column
-        blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, col, static.block_q, tq)
-        per_head, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
-
-        @pl.when(wg < n_wg)
-        def _consumer():
-            if n_wg == 2:  # one consumer and the producer have 255 registers a thread each without reallocation
-                plgpu.set_max_registers(consumer_regs, action="increase")
-            k_own, v_own = k_smem2.at[wg], v_smem2.at[wg]
-            base = prog * (n_wg * rows) + wg * rows
-            copies = [(k_ref.at[b, hk, pl.ds(base, rows)], k_own), (v_ref.at[b, hk, pl.ds(base, rows)], v_own)]
-            if n_ids:
-                copies.append((kvid_ref.at[bd, slice(None), pl.ds(base, rows)], kvid_smem2.at[wg]))
-            if packed:
-                copies.append((mod_ref.at[pl.ds(hk * G, G)], mod_smem2.at[wg]))
-            _load_resident(plgpu, copies, ready, n_ready, wg)
-            # [kv rows] per slot, read once; broadcast over a tile's q columns where a PARTIAL tile needs them
-            kv_ids = [modes.vector(kvid_smem2.at[wg, i], 0) for i in range(n_ids)]
-
-            def step(t, carry, g, masked):
-                dk, dv = carry
-                j = g * per_head + t
-                slot = lax.rem(j, stages)
-                for r in slot_ready:
-                    plgpu.barrier_wait(r.at[slot])
-                q_t = modes.transposed(q_smem.at[slot], t_smem2, wg)
-                q_first = tile_start(t)
-                z = fresh_zero(q_first)
-                s = modes.product(k_smem2.at[wg + z], q_t, (rows, tq))  # s^T [kv rows, q]
-                head = hk * G + g
-                if masked or static.score_mod is not None:
-
-                    def kv_pos():
-                        return modes.iota((rows, tq), 0) + base
-
-                    def q_pos():
-                        return modes.iota((rows, tq), 1) + q_first
-
-                    def entries():
-                        return packed_rows(static.score_mod, mod_smem2.at[wg, g]) if packed else ()
-
-                    ids = functools.partial(modes.id_tiles, kv_ids, qid_smem, qid_ready, slot, s.shape, False)
-                    bounds = tile_bounds(q_first, tq, base, rows)
-                    s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked, ids, entries, bounds)
-                    s2 = s * _LOG2E
-                else:
-                    d_mod = None
-                    s2 = s * (static.scale * _LOG2E)
-                # lse is read after the mask: read before it, its [q] vector was held beside a tile's q ids
-                lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1]) * _LOG2E
-                p = jnp.exp2(s2 - lse2)
-                p16 = modes.operand(p.astype(dtype), a_smem2, wg)
-                dv = _accumulate(plgpu, dv, p16, cols(do_smem.at[slot]), lambda: None, interpret)
-                do_t = modes.transposed(do_smem.at[slot], t_smem2, wg)
-                dp = modes.product(v_smem2.at[wg + z], do_t, (rows, tq))
-                delta = lax.broadcast_in_dim(modes.vector(delta_smem.at[slot], 1), (rows, tq), [1])
-                ds = p * (dp - delta)
-                if static.score_mod is not None and _output_derivative(static) is not None:  # lse read again
-                    lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1]) * _LOG2E
-                    d_mod = _rebuilt_derivative(static, p, lse2, d_mod)
-                if d_mod is not None:
-                    ds = ds * d_mod
-                ds = modes.operand(ds.astype(dtype), a_smem2, wg)
-                dk = _accumulate(plgpu, dk, ds, cols(q_smem.at[slot]), lambda: None, interpret)
-                for f in slot_free:
-                    plgpu.barrier_arrive(f.at[slot])
-                return dk, dv
-
-            def per_group(g, carry):
-                # Padding needs no mask here: a padded query's lse is inf (p = 0, so it adds nothing), a padded
-                # key's dK and dV rows are cut off.
-                step_g = functools.partial(step, g=g)
-                return over_tiles(static, step_g, n_partial, per_head, carry, padding_matters=False)
-
-            zeros = modes.zeros((rows, E_out))
-            dk, dv = lax.fori_loop(0, G, per_group, (zeros, zeros))
-            if E_out == E:  # K and V are read no more: their tiles take dK and dV
-                k_own[...] = (dk * static.scale).astype(dtype)
-                v_own[...] = dv.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(k_own, dk_ref.at[b, hk, pl.ds(base, rows)])
-                plgpu.copy_smem_to_gmem(v_own, dv_ref.at[b, hk, pl.ds(base, rows)])
-            else:  # a TMA store reads contiguous shared memory, not a part's columns: one tile, dK's then dV's
-                out_own = out_smem2.at[wg]
-                for acc, ref, factor in ((dk, dk_ref, static.scale), (dv, dv_ref, 1.0)):
-                    out_own[...] = (acc * factor).astype(dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_own, ref.at[b, hk, pl.ds(base, rows)])
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == n_wg)
-        def _producer():
-            if n_wg == 2:
-                plgpu.set_max_registers(producer_regs, action="decrease")
-            n_steps = G * per_head
-
-            def load(j, slot):
-                head = hk * G + lax.div(j, jnp.maximum(per_head, 1))
-                t = lax.rem(j, jnp.maximum(per_head, 1))
-                start = tile_start(t)
-                for src, dst, r in zip(
-                    (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem), slot_ready
-                ):
-                    plgpu.copy_gmem_to_smem(src.at[b, head, pl.ds(start, tq)], dst.at[slot], r.at[slot])
-                if n_ids:  # every slot's q ids of a PARTIAL q tile, beside its Q (the slot frees with Q's)
-
-                    @pl.when(t < n_partial)
-                    def _():
-                        ids_at = (bd, slice(None), pl.ds(start, tq))
-                        plgpu.copy_gmem_to_smem(qid_ref.at[ids_at], qid_smem.at[slot], qid_ready.at[slot])
-
-            stream(plgpu, n_steps, stages, load, slot_free)
-
-    def entry(*refs):
-        ins, outs = refs[:-2], refs[-2:]
-        ins, mod = (ins[:-1], ins[-1:]) if packed else (ins, (None,))
-        refs = (*ins, *((None, None) if not n_ids else ()), *mod, *outs)
-        layout = _layout(plgpu)
-        scratch = (
-            plgpu.SMEM((n_wg, rows, E), dtype, transforms=layout),
-            plgpu.SMEM((n_wg, rows, E), dtype, transforms=layout),
-            plgpu.SMEM((stages, tq, E), dtype, transforms=layout),
-            plgpu.SMEM((stages, tq, E), dtype, transforms=layout),
-            plgpu.SMEM((stages, tq), jnp.float32),
-            plgpu.SMEM((stages, tq), jnp.float32),
-            plgpu.SMEM((n_wg, E, tq), dtype) if interpret else None,
-            plgpu.SMEM((n_wg, rows, tq), dtype) if interpret else None,
-            plgpu.SMEM((n_wg, n_ids, rows), jnp.int32) if n_ids else None,
-            plgpu.SMEM((stages, n_ids, tq), jnp.int32) if n_ids else None,
-            plgpu.SMEM((n_wg, G, packed_width(mod_arrays)), jnp.float32) if packed else None,
-            plgpu.SMEM((n_wg, rows, E_out), dtype, transforms=layout) if E_out < E else None,
-        )
-        pl.run_scoped(
-            lambda *scoped: kernel(*refs, scoped),
-            scratch,
-            plgpu.Barrier(num_barriers=n_wg * n_ready),
-            (plgpu.Barrier(num_barriers=stages),) * 4,
-            (plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),),
-            plgpu.Barrier(num_barriers=stages) if n_ids else None,
-            collective_axes="wg",
-        )
-
-    out = like((*k.shape[:3], E_out), k.dtype, k)
-    dk, dv = plgpu.kernel(
-        entry,
-        out_type=(out, out),
-        grid=(K, Sp // (n_wg * rows), B),
-        grid_names=("heads", "cols", "batch"),
-        num_threads=n_wg + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        **interpret_params(interpret),
-    )(q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt, *id_arrays, *packed)
-    return vary_like(dk, k), vary_like(dv, k)

@@ -17,7 +17,8 @@ class BackwardTiles:
     """Rows per consumer warpgroup, the streamed tile, and ring slots, per kernel; consumer warpgroups per program
     (two, each half a block; one at head dim 256, whose resident tiles leave shared memory for a one-slot ring
     only with two), and launches of dK/dV over parts of the head dim (at 256 two: the whole dK and dV accumulators
-    took 256 registers a thread)."""
+    took 256 registers a thread). ``fused_dq``: dK/dV also sums dQ across its programs (``mosaic_fused_backward``;
+    the dQ fields unused)."""
 
     dq_rows: int
     dq_kv: int
@@ -27,18 +28,21 @@ class BackwardTiles:
     dkv_stages: int
     consumers: int = 2
     dkv_parts: int = 1
+    fused_dq: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2) or self.dkv_parts not in (1, 2):
             raise ValueError(f"BackwardTiles: consumers and dkv_parts are 1 or 2, got {self}")
+        if self.fused_dq and self.dkv_parts != 1:
+            raise ValueError(f"BackwardTiles: dQ is summed in dK/dV over the whole head dim only, got {self}")
 
     @property
     def products(self) -> int:
         """Matrix products the backward makes per (query, key) pair: dQ's three (S, dP, dQ) and dK/dV's four (S^T,
         dV, dP^T, dK), S^T and dP^T once per dK/dV part: 7, or 9 at head dim 256. The kernels sum nothing across
         programs (a deterministic result), so S and dP are made twice; a backward that sums dQ across programs
-        (cuDNN's, FlashAttention 2 and 3) makes FUSED_BACKWARD_PRODUCTS."""
-        return 3 + 2 + 2 * self.dkv_parts
+        (``fused_dq``, as cuDNN's, FlashAttention 2 and 3) makes FUSED_BACKWARD_PRODUCTS."""
+        return FUSED_BACKWARD_PRODUCTS if self.fused_dq else 3 + 2 + 2 * self.dkv_parts
 
 
 FUSED_BACKWARD_PRODUCTS = 5  # S, dP, dV, dK, dQ
@@ -70,11 +74,22 @@ def _dkv_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entrie
     rest = _smem_bytes(t.dkv_rows, t.dkv_q, t.dkv_stages, head_dim, itemsize, extra, slots, t.consumers)
     if t.dkv_parts > 1:  # the tile that stages a part's dK, then dV, for their TMA stores
         rest += t.consumers * t.dkv_rows * (head_dim // t.dkv_parts) * itemsize
+    if t.fused_dq:  # per consumer warpgroup dS^T in two buffers, and its columns of dS K in float32 staged for the
+        # reduce-add (``mosaic_fused_backward``: 64 of them where the two warpgroups share their dS^T)
+        dq_cols = 64 if t.consumers > 1 and head_dim == 64 * t.consumers else head_dim
+        rest += t.consumers * t.dkv_q * (2 * t.dkv_rows * itemsize + dq_cols * 4)
     return rest + arrays
 
 
 def backward_candidates(
-    head_dim: int, dtype, block_q: int, block_kv: int, slots: int = 0, entries: int = 0, groups: int = 1
+    head_dim: int,
+    dtype,
+    block_q: int,
+    block_kv: int,
+    slots: int = 0,
+    entries: int = 0,
+    groups: int = 1,
+    fused: bool = False,
 ) -> list[BackwardTiles]:
     """Every tiling these kernels can take for this head dim and blocks, best guess first, whose shared memory fits
     with ``slots`` document / position slots and a mod's captured arrays of ``entries`` per head (``groups`` query
@@ -84,10 +99,21 @@ def backward_candidates(
     of spills, dK/dV 0, against 240 with 128-wide tiles) or two document / position slots (each PARTIAL tile
     compares two pairs of id tiles; at head dim 64 dK/dV spilled 64 bytes with 128-wide tiles, 0 with 64-wide);
     ``experiments.hopper_attention --only sweep`` times the rest. Head dim 256 has one tiling: one consumer
-    warpgroup of 64 rows, 64-wide tiles, two-slot rings, dK/dV in two halves of the head dim."""
+    warpgroup of 64 rows, 64-wide tiles, two-slot rings, dK/dV in two halves of the head dim. ``fused``: the
+    tilings of ``mosaic_fused_backward`` (dK/dV summing dQ; head dims 64 and 128 without captured arrays), 64-wide
+    q tiles first (its dS K tile [q, E] in float32 takes registers beside dK and dV); not at head dim 128 with
+    grouped queries and document / position ids."""
     itemsize = jnp.dtype(dtype).itemsize
     if head_dim not in (64, 128, 256) or block_q % 128 or block_kv % 128 or max(block_q, block_kv) > 256:
         return []
+    if fused:
+        # at head dim 128 grouped queries with document / position ids spilled 12 bytes (sm_90 ptxas 13.5: barrier
+        # addresses the producer's 24 registers hold from before the warpgroups branch); the two kernels take them
+        if head_dim > 128 or entries or (head_dim == 128 and slots and groups > 1):
+            return []
+        dkv_rows = block_kv // 2
+        tiles = [BackwardTiles(block_q // 2, w, b, dkv_rows, w, b, fused_dq=True) for w in (64, 128) for b in (4, 3, 2)]
+        return [t for t in tiles if _dkv_smem(t, head_dim, itemsize, slots, entries, groups) <= _SHARED_MEMORY]
     if head_dim == 256:  # one consumer warpgroup of 64 rows per program, dK/dV in two head-dim halves
         dq_rows, dkv_rows, layout, widths = 64, 64, {"consumers": 1, "dkv_parts": 2}, (64,)
     else:

@@ -27,7 +27,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .block_mask import BlockMask
-from .gpu_tiles import KernelTiles, PassTiles, check_tiles, given_mosaic_tiles, kernel_tiles, mosaic_lowerings
+from .gpu_tiles import (
+    KernelTiles,
+    PassTiles,
+    check_fused_tiles,
+    check_tiles,
+    given_mosaic_tiles,
+    kernel_tiles,
+    mosaic_lowerings,
+)
 from .kernel_inputs import (
     AttentionStatic,
     check_attention_inputs,
@@ -40,7 +48,8 @@ from .kernel_inputs import (
 from .kernel_mask import split_documents
 from .masks import ScoreMod
 from .mosaic_attention import MosaicTiles, mosaic_forward
-from .mosaic_attention_bwd import mosaic_dkv, mosaic_dq
+from .mosaic_attention_bwd import mosaic_dq
+from .mosaic_attention_dkv import mosaic_dkv, mosaic_fused_backward
 from .mosaic_backward_tiles import BackwardTiles
 from .score_tables import load_rows, row_grads, rows_as_vector, split_arrays, vector_as_grads
 from .tile_math import dot, iota, masked_scores, tile_bounds
@@ -72,6 +81,7 @@ def block_sparse_attention(
     backend: str | None = None,
     tiles: KernelTiles | MosaicTiles | BackwardTiles | tuple | None = None,
     lowering: str | None = None,
+    deterministic: bool = True,
 ):
     """Attention over the non-empty tiles of ``block_mask``, as Pallas kernels; differentiable.
 
@@ -90,7 +100,10 @@ def block_sparse_attention(
     ``lowering`` picks the GPU forward: "mosaic" (``mosaic_attention``, Hopper and newer; in interpret mode the
     Mosaic GPU interpreter), "triton", or None: Mosaic on sm_90+ where it supports the case, else Triton (also
     when ``tiles``, the Triton kernels', are given). The backward follows (``mosaic_attention_bwd``) where its
-    kernels take the case, else it is the Triton dQ and dK/dV kernels.
+    kernels take the case, else it is the Triton dQ and dK/dV kernels. Not ``deterministic``: the Mosaic backward
+    sums dQ across programs in whatever order they run (``mosaic_fused_backward``: two fifths fewer products, as
+    cuDNN's backward by default), where it can take the case (head dims 64 and 128, no captured arrays); otherwise,
+    and in the other kernels, gradients are the same bit for bit from run to run.
     """
     check_attention_inputs("block_sparse_attention", q, k, v, block_mask)
     backend = resolve_backend("block_sparse_attention", interpret, backend)
@@ -122,11 +135,13 @@ def block_sparse_attention(
         backend=backend,
         tiles=tiles,
     )
-    chosen = mosaic_lowerings(static, lowering, q.dtype, E, explicit_tiles)
+    chosen = mosaic_lowerings(static, lowering, q.dtype, E, explicit_tiles, deterministic)
     if "mosaic_bwd" in mosaic_given and chosen["mosaic_bwd"] is None:
         raise ValueError(
             f"block_sparse_attention: the Mosaic GPU backward cannot take head dim {E}; give no BackwardTiles"
         )
+    if "mosaic_bwd" in mosaic_given and mosaic_given["mosaic_bwd"].fused_dq:
+        check_fused_tiles(mosaic_given["mosaic_bwd"], deterministic, E, bool(mod_arrays))
     static = dataclasses.replace(static, **(chosen | mosaic_given))
     qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays), mod_arrays)
@@ -155,6 +170,8 @@ def _attention_bwd(static, residuals, cotangents):
     args = (static, static.mosaic_bwd, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
     # a mod's captured arrays: their gradients are sums per entry over every score, formed by the dQ kernels (the
     # Triton one per program, the Mosaic one per query row); dK/dV only reads them
+    if static.mosaic_bwd is not None and static.mosaic_bwd.fused_dq:
+        return (*mosaic_fused_backward(*args, interpret=interpret), None, None, ())
     if static.mosaic_bwd is not None:
         dq = mosaic_dq(*args, mod_arrays, interpret=interpret)
         dk, dv = mosaic_dkv(*args, mod_arrays, interpret=interpret)

@@ -55,7 +55,8 @@ def test_every_mask_at_every_head_dim_compiles_for_h100(tmp_path):
     for E in (64, 128, 256):
         for dtype in ("float32", "bfloat16"):
             extra = (E, dtype) == (128, "bfloat16")  # and a T5 bias table as an input
-            assert len(_attention_cases(rows, E, dtype)) == 7 + extra, (E, dtype)  # every mask kind
+            fused = 7 * ((E, dtype) in ((64, "bfloat16"), (128, "bfloat16")))  # and dQ summed across programs
+            assert len(_attention_cases(rows, E, dtype)) == 7 + extra + fused, (E, dtype)  # every mask kind
     (table,) = [r for r in rows if "relative_bias" in r["case"]]
     assert table["detail"] == "0 Triton + 3 Mosaic GPU kernels"  # dQ too, which forms the table's gradient
     small, e4m3, *report_model = [r for r in rows if r["group"] == "train step"]
@@ -79,13 +80,16 @@ def test_every_kernel_compiles_for_h100(tmp_path):
     mask over whole blocks without the masked loop; causal documents are causal's kernels loading ids too), causal
     at 256 in float32 (its largest tiles); every matmul.
     Head dim 64 in bfloat16 is test_mosaic_attention.py's compile. The slow test above compiles every mask
-    everywhere and the train steps that hold the kernels. No Mosaic GPU kernel spills registers (ptxas): the
-    attention kernels at head dim 128 with GQA and a document slot, at 256 the backward's one consumer warpgroup and
-    dK/dV's two head-dim halves, the matmuls."""
+    everywhere and the train steps that hold the kernels. And causal at 128 with dQ summed across dK/dV's programs
+    (``deterministic=False``): the forward and one backward kernel. No Mosaic GPU kernel spills registers (ptxas):
+    the attention kernels at head dim 128 with GQA and a document slot, the fused backward's two warpgroups sharing
+    dS^T, at 256 the backward's one consumer warpgroup and dK/dV's two head-dim halves, the matmuls."""
     spills = []
     rows = _compile_rows(tmp_path, "--core", spills=spills)
-    assert len(spills) >= 13 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
-    assert [c.split(",")[0] for c in _attention_cases(rows, 128, "bfloat16")] == ["document"]
+    assert len(spills) >= 14 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
+    assert [c.split(",")[0] for c in _attention_cases(rows, 128, "bfloat16")] == ["document", "causal"]
+    (fused,) = [r for r in rows if "dQ summed across programs" in r["case"]]
+    assert fused["detail"] == "0 Triton + 2 Mosaic GPU kernels"
     assert [c.split(",")[0] for c in _attention_cases(rows, 256, "bfloat16")] == ["document"]
     assert [c.split(",")[0] for c in _attention_cases(rows, 256, "float32")] == ["causal"]
     assert not [

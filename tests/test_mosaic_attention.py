@@ -27,6 +27,7 @@ from pallas_kernels.mosaic_attention import MosaicTiles
 from pallas_kernels.mosaic_backward_tiles import BackwardTiles
 
 BLOCKS = pk.BlockSizes(128, 128)
+_FUSED = BackwardTiles(64, 64, 2, 64, 64, 2, fused_dq=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -125,6 +126,36 @@ def test_head_dim_256_backward_with_one_consumer_warpgroup_and_dkv_in_head_dim_h
     f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
     _, ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, pk.causal())[0], *f32[:3])
     for name, got, want in zip(("dq", "dk", "dv"), vjp(d_out), ref_vjp(f32[3])):
+        assert got.dtype == jnp.bfloat16
+        _close(got, want, 2e-2, name)
+
+
+@pytest.mark.parametrize("E", [64, 128])
+def test_the_fused_backward_sums_dq_across_programs_and_equals_the_reference(E, monkeypatch):
+    """deterministic=False: the dK/dV kernel also forms dQ, adding each step's dS K to a float32 dQ (a TMA
+    reduce-add on the device; in the interpreter each warpgroup adds in turn) and no dQ kernel runs. At head dim 128
+    the two consumer warpgroups share their dS^T, each making 64 of dQ's columns over both warpgroups' keys (so one
+    must not overwrite its K with dK before the other's last step has read it); at 64 each makes all of them over its
+    own keys. Two query heads on one kv head, T = 200 (ragged, two block rows), an lse cotangent; at 64 causal
+    documents, at 128 causal with a soft-cap: dQ, dK, dV equal the reference's."""
+    monkeypatch.setattr("pallas_kernels.pallas_attention.mosaic_dq", lambda *a, **k: pytest.fail("dQ kernel ran"))
+    T = 200
+    q, k, v = _qkv(1, 2, 1, T, T, E=E)
+    mask, mod = pk.causal(), pk.soft_cap(4.0)
+    if E == 64:
+        mask, mod = mask & pk.document(jnp.asarray(np.repeat([0, 1], [70, T - 70])[None], jnp.int32)), None
+    bm = pk.make_block_mask(mask, T, T, BLOCKS)
+    r = np.random.default_rng(7)
+    d_out = jnp.asarray(r.normal(size=q.shape), jnp.bfloat16)
+    d_lse = jnp.asarray(r.normal(size=q.shape[:3]), jnp.float32)
+
+    def fused(q, k, v):
+        return pk.block_sparse_attention(q, k, v, bm, score_mod=mod, lowering="mosaic", deterministic=False)
+
+    _, vjp = jax.vjp(fused, q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    _, ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, mask, score_mod=mod), *f32[:3])
+    for name, got, want in zip(("dq", "dk", "dv"), vjp((d_out, d_lse)), ref_vjp((f32[3], d_lse))):
         assert got.dtype == jnp.bfloat16
         _close(got, want, 2e-2, name)
 
@@ -344,19 +375,55 @@ def test_rows_longer_than_the_ring_with_given_tiles_forward_and_backward():
         _close(got, want, 2e-2, name)
 
 
+_TABLE = pk.relative_bias(jnp.zeros((1, 8), jnp.float32))
+
+
 @pytest.mark.parametrize(
-    "tiles, lowering, message",
+    "tiles, options, message",
     [
-        (MosaicTiles(128, 128, 2), None, "do not fit blocks 128x128"),
-        (BackwardTiles(64, 96, 2, 64, 128, 2), None, "do not fit blocks 128x128"),
-        (MosaicTiles(64, 128, 2), "triton", "Mosaic tiles were given with lowering='triton'"),
+        (MosaicTiles(128, 128, 2), {}, "do not fit blocks 128x128"),
+        (BackwardTiles(64, 96, 2, 64, 128, 2), {}, "do not fit blocks 128x128"),
+        (MosaicTiles(64, 128, 2), {"lowering": "triton"}, "Mosaic tiles were given with lowering='triton'"),
+        (_FUSED, {}, r"sums dQ in no fixed order; pass deterministic=False"),
+        (
+            _FUSED,
+            {"deterministic": False, "score_mod": _TABLE},
+            r"BackwardTiles\(fused_dq=True\) cannot take a score mod's captured arrays",
+        ),
     ],
 )
-def test_mosaic_tiles_that_cannot_run_are_refused(tiles, lowering, message):
+def test_mosaic_tiles_that_cannot_run_are_refused(tiles, options, message):
     q = jnp.zeros((1, 1, 128, 64), jnp.bfloat16)
     bm = pk.make_block_mask(pk.causal(), 128, 128, BLOCKS)
     with pytest.raises(ValueError, match=message):
-        pk.block_sparse_attention(q, q, q, bm, tiles=tiles, lowering=lowering)
+        pk.block_sparse_attention(q, q, q, bm, tiles=tiles, **options)
+
+
+def test_fused_backward_tiles_fit_beside_dq_s_stage_and_are_chosen_only_when_not_deterministic():
+    """No kernel runs: the fused backward's tilings (5 products a pair, not 7) at head dims 64 and 128 fit shared
+    memory with dS^T double-buffered and dS K's float32 stage; none at 256, with captured arrays, or at 128 with
+    grouped queries and document ids (they spilled registers), where (as in the deterministic default) the two
+    kernels' tiles are chosen."""
+    from pallas_kernels.gpu_tiles import mosaic_lowerings
+    from pallas_kernels.mosaic_backward_tiles import backward_candidates
+
+    for E in (64, 128):
+        fused = backward_candidates(E, jnp.bfloat16, 128, 128, fused=True)
+        assert fused and all(t.fused_dq and t.products == 5 for t in fused)
+    assert backward_candidates(128, jnp.bfloat16, 128, 128, fused=True)[0].dkv_stages == 2  # 193 KB of 223
+    assert backward_candidates(256, jnp.bfloat16, 128, 128, fused=True) == []
+    assert backward_candidates(128, jnp.bfloat16, 128, 128, entries=8, fused=True) == []
+    assert backward_candidates(128, jnp.bfloat16, 128, 128, slots=1, groups=2, fused=True) == []
+    assert backward_candidates(128, jnp.bfloat16, 128, 128, slots=1, fused=True)
+    assert backward_candidates(64, jnp.bfloat16, 128, 128, slots=1, groups=2, fused=True)
+    with pytest.raises(ValueError, match="dQ is summed in dK/dV over the whole head dim only"):
+        BackwardTiles(64, 64, 2, 64, 64, 2, consumers=1, dkv_parts=2, fused_dq=True)
+
+    static = _Static256(None)
+    static.backend = "gpu"
+    for E, deterministic, fused in ((128, True, False), (128, False, True), (256, False, False)):
+        chosen = mosaic_lowerings(static, "mosaic", jnp.bfloat16, E, deterministic=deterministic)
+        assert chosen["mosaic_bwd"].fused_dq == fused, (E, deterministic)
 
 
 def test_the_device_benchmark_refuses_a_machine_without_a_gpu(capsys):
@@ -429,13 +496,20 @@ if "--forwards" in sys.argv:  # the slow test's: both forwards at head dim 128, 
 # causal mask loads less; head dims 128 and 256 are tests/test_gpu_compile.py's, spills checked there too)
 S64 = jax.ShapeDtypeStruct((B, H, T, 64), jnp.bfloat16)
 
-def loss(q, k, v, ids):
+def loss(q, k, v, ids, deterministic=True):
     bm = pk.make_block_mask(pk.causal() & pk.document(ids), T, T, pk.BlockSizes(128, 128))
-    return pk.block_sparse_attention(q, k, v, bm, lowering="mosaic")[0].astype(jnp.float32).sum()
+    out = pk.block_sparse_attention(q, k, v, bm, lowering="mosaic", deterministic=deterministic)[0]
+    return out.astype(jnp.float32).sum()
 
 targets.compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), S64, S64, S64, jax.ShapeDtypeStruct((B, T), jnp.int32))
 sys.stdout.flush()
 print("COMPILED backward", file=sys.stderr, flush=True)
+
+# the same, dQ summed across the dK/dV kernel's programs (TMA reduce-adds): that one kernel (the forward compiled)
+fused = jax.grad(lambda q, k, v, ids: loss(q, k, v, ids, deterministic=False), argnums=(0, 1, 2))
+targets.compile_for_gpu(fused, S64, S64, S64, jax.ShapeDtypeStruct((B, T), jnp.int32))
+sys.stdout.flush()
+print("COMPILED fused backward", file=sys.stderr, flush=True)
 
 # the Mosaic forward, dQ (forming the table's gradient) and dK/dV reading a T5 bias table [H, 8] from shared memory
 # (head dim 64; 8 buckets compile in 12 s, 32 in 38: the slow every-mask compile has 32 at head dim 128)
@@ -451,6 +525,7 @@ print("COMPILED table", file=sys.stderr, flush=True)
 """
 
 MARKERS = ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg")
+REDUCE_ADD = "cp.reduce.async.bulk.tensor"  # a TMA reduce-add: the fused backward's dQ
 
 
 def _compile_in_subprocess(tmp_path, *flags) -> tuple[str, str]:
@@ -472,15 +547,16 @@ def _compile_in_subprocess(tmp_path, *flags) -> tuple[str, str]:
 
 
 def test_compiles_for_h100_with_tma_wgmma_register_reallocation_and_no_spills(tmp_path):
-    """The Mosaic forward and backward at head dim 64, B=2, T=1024, of causal & document (a document slot) and of
-    causal with a T5 bias table (six Mosaic kernels in all): their PTX (MOSAIC_GPU_DUMP_PTX: the
-    subprocess's output) has TMA bulk-tensor copies, wgmma and setmaxnreg, and ptxas reports no spills. Head dims 128
-    and 256: tests/test_gpu_compile.py (spills checked); the markers failing on the Triton kernels: the slow test
-    below."""
+    """The Mosaic forward and backward at head dim 64, B=2, T=1024, of causal & document (a document slot), the
+    same with dQ summed across dK/dV's programs (``deterministic=False``: one more kernel, the forward being the
+    same), and causal with a T5 bias table (seven Mosaic kernels in all): their PTX (MOSAIC_GPU_DUMP_PTX: the
+    subprocess's output) has TMA bulk-tensor copies, wgmma and setmaxnreg, the fused backward TMA reduce-adds, and
+    ptxas reports no spills. Head dims 128 and 256: tests/test_gpu_compile.py (spills checked); the markers failing
+    on the Triton kernels: the slow test below."""
     mosaic, _ = _compile_in_subprocess(tmp_path)
-    assert [m for m in MARKERS if m not in mosaic] == []
+    assert [m for m in (*MARKERS, REDUCE_ADD) if m not in mosaic] == []
     spills = [line.strip() for line in mosaic.splitlines() if "spill stores" in line]
-    assert len(spills) == 6 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
+    assert len(spills) == 7 and all("0 bytes spill stores, 0 bytes spill loads" in x for x in spills), spills
 
 
 @pytest.mark.slow  # the fast test's markers on the Mosaic kernels; this shows once that the Triton ones lack them
