@@ -140,6 +140,11 @@ def llama_tiny():
 TRAIN_VARIANTS = {  # name: --set style overrides of the base config
     "attention jax, matmuls default": {"attention_impl": "jax"},
     "attention pallas, matmuls default": {"attention_impl": "pallas"},
+    # the Mosaic backward summing dQ across programs: 5 products a score pair, not 7
+    "attention pallas (dQ summed across programs), matmuls default": {
+        "attention_impl": "pallas",
+        "attention_deterministic": False,
+    },
     "attention jax, matmuls fp8": {"attention_impl": "jax", "matmul_precision": "fp8"},  # auto: XLA's fp8 dots
     "attention jax, matmuls fp8 pallas": {"attention_impl": "jax", "matmul_precision": "fp8", "matmul_impl": "pallas"},
     "attention pallas, matmuls fp8": {"attention_impl": "pallas", "matmul_precision": "fp8"},

@@ -51,6 +51,7 @@ def attention(
     block_sizes: pk.BlockSizes = pk.BlockSizes(),
     positions_BT: jax.Array | None = None,
     context_parallel: str = "ring",
+    deterministic: bool = True,
 ) -> jax.Array:
     """Softmax attention under ``mask`` (a Mask or a spec string), returning [B, T, H, E].
 
@@ -60,7 +61,8 @@ def attention(
     split them; when the rules split the sequence too (a `context` axis), each shard attends its queries to every
     shard's keys, by ``context_parallel`` ("ring" or "all_gather", sharding.context), masked at ``positions_BT``
     (default: 0..T-1, the tokens' places in their rows; a numpy array [T] when every row has the same, known when
-    tracing, as a balancing reorder gives them).
+    tracing, as a balancing reorder gives them). Not ``deterministic``: the Pallas kernels' backward on Hopper sums
+    dQ across programs in no fixed order (``pallas_kernels.block_sparse_attention``).
     """
     B, T, H, E = q_BTHE.shape
     S, K = k_BSKE.shape[1], k_BSKE.shape[2]
@@ -84,7 +86,9 @@ def attention(
     scale = E**-0.5 if scale is None else scale
 
     if impl in BLOCK_SPARSE:
-        attend = functools.partial(_attend, scale=scale, score_mod=score_mod, impl=impl, block_sizes=block_sizes)
+        attend = functools.partial(
+            _attend, scale=scale, score_mod=score_mod, impl=impl, block_sizes=block_sizes, deterministic=deterministic
+        )
         if context:
             if T != S:
                 raise ValueError(f"context parallelism attends a sequence to itself; got {T} queries and {S} keys")
@@ -210,12 +214,14 @@ def _fit_block(block: int, length: int) -> int:
     return min(block, 1 << max(0, (length - 1).bit_length()))
 
 
-def _attend(q_BTHE, k_BSKE, v_BSKE, mask: pk.Mask, *, scale, score_mod, impl, block_sizes):
+def _attend(q_BTHE, k_BSKE, v_BSKE, mask: pk.Mask, *, scale, score_mod, impl, block_sizes, deterministic=True):
     """One block-sparse product of the queries and keys in hand under ``mask`` (a bound Mask): (out_BTHE, lse_BHT)."""
     T, S = q_BTHE.shape[1], k_BSKE.shape[1]
     bs = pk.BlockSizes(_fit_block(block_sizes.block_q, T), _fit_block(block_sizes.block_kv, S))
     block_mask = pk.make_block_mask(mask, T, S, bs)
-    fn = pk.block_sparse_attention if impl == "pallas" else pk.block_sparse_attention_xla
+    fn = pk.block_sparse_attention_xla
+    if impl == "pallas":
+        fn = functools.partial(pk.block_sparse_attention, deterministic=deterministic)
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BTHE, k_BSKE, v_BSKE))
     out_BHTE, lse_BHT = fn(q, k, v, block_mask, scale=scale, score_mod=score_mod)
     return out_BHTE.transpose(0, 2, 1, 3), lse_BHT

@@ -91,6 +91,9 @@ class ModelConfig(Section):
     attention_block_q: int = 128
     attention_block_kv: int = 128
     attention_softcap: float = 0.0  # > 0: cap * tanh(score / cap) on attention logits (Gemma 2 style)
+    # False: pallas on Hopper sums dQ across its backward's programs (5 matrix products a score pair, not 7), in no
+    # fixed order, so gradients differ in their last bits from run to run (pallas_kernels.block_sparse_attention)
+    attention_deterministic: bool = True
     qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, OLMo 2): steadier logits
     # under a `context` mesh axis: ring (K/V shards passed around, two in memory) | all_gather (the whole sequence's
     # K/V on every device, one collective) (sharding.context)

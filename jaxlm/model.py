@@ -158,6 +158,7 @@ class Attention(nnx.Module):
             block_sizes=BlockSizes(cfg.attention_block_q, cfg.attention_block_kv),
             positions_BT=positions_BT,
             context_parallel=cfg.context_parallel,
+            deterministic=cfg.attention_deterministic,
         )
         return self._out(out_BTHE), k_BTKE, v_BTKE
 

@@ -438,7 +438,7 @@ def test_the_device_benchmark_refuses_a_machine_without_a_gpu(capsys):
 
 def test_the_device_benchmark_says_how_the_backward_compares_per_product():
     """The backward alone against cuDNN's, and per product: the Mosaic backward makes 7 products a pair (9 at head
-    dim 256: dK/dV in two parts), cuDNN's 5."""
+    dim 256: dK/dV in two parts), cuDNN's 5, as the Mosaic backward summing dQ across programs does."""
     from experiments import hopper_attention
 
     def row(impl, E, fwd, train):
@@ -446,11 +446,15 @@ def test_the_device_benchmark_says_how_the_backward_compares_per_product():
                 "forward_tflops": 1 / fwd, "train_tflops": 1 / train}  # fmt: skip
 
     rows = [row("mosaic", 128, 1.0, 4.5), row("cudnn", 128, 1.0, 3.5), row("mosaic", 256, 1.0, 5.0)]
-    rows.append(row("cudnn", 256, 1.0, 3.0))
+    rows += [row("cudnn", 256, 1.0, 3.0), row("mosaic_fused", 128, 1.0, 3.0), row("mosaic_fused", 256, 1.0, 5.0)]
     by_e = {r["E"]: r for r in hopper_attention.ratios(rows)}
     assert by_e[128]["backward_vs_cudnn"] == pytest.approx(2.5 / 3.5)
     assert by_e[128]["backward_products_vs_cudnn"] == pytest.approx(2.5 / 3.5 * 7 / 5)
     assert by_e[256]["backward_products_vs_cudnn"] == pytest.approx(2 / 4 * 9 / 5)
+    # summing dQ across programs (5 products a pair; at 256 the two kernels run)
+    assert by_e[128]["fused_train_vs_cudnn"] == pytest.approx(3.5 / 3.0)
+    assert by_e[128]["fused_backward_products_vs_cudnn"] == pytest.approx(2.5 / 2.0)
+    assert by_e[256]["fused_backward_products_vs_cudnn"] == pytest.approx(2 / 4 * 9 / 5)
 
 
 def test_interpret_mode_picks_triton_unless_told():
