@@ -119,8 +119,11 @@ def _dkv_part(
     # rows (their dS^T shared, one barrier a step); otherwise each takes all over its own rows (64 columns are the
     # least a 128-byte swizzled K tile gives wgmma)
     shared_ds = n_wg > 1 and E == 64 * n_wg
-    n_ds_barriers = fused and (shared_ds or interpret)
     dq_cols = 64 if shared_ds else E
+    # the consumer warpgroups' own barriers: shared dS^T's two buffers and the loop's end, then the interpreter's
+    # turns at adding to dQ
+    loop_end, turns = 2, 3 * shared_ds
+    ds_barriers = (3 * shared_ds + interpret) if fused else 0
     if fused and (tiles.dkv_parts != 1 or packed):
         raise ValueError("_dkv_part: dQ is summed here only over the whole head dim, without captured arrays")
     modes = Modes(plgpu, interpret)
@@ -268,8 +271,8 @@ def _dkv_part(
                     def _():
                         dst[...] = dst[...] + dq_own[...]
 
-                    plgpu.barrier_arrive(ds_ready.at[3 * shared_ds])
-                    plgpu.barrier_wait(ds_ready.at[3 * shared_ds])
+                    plgpu.barrier_arrive(ds_ready.at[turns])
+                    plgpu.barrier_wait(ds_ready.at[turns])
 
             def per_group(g, carry):
                 # Padding needs no mask here: a padded query's lse is inf (p = 0, so it adds nothing), a padded
@@ -280,8 +283,8 @@ def _dkv_part(
             zeros = modes.zeros((rows, E_out))
             dk, dv = lax.fori_loop(0, G, per_group, (zeros, zeros))
             if fused and shared_ds:  # the other warpgroup's last dS K has read this one's K
-                plgpu.barrier_arrive(ds_ready.at[2])
-                plgpu.barrier_wait(ds_ready.at[2])
+                plgpu.barrier_arrive(ds_ready.at[loop_end])
+                plgpu.barrier_wait(ds_ready.at[loop_end])
             if E_out == E:  # K and V are read no more: their tiles take dK and dV
                 k_own[...] = (dk * static.scale).astype(dtype)
                 v_own[...] = dv.astype(dtype)
@@ -350,8 +353,7 @@ def _dkv_part(
             (plgpu.Barrier(num_barriers=stages),) * 4,
             (plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),),
             plgpu.Barrier(num_barriers=stages) if n_ids else None,
-            # shared dS^T's two buffers and the loop's end, the interpreter's turns
-            plgpu.Barrier(num_arrivals=n_wg, num_barriers=3 * shared_ds + interpret) if n_ds_barriers else None,
+            plgpu.Barrier(num_arrivals=n_wg, num_barriers=ds_barriers) if ds_barriers else None,
             collective_axes="wg",
         )
 
