@@ -18,6 +18,7 @@ Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exit
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -260,8 +261,8 @@ def _time_row(row: dict, fn, args, flops: int, repeats: int, log) -> dict:
 
 def run_sweep(T=8192, head_dims=(64, 128), width=2048, tokens=16384, backward_top=4, repeats=10, log=print):
     """Every forward tiling (timed forward only) and the first ``backward_top`` backward tilings (timed forward +
-    backward with the default forward) of the Mosaic kernels, full and causal masks. The first candidate of each
-    list is what the kernels use today."""
+    backward with the default forward) of the Mosaic kernels, full and causal masks; the same for the backward
+    summing dQ across programs (``fused``). The first candidate of each list is what the kernels use today."""
     rows = []
     for E in head_dims:
         B, H, q, k, v = _qkv(T, E, tokens, width)
@@ -270,10 +271,11 @@ def run_sweep(T=8192, head_dims=(64, 128), width=2048, tokens=16384, backward_to
             flops = kept_pairs(mask_name, T, 0) * B * H * E
             fwd = forward_candidates(E, jnp.bfloat16, 128, 128)
             bwd = backward_candidates(E, jnp.bfloat16, 128, 128)[:backward_top]
-            for kind, candidates in (("forward", fwd), ("backward", bwd)):
+            fused = backward_candidates(E, jnp.bfloat16, 128, 128, fused=True)[:backward_top]
+            for kind, candidates in (("forward", fwd), ("backward", bwd), ("fused", fused)):
                 for rank, tiles in enumerate(candidates):
-                    fn = lambda q, k, v, tiles=tiles: pk.block_sparse_attention(q, k, v, bm, tiles=tiles)[0]  # noqa: E731
-                    if kind == "backward":
+                    fn = functools.partial(_attend_with, bm, tiles, deterministic=kind != "fused")
+                    if kind != "forward":
                         fn = jax.grad(lambda q, k, v, f=fn: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
                     row = {"T": T, "E": E, "mask": mask_name, "pass": kind, "rank": rank, "tiles": repr(tiles)}
                     try:
@@ -286,6 +288,10 @@ def run_sweep(T=8192, head_dims=(64, 128), width=2048, tokens=16384, backward_to
                     log(f"sweep E={E} {mask_name:6s} {kind:8s} #{rank} {tiles} {detail}")
                     rows.append(row)
     return rows
+
+
+def _attend_with(bm, tiles, q, k, v, deterministic=True):
+    return pk.block_sparse_attention(q, k, v, bm, tiles=tiles, deterministic=deterministic)[0]
 
 
 def ratios(rows: list[dict]) -> list[dict]:
