@@ -271,6 +271,25 @@ def test_block_sparse_attention_under_mesh_and_shard_map():
         np.testing.assert_allclose(np.asarray(jax.jit(inner)(q, k, v, seg)), want, rtol=1e-5, atol=1e-5)
 
 
+def test_attention_deterministic_reaches_the_pallas_kernels(monkeypatch):
+    """``model.attention_deterministic=false`` asks the Pallas kernels for their backward that sums dQ across
+    programs (Mosaic GPU on Hopper; pallas_kernels' tests check it); the default asks for the deterministic one."""
+    import pallas_kernels as pk
+
+    original, asked = pk.block_sparse_attention, []
+
+    def spy(*args, deterministic=True, **kwargs):
+        asked.append(deterministic)
+        return original(*args, deterministic=deterministic, **kwargs)
+
+    monkeypatch.setattr(pk, "block_sparse_attention", spy)
+    for deterministic in (True, False):
+        cfg = tiny_model(attention_impl="pallas", attention_deterministic=deterministic)
+        jitted_forward(build(cfg))(tokens(0, seq=T))
+        assert asked and set(asked) == {deterministic}
+        asked.clear()
+
+
 def test_gqa_equals_mha_with_expanded_kv_heads():
     gqa_cfg = tiny_model(num_heads=4, num_kv_heads=2)
     mha_cfg = dataclasses.replace(gqa_cfg, num_kv_heads=4)
