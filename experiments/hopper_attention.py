@@ -9,7 +9,8 @@ with the float32 reference on bfloat16 inputs for each static mask kind, packed 
 length and score mods (a T5 bias table: the Mosaic forward, dQ with the table's gradient, and dK/dV).
 ``speed`` times forward and forward + backward for the full and causal masks at T = 2k and 8k, head dims 64 and 128
 (``--head-dims``: 256 too, whose backward runs one consumer warpgroup), and prints the Mosaic rows' ratio to cuDNN and
-Triton; ``mods`` times causal attention with a soft-cap and a T5
+Triton (``mosaic_fused``: the backward summing dQ across programs, ``deterministic=False``; ``check`` runs every
+case's gradients through it too); ``mods`` times causal attention with a soft-cap and a T5
 bias table against the same on Triton. ``documents`` does the same for 8 packed documents per
 sequence against cuDNN given the equivalent dense mask; ``sweep`` times the Mosaic kernels' candidate tiles.
 Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
