@@ -4,10 +4,10 @@ with dQ), and the same kernel summing dQ across its programs (``mosaic_fused_bac
 Fused, each step of a program (one block column of keys) also forms dQ's share of its keys, dS K, and adds it to a
 float32 dQ in global memory with a TMA reduce-add: S and dP are made once per (query, key) pair, 5 products to the
 two kernels' 7 (``BackwardTiles.products``), as cuDNN's backward and FlashAttention's do. dS^T goes to shared
-memory (dK's left operand as it is, dQ's read transposed: its registers hold dS^T's layout); at head dim 128 the two
-consumer warpgroups share theirs and each makes 64 columns of dS K over both warpgroups' keys (one barrier a step,
-half the reduce-adds and the [64, 64] float32 tile a warpgroup holds beside dK and dV), at head dim 64 each makes all
-over its own. The sums land in whatever order the programs run, so dQ differs from run to run in its last bits.
+memory (dK's left operand as it is, dQ's read transposed: its registers hold dS^T's layout), and the two consumer
+warpgroups share theirs (one barrier a step), so that dS K is summed over the program's keys before the reduce-add:
+at head dim 128 each makes 64 of its columns, at 64 one makes all of them, the two taking turns by step. The sums
+land in whatever order the programs run, so dQ differs from run to run in its last bits.
 
 Shape suffixes follow the legend in docs/architecture.md.
 """
@@ -115,17 +115,16 @@ def _dkv_part(
     packed = (pack_rows(mod_arrays),) if mod_arrays else ()
     n_ready = 2 + bool(n_ids) + bool(packed)  # a consumer's own copies: k, v (its kv ids, its heads' mod rows)
     fused = dq_sum is not None
-    # dS K's columns per consumer warpgroup: at head dim 128 each of two takes 64 of them over both warpgroups' kv
-    # rows (their dS^T shared, one barrier a step); otherwise each takes all over its own rows (64 columns are the
-    # least a 128-byte swizzled K tile gives wgmma)
-    shared_ds = n_wg > 1 and E == 64 * n_wg
-    dq_cols = 64 if shared_ds else E
-    # the consumer warpgroups' own barriers: shared dS^T's two buffers and the loop's end, then the interpreter's
-    # turns at adding to dQ
-    loop_end, turns = 2, 3 * shared_ds
-    ds_barriers = (3 * shared_ds + interpret) if fused else 0
-    if fused and (tiles.dkv_parts != 1 or packed):
-        raise ValueError("_dkv_part: dQ is summed here only over the whole head dim, without captured arrays")
+    # The two consumer warpgroups share their dS^T (one barrier a step), so that dS K is summed over the program's
+    # keys before it is added to dQ: at head dim 128 each makes 64 of its columns, at 64 (64 columns are the least a
+    # 128-byte swizzled K tile gives wgmma) one makes all of them, the warpgroups taking turns by step. Each making
+    # all columns over its own keys doubled the reduce-adds: 32 KB a step per program, at head dim 64 about 6 TB/s
+    # at the H100's peak rate of products.
+    dq_cols = max(64, E // n_wg)
+    # the consumer warpgroups' own barriers: shared dS^T's two buffers and the loop's end
+    loop_end, ds_barriers = 2, 3 if fused else 0
+    if fused and (n_wg != 2 or tiles.dkv_parts != 1 or packed):
+        raise ValueError("_dkv_part: dQ is summed here by two warpgroups over the whole head dim, no captured arrays")
     modes = Modes(plgpu, interpret)
     # As dQ's. sm_90 ptxas, spill bytes at 232 / 40 -> 240 / 24: head dim 64 with a document slot 8 -> 0, with a
     # soft-cap 484 -> 404; head dim 128 with GQA (G = 2) 52 -> 20, with a soft-cap 268 -> 164, a document slot 4 -> 4.
@@ -235,44 +234,41 @@ def _dkv_part(
                 return dk, dv
 
             def add_dq(j, head, t, z):
-                """This warpgroup's share of dS K [tq, dq_cols] (the scale applied outside), added to the tile's
-                rows of ``dq_sum``: dS^T is read from shared memory transposed as wgmma's left operand (its
-                registers held dS^T's layout, not dS's). Shared across warpgroups, it is double-buffered: a
-                warpgroup writes a buffer again two steps on, past the barrier of the step between, which the other
-                arrives on only once it has read it. The sum is staged in shared memory for a TMA reduce-add, whose
-                last one must have read the stage before it is written again."""
+                """This warpgroup's share of dS K [tq, dq_cols] over the program's keys (the scale applied
+                outside), added to the tile's rows of ``dq_sum``: dS^T is read from shared memory transposed as
+                wgmma's left operand (its registers held dS^T's layout, not dS's). Shared across warpgroups, it is
+                double-buffered: a warpgroup writes a buffer again two steps on, past the barrier of the step
+                between, which the other arrives on only once it has read it."""
                 buf = lax.rem(j, 2) + z
-                if shared_ds:
-                    plgpu.barrier_arrive(ds_ready.at[buf])
-                    plgpu.barrier_wait(ds_ready.at[buf])
-                    part_cols = pl.ds(wg * dq_cols, dq_cols)
+                plgpu.barrier_arrive(ds_ready.at[buf])
+                plgpu.barrier_wait(ds_ready.at[buf])
+                part_cols = pl.ds(wg * dq_cols if dq_cols < E else 0, dq_cols)
+
+                def make_and_add():
                     dq = modes.zeros((tq, dq_cols))
                     for i in range(n_wg):
                         ds_t = modes.transposed(ds_smem2.at[buf, i + z], dst_smem2, wg)
                         k_cols = k_smem2.at[i + z].at[:, part_cols]
                         dq = _accumulate(plgpu, dq, ds_t, k_cols, lambda: None, interpret)
-                else:
-                    part_cols = pl.ds(0, E)
-                    ds_t = modes.transposed(ds_smem2.at[buf, wg + z], dst_smem2, wg)
-                    dq = modes.product(ds_t, k_smem2.at[wg + z], (tq, E))
+                    add(dq, head, t, z, part_cols)
+
+                if dq_cols < E:  # each warpgroup its columns
+                    make_and_add()
+                else:  # the warpgroups take turns
+                    pl.when(lax.rem(j, n_wg) == wg)(make_and_add)
+
+            def add(dq, head, t, z, part_cols):
+                """``dq`` added to the tile's rows and ``part_cols`` of ``dq_sum``: staged in shared memory for a
+                TMA reduce-add, whose last one must have read the stage before it is written again."""
                 dq_own = dq_smem2.at[wg + z]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 dq_own[...] = dq
                 plgpu.commit_smem()
                 dst = dq_ref.at[b, head, pl.ds(tile_start(t), tq), part_cols]
-                if not interpret:
+                if interpret:  # the interpreter has no TMA reductions; it runs one program at a time
+                    dst[...] = dst[...] + dq_own[...]
+                else:
                     plgpu.copy_smem_to_gmem(dq_own, dst, reduction_op="add")
-                    return
-                # the interpreter has no TMA reductions: it runs one program at a time, and within it the
-                # warpgroups add in turn (a read and a write, where their columns overlap)
-                for i in range(n_wg):
-
-                    @pl.when(wg == i)
-                    def _():
-                        dst[...] = dst[...] + dq_own[...]
-
-                    plgpu.barrier_arrive(ds_ready.at[turns])
-                    plgpu.barrier_wait(ds_ready.at[turns])
 
             def per_group(g, carry):
                 # Padding needs no mask here: a padded query's lse is inf (p = 0, so it adds nothing), a padded
@@ -282,7 +278,7 @@ def _dkv_part(
 
             zeros = modes.zeros((rows, E_out))
             dk, dv = lax.fori_loop(0, G, per_group, (zeros, zeros))
-            if fused and shared_ds:  # the other warpgroup's last dS K has read this one's K
+            if ds_barriers:  # the other warpgroup's last dS K has read this one's K
                 plgpu.barrier_arrive(ds_ready.at[loop_end])
                 plgpu.barrier_wait(ds_ready.at[loop_end])
             if E_out == E:  # K and V are read no more: their tiles take dK and dV

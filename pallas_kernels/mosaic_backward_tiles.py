@@ -33,8 +33,10 @@ class BackwardTiles:
     def __post_init__(self):
         if self.consumers not in (1, 2) or self.dkv_parts not in (1, 2):
             raise ValueError(f"BackwardTiles: consumers and dkv_parts are 1 or 2, got {self}")
-        if self.fused_dq and self.dkv_parts != 1:
-            raise ValueError(f"BackwardTiles: dQ is summed in dK/dV over the whole head dim only, got {self}")
+        if self.fused_dq and (self.dkv_parts != 1 or self.consumers != 2):
+            raise ValueError(
+                f"BackwardTiles: dQ is summed in dK/dV by two warpgroups over the whole head dim, got {self}"
+            )
 
     @property
     def products(self) -> int:
@@ -75,8 +77,8 @@ def _dkv_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entrie
     if t.dkv_parts > 1:  # the tile that stages a part's dK, then dV, for their TMA stores
         rest += t.consumers * t.dkv_rows * (head_dim // t.dkv_parts) * itemsize
     if t.fused_dq:  # per consumer warpgroup dS^T in two buffers, and its columns of dS K in float32 staged for the
-        # reduce-add (``mosaic_fused_backward``: 64 of them where the two warpgroups share their dS^T)
-        dq_cols = 64 if t.consumers > 1 and head_dim == 64 * t.consumers else head_dim
+        # reduce-add (``mosaic_fused_backward``: half of them, at least 64)
+        dq_cols = max(64, head_dim // t.consumers)
         rest += t.consumers * t.dkv_q * (2 * t.dkv_rows * itemsize + dq_cols * 4)
     return rest + arrays
 

@@ -133,11 +133,11 @@ def test_head_dim_256_backward_with_one_consumer_warpgroup_and_dkv_in_head_dim_h
 @pytest.mark.parametrize("E", [64, 128])
 def test_the_fused_backward_sums_dq_across_programs_and_equals_the_reference(E, monkeypatch):
     """deterministic=False: the dK/dV kernel also forms dQ, adding each step's dS K to a float32 dQ (a TMA
-    reduce-add on the device; in the interpreter each warpgroup adds in turn) and no dQ kernel runs. At head dim 128
-    the two consumer warpgroups share their dS^T, each making 64 of dQ's columns over both warpgroups' keys (so one
-    must not overwrite its K with dK before the other's last step has read it); at 64 each makes all of them over its
-    own keys. Two query heads on one kv head, T = 200 (ragged, two block rows), an lse cotangent; at 64 causal
-    documents, at 128 causal with a soft-cap: dQ, dK, dV equal the reference's."""
+    reduce-add on the device) and no dQ kernel runs. The two consumer warpgroups share their dS^T, so dS K is made
+    over both warpgroups' keys (and one must not overwrite its K with dK before the other's last step has read it):
+    at head dim 128 each makes 64 of dQ's columns, at 64 one makes all of them, the two taking turns. Two query
+    heads on one kv head, T = 200 (ragged, two block rows), an lse cotangent; at 64 causal documents, at 128 causal
+    with a soft-cap: dQ, dK, dV equal the reference's."""
     monkeypatch.setattr("pallas_kernels.pallas_attention.mosaic_dq", lambda *a, **k: pytest.fail("dQ kernel ran"))
     T = 200
     q, k, v = _qkv(1, 2, 1, T, T, E=E)
@@ -416,7 +416,7 @@ def test_fused_backward_tiles_fit_beside_dq_s_stage_and_are_chosen_only_when_not
     assert backward_candidates(128, jnp.bfloat16, 128, 128, slots=1, groups=2, fused=True) == []
     assert backward_candidates(128, jnp.bfloat16, 128, 128, slots=1, fused=True)
     assert backward_candidates(64, jnp.bfloat16, 128, 128, slots=1, groups=2, fused=True)
-    with pytest.raises(ValueError, match="dQ is summed in dK/dV over the whole head dim only"):
+    with pytest.raises(ValueError, match="dQ is summed in dK/dV by two warpgroups over the whole head dim"):
         BackwardTiles(64, 64, 2, 64, 64, 2, consumers=1, dkv_parts=2, fused_dq=True)
 
     static = _Static256(None)
