@@ -393,6 +393,12 @@ def train_cases(core: bool = False, quick: bool = False) -> list[Case]:
         Case("train step", "the report's 1.01B Llama, Pallas attention", lambda: _compile_report_step(pallas)),
         Case(
             "train step",
+            "the report's 1.01B Llama, Pallas attention, dQ summed across programs",
+            # the forward and one backward kernel (model.attention_deterministic=false)
+            lambda: _compile_report_step({**pallas, "attention_deterministic": False}, mosaic=2),
+        ),
+        Case(
+            "train step",
             "the report's 1.01B Llama, Pallas attention + fp8 Pallas matmuls",
             # the Mosaic kernels: attention's three and each layer shape's fp8 forward; the fp8 backward (e5m2 x
             # e4m3) is Triton's

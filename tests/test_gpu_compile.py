@@ -60,7 +60,9 @@ def test_every_mask_at_every_head_dim_compiles_for_h100(tmp_path):
     (table,) = [r for r in rows if "relative_bias" in r["case"]]
     assert table["detail"] == "0 Triton + 3 Mosaic GPU kernels"  # dQ too, which forms the table's gradient
     small, e4m3, *report_model = [r for r in rows if r["group"] == "train step"]
-    assert len(report_model) == 2 and all("of 84.9 GB" in r["detail"] for r in report_model)  # fits the H100
+    assert len(report_model) == 3 and all("of 84.9 GB" in r["detail"] for r in report_model)  # fits the H100
+    (fused,) = [r for r in report_model if "dQ summed across programs" in r["case"]]
+    assert fused["detail"].startswith("0 Triton + 2 Mosaic GPU kernels")  # the forward, dK/dV summing dQ
     # the small step's scanned layer body once: 3 attention kernels + 4 fp8 matmuls x (forward, dX, dW), and the
     # lm_head's 3; the attention forward and the fp8 forwards on Mosaic GPU, dX and dW (mixed e5m2 x e4m3) on Triton,
     # attention's dQ and dK/dV on either
