@@ -37,8 +37,10 @@ Head dim 256 (``BackwardTiles.consumers`` 1, ``dkv_parts`` 2): its resident tile
 one slot with two consumer warpgroups, so a program has one, of 64 rows (two programs per block), and no register
 reallocation (each of its 256 threads may take 255); dK and dV at once took 256 registers a thread, so dK/dV runs as
 two launches, each accumulating half of the head dim's columns, the scores and dP^T over all of it computed in both
-(1.5x dK/dV's products). The resident tiles' wgmma descriptors are made each step (``fresh_zero``): held across
-the loop, 16 k-steps' of them for two resident operands spilled about 210 bytes per kernel on sm_90.
+(1.5x dK/dV's products); with a mod's captured arrays dQ too (``dq_parts`` 2; the first launch forms the arrays'
+gradients: their tile beside the whole accumulator spilled 224 bytes with a T5 table). The resident tiles' wgmma
+descriptors are made each step (``fresh_zero``): held across the loop, 16 k-steps' of them for two resident
+operands spilled about 210 bytes per kernel on sm_90.
 
 Shape suffixes follow the legend in docs/architecture.md.
 """
@@ -142,20 +144,39 @@ def mosaic_dq(
     ``doc_arrays``: the forward's (``mosaic_forward``), per document / position slot its q ids and kv ids.
     ``mod_arrays``: the mod's captured arrays as ``mosaic_forward`` takes them; with them the result is (dQ, their
     gradients per query row [B, H, Tp, packed entries] float32: each entry's share of dS summed over the row's keys,
-    ``add_row_grads_per_row``), summed over rows and batch outside."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
+    ``add_row_grads_per_row``), summed over rows and batch outside. With ``tiles.dq_parts`` > 1 each part of the
+    head dim is a launch of its own, concatenated here (the first also forms the arrays' gradients)."""
     n_entries = row_entries(static.score_mod)
     if bool(n_entries) != bool(mod_arrays):
         raise ValueError(f"mosaic_dq: {len(mod_arrays)} captured arrays for a mod with {n_entries} entries")
+    args = (static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
+    parts = [_dq_part(*args, part, interpret) for part in range(tiles.dq_parts)]
+    dq = parts[0][0] if len(parts) == 1 else jnp.concatenate([p[0] for p in parts], axis=-1)
+    return (dq, parts[0][1]) if mod_arrays else dq
+
+
+def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays, part, interpret):
+    """(dQ's columns of head-dim part ``part`` of ``tiles.dq_parts``, the arrays' gradients per row or None): the
+    scores and dP contract over the whole head dim (each part makes them again), the accumulator holds the part's
+    columns (at head dim 256 beside the arrays' gradient tile the whole of it spilled registers); the first part
+    forms the gradients."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    n_entries = row_entries(static.score_mod)
     B, H, Tp, E = q.shape
     Sp = k.shape[2]
     G, rows, tkv, stages = static.groups, tiles.dq_rows, tiles.dq_kv, tiles.dq_stages
     n_wg = tiles.consumers  # consumer warpgroups: a program owns n_wg * rows query rows
+    E_out = E // tiles.dq_parts  # the part's columns of dQ
+
+    def cols(ref):  # a tile's columns of this part
+        return ref if E_out == E else ref.at[:, pl.ds(part * E_out, E_out)]
+
     dtype = q.dtype
     kv_idx, kv_np, kv_cnt = (a.astype(jnp.int32) for a in mask_arrays[:3])
     n_ids, id_arrays, ids_batched = id_inputs("mosaic_dq", static, doc_arrays, Tp, Sp)
     packed = (pack_rows(mod_arrays),) if mod_arrays else ()
+    row_grads = bool(packed) and part == 0  # this launch forms the arrays' gradients
     width = packed_entries(n_entries)  # of the gradient tile: a packed row's
     # where the arrays only add terms to the scores before the rest of the mod (a soft-cap) acts, their gradients
     # take dS through the mod's derivative and the adding part alone: no jvp through the rest per entry (through a
@@ -187,7 +208,7 @@ def mosaic_dq(
     ):
         smem, ready, (k_ready, v_ready), (k_free, v_free), kvid_ready = scoped
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, t_smem2, a_smem2, qid_smem2, kvid_smem = smem[:10]
-        mod_smem2, grads_smem2 = smem[10:]
+        mod_smem2, grads_smem2, out_smem2 = smem[10:]
         b, h, prog, wg = (lax.axis_index(n) for n in ("batch", "heads", "rows", "wg"))
         bd = b if ids_batched else 0
         row = lax.div(prog * (n_wg * rows), static.block_q)  # the program's block row
@@ -248,16 +269,16 @@ def mosaic_dq(
                 ds = p * (dp - delta)  # d loss / d (modded scores)
                 if static.score_mod is not None:
                     d_mod = _rebuilt_derivative(static, p, lse2, d_mod)
-                if packed and added is None:
+                if row_grads and added is None:
                     args = (static.score_mod, entries, scaled, q_pos, kv_pos, h, ds, d_rows, add_entry, bounds)
                     d_rows = add_row_grads_per_row(*args)
                 if d_mod is not None:
                     ds = ds * d_mod  # d loss / d (scaled scores): of the terms the arrays add to them too
-                if packed and added is not None:
+                if row_grads and added is not None:
                     args = (added, entries, scaled, q_pos, kv_pos, h, ds, d_rows, add_entry, bounds)
                     d_rows = add_row_grads_per_row(*args)
                 ds = modes.operand(ds.astype(dtype), a_smem2, wg)
-                dq = _accumulate(plgpu, dq, ds, k_smem.at[slot], lambda: None, interpret)
+                dq = _accumulate(plgpu, dq, ds, cols(k_smem.at[slot]), lambda: None, interpret)
                 plgpu.barrier_arrive(k_free.at[slot])
                 return dq, d_rows
 
@@ -266,16 +287,17 @@ def mosaic_dq(
                 column = modes.iota(d_rows.shape, 1) == i
                 return d_rows + jnp.where(column, lax.broadcast_in_dim(vector, d_rows.shape, [0]), 0.0)
 
-            carry = (modes.zeros((rows, E)), modes.zeros((rows, width)) if packed else ())
+            carry = (modes.zeros((rows, E_out)), modes.zeros((rows, width)) if row_grads else ())
             # Padding needs no mask here unless captured arrays take gradients: a padded key's K row is zeros, so
             # its dS adds nothing to dQ (but would to the arrays'), and a padded query's row is cut off.
-            dq, d_rows = over_tiles(static, step, n_partial, n_tiles, carry, padding_matters=bool(packed))
-            q_smem[...] = (dq * static.scale).astype(dtype)
-            if packed:
+            dq, d_rows = over_tiles(static, step, n_partial, n_tiles, carry, padding_matters=row_grads)
+            out_own = q_smem if E_out == E else out_smem2.at[wg]  # Q is read no more; a part's has its own tile
+            out_own[...] = (dq * static.scale).astype(dtype)
+            if row_grads:
                 grads_smem2.at[wg][...] = d_rows
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, h, pl.ds(base, rows)])
-            if packed:
+            plgpu.copy_smem_to_gmem(out_own, dq_ref.at[b, h, pl.ds(base, rows)])
+            if row_grads:
                 plgpu.copy_smem_to_gmem(grads_smem2.at[wg], rows_ref.at[b, h, pl.ds(base, rows)])
             plgpu.wait_smem_to_gmem(0)
 
@@ -288,10 +310,10 @@ def mosaic_dq(
             stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids)
 
     def entry(*refs):
-        n_out = 1 + bool(packed)
+        n_out = 1 + row_grads
         ins, outs = refs[:-n_out], refs[-n_out:]
         ins, mod = (ins[:-1], ins[-1:]) if packed else (ins, (None,))
-        refs = (*ins, *((None, None) if not n_ids else ()), *mod, *outs, *((None,) if not packed else ()))
+        refs = (*ins, *((None, None) if not n_ids else ()), *mod, *outs, *((None,) if not row_grads else ()))
         layout = _layout(plgpu)
         scratch = (
             plgpu.SMEM((n_wg, rows, E), dtype, transforms=layout),
@@ -305,7 +327,8 @@ def mosaic_dq(
             plgpu.SMEM((n_wg, n_ids, rows), jnp.int32) if n_ids else None,
             plgpu.SMEM((stages, n_ids, tkv), jnp.int32) if n_ids else None,
             plgpu.SMEM((n_wg, packed_width(mod_arrays)), jnp.float32) if packed else None,
-            plgpu.SMEM((n_wg, rows, width), jnp.float32) if packed else None,
+            plgpu.SMEM((n_wg, rows, width), jnp.float32) if row_grads else None,
+            plgpu.SMEM((n_wg, rows, E_out), dtype, transforms=layout) if E_out < E else None,
         )
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped),
@@ -317,8 +340,8 @@ def mosaic_dq(
             collective_axes="wg",
         )
 
-    out_type = like(q.shape, dtype, q)
-    if packed:
+    out_type = like((B, H, Tp, E_out), dtype, q)
+    if row_grads:
         out_type = (out_type, like((B, H, Tp, width), jnp.float32, q))
     out = plgpu.kernel(
         entry,
@@ -330,4 +353,4 @@ def mosaic_dq(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **interpret_params(interpret),
     )(q, k, v, d_out, lse[..., 0], delta[..., 0], kv_idx, kv_np, kv_cnt, *id_arrays, *packed)
-    return (vary_like(out[0], q), vary_like(out[1], q)) if packed else vary_like(out, q)
+    return (vary_like(out[0], q), vary_like(out[1], q)) if row_grads else (vary_like(out, q), None)

@@ -17,8 +17,9 @@ class BackwardTiles:
     """Rows per consumer warpgroup, the streamed tile, and ring slots, per kernel; consumer warpgroups per program
     (two, each half a block; one at head dim 256, whose resident tiles leave shared memory for a one-slot ring
     only with two), and launches of dK/dV over parts of the head dim (at 256 two: the whole dK and dV accumulators
-    took 256 registers a thread). ``fused_dq``: dK/dV also sums dQ across its programs (``mosaic_fused_backward``;
-    the dQ fields unused)."""
+    took 256 registers a thread), and of dQ (at 256 two where a mod's captured arrays take gradients: their
+    gradient tile beside the whole dQ accumulator spilled registers). ``fused_dq``: dK/dV also sums dQ across its
+    programs (``mosaic_fused_backward``; the dQ fields unused)."""
 
     dq_rows: int
     dq_kv: int
@@ -29,10 +30,11 @@ class BackwardTiles:
     consumers: int = 2
     dkv_parts: int = 1
     fused_dq: bool = False
+    dq_parts: int = 1
 
     def __post_init__(self):
-        if self.consumers not in (1, 2) or self.dkv_parts not in (1, 2):
-            raise ValueError(f"BackwardTiles: consumers and dkv_parts are 1 or 2, got {self}")
+        if self.consumers not in (1, 2) or self.dkv_parts not in (1, 2) or self.dq_parts not in (1, 2):
+            raise ValueError(f"BackwardTiles: consumers, dkv_parts and dq_parts are 1 or 2, got {self}")
         if self.fused_dq and (self.dkv_parts != 1 or self.consumers != 2):
             raise ValueError(
                 f"BackwardTiles: dQ is summed in dK/dV by two warpgroups over the whole head dim, got {self}"
@@ -41,10 +43,11 @@ class BackwardTiles:
     @property
     def products(self) -> int:
         """Matrix products the backward makes per (query, key) pair: dQ's three (S, dP, dQ) and dK/dV's four (S^T,
-        dV, dP^T, dK), S^T and dP^T once per dK/dV part: 7, or 9 at head dim 256. The kernels sum nothing across
+        dV, dP^T, dK), S and dP once per dQ part, S^T and dP^T once per dK/dV part: 7, or 9 at head dim 256 (11
+        with captured arrays). The kernels sum nothing across
         programs (a deterministic result), so S and dP are made twice; a backward that sums dQ across programs
         (``fused_dq``, as cuDNN's, FlashAttention 2 and 3) makes FUSED_BACKWARD_PRODUCTS."""
-        return FUSED_BACKWARD_PRODUCTS if self.fused_dq else 3 + 2 + 2 * self.dkv_parts
+        return FUSED_BACKWARD_PRODUCTS if self.fused_dq else 2 * self.dq_parts + 1 + 2 + 2 * self.dkv_parts
 
 
 FUSED_BACKWARD_PRODUCTS = 5  # S, dP, dV, dK, dQ
@@ -64,9 +67,11 @@ def _dkv_slot_extra(tiles: BackwardTiles) -> int:
 
 
 def _dq_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entries: int) -> int:
-    """dQ's shared memory; with a mod's captured arrays also each warpgroup's packed row and its gradient tile."""
+    """dQ's shared memory; with a mod's captured arrays also each warpgroup's packed row and its gradient tile; in
+    head-dim parts the tile that stages a part's dQ for its TMA store."""
     arrays = t.consumers * 4 * packed_entries(entries) * (1 + t.dq_rows) if entries else 0
-    return _smem_bytes(t.dq_rows, t.dq_kv, t.dq_stages, head_dim, itemsize, 0, slots, t.consumers) + arrays
+    part = t.consumers * t.dq_rows * (head_dim // t.dq_parts) * itemsize if t.dq_parts > 1 else 0
+    return _smem_bytes(t.dq_rows, t.dq_kv, t.dq_stages, head_dim, itemsize, 0, slots, t.consumers) + arrays + part
 
 
 def _dkv_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entries: int, groups: int) -> int:
@@ -116,8 +121,9 @@ def backward_candidates(
         dkv_rows = block_kv // 2
         tiles = [BackwardTiles(block_q // 2, w, b, dkv_rows, w, b, fused_dq=True) for w in (64, 128) for b in (4, 3, 2)]
         return [t for t in tiles if _dkv_smem(t, head_dim, itemsize, slots, entries, groups) <= _SHARED_MEMORY]
-    if head_dim == 256:  # one consumer warpgroup of 64 rows per program, dK/dV in two head-dim halves
-        dq_rows, dkv_rows, layout, widths = 64, 64, {"consumers": 1, "dkv_parts": 2}, (64,)
+    if head_dim == 256:  # one consumer warpgroup of 64 rows per program, dK/dV (and with arrays dQ) in halves
+        dq_rows, dkv_rows, widths = 64, 64, (64,)
+        layout = {"consumers": 1, "dkv_parts": 2, "dq_parts": 2 if entries else 1}
     else:
         dq_rows, dkv_rows, layout = block_q // 2, block_kv // 2, {}
         widths = (128, 64) if head_dim <= 64 and not entries and slots < 2 else (64, 128)
@@ -154,10 +160,6 @@ def supports_backward(static, dtype, head_dim: int) -> str | None:
     if backward_tiles(head_dim, dtype, static.block_q, static.block_kv) is None:
         return f"head dim {head_dim} with blocks {static.block_q}x{static.block_kv}"
     footprint = backward_footprint(static)
-    if head_dim > 128 and footprint["entries"]:
-        # dQ forms the arrays' gradients in a tile beside its [64, 256] accumulator: sm_90 ptxas, a T5 table 224
-        # bytes of spills, chained with slopes and a soft-cap 424
-        return f"a score mod's captured arrays at head dim {head_dim} (dQ's gradient tile spills registers there)"
     if backward_tiles(head_dim, dtype, static.block_q, static.block_kv, **footprint) is None:
         slots, entries = footprint["slots"], footprint["entries"]
         return (

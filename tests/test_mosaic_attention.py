@@ -7,6 +7,7 @@ the cases are few, small (block 128x128, the smallest the kernel takes: 64 rows 
 and each combines features. The compile runs in a subprocess, as tests/test_gpu_compile.py's do: the CUDA plugin
 must be found before JAX starts its backends, and this process has started them."""
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -114,20 +115,28 @@ def test_causal_with_grouped_query_heads_at_a_ragged_length_forward_and_mosaic_b
         _close(got, want, 2e-2, name)
 
 
-def test_head_dim_256_backward_with_one_consumer_warpgroup_and_dkv_in_head_dim_halves():
+def test_head_dim_256_backward_with_one_consumer_warpgroup_and_parts_of_the_head_dim():
     """At head dim 256 the Mosaic backward runs one consumer warpgroup of 64 rows per program, two programs per
     block, and dK/dV as two launches, each accumulating one half of the head dim's columns (the scores and dP^T
-    contract over all of it in both). Two query heads on one kv head, T = 100 padded to 128, causal: dQ, dK, dV
-    equal the reference's."""
+    contract over all of it in both); with a T5 bias table dQ too, its first launch forming the table's gradient
+    (five Mosaic kernels). Two query heads on one kv head, T = 100 padded to 128, causal: dQ, dK, dV and the table's
+    gradient equal the reference's."""
     q, k, v = _qkv(1, 2, 1, 100, 100, E=256)
     bm = pk.make_block_mask(pk.causal(), 100, 100, BLOCKS)
     d_out = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), jnp.bfloat16)
-    _, vjp = jax.vjp(lambda q, k, v: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic")[0], q, k, v)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
-    _, ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, pk.causal())[0], *f32[:3])
-    for name, got, want in zip(("dq", "dk", "dv"), vjp(d_out), ref_vjp(f32[3])):
-        assert got.dtype == jnp.bfloat16
-        _close(got, want, 2e-2, name)
+    table = jnp.asarray(np.random.default_rng(8).normal(size=(2, 32)), jnp.float32)
+
+    def loss(attend):
+        return lambda q, k, v, t: (attend(q, k, v, pk.relative_bias(t)).astype(jnp.float32) * d_out).sum()
+
+    mosaic = loss(lambda q, k, v, m: pk.block_sparse_attention(q, k, v, bm, score_mod=m, lowering="mosaic")[0])
+    assert str(jax.make_jaxpr(jax.grad(mosaic, argnums=(0, 1, 2, 3)))(q, k, v, table)).count("axis_name=wg") == 5
+    got = jax.grad(mosaic, argnums=(0, 1, 2, 3))(q, k, v, table)
+    ref = loss(lambda q, k, v, m: pk.reference_attention(q, k, v, pk.causal(), score_mod=m)[0])
+    want = jax.grad(ref, argnums=(0, 1, 2, 3))(*(x.astype(jnp.float32) for x in (q, k, v)), table)
+    for name, g, w in zip(("dq", "dk", "dv", "d table"), got, want):
+        _close(g, w, 2e-2, name)
+    assert [g.dtype for g in got[:3]] == [jnp.bfloat16] * 3
 
 
 @pytest.mark.parametrize("E", [64, 128])
@@ -594,19 +603,24 @@ def test_tiles_make_room_for_captured_arrays():
     assert (plain.dq_stages, wide.dq_stages) == (4, 3) and wide.dkv_stages == plain.dkv_stages
 
 
-def test_head_dim_256_takes_one_consumer_and_two_dkv_parts_and_refuses_captured_arrays():
+def test_head_dim_256_takes_one_consumer_and_two_dkv_parts_and_with_arrays_two_dq_parts():
     """No kernel runs: at head dim 256 the backward's one tiling is one 64-row consumer warpgroup, 64-wide tiles,
-    two-slot rings (its 192 KB of tiles leave no room for a third), dK/dV in two halves; with a document slot too; a
-    mod's captured arrays send it to Triton, saying why."""
+    two-slot rings (its 192 KB of tiles leave no room for a third), dK/dV in two halves; with a document slot too;
+    with a T5 table's 32 entries dQ in two halves as well (its gradient tile beside the whole accumulator spilled
+    registers); more entries than 32 (a table chained with slopes) do not fit shared memory: Triton, saying why."""
     from pallas_kernels.mosaic_backward_tiles import BackwardTiles, backward_candidates, supports_backward
 
     want = BackwardTiles(64, 64, 2, 64, 64, 2, consumers=1, dkv_parts=2)
     assert backward_candidates(256, jnp.bfloat16, 128, 128) == [want]
     assert backward_candidates(256, jnp.bfloat16, 128, 128, slots=1, groups=4) == [want]
+    table = dataclasses.replace(want, dq_parts=2)
+    assert backward_candidates(256, jnp.bfloat16, 128, 128, entries=32, groups=2) == [table]
+    assert table.products == 11 and want.products == 9
     assert backward_candidates(192, jnp.bfloat16, 128, 128) == []
-    with pytest.raises(ValueError, match="BackwardTiles: consumers and dkv_parts are 1 or 2"):
+    with pytest.raises(ValueError, match="BackwardTiles: consumers, dkv_parts and dq_parts are 1 or 2"):
         BackwardTiles(64, 64, 2, 64, 64, 2, consumers=3)
-    assert "captured arrays at head dim 256" in supports_backward(_Static256(_captured_mod(2)), jnp.bfloat16, 256)
+    assert supports_backward(_Static256(pk.relative_bias(jnp.zeros((2, 32)))), jnp.bfloat16, 256) is None
+    assert "do not fit shared memory" in supports_backward(_Static256(_captured_mod(2)), jnp.bfloat16, 256)
     assert supports_backward(_Static256(None), jnp.bfloat16, 256) is None
 
 
