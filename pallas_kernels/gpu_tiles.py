@@ -105,11 +105,11 @@ def mosaic_lowerings(
     if why_not is not None and lowering == "mosaic":
         raise ValueError(f"block_sparse_attention: the Mosaic GPU forward cannot take {why_not}")
     why_not_bwd = why_not or supports_backward(static, dtype, E)
-    _log_once("forward", why_not)
-    _log_once("backward", why_not_bwd)
     blocks = (static.block_q, static.block_kv)
     footprint = backward_footprint(static)
     fused = None if why_not_bwd or deterministic else backward_tiles(E, dtype, *blocks, **footprint, fused=True)
+    _log_once("forward", why_not)
+    _log_once("backward summing dQ across programs" if fused else "backward", why_not_bwd)
     return {
         "mosaic": None if why_not else mosaic_tiles(E, dtype, *blocks, row_entries(static.score_mod)),
         "mosaic_bwd": None if why_not_bwd else fused or backward_tiles(E, dtype, *blocks, **footprint),

@@ -9,6 +9,7 @@ must be found before JAX starts its backends, and this process has started them.
 
 import dataclasses
 import functools
+import logging
 import os
 import subprocess
 import sys
@@ -408,7 +409,7 @@ def test_mosaic_tiles_that_cannot_run_are_refused(tiles, options, message):
         pk.block_sparse_attention(q, q, q, bm, tiles=tiles, **options)
 
 
-def test_fused_backward_tiles_fit_beside_dq_s_stage_and_are_chosen_only_when_not_deterministic():
+def test_fused_backward_tiles_fit_beside_dq_s_stage_and_are_chosen_only_when_not_deterministic(monkeypatch, caplog):
     """No kernel runs: the fused backward's tilings (5 products a pair, not 7) at head dims 64 and 128 fit shared
     memory with dS^T double-buffered and dS K's float32 stage; none at 256, with captured arrays, or at 128 with
     grouped queries and document ids (they spilled registers), where (as in the deterministic default) the two
@@ -430,9 +431,13 @@ def test_fused_backward_tiles_fit_beside_dq_s_stage_and_are_chosen_only_when_not
 
     static = _Static256(None)
     static.backend = "gpu"
-    for E, deterministic, fused in ((128, True, False), (128, False, True), (256, False, False)):
-        chosen = mosaic_lowerings(static, "mosaic", jnp.bfloat16, E, deterministic=deterministic)
-        assert chosen["mosaic_bwd"].fused_dq == fused, (E, deterministic)
+    monkeypatch.setattr("pallas_kernels.gpu_tiles._logged", set())  # which ran is logged once a process
+    with caplog.at_level(logging.INFO, logger="jaxlm.kernels"):
+        for E, deterministic, fused in ((128, True, False), (128, False, True), (256, False, False)):
+            chosen = mosaic_lowerings(static, "mosaic", jnp.bfloat16, E, deterministic=deterministic)
+            assert chosen["mosaic_bwd"].fused_dq == fused, (E, deterministic)
+    assert "backward summing dQ across programs on Mosaic GPU (sm_90)" in caplog.text
+    assert "block_sparse_attention backward on Mosaic GPU (sm_90)" in caplog.text
 
 
 def test_the_device_benchmark_refuses_a_machine_without_a_gpu(capsys):
