@@ -44,9 +44,9 @@ class BackwardTiles:
     def products(self) -> int:
         """Matrix products the backward makes per (query, key) pair: dQ's three (S, dP, dQ) and dK/dV's four (S^T,
         dV, dP^T, dK), S and dP once per dQ part, S^T and dP^T once per dK/dV part: 7, or 9 at head dim 256 (11
-        with captured arrays). The kernels sum nothing across
-        programs (a deterministic result), so S and dP are made twice; a backward that sums dQ across programs
-        (``fused_dq``, as cuDNN's, FlashAttention 2 and 3) makes FUSED_BACKWARD_PRODUCTS."""
+        with captured arrays). The kernels sum nothing across programs (a deterministic result), so S and dP are
+        made twice; a backward that sums dQ across programs (``fused_dq``, as cuDNN's, FlashAttention 2 and 3) makes
+        FUSED_BACKWARD_PRODUCTS."""
         return FUSED_BACKWARD_PRODUCTS if self.fused_dq else 2 * self.dq_parts + 1 + 2 + 2 * self.dkv_parts
 
 
