@@ -36,6 +36,8 @@ from pallas_kernels.mosaic_backward_tiles import FUSED_BACKWARD_PRODUCTS, backwa
 from pallas_kernels.targets import first_line
 
 TOLERANCE = 2e-2  # relative L2 error of a bfloat16 attention output against the float32 reference
+# speed's rows: the Mosaic kernels, the same with the backward summing dQ across programs, Triton's, cuDNN's
+SPEED_IMPLS = ("mosaic", "mosaic_fused", "triton", "cudnn")
 
 
 def check_cases() -> dict:
@@ -152,7 +154,7 @@ def run_speed(
     tokens=16384,
     width=2048,
     repeats=10,
-    impls=("mosaic", "mosaic_fused", "triton", "cudnn"),
+    impls=SPEED_IMPLS,
     log=print,
 ) -> list[dict]:
     rows = []
@@ -329,7 +331,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.hopper_attention", description=__doc__.split("\n")[0])
     p.add_argument("--only", default="check,speed", help="check, speed, mods, documents, sweep, comma-separated")
     p.add_argument("--json", default=None, help="write the rows here")
-    p.add_argument("--impls", default="mosaic,mosaic_fused,triton,cudnn", help="speed rows to time, comma-separated")
+    p.add_argument("--impls", default=",".join(SPEED_IMPLS), help="speed rows to time, comma-separated")
     p.add_argument("--head-dims", type=csv_of(int, (64, 128, 256)), default=(64, 128), help="speed's, comma-separated")
     args = p.parse_args(argv)
     only = set(args.only.split(","))
@@ -338,6 +340,10 @@ def main(argv=None) -> int:
             f"hopper_attention: error: --only {args.only!r}: give check, speed, mods, documents or sweep",
             file=sys.stderr,
         )
+        return 2
+    impls = tuple(args.impls.split(","))
+    if unknown := [i for i in impls if i not in SPEED_IMPLS]:
+        print(f"hopper_attention: error: --impls {unknown[0]!r}: choose from {', '.join(SPEED_IMPLS)}", file=sys.stderr)
         return 2
     if jax.devices()[0].platform != "gpu":
         print(
@@ -359,7 +365,7 @@ def main(argv=None) -> int:
         result["check"] = run_check()
         save()
     if "speed" in only:
-        result["speed"] = run_speed(head_dims=args.head_dims, impls=tuple(args.impls.split(",")))
+        result["speed"] = run_speed(head_dims=args.head_dims, impls=impls)
         result["ratios"] = ratios(result["speed"])
         save()
     if "mods" in only:

@@ -448,6 +448,10 @@ def test_the_device_benchmark_refuses_a_machine_without_a_gpu(capsys):
         "hopper_attention: error: no GPU here (the default device is cpu); the Mosaic kernels' CPU checks are "
         "tests/test_mosaic_attention.py"
     ]
+    assert hopper_attention.main(["--impls", "mosaic,fused"]) == 2  # before it looks for a GPU
+    assert capsys.readouterr().err.splitlines() == [
+        "hopper_attention: error: --impls 'fused': choose from mosaic, mosaic_fused, triton, cudnn"
+    ]
 
 
 def test_the_device_benchmark_says_how_the_backward_compares_per_product():
