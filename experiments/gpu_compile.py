@@ -194,9 +194,9 @@ def attention_cases(quick: bool, core: bool = False) -> list[Case]:
         for E in (256,) if core else (128, 256):
             name = f"causal, relative_bias (T5 table as an input), head dim {E}, bfloat16"
             cases.append(Case("attention", name, functools.partial(_compile_relative_bias, E)))
-    if not quick:  # dQ summed across dK/dV's programs (TMA reduce-adds): --core causal at 128 (its two warpgroups
-        # share dS^T; at 64 tests/test_mosaic_attention.py's compile), the full run every mask at both
-        fused = {"causal": all_masks["causal"]} if core else all_masks
+    if not quick:  # dQ summed across dK/dV's programs (TMA reduce-adds): --core causal documents at 128 (GQA; at 64
+        # tests/test_mosaic_attention.py's compile), the full run every mask at both
+        fused = {k: all_masks[k] for k in CORE_MASKS} if core else all_masks
         for E in (128,) if core else (64, 128):
             for name, mask in fused.items():
                 case = f"{name}, head dim {E}, bfloat16, dQ summed across programs"

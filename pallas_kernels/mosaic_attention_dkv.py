@@ -156,11 +156,16 @@ def _dkv_part(
         b, hk, prog, wg = (lax.axis_index(n) for n in ("batch", "heads", "cols", "wg"))
         bd = b if ids_batched else 0
         col = lax.div(prog * (n_wg * rows), static.block_kv)  # the program's block column
-        blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, col, static.block_q, tq)
-        per_head, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
+
+        # The column's block list is read in each warpgroup's branch: read before it, its counts were held across
+        # both (sm_90 ptxas, the fused kernel at head dim 128 with GQA and documents: 12 bytes of spills -> 0)
+        def column():
+            blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, col, static.block_q, tq)
+            return blocks.count, blocks.partial, blocks.start
 
         @pl.when(wg < n_wg)
         def _consumer():
+            per_head, n_partial, tile_start = column()
             if n_wg == 2:  # one consumer and the producer have 255 registers a thread each without reallocation
                 plgpu.set_max_registers(consumer_regs, action="increase")
             k_own, v_own = k_smem2.at[wg], v_smem2.at[wg]
@@ -298,6 +303,7 @@ def _dkv_part(
 
         @pl.when(wg == n_wg)
         def _producer():
+            per_head, n_partial, tile_start = column()
             if n_wg == 2:
                 plgpu.set_max_registers(producer_regs, action="decrease")
             n_steps = G * per_head

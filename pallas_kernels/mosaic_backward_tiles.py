@@ -108,15 +108,15 @@ def backward_candidates(
     ``experiments.hopper_attention --only sweep`` times the rest. Head dim 256 has one tiling: one consumer
     warpgroup of 64 rows, 64-wide tiles, two-slot rings, dK/dV in two halves of the head dim. ``fused``: the
     tilings of ``mosaic_fused_backward`` (dK/dV summing dQ; head dims 64 and 128 without captured arrays), 64-wide
-    q tiles first (its dS K tile [q, E] in float32 takes registers beside dK and dV); not at head dim 128 with
-    grouped queries and document / position ids."""
+    q tiles first (its dS K tile [q, E] in float32 takes registers beside dK and dV); not with two document /
+    position slots at head dim 128."""
     itemsize = jnp.dtype(dtype).itemsize
     if head_dim not in (64, 128, 256) or block_q % 128 or block_kv % 128 or max(block_q, block_kv) > 256:
         return []
     if fused:
-        # at head dim 128 grouped queries with document / position ids spilled 12 bytes (sm_90 ptxas 13.5: barrier
-        # addresses the producer's 24 registers hold from before the warpgroups branch); the two kernels take them
-        if head_dim > 128 or entries or (head_dim == 128 and slots and groups > 1):
+        # two id slots at head dim 128 (documents at positions, as context parallelism's shards load them: a
+        # PARTIAL tile compares two pairs of id tiles) spilled 16 bytes, with GQA 72 (sm_90 ptxas)
+        if head_dim > 128 or entries or (head_dim == 128 and slots > 1):
             return []
         dkv_rows = block_kv // 2
         tiles = [BackwardTiles(block_q // 2, w, b, dkv_rows, w, b, fused_dq=True) for w in (64, 128) for b in (4, 3, 2)]

@@ -411,9 +411,9 @@ def test_mosaic_tiles_that_cannot_run_are_refused(tiles, options, message):
 
 def test_fused_backward_tiles_fit_beside_dq_s_stage_and_are_chosen_only_when_not_deterministic(monkeypatch, caplog):
     """No kernel runs: the fused backward's tilings (5 products a pair, not 7) at head dims 64 and 128 fit shared
-    memory with dS^T double-buffered and dS K's float32 stage; none at 256, with captured arrays, or at 128 with
-    grouped queries and document ids (they spilled registers), where (as in the deterministic default) the two
-    kernels' tiles are chosen."""
+    memory with dS^T double-buffered and dS K's float32 stage; none at 256, with captured arrays, or at 128 with two
+    document / position slots (they spilled registers), where (as in the deterministic default) the two kernels'
+    tiles are chosen."""
     from pallas_kernels.gpu_tiles import mosaic_lowerings
     from pallas_kernels.mosaic_backward_tiles import backward_candidates
 
@@ -423,8 +423,9 @@ def test_fused_backward_tiles_fit_beside_dq_s_stage_and_are_chosen_only_when_not
     assert backward_candidates(128, jnp.bfloat16, 128, 128, fused=True)[0].dkv_stages == 2  # 193 KB of 223
     assert backward_candidates(256, jnp.bfloat16, 128, 128, fused=True) == []
     assert backward_candidates(128, jnp.bfloat16, 128, 128, entries=8, fused=True) == []
-    assert backward_candidates(128, jnp.bfloat16, 128, 128, slots=1, groups=2, fused=True) == []
-    assert backward_candidates(128, jnp.bfloat16, 128, 128, slots=1, fused=True)
+    assert backward_candidates(128, jnp.bfloat16, 128, 128, slots=1, groups=2, fused=True)
+    assert backward_candidates(128, jnp.bfloat16, 128, 128, slots=2, fused=True) == []
+    assert backward_candidates(64, jnp.bfloat16, 128, 128, slots=2, groups=2, fused=True)
     assert backward_candidates(64, jnp.bfloat16, 128, 128, slots=1, groups=2, fused=True)
     with pytest.raises(ValueError, match="dQ is summed in dK/dV by two warpgroups over the whole head dim"):
         BackwardTiles(64, 64, 2, 64, 64, 2, consumers=1, dkv_parts=2, fused_dq=True)
