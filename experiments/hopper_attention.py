@@ -332,7 +332,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="check,speed", help="check, speed, mods, documents, sweep, comma-separated")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--impls", default=",".join(SPEED_IMPLS), help="speed rows to time, comma-separated")
-    p.add_argument("--head-dims", type=csv_of(int, (64, 128, 256)), default=(64, 128), help="speed's, comma-separated")
+    p.add_argument(
+        "--head-dims", type=csv_of(int, (64, 128, 256)), default=(64, 128), help="speed's and mods', comma-separated"
+    )
     args = p.parse_args(argv)
     only = set(args.only.split(","))
     if not only or only - {"check", "speed", "mods", "documents", "sweep"}:
@@ -369,7 +371,7 @@ def main(argv=None) -> int:
         result["ratios"] = ratios(result["speed"])
         save()
     if "mods" in only:
-        result["mods"] = run_mods()
+        result["mods"] = run_mods(head_dims=args.head_dims)
         result["ratios"] = result.get("ratios", []) + ratios(result["mods"])
         save()
     if "documents" in only:
