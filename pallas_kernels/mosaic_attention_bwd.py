@@ -118,6 +118,12 @@ def _load_resident(plgpu, copies, ready, n_ready: int, wg):
         plgpu.barrier_wait(ready.at[n_ready * wg + i])
 
 
+def _part_columns(ref, part: int, width: int):
+    """``ref``'s columns of head-dim part ``part`` (``width`` each), or the whole ref where one part is all of them:
+    the operand of a launch that accumulates part of dQ, dK or dV."""
+    return ref if width == ref.shape[-1] else ref.at[:, pl.ds(part * width, width)]
+
+
 def _layout(plgpu):
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -168,9 +174,6 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
     G, rows, tkv, stages = static.groups, tiles.dq_rows, tiles.dq_kv, tiles.dq_stages
     n_wg = tiles.consumers  # consumer warpgroups: a program owns n_wg * rows query rows
     E_out = E // tiles.dq_parts  # the part's columns of dQ
-
-    def cols(ref):  # a tile's columns of this part
-        return ref if E_out == E else ref.at[:, pl.ds(part * E_out, E_out)]
 
     dtype = q.dtype
     kv_idx, kv_np, kv_cnt = (a.astype(jnp.int32) for a in mask_arrays[:3])
@@ -278,7 +281,7 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
                     args = (added, entries, scaled, q_pos, kv_pos, h, ds, d_rows, add_entry, bounds)
                     d_rows = add_row_grads_per_row(*args)
                 ds = modes.operand(ds.astype(dtype), a_smem2, wg)
-                dq = _accumulate(plgpu, dq, ds, cols(k_smem.at[slot]), lambda: None, interpret)
+                dq = _accumulate(plgpu, dq, ds, _part_columns(k_smem.at[slot], part, E_out), lambda: None, interpret)
                 plgpu.barrier_arrive(k_free.at[slot])
                 return dq, d_rows
 

@@ -34,8 +34,15 @@ from .mosaic_attention import (
     stream,
     vary_like,
 )
-from .mosaic_attention_bwd import _layout, _load_resident, _output_derivative, _rebuilt_derivative, _scores
-from .mosaic_backward_tiles import BackwardTiles
+from .mosaic_attention_bwd import (
+    _layout,
+    _load_resident,
+    _output_derivative,
+    _part_columns,
+    _rebuilt_derivative,
+    _scores,
+)
+from .mosaic_backward_tiles import BackwardTiles, fused_dq_columns
 from .score_tables import pack_rows, packed_rows, packed_width
 from .tile_math import tile_bounds
 
@@ -107,7 +114,7 @@ def _dkv_part(
     E_out = E // tiles.dkv_parts  # the part's columns of dK and dV
 
     def cols(ref):  # a tile's columns of this part
-        return ref if E_out == E else ref.at[:, pl.ds(part * E_out, E_out)]
+        return _part_columns(ref, part, E_out)
 
     dtype = q.dtype
     q_idx, q_np, q_cnt = (a.astype(jnp.int32) for a in mask_arrays[3:6])
@@ -116,11 +123,9 @@ def _dkv_part(
     n_ready = 2 + bool(n_ids) + bool(packed)  # a consumer's own copies: k, v (its kv ids, its heads' mod rows)
     fused = dq_sum is not None
     # The two consumer warpgroups share their dS^T (one barrier a step), so that dS K is summed over the program's
-    # keys before it is added to dQ: at head dim 128 each makes 64 of its columns, at 64 (64 columns are the least a
-    # 128-byte swizzled K tile gives wgmma) one makes all of them, the warpgroups taking turns by step. Each making
-    # all columns over its own keys doubled the reduce-adds: 32 KB a step per program, at head dim 64 about 6 TB/s
-    # at the H100's peak rate of products.
-    dq_cols = max(64, E // n_wg)
+    # keys before it is added to dQ (``fused_dq_columns``). Each making all columns over its own keys doubled the
+    # reduce-adds: 32 KB a step per program, at head dim 64 about 6 TB/s at the H100's peak rate of products.
+    dq_cols = fused_dq_columns(E, n_wg)
     # the consumer warpgroups' own barriers: shared dS^T's two buffers and the loop's end
     loop_end, ds_barriers = 2, 3 if fused else 0
     if fused and (n_wg != 2 or tiles.dkv_parts != 1 or packed):

@@ -53,6 +53,13 @@ class BackwardTiles:
 FUSED_BACKWARD_PRODUCTS = 5  # S, dP, dV, dK, dQ
 
 
+def fused_dq_columns(head_dim: int, consumers: int) -> int:
+    """Columns of dS K a consumer warpgroup of ``mosaic_fused_backward`` makes and adds to dQ at a step: at head dim
+    128 each of two makes 64, at 64 (the least a 128-byte swizzled K tile gives wgmma) one makes all of them, the
+    two taking turns by step."""
+    return max(64, head_dim // consumers)
+
+
 def _smem_bytes(rows, tile, stages, head_dim, itemsize, per_slot_extra=0, n_slots=0, consumers=2) -> int:
     """One kernel's shared memory: the consumer warpgroups' resident tiles (q, dO or k, v) and, per document /
     position slot, their ids; ``stages`` ring slots of two streamed tiles, ``per_slot_extra`` bytes and each slot's
@@ -82,9 +89,8 @@ def _dkv_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entrie
     if t.dkv_parts > 1:  # the tile that stages a part's dK, then dV, for their TMA stores
         rest += t.consumers * t.dkv_rows * (head_dim // t.dkv_parts) * itemsize
     if t.fused_dq:  # per consumer warpgroup dS^T in two buffers, and its columns of dS K in float32 staged for the
-        # reduce-add (``mosaic_fused_backward``: half of them, at least 64)
-        dq_cols = max(64, head_dim // t.consumers)
-        rest += t.consumers * t.dkv_q * (2 * t.dkv_rows * itemsize + dq_cols * 4)
+        # reduce-add
+        rest += t.consumers * t.dkv_q * (2 * t.dkv_rows * itemsize + fused_dq_columns(head_dim, t.consumers) * 4)
     return rest + arrays
 
 
