@@ -104,15 +104,51 @@ class AttentionStatic:
         return keep & (q_pos < self.q_len) & (kv_pos < self.kv_len)
 
 
-def check_attention_inputs(name: str, q, k, v, block_mask: BlockMask) -> None:
+# Where q, k, v (and out, dO) keep their heads: [B, H, T, E], every kernel's own, or [B, T, H, E], the model's (the
+# projections' output as it is). The Mosaic GPU kernels read and write either (a TMA box of a head's rows is a
+# strided view), so the model's attention needs no transposes around them; the other kernels transpose.
+LAYOUTS = ("BHTE", "BTHE")
+
+
+def check_layout(name: str, layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name}: unknown layout {layout!r}; choose one of {LAYOUTS}")
+
+
+def seq_axis(layout: str) -> int:
+    """The axis of q, k, v in ``layout`` that holds the sequence."""
+    return 2 if layout == "BHTE" else 1
+
+
+def bhte_shape(shape, layout: str) -> tuple:
+    """``shape`` of an array in ``layout`` as (B, H, T, E)."""
+    return tuple(shape) if layout == "BHTE" else (shape[0], shape[2], shape[1], shape[3])
+
+
+def to_bhte(x, layout: str):
+    """``x`` in ``layout`` as [B, H, T, E] (a transpose from the model's), for the kernels that take only that."""
+    return x if layout == "BHTE" else jnp.swapaxes(x, 1, 2)
+
+
+def from_bhte(x_BHTE, layout: str):
+    """[B, H, T, E] back in ``layout``."""
+    return x_BHTE if layout == "BHTE" else jnp.swapaxes(x_BHTE, 1, 2)
+
+
+def head_rows(ref, layout: str, b, h, rows, *rest):
+    """The view of ``ref`` (q, k, v, out or their gradients, in ``layout``) that holds batch row ``b``, head ``h``,
+    sequence slice ``rows`` (and ``rest``, e.g. a slice of the head dim): what a Mosaic GPU kernel's TMA copies."""
+    return ref.at[b, h, rows, *rest] if layout == "BHTE" else ref.at[b, rows, h, *rest]
+
+
+def check_attention_inputs(name: str, q, k, v, block_mask: BlockMask, layout: str = "BHTE") -> None:
     """The shape contract every block-sparse implementation shares; raises ValueError naming ``name``."""
-    B, H, T, E = q.shape
-    _, K, S, _ = k.shape
+    check_layout(name, layout)
+    B, H, T, E = bhte_shape(q.shape, layout)
+    _, K, S, _ = bhte_shape(k.shape, layout)
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != E:
-        raise ValueError(
-            f"{name}: q {list(q.shape)} and k/v {list(k.shape)}/{list(v.shape)} shapes do not fit "
-            f"[B, H, T, E] / [B, K, S, E]"
-        )
+        want = "[B, H, T, E] / [B, K, S, E]" if layout == "BHTE" else "[B, T, H, E] / [B, S, K, E]"
+        raise ValueError(f"{name}: q {list(q.shape)} and k/v {list(k.shape)}/{list(v.shape)} shapes do not fit {want}")
     if H % K:
         raise ValueError(f"{name}: kv heads {K} must divide query heads {H}")
     if (T, S) != (block_mask.q_len, block_mask.kv_len):

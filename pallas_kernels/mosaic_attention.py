@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .kernel_inputs import like
+from .kernel_inputs import bhte_shape, head_rows, like
 from .kernel_mask import DocumentSlot, PositionSlot
 from .masks import And, Or
 from .score_tables import pack_rows, packed_rows, packed_width, row_entries
@@ -175,16 +175,17 @@ def stream(plgpu, n_steps, stages: int, load, free) -> None:
         pl.when(n_steps + i >= stages)(functools.partial(release, n_steps + i))
 
 
-def stream_kv(plgpu, blocks: BlockList, stages: int, b, kv_head, kv, free, ids=None) -> None:
+def stream_kv(plgpu, blocks: BlockList, stages: int, b, kv_head, kv, free, ids=None, layout: str = "BHTE") -> None:
     """The producer of the forward and dQ kernels: each tile of the row's list, K then V, into the ring
-    (``kv`` = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))); on PARTIAL tiles every slot's kv ids too,
-    beside K (``ids`` = (this batch row's ids [slots, Sp], their ring, its barriers); their slot frees with K's)."""
+    (``kv`` = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready)), K and V in ``layout``); on PARTIAL tiles every
+    slot's kv ids too, beside K (``ids`` = (this batch row's ids [slots, Sp], their ring, its barriers); their slot
+    frees with K's)."""
 
     def load(j, slot):
         start = blocks.start(j)
         (k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready) = kv
-        at = (b, kv_head, pl.ds(start, blocks.tile))
-        plgpu.copy_gmem_to_smem(k_ref.at[at], k_smem.at[slot], k_ready.at[slot])
+        tile = pl.ds(start, blocks.tile)
+        plgpu.copy_gmem_to_smem(head_rows(k_ref, layout, b, kv_head, tile), k_smem.at[slot], k_ready.at[slot])
         if ids is not None:
             ids_ref, ids_smem, ids_ready = ids
 
@@ -192,7 +193,7 @@ def stream_kv(plgpu, blocks: BlockList, stages: int, b, kv_head, kv, free, ids=N
             def _():
                 plgpu.copy_gmem_to_smem(ids_ref.at[:, pl.ds(start, blocks.tile)], ids_smem.at[slot], ids_ready.at[slot])
 
-        plgpu.copy_gmem_to_smem(v_ref.at[at], v_smem.at[slot], v_ready.at[slot])
+        plgpu.copy_gmem_to_smem(head_rows(v_ref, layout, b, kv_head, tile), v_smem.at[slot], v_ready.at[slot])
 
     stream(plgpu, blocks.count, stages, load, free)
 
@@ -317,7 +318,8 @@ def interpret_params(interpret: bool) -> dict:
 def mosaic_forward(
     static, tiles: MosaicTiles, q, k, v, mask_arrays, doc_arrays=(), mod_arrays=(), *, interpret: bool = False
 ):
-    """(out [B, H, Tp, E] in q.dtype, lse [B, H, Tp, 1] float32) over the padded q/k/v, like the Triton forward.
+    """(out [B, H, Tp, E] in q.dtype, lse [B, H, Tp, 1] float32) over the padded q/k/v, like the Triton forward;
+    q, k, v and out in ``static.layout`` (out [B, Tp, H, E] in "BTHE").
 
     ``mask_arrays`` are ``kernel_inputs.list_arrays``' first three (kv block indices, partial counts, counts);
     ``doc_arrays`` per document / position slot of ``static.template``, in slot order, its q ids [1 or B, Tp] and
@@ -327,8 +329,9 @@ def mosaic_forward(
     the entries as scalars where the mod looks them up."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    B, H, Tp, E = q.shape
-    Sp = k.shape[2]
+    layout = static.layout
+    B, H, Tp, E = bhte_shape(q.shape, layout)
+    Sp = bhte_shape(k.shape, layout)[2]
     G = static.groups
     rows, tkv, stages = tiles.rows, tiles.kv, tiles.stages
     dtype = q.dtype
@@ -360,7 +363,7 @@ def mosaic_forward(
             plgpu.set_max_registers(consumer_regs, action="increase")
             qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
             q_base = row * (2 * rows) + wg * rows
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_base, rows)], qo_smem, q_ready.at[wg])
+            plgpu.copy_gmem_to_smem(head_rows(q_ref, layout, b, h, pl.ds(q_base, rows)), qo_smem, q_ready.at[wg])
             if n_ids:
                 at = (bd, slice(None), pl.ds(q_base, rows))
                 plgpu.copy_gmem_to_smem(qid_ref.at[at], qid_smem2.at[wg], qid_ready.at[wg])
@@ -458,7 +461,7 @@ def mosaic_forward(
             qo_smem[...] = acc.astype(dtype)
             lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, jnp.inf)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, h, pl.ds(q_base, rows)])
+            plgpu.copy_smem_to_gmem(qo_smem, head_rows(out_ref, layout, b, h, pl.ds(q_base, rows)))
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, rows)])
             plgpu.wait_smem_to_gmem(0)
 
@@ -467,17 +470,17 @@ def mosaic_forward(
             plgpu.set_max_registers(producer_regs, action="decrease")
             ids = (kvid_ref.at[bd], kvid_smem, kvid_ready) if n_ids else None
             kv = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))
-            stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids)
+            stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids, layout)
 
     def entry(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, *refs):
         qid_ref, kvid_ref = refs[:2] if n_ids else (None, None)
         mod_ref = refs[-3] if packed else None
         out_ref, lse_ref = refs[-2:]
-        layout = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         scratch = (
-            plgpu.SMEM((2, rows, E), dtype, transforms=layout),
-            plgpu.SMEM((stages, tkv, E), dtype, transforms=layout),
-            plgpu.SMEM((stages, tkv, E), dtype, transforms=layout),
+            plgpu.SMEM((2, rows, E), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, tkv, E), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, tkv, E), dtype, transforms=swizzled),
             plgpu.SMEM((2, rows), jnp.float32),
             plgpu.SMEM((2, E, tkv), dtype) if interpret else None,
             plgpu.SMEM((2, rows, tkv), dtype) if interpret else None,
@@ -504,7 +507,7 @@ def mosaic_forward(
     out, lse = plgpu.kernel(
         entry,
         out_type=(
-            like((B, H, Tp, E), dtype, q),
+            like(q.shape, dtype, q),
             like((B, H, Tp), jnp.float32, q),
         ),
         grid=(H, Tp // (2 * rows), B),

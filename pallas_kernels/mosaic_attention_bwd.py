@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .kernel_inputs import like
+from .kernel_inputs import bhte_shape, head_rows, like
 from .mosaic_attention import (
     _LN2,
     _LOG2E,
@@ -146,7 +146,8 @@ def mosaic_dq(
     *,
     interpret: bool = False,
 ):
-    """dQ [B, H, Tp, E] in q.dtype; lse and delta [B, H, Tp, 1] float32 as the Triton kernels take them.
+    """dQ [B, H, Tp, E] in q.dtype (q, k, v, dO and dQ in ``static.layout``); lse and delta [B, H, Tp, 1] float32
+    as the Triton kernels take them.
     ``doc_arrays``: the forward's (``mosaic_forward``), per document / position slot its q ids and kv ids.
     ``mod_arrays``: the mod's captured arrays as ``mosaic_forward`` takes them; with them the result is (dQ, their
     gradients per query row [B, H, Tp, packed entries] float32: each entry's share of dS summed over the row's keys,
@@ -169,8 +170,9 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     n_entries = row_entries(static.score_mod)
-    B, H, Tp, E = q.shape
-    Sp = k.shape[2]
+    layout = static.layout
+    B, H, Tp, E = bhte_shape(q.shape, layout)
+    Sp = bhte_shape(k.shape, layout)[2]
     G, rows, tkv, stages = static.groups, tiles.dq_rows, tiles.dq_kv, tiles.dq_stages
     n_wg = tiles.consumers  # consumer warpgroups: a program owns n_wg * rows query rows
     E_out = E // tiles.dq_parts  # the part's columns of dQ
@@ -224,8 +226,10 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
                 plgpu.set_max_registers(consumer_regs, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             base = prog * (n_wg * rows) + wg * rows
-            own = [(q_ref, q_smem), (do_ref, do_smem), (lse_ref, lse_smem2.at[wg]), (delta_ref, delta_smem2.at[wg])]
-            copies = [(src.at[b, h, pl.ds(base, rows)], dst) for src, dst in own]
+            own_rows = pl.ds(base, rows)
+            copies = [(head_rows(x, layout, b, h, own_rows), own) for x, own in ((q_ref, q_smem), (do_ref, do_smem))]
+            vectors = ((lse_ref, lse_smem2), (delta_ref, delta_smem2))
+            copies += [(x.at[b, h, own_rows], own.at[wg]) for x, own in vectors]
             if n_ids:
                 copies.append((qid_ref.at[bd, slice(None), pl.ds(base, rows)], qid_smem2.at[wg]))
             if packed:
@@ -299,7 +303,7 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
             if row_grads:
                 grads_smem2.at[wg][...] = d_rows
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_own, dq_ref.at[b, h, pl.ds(base, rows)])
+            plgpu.copy_smem_to_gmem(out_own, head_rows(dq_ref, layout, b, h, pl.ds(base, rows)))
             if row_grads:
                 plgpu.copy_smem_to_gmem(grads_smem2.at[wg], rows_ref.at[b, h, pl.ds(base, rows)])
             plgpu.wait_smem_to_gmem(0)
@@ -310,28 +314,28 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
                 plgpu.set_max_registers(producer_regs, action="decrease")
             ids = (kvid_ref.at[bd], kvid_smem, kvid_ready) if n_ids else None
             kv = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))
-            stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids)
+            stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids, layout)
 
     def entry(*refs):
         n_out = 1 + row_grads
         ins, outs = refs[:-n_out], refs[-n_out:]
         ins, mod = (ins[:-1], ins[-1:]) if packed else (ins, (None,))
         refs = (*ins, *((None, None) if not n_ids else ()), *mod, *outs, *((None,) if not row_grads else ()))
-        layout = _layout(plgpu)
+        swizzled = _layout(plgpu)
         scratch = (
-            plgpu.SMEM((n_wg, rows, E), dtype, transforms=layout),
-            plgpu.SMEM((n_wg, rows, E), dtype, transforms=layout),
+            plgpu.SMEM((n_wg, rows, E), dtype, transforms=swizzled),
+            plgpu.SMEM((n_wg, rows, E), dtype, transforms=swizzled),
             plgpu.SMEM((n_wg, rows), jnp.float32),
             plgpu.SMEM((n_wg, rows), jnp.float32),
-            plgpu.SMEM((stages, tkv, E), dtype, transforms=layout),
-            plgpu.SMEM((stages, tkv, E), dtype, transforms=layout),
+            plgpu.SMEM((stages, tkv, E), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, tkv, E), dtype, transforms=swizzled),
             plgpu.SMEM((n_wg, E, tkv), dtype) if interpret else None,
             plgpu.SMEM((n_wg, rows, tkv), dtype) if interpret else None,
             plgpu.SMEM((n_wg, n_ids, rows), jnp.int32) if n_ids else None,
             plgpu.SMEM((stages, n_ids, tkv), jnp.int32) if n_ids else None,
             plgpu.SMEM((n_wg, packed_width(mod_arrays)), jnp.float32) if packed else None,
             plgpu.SMEM((n_wg, rows, width), jnp.float32) if row_grads else None,
-            plgpu.SMEM((n_wg, rows, E_out), dtype, transforms=layout) if E_out < E else None,
+            plgpu.SMEM((n_wg, rows, E_out), dtype, transforms=swizzled) if E_out < E else None,
         )
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped),
@@ -343,7 +347,7 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
             collective_axes="wg",
         )
 
-    out_type = like((B, H, Tp, E_out), dtype, q)
+    out_type = like((*q.shape[:3], E_out), dtype, q)
     if row_grads:
         out_type = (out_type, like((B, H, Tp, width), jnp.float32, q))
     out = plgpu.kernel(

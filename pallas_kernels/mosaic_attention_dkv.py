@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .kernel_inputs import like
+from .kernel_inputs import bhte_shape, head_rows, like
 from .mosaic_attention import (
     _LOG2E,
     BlockList,
@@ -62,10 +62,11 @@ def mosaic_dkv(
     *,
     interpret: bool = False,
 ):
-    """(dK, dV) [B, K, Sp, E] in k.dtype, summed over each kv head's query heads. ``doc_arrays`` as ``mosaic_dq``'s;
-    ``mod_arrays`` as ``mosaic_forward``'s: each consumer warpgroup copies the packed rows of the kv head's query
-    heads to shared memory once (the arrays' own gradients are ``mosaic_dq``'s). With ``tiles.dkv_parts`` > 1 each
-    part of the head dim is a launch of its own, concatenated here."""
+    """(dK, dV) [B, K, Sp, E] in k.dtype (q, k, v, dO, dK and dV in ``static.layout``), summed over each kv head's
+    query heads. ``doc_arrays`` as ``mosaic_dq``'s; ``mod_arrays`` as ``mosaic_forward``'s: each consumer
+    warpgroup copies the packed rows of the kv head's query heads to shared memory once (the arrays' own gradients
+    are ``mosaic_dq``'s). With ``tiles.dkv_parts`` > 1 each part of the head dim is a launch of its own,
+    concatenated here."""
     parts = [
         _dkv_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays, part, interpret)
         for part in range(tiles.dkv_parts)
@@ -85,11 +86,11 @@ def _stage_layout(plgpu):
 def mosaic_fused_backward(
     static, tiles: BackwardTiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays=(), *, interpret: bool = False
 ):
-    """(dQ [B, H, Tp, E], dK, dV [B, K, Sp, E]) from one launch: the dK/dV kernel also adds each step's dS K to a
-    float32 dQ in global memory (a TMA reduce-add), so S and dP are made once per (query, key) pair, five products
-    instead of ``mosaic_dq`` + ``mosaic_dkv``'s seven. The programs' sums land in whatever order they run: dQ is
-    not bit-for-bit deterministic (as cuDNN's and FlashAttention's backward by default). ``tiles``: of
-    ``backward_candidates(..., fused=True)`` (head dims 64 and 128, no captured arrays: their gradients are
+    """(dQ [B, H, Tp, E], dK, dV [B, K, Sp, E], in ``static.layout``) from one launch: the dK/dV kernel also adds
+    each step's dS K to a float32 dQ in global memory (a TMA reduce-add), so S and dP are made once per (query, key)
+    pair, five products instead of ``mosaic_dq`` + ``mosaic_dkv``'s seven. The programs' sums land in whatever order
+    they run: dQ is not bit-for-bit deterministic (as cuDNN's and FlashAttention's backward by default). ``tiles``:
+    of ``backward_candidates(..., fused=True)`` (head dims 64 and 128, no captured arrays: their gradients are
     ``mosaic_dq``'s)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -103,12 +104,13 @@ def _dkv_part(
 ):
     """dK and dV's columns of head-dim part ``part`` of ``tiles.dkv_parts``: the scores and dP^T contract over the
     whole head dim (each part computes them again), the accumulators hold only the part's columns (at head dim 256
-    the whole dK and dV took 256 registers a thread). ``dq_sum``: a float32 [B, H, Tp, E] ``Ref`` in global memory,
+    the whole dK and dV took 256 registers a thread). ``dq_sum``: a float32 ``Ref`` in global memory shaped as q,
     zeros, to which each step adds its dS K (``mosaic_fused_backward``)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    B, H, Tp, E = q.shape
-    K, Sp = k.shape[1], k.shape[2]
+    layout = static.layout
+    B, H, Tp, E = bhte_shape(q.shape, layout)
+    K, Sp = bhte_shape(k.shape, layout)[1:3]
     G, rows, tq, stages = static.groups, tiles.dkv_rows, tiles.dkv_q, tiles.dkv_stages
     n_wg = tiles.consumers  # consumer warpgroups: a program owns n_wg * rows kv rows
     E_out = E // tiles.dkv_parts  # the part's columns of dK and dV
@@ -175,7 +177,8 @@ def _dkv_part(
                 plgpu.set_max_registers(consumer_regs, action="increase")
             k_own, v_own = k_smem2.at[wg], v_smem2.at[wg]
             base = prog * (n_wg * rows) + wg * rows
-            copies = [(k_ref.at[b, hk, pl.ds(base, rows)], k_own), (v_ref.at[b, hk, pl.ds(base, rows)], v_own)]
+            own_rows = pl.ds(base, rows)
+            copies = [(head_rows(src, layout, b, hk, own_rows), dst) for src, dst in ((k_ref, k_own), (v_ref, v_own))]
             if n_ids:
                 copies.append((kvid_ref.at[bd, slice(None), pl.ds(base, rows)], kvid_smem2.at[wg]))
             if packed:
@@ -274,7 +277,7 @@ def _dkv_part(
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 dq_own[...] = dq
                 plgpu.commit_smem()
-                dst = dq_ref.at[b, head, pl.ds(tile_start(t), tq), part_cols]
+                dst = head_rows(dq_ref, layout, b, head, pl.ds(tile_start(t), tq), part_cols)
                 if interpret:  # the interpreter has no TMA reductions; it runs one program at a time
                     dst[...] = dst[...] + dq_own[...]
                 else:
@@ -295,14 +298,14 @@ def _dkv_part(
                 k_own[...] = (dk * static.scale).astype(dtype)
                 v_own[...] = dv.astype(dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(k_own, dk_ref.at[b, hk, pl.ds(base, rows)])
-                plgpu.copy_smem_to_gmem(v_own, dv_ref.at[b, hk, pl.ds(base, rows)])
+                plgpu.copy_smem_to_gmem(k_own, head_rows(dk_ref, layout, b, hk, own_rows))
+                plgpu.copy_smem_to_gmem(v_own, head_rows(dv_ref, layout, b, hk, own_rows))
             else:  # a TMA store reads contiguous shared memory, not a part's columns: one tile, dK's then dV's
                 out_own = out_smem2.at[wg]
                 for acc, ref, factor in ((dk, dk_ref, static.scale), (dv, dv_ref, 1.0)):
                     out_own[...] = (acc * factor).astype(dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_own, ref.at[b, hk, pl.ds(base, rows)])
+                    plgpu.copy_smem_to_gmem(out_own, head_rows(ref, layout, b, hk, own_rows))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             plgpu.wait_smem_to_gmem(0)
 
@@ -317,10 +320,15 @@ def _dkv_part(
                 head = hk * G + lax.div(j, jnp.maximum(per_head, 1))
                 t = lax.rem(j, jnp.maximum(per_head, 1))
                 start = tile_start(t)
-                for src, dst, r in zip(
-                    (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem), slot_ready
-                ):
-                    plgpu.copy_gmem_to_smem(src.at[b, head, pl.ds(start, tq)], dst.at[slot], r.at[slot])
+                tile = pl.ds(start, tq)
+                sources = (
+                    head_rows(q_ref, layout, b, head, tile),
+                    head_rows(do_ref, layout, b, head, tile),
+                    lse_ref.at[b, head, tile],
+                    delta_ref.at[b, head, tile],
+                )
+                for src, dst, r in zip(sources, (q_smem, do_smem, lse_smem, delta_smem), slot_ready):
+                    plgpu.copy_gmem_to_smem(src, dst.at[slot], r.at[slot])
                 if n_ids:  # every slot's q ids of a PARTIAL q tile, beside its Q (the slot frees with Q's)
 
                     @pl.when(t < n_partial)
@@ -335,12 +343,12 @@ def _dkv_part(
         ins, dq = (ins[:-1], ins[-1:]) if fused else (ins, (None,))
         ins, mod = (ins[:-1], ins[-1:]) if packed else (ins, (None,))
         refs = (*ins, *((None, None) if not n_ids else ()), *mod, *dq, *outs)
-        layout = _layout(plgpu)
+        swizzled = _layout(plgpu)
         scratch = (
-            plgpu.SMEM((n_wg, rows, E), dtype, transforms=layout),
-            plgpu.SMEM((n_wg, rows, E), dtype, transforms=layout),
-            plgpu.SMEM((stages, tq, E), dtype, transforms=layout),
-            plgpu.SMEM((stages, tq, E), dtype, transforms=layout),
+            plgpu.SMEM((n_wg, rows, E), dtype, transforms=swizzled),
+            plgpu.SMEM((n_wg, rows, E), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, tq, E), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, tq, E), dtype, transforms=swizzled),
             plgpu.SMEM((stages, tq), jnp.float32),
             plgpu.SMEM((stages, tq), jnp.float32),
             plgpu.SMEM((n_wg, E, tq), dtype) if interpret else None,
@@ -348,8 +356,8 @@ def _dkv_part(
             plgpu.SMEM((n_wg, n_ids, rows), jnp.int32) if n_ids else None,
             plgpu.SMEM((stages, n_ids, tq), jnp.int32) if n_ids else None,
             plgpu.SMEM((n_wg, G, packed_width(mod_arrays)), jnp.float32) if packed else None,
-            plgpu.SMEM((n_wg, rows, E_out), dtype, transforms=layout) if E_out < E else None,
-            plgpu.SMEM((2, n_wg, rows, tq), dtype, transforms=layout) if fused else None,
+            plgpu.SMEM((n_wg, rows, E_out), dtype, transforms=swizzled) if E_out < E else None,
+            plgpu.SMEM((2, n_wg, rows, tq), dtype, transforms=swizzled) if fused else None,
             plgpu.SMEM((n_wg, tq, dq_cols), jnp.float32, transforms=_stage_layout(plgpu)) if fused else None,
             plgpu.SMEM((n_wg, tq, rows), dtype) if fused and interpret else None,
         )

@@ -38,12 +38,16 @@ from .gpu_tiles import (
 )
 from .kernel_inputs import (
     AttentionStatic,
+    bhte_shape,
     check_attention_inputs,
+    from_bhte,
     like,
     list_arrays,
     pad_axis,
     resolve_backend,
     segment_arrays,
+    seq_axis,
+    to_bhte,
 )
 from .kernel_mask import split_documents
 from .masks import ScoreMod
@@ -67,6 +71,7 @@ class _Static(AttentionStatic):
     tiles: KernelTiles
     mosaic: MosaicTiles | None = None  # the forward's Mosaic GPU tiles when it runs on Mosaic GPU, else Triton's
     mosaic_bwd: BackwardTiles | None = None  # likewise for the dQ and dK/dV kernels
+    layout: str = "BHTE"  # of q, k, v, out and their gradients (``kernel_inputs.LAYOUTS``)
 
 
 def block_sparse_attention(
@@ -82,6 +87,7 @@ def block_sparse_attention(
     tiles: KernelTiles | MosaicTiles | BackwardTiles | tuple | None = None,
     lowering: str | None = None,
     deterministic: bool = True,
+    layout: str = "BHTE",
 ):
     """Attention over the non-empty tiles of ``block_mask``, as Pallas kernels; differentiable.
 
@@ -104,15 +110,21 @@ def block_sparse_attention(
     sums dQ across programs in whatever order they run (``mosaic_fused_backward``: two fifths fewer products, as
     cuDNN's backward by default), where it can take the case (head dims 64 and 128, no captured arrays); otherwise,
     and in the other kernels, gradients are the same bit for bit from run to run.
+
+    ``layout`` "BTHE": q [B, T, H, E], k/v [B, S, K, E] and out [B, T, H, E] (lse stays [B, H, T]), the model's
+    layout: the Mosaic GPU kernels read and write it as it is (TMA copies a head's rows strided), the others take
+    a transpose each way.
     """
-    check_attention_inputs("block_sparse_attention", q, k, v, block_mask)
+    check_attention_inputs("block_sparse_attention", q, k, v, block_mask, layout)
     backend = resolve_backend("block_sparse_attention", interpret, backend)
     if backend == "tpu":
         if tiles is not None:
             raise ValueError("block_sparse_attention: tiles are the GPU kernels'; the TPU kernels choose their own")
-        return block_sparse_attention_tpu(q, k, v, block_mask, scale=scale, score_mod=score_mod)
-    B, H, T, E = q.shape
-    _, K, S, _ = k.shape
+        q, k, v = (to_bhte(x, layout) for x in (q, k, v))
+        out, lse = block_sparse_attention_tpu(q, k, v, block_mask, scale=scale, score_mod=score_mod)
+        return from_bhte(out, layout), lse
+    B, H, T, E = bhte_shape(q.shape, layout)
+    K = bhte_shape(k.shape, layout)[1]
     template, docs = split_documents(block_mask.mask)
     score_mod, mod_arrays = split_arrays("block_sparse_attention", score_mod, H)
 
@@ -134,6 +146,7 @@ def block_sparse_attention(
         docs_batched=tuple(q_ids.shape[0] == B and B > 1 for q_ids, _ in segments),
         backend=backend,
         tiles=tiles,
+        layout=layout,
     )
     chosen = mosaic_lowerings(static, lowering, q.dtype, E, explicit_tiles, deterministic)
     if "mosaic_bwd" in mosaic_given and chosen["mosaic_bwd"] is None:
@@ -143,9 +156,10 @@ def block_sparse_attention(
     if "mosaic_bwd" in mosaic_given and mosaic_given["mosaic_bwd"].fused_dq:
         check_fused_tiles(mosaic_given["mosaic_bwd"], deterministic, E, bool(mod_arrays))
     static = dataclasses.replace(static, **(chosen | mosaic_given))
-    qp, kp, vp = pad_axis(q, 2, Tp), pad_axis(k, 2, Sp), pad_axis(v, 2, Sp)
+    seq = seq_axis(layout)
+    qp, kp, vp = pad_axis(q, seq, Tp), pad_axis(k, seq, Sp), pad_axis(v, seq, Sp)
     out, lse = _attention(static, qp, kp, vp, mask_arrays, tuple(doc_arrays), mod_arrays)
-    return out[:, :, :T], lse[:, :, :T, 0]
+    return lax.slice_in_dim(out, 0, T, axis=seq), lse[:, :, :T, 0]
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -165,7 +179,8 @@ def _attention_bwd(static, residuals, cotangents):
     q, k, v, out, lse, mask_arrays, doc_arrays, mod_arrays = residuals
     d_out, d_lse = cotangents
     # d lse / d s = p, so a cotangent on lse enters every ds = p * (dp - delta) as -d_lse in delta.
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True) - d_lse
+    row_sums = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    delta = to_bhte(row_sums, static.layout) - d_lse
     interpret = static.backend == "interpret"
     args = (static, static.mosaic_bwd, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
     # a mod's captured arrays: their gradients are sums per entry over every score, formed by the dQ kernels (the
@@ -179,9 +194,11 @@ def _attention_bwd(static, residuals, cotangents):
             return dq, dk, dv, None, None, ()
         dq, d_rows = dq
         return dq, dk, dv, None, None, vector_as_grads(d_rows, mod_arrays)
+    q, k, v, d_out = (to_bhte(x, static.layout) for x in (q, k, v, d_out))  # the Triton kernels' layout
     dq, d_rows = _backward_dq(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
     dk, dv = _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, mod_arrays)
     d_mod_arrays = vector_as_grads(d_rows, mod_arrays) if mod_arrays else ()
+    dq, dk, dv = (from_bhte(x, static.layout) for x in (dq, dk, dv))
     return dq, dk, dv, None, None, d_mod_arrays
 
 
@@ -273,6 +290,10 @@ def _forward(static, q, k, v, mask_arrays, doc_arrays, mod_arrays=()):
     if static.mosaic is not None:
         interpret = static.backend == "interpret"
         return mosaic_forward(static, static.mosaic, q, k, v, mask_arrays, doc_arrays, mod_arrays, interpret=interpret)
+    if static.layout != "BHTE":  # the Triton kernels' layout
+        q, k, v = (to_bhte(x, static.layout) for x in (q, k, v))
+        out, lse = _forward(dataclasses.replace(static, layout="BHTE"), q, k, v, mask_arrays, doc_arrays, mod_arrays)
+        return from_bhte(out, static.layout), lse
     B, H, Tp, E = q.shape
     Sp = k.shape[2]
     G, tq = static.groups, static.tiles.forward.rows

@@ -150,6 +150,32 @@ def test_lengths_not_multiples_of_blocks_are_padded(impl):
     check_gradients(impl, *qkv(B=2, Hq=2, Hkv=1, T=T), causal() & document(segments(2, T, seed=5)), BlockSizes(16, 32))
 
 
+def test_the_model_layout_equals_the_kernels_own():
+    """layout="BTHE" (q [B, T, H, E], k/v [B, S, K, E], out [B, T, H, E]: the model's, which the Mosaic GPU kernels
+    read as it is) through the Triton kernels in the interpreter, which transpose it: the same out, lse and
+    gradients as the [B, H, T, E] call, at a padded length with GQA; an unknown layout is refused in one line."""
+    T = 50
+    mask = causal() & document(segments(2, T, seed=5))
+    bm = make_block_mask(mask, T, T, BlockSizes(16, 16))
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, T=T)
+    w = jnp.asarray(np.random.default_rng(4).normal(size=q.shape), jnp.float32)
+
+    def heads_second(q, k, v):
+        return block_sparse_attention(q, k, v, bm)
+
+    def model_layout(q, k, v):
+        out, lse = block_sparse_attention(*(x.swapaxes(1, 2) for x in (q, k, v)), bm, layout="BTHE")
+        assert out.shape == (2, T, 4, 16)
+        return out.swapaxes(1, 2), lse
+
+    for got, want in zip(model_layout(q, k, v), heads_second(q, k, v)):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    for got, want in zip(grads(model_layout, q, k, v, w), grads(heads_second, q, k, v, w)):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    with pytest.raises(ValueError, match="block_sparse_attention: unknown layout 'BSHD'"):
+        block_sparse_attention(q, k, v, bm, layout="BSHD")
+
+
 @impls
 def test_score_mods(impl):
     check_forward(impl, *qkv(B=2, T=64), causal(), BlockSizes(16, 16), score_mod=soft_cap(2.0))
