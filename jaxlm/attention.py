@@ -219,11 +219,11 @@ def _attend(q_BTHE, k_BSKE, v_BSKE, mask: pk.Mask, *, scale, score_mod, impl, bl
     T, S = q_BTHE.shape[1], k_BSKE.shape[1]
     bs = pk.BlockSizes(_fit_block(block_sizes.block_q, T), _fit_block(block_sizes.block_kv, S))
     block_mask = pk.make_block_mask(mask, T, S, bs)
-    fn = pk.block_sparse_attention_xla
-    if impl == "pallas":
-        fn = functools.partial(pk.block_sparse_attention, deterministic=deterministic)
+    if impl == "pallas":  # in the model's layout: the Mosaic GPU kernels need no transposes around them
+        pallas = functools.partial(pk.block_sparse_attention, deterministic=deterministic, layout="BTHE")
+        return pallas(q_BTHE, k_BSKE, v_BSKE, block_mask, scale=scale, score_mod=score_mod)
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q_BTHE, k_BSKE, v_BSKE))
-    out_BHTE, lse_BHT = fn(q, k, v, block_mask, scale=scale, score_mod=score_mod)
+    out_BHTE, lse_BHT = pk.block_sparse_attention_xla(q, k, v, block_mask, scale=scale, score_mod=score_mod)
     return out_BHTE.transpose(0, 2, 1, 3), lse_BHT
 
 

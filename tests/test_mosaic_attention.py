@@ -144,20 +144,26 @@ def test_the_fused_backward_sums_dq_across_programs_and_equals_the_reference(E, 
     over both warpgroups' keys (and one must not overwrite its K with dK before the other's last step has read it):
     at head dim 128 each makes 64 of dQ's columns, at 64 one makes all of them, the two taking turns. Two query
     heads on one kv head, T = 200 (ragged, two block rows), an lse cotangent; at 64 causal documents, at 128 causal
-    with a soft-cap: dQ, dK, dV equal the reference's."""
+    with a soft-cap: dQ, dK, dV equal the reference's. At 64 in the model's layout ([B, T, H, E]: the kernels' TMA
+    copies a head's rows strided; the dQ sums land there too)."""
     monkeypatch.setattr("pallas_kernels.pallas_attention.mosaic_dq", lambda *a, **k: pytest.fail("dQ kernel ran"))
     T = 200
     q, k, v = _qkv(1, 2, 1, T, T, E=E)
-    mask, mod = pk.causal(), pk.soft_cap(4.0)
+    mask, mod, layout = pk.causal(), pk.soft_cap(4.0), "BHTE"
     if E == 64:
-        mask, mod = mask & pk.document(jnp.asarray(np.repeat([0, 1], [70, T - 70])[None], jnp.int32)), None
+        document = pk.document(jnp.asarray(np.repeat([0, 1], [70, T - 70])[None], jnp.int32))
+        mask, mod, layout = mask & document, None, "BTHE"
     bm = pk.make_block_mask(mask, T, T, BLOCKS)
     r = np.random.default_rng(7)
     d_out = jnp.asarray(r.normal(size=q.shape), jnp.bfloat16)
     d_lse = jnp.asarray(r.normal(size=q.shape[:3]), jnp.float32)
+    as_layout = (lambda x: x) if layout == "BHTE" else (lambda x: x.swapaxes(1, 2))  # noqa: E731
 
     def fused(q, k, v):
-        return pk.block_sparse_attention(q, k, v, bm, score_mod=mod, lowering="mosaic", deterministic=False)
+        q, k, v = (as_layout(x) for x in (q, k, v))
+        kw = dict(score_mod=mod, lowering="mosaic", deterministic=False, layout=layout)
+        out, lse = pk.block_sparse_attention(q, k, v, bm, **kw)
+        return as_layout(out), lse
 
     _, vjp = jax.vjp(fused, q, k, v)
     f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
@@ -181,6 +187,36 @@ def test_prefix_lm_with_captured_arrays_and_soft_cap_and_more_keys_than_queries(
     mod runs on both (the FULL tile takes the path that applies only the mod). The mod reads a bias table and
     slopes, one row per head (two heads: each program reads its own head's), from its warpgroup's shared memory."""
     _check_forward(*_qkv(1, 2, 1, 128, 256), pk.prefix_lm(200), _captured_mod(2))
+
+
+def test_the_model_s_attention_runs_the_mosaic_kernels_in_its_layout_without_transposes():
+    """Traced only, for an H100: jaxlm's attention (q [B, T, H, E]) with impl="pallas" calls the Mosaic GPU forward,
+    dQ and dK/dV on q, k, v, out and dO as the model holds them; the one transpose outside the kernels is of the
+    [B, T, H, 1] row sums of dO * out (delta, which the kernels read per head). Through [B, H, T, E] it was 8."""
+    from jax._src import core
+
+    from jaxlm.attention import attention
+    from pallas_kernels.kernel_inputs import compile_target
+
+    def outside_kernels(jaxpr, found):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "mpmd_map":  # a Mosaic GPU kernel
+                found.append(eqn)
+                continue
+            found.append(eqn)
+            for sub in core.jaxprs_in_params(eqn.params):
+                outside_kernels(sub, found)
+        return found
+
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    loss = lambda q, k, v: attention(q, k, v, mask="causal", impl="pallas").astype(jnp.float32).sum()  # noqa: E731
+    with compile_target("gpu"):
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr
+    eqns = outside_kernels(jaxpr, [])
+    assert sum(e.primitive.name == "mpmd_map" for e in eqns) == 3
+    transposed = [e.invars[0].aval.shape for e in eqns if e.primitive.name == "transpose"]
+    assert transposed == [(1, 256, 4, 1)], transposed
 
 
 def test_captured_arrays_take_the_mosaic_backward_whose_dq_kernel_returns_their_gradients():
@@ -232,7 +268,8 @@ def test_document_and_position_slots_per_batch_row_with_captured_arrays_forward_
     before a program's queries. Then the gradients of out and lse through that
     forward from the Mosaic backward kernels, which load the ids too: dQ as the forward does (its rows' q ids once,
     each PARTIAL kv tile's ids beside K), dK/dV transposed (its kv rows' ids once, each PARTIAL q tile's ids beside
-    Q); dQ also forms the gradients to the table and slopes, per query row, summed outside."""
+    Q); dQ also forms the gradients to the table and slopes, per query row, summed outside. All in the model's
+    layout ([B, T, H, E]): every kernel's TMA copies a head's rows strided."""
     T, S = 128, 256
     r = np.random.default_rng(2)
     ids = np.stack([np.repeat(np.arange(3), [100, 90, 66]), np.zeros(S, int)]).astype(np.int32)
@@ -245,7 +282,10 @@ def test_document_and_position_slots_per_batch_row_with_captured_arrays_forward_
     d_lse = jnp.asarray(r.normal(size=q.shape[:3]), jnp.float32)
 
     def kernel(q, k, v, arrays):
-        return pk.block_sparse_attention(q, k, v, bm, score_mod=mod.with_arrays(arrays), lowering="mosaic")
+        q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
+        kw = dict(score_mod=mod.with_arrays(arrays), lowering="mosaic", layout="BTHE")
+        out, lse = pk.block_sparse_attention(q, k, v, bm, **kw)
+        return out.swapaxes(1, 2), lse
 
     def reference(q, k, v, arrays):
         return pk.reference_attention(q, k, v, mask, score_mod=mod.with_arrays(arrays))
