@@ -10,7 +10,8 @@ length and score mods (a T5 bias table: the Mosaic forward, dQ with the table's 
 ``speed`` times forward and forward + backward for the full and causal masks at T = 2k and 8k, head dims 64 and 128
 (``--head-dims``: 256 too, whose backward runs one consumer warpgroup), and prints the Mosaic rows' ratio to cuDNN and
 Triton (``mosaic_fused``: the backward summing dQ across programs, ``deterministic=False``; ``check`` runs every
-case's gradients through it too); ``mods`` times causal attention with a soft-cap and a T5
+case's gradients through it too; ``--layout BTHE``: the Pallas rows read q, k, v as the model holds them, as cuDNN's
+does); ``mods`` times causal attention with a soft-cap and a T5
 bias table against the same on Triton. ``documents`` does the same for 8 packed documents per
 sequence against cuDNN given the equivalent dense mask; ``sweep`` times the Mosaic kernels' candidate tiles.
 Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
@@ -31,6 +32,7 @@ import pallas_kernels as pk
 from experiments.cli import csv_of, exit_with
 from experiments.report_speed import _peer, kept_pairs
 from experiments.timing import best_time
+from pallas_kernels.kernel_inputs import LAYOUTS
 from pallas_kernels.mosaic_attention import forward_candidates
 from pallas_kernels.mosaic_backward_tiles import FUSED_BACKWARD_PRODUCTS, backward_candidates, backward_tiles
 from pallas_kernels.targets import first_line
@@ -155,36 +157,32 @@ def run_speed(
     width=2048,
     repeats=10,
     impls=SPEED_IMPLS,
+    layout="BHTE",
     log=print,
 ) -> list[dict]:
+    """``layout``: of the Pallas rows' q, k, v ("BTHE": the model's, which cuDNN's row reads too)."""
     rows = []
     for T in seqs:
         for E in head_dims:
             B, H, q, k, v = _qkv(T, E, tokens, width)
             q_t, k_t, v_t = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+            pallas_args = (q, k, v) if layout == "BHTE" else (q_t, k_t, v_t)
             for mask_name, mask in {"full": pk.full(), "causal": pk.causal()}.items():
                 bm = pk.make_block_mask(mask, T, T, pk.BlockSizes(128, 128))
+                pallas = functools.partial(pk.block_sparse_attention, block_mask=bm, layout=layout)
                 candidates = {
-                    "mosaic": (
-                        lambda q, k, v, bm=bm: pk.block_sparse_attention(q, k, v, bm, lowering="mosaic")[0],
-                        (q, k, v),
-                    ),
+                    "mosaic": (lambda q, k, v, f=pallas: f(q, k, v, lowering="mosaic")[0], pallas_args),
                     "mosaic_fused": (  # the backward summing dQ across dK/dV's programs
-                        lambda q, k, v, bm=bm: pk.block_sparse_attention(
-                            q, k, v, bm, lowering="mosaic", deterministic=False
-                        )[0],
-                        (q, k, v),
+                        lambda q, k, v, f=pallas: f(q, k, v, lowering="mosaic", deterministic=False)[0],
+                        pallas_args,
                     ),
-                    "triton": (
-                        lambda q, k, v, bm=bm: pk.block_sparse_attention(q, k, v, bm, lowering="triton")[0],
-                        (q, k, v),
-                    ),
+                    "triton": (lambda q, k, v, f=pallas: f(q, k, v, lowering="triton")[0], pallas_args),
                     "cudnn": (_peer("cudnn", mask_name, 0), (q_t, k_t, v_t)),
                 }
                 impls_here = {name: impl for name, impl in candidates.items() if name in impls}
                 flops = kept_pairs(mask_name, T, 0) * B * H * E
                 for impl, (fn, args) in impls_here.items():
-                    row = {"T": T, "E": E, "B": B, "H": H, "mask": mask_name, "impl": impl}
+                    row = {"T": T, "E": E, "B": B, "H": H, "mask": mask_name, "impl": impl, "layout": layout}
                     rows.append(_time_row(row, fn, args, flops, repeats, log))
     return rows
 
@@ -335,6 +333,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--head-dims", type=csv_of(int, (64, 128, 256)), default=(64, 128), help="speed's and mods', comma-separated"
     )
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="BHTE",
+        help="speed's Pallas rows: q, k, v as [B, H, T, E] or the model's [B, T, H, E] (cuDNN's row reads that)",
+    )
     args = p.parse_args(argv)
     only = set(args.only.split(","))
     if not only or only - {"check", "speed", "mods", "documents", "sweep"}:
@@ -367,7 +371,7 @@ def main(argv=None) -> int:
         result["check"] = run_check()
         save()
     if "speed" in only:
-        result["speed"] = run_speed(head_dims=args.head_dims, impls=impls)
+        result["speed"] = run_speed(head_dims=args.head_dims, impls=impls, layout=args.layout)
         result["ratios"] = ratios(result["speed"])
         save()
     if "mods" in only:

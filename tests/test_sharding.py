@@ -161,7 +161,8 @@ def test_attention_kernels_split_as_the_rules_say(name, impl, reference, monkeyp
     kernel, seen = getattr(pk, kernel_name), set()
 
     def recording(q, *args, **kwargs):
-        seen.add(tuple(q.shape[:2]))  # q [B, H, T, E] as one device holds it
+        heads = q.shape[2] if kwargs.get("layout") == "BTHE" else q.shape[1]  # q [B, T, H, E] or [B, H, T, E]
+        seen.add((q.shape[0], heads))  # as one device holds it
         return kernel(q, *args, **kwargs)
 
     monkeypatch.setattr(pk, kernel_name, recording)
