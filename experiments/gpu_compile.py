@@ -111,10 +111,11 @@ def _compile_attention(mask, E: int, dtype: str, deterministic: bool = True) -> 
     return _kernels_in(compiled, triton=3) if dtype == "float32" else _kernels_in(compiled, total=3)
 
 
-def _compile_relative_bias(E: int = 128) -> str:
-    """Causal attention with T5's relative bias table [H, 32] as an input, gradients to it included: on sm_90 the
-    forward, dQ (which forms the table's gradient) and dK/dV are Mosaic GPU kernels (the table's head rows in shared
-    memory); at head dim 256 dQ and dK/dV run as two launches each (halves of the head dim)."""
+def _compile_relative_bias(E: int = 128, slopes: bool = False) -> str:
+    """Causal attention with T5's relative bias table [H, 32] as an input (``slopes``: chained with learned ALiBi
+    slopes [H], 33 entries a head), gradients to it included: on sm_90 the forward, dQ (which forms the arrays'
+    gradients) and dK/dV are Mosaic GPU kernels (the arrays' head rows in shared memory); at head dim 256 dQ and
+    dK/dV run as two launches each (halves of the head dim)."""
     import jax
     import jax.numpy as jnp
 
@@ -123,14 +124,17 @@ def _compile_relative_bias(E: int = 128) -> str:
 
     bm = pk.make_block_mask(pk.causal(), SEQ, SEQ, pk.BlockSizes(BLOCK, BLOCK))
 
-    def loss(q, k, v, table):
-        out, _ = pk.block_sparse_attention(q, k, v, bm, score_mod=pk.relative_bias(table))
+    def loss(q, k, v, table, *learned_slopes):
+        mod = pk.relative_bias(table)
+        mod = pk.chain(mod, pk.learned_alibi(*learned_slopes)) if slopes else mod
+        out, _ = pk.block_sparse_attention(q, k, v, bm, score_mod=mod)
         return jnp.sum(out.astype(jnp.float32))
 
     q = jax.ShapeDtypeStruct((1, HEADS, SEQ, E), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, KV_HEADS, SEQ, E), jnp.bfloat16)
-    table = jax.ShapeDtypeStruct((HEADS, 32), jnp.float32)
-    compiled = compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3)), q, kv, kv, table)
+    arrays = (jax.ShapeDtypeStruct((HEADS, 32), jnp.float32), jax.ShapeDtypeStruct((HEADS,), jnp.float32))
+    argnums = tuple(range(4 + slopes))
+    compiled = compile_for_gpu(jax.grad(loss, argnums=argnums), q, kv, kv, *arrays[: 1 + slopes])
     return _kernels_in(compiled, triton=0, mosaic=5 if E == 256 else 3)
 
 
@@ -194,6 +198,9 @@ def attention_cases(quick: bool, core: bool = False) -> list[Case]:
         for E in (256,) if core else (128, 256):
             name = f"causal, relative_bias (T5 table as an input), head dim {E}, bfloat16"
             cases.append(Case("attention", name, functools.partial(_compile_relative_bias, E)))
+        if not core:  # 33 entries a head: a 64-wide gradient tile in dQ (at 128 it spills 8 bytes outside the loops)
+            name = "causal, relative_bias chained with learned_alibi, head dim 256, bfloat16"
+            cases.append(Case("attention", name, functools.partial(_compile_relative_bias, 256, slopes=True)))
     if not quick:  # dQ summed across dK/dV's programs (TMA reduce-adds): --core causal documents at 128 (GQA; at 64
         # tests/test_mosaic_attention.py's compile), the full run every mask at both
         fused = {k: all_masks[k] for k in CORE_MASKS} if core else all_masks

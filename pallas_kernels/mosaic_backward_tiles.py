@@ -9,7 +9,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from .mosaic_attention import _SHARED_MEMORY, id_slots
-from .score_tables import packed_entries, row_entries
+from .score_tables import PACKED_ALIGN, packed_entries, row_entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +74,9 @@ def _dkv_slot_extra(tiles: BackwardTiles) -> int:
 
 
 def _dq_smem(t: BackwardTiles, head_dim: int, itemsize: int, slots: int, entries: int) -> int:
-    """dQ's shared memory; with a mod's captured arrays also each warpgroup's packed row and its gradient tile; in
-    head-dim parts the tile that stages a part's dQ for its TMA store."""
-    arrays = t.consumers * 4 * packed_entries(entries) * (1 + t.dq_rows) if entries else 0
+    """dQ's shared memory; with a mod's captured arrays also each warpgroup's packed row (their gradient tile goes
+    from registers to global memory); in head-dim parts the tile that stages a part's dQ for its TMA store."""
+    arrays = t.consumers * 4 * packed_entries(entries) if entries else 0
     part = t.consumers * t.dq_rows * (head_dim // t.dq_parts) * itemsize if t.dq_parts > 1 else 0
     return _smem_bytes(t.dq_rows, t.dq_kv, t.dq_stages, head_dim, itemsize, 0, slots, t.consumers) + arrays + part
 
@@ -112,7 +112,8 @@ def backward_candidates(
     of spills, dK/dV 0, against 240 with 128-wide tiles) or two document / position slots (each PARTIAL tile
     compares two pairs of id tiles; at head dim 64 dK/dV spilled 64 bytes with 128-wide tiles, 0 with 64-wide);
     ``experiments.hopper_attention --only sweep`` times the rest. Head dim 256 has one tiling: one consumer
-    warpgroup of 64 rows, 64-wide tiles, two-slot rings, dK/dV in two halves of the head dim. ``fused``: the
+    warpgroup of 64 rows, 64-wide tiles, two-slot rings, dK/dV in two halves of the head dim; none for more than 32
+    captured entries a head with document / position slots. ``fused``: the
     tilings of ``mosaic_fused_backward`` (dK/dV summing dQ; head dims 64 and 128 without captured arrays), 64-wide
     q tiles first (its dS K tile [q, E] in float32 takes registers beside dK and dV); not with two document /
     position slots at head dim 128."""
@@ -127,6 +128,10 @@ def backward_candidates(
         dkv_rows = block_kv // 2
         tiles = [BackwardTiles(block_q // 2, w, b, dkv_rows, w, b, fused_dq=True) for w in (64, 128) for b in (4, 3, 2)]
         return [t for t in tiles if _dkv_smem(t, head_dim, itemsize, slots, entries, groups) <= _SHARED_MEMORY]
+    if head_dim == 256 and slots and packed_entries(entries) > PACKED_ALIGN:
+        # dQ's gradient tile of 64 entries (a table chained with slopes) beside a slot's ids spilled 8 bytes (sm_90
+        # ptxas; 32 entries, or no slot: 0)
+        return []
     if head_dim == 256:  # one consumer warpgroup of 64 rows per program, dK/dV (and with arrays dQ) in halves
         dq_rows, dkv_rows, widths = 64, 64, (64,)
         layout = {"consumers": 1, "dkv_parts": 2, "dq_parts": 2 if entries else 1}
@@ -170,6 +175,6 @@ def supports_backward(static, dtype, head_dim: int) -> str | None:
         slots, entries = footprint["slots"], footprint["entries"]
         return (
             f"{slots} document / position slots and {entries} captured score-mod entries at head dim {head_dim} "
-            "(they do not fit shared memory)"
+            "(they do not fit the kernels' shared memory and registers)"
         )
     return None

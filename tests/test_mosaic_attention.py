@@ -116,23 +116,27 @@ def test_causal_with_grouped_query_heads_at_a_ragged_length_forward_and_mosaic_b
 def test_head_dim_256_backward_with_one_consumer_warpgroup_and_parts_of_the_head_dim():
     """At head dim 256 the Mosaic backward runs one consumer warpgroup of 64 rows per program, two programs per
     block, and dK/dV as two launches, each accumulating one half of the head dim's columns (the scores and dP^T
-    contract over all of it in both); with a T5 bias table dQ too, its first launch forming the table's gradient
-    (five Mosaic kernels). Two query heads on one kv head, T = 100 padded to 128, causal: dQ, dK, dV and the table's
-    gradient equal the reference's."""
+    contract over all of it in both); with a T5 bias table chained with learned slopes (33 entries a head) dQ too,
+    its first launch forming the arrays' gradients (five Mosaic kernels). Two query heads on one kv head, T = 100
+    padded to 128, causal: dQ, dK, dV and the table's and slopes' gradients equal the reference's."""
     q, k, v = _qkv(1, 2, 1, 100, 100, E=256)
     bm = pk.make_block_mask(pk.causal(), 100, 100, BLOCKS)
     d_out = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), jnp.bfloat16)
-    table = jnp.asarray(np.random.default_rng(8).normal(size=(2, 32)), jnp.float32)
+    r = np.random.default_rng(8)
+    arrays = (jnp.asarray(r.normal(size=(2, 32)), jnp.float32), jnp.asarray(r.uniform(0, 0.2, 2), jnp.float32))
+
+    def mod(arrays):
+        return pk.chain(pk.relative_bias(arrays[0]), pk.learned_alibi(arrays[1]))
 
     def loss(attend):
-        return lambda q, k, v, t: (attend(q, k, v, pk.relative_bias(t)).astype(jnp.float32) * d_out).sum()
+        return lambda q, k, v, arrays: (attend(q, k, v, mod(arrays)).astype(jnp.float32) * d_out).sum()
 
     mosaic = loss(lambda q, k, v, m: pk.block_sparse_attention(q, k, v, bm, score_mod=m, lowering="mosaic")[0])
-    assert str(jax.make_jaxpr(jax.grad(mosaic, argnums=(0, 1, 2, 3)))(q, k, v, table)).count("axis_name=wg") == 5
-    got = jax.grad(mosaic, argnums=(0, 1, 2, 3))(q, k, v, table)
+    assert str(jax.make_jaxpr(jax.grad(mosaic, argnums=(0, 1, 2, 3)))(q, k, v, arrays)).count("axis_name=wg") == 5
+    got = jax.grad(mosaic, argnums=(0, 1, 2, 3))(q, k, v, arrays)
     ref = loss(lambda q, k, v, m: pk.reference_attention(q, k, v, pk.causal(), score_mod=m)[0])
-    want = jax.grad(ref, argnums=(0, 1, 2, 3))(*(x.astype(jnp.float32) for x in (q, k, v)), table)
-    for name, g, w in zip(("dq", "dk", "dv", "d table"), got, want):
+    want = jax.grad(ref, argnums=(0, 1, 2, 3))(*(x.astype(jnp.float32) for x in (q, k, v)), arrays)
+    for name, g, w in zip(("dq", "dk", "dv", "d table", "d slopes"), (*got[:3], *got[3]), (*want[:3], *want[3])):
         _close(g, w, 2e-2, name)
     assert [g.dtype for g in got[:3]] == [jnp.bfloat16] * 3
 

@@ -9,6 +9,7 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels.gpu_tiles import mosaic_lowerings
+from pallas_kernels.kernel_mask import split_documents
 from pallas_kernels.mosaic_attention import MosaicTiles, mosaic_tiles
 from pallas_kernels.mosaic_backward_tiles import (
     BackwardTiles,
@@ -92,9 +93,9 @@ def test_fused_backward_tiles_fit_beside_dq_s_stage_and_are_chosen_only_when_not
 def test_tiles_make_room_for_captured_arrays():
     """No kernel runs: with a mod's captured arrays the forward walks 64-wide kv tiles at head dim 128 (128 without;
     a table's bucket tile takes registers), the backward 64-wide tiles at head dim 64 too (dQ's gradient tile takes
-    registers), as with two document / position slots (their id tiles take registers) and, at head dim 128 with 64
-    entries per head and a document slot, dQ a shallower ring (its gradient tile's shared memory takes a slot's
-    room); dK/dV keeps its ring."""
+    registers), as with two document / position slots (their id tiles take registers); at head dim 128, 64 entries
+    per head and a document slot, dQ and dK/dV keep the rings they have without them (dQ's gradient tile goes from
+    registers to global memory, not through shared memory)."""
     assert [mosaic_tiles(E, jnp.bfloat16, 128, 128, n).kv for E in (64, 128) for n in (0, 33)] == [128, 128, 128, 64]
 
     plain64, table64 = (backward_tiles(64, jnp.bfloat16, 128, 128, entries=n) for n in (0, 33))
@@ -103,14 +104,15 @@ def test_tiles_make_room_for_captured_arrays():
     assert (one.dq_kv, one.dkv_q, two.dq_kv, two.dkv_q) == (128, 128, 64, 64)
     plain = backward_tiles(128, jnp.bfloat16, 128, 128)
     wide = backward_tiles(128, jnp.bfloat16, 128, 128, slots=1, entries=64, groups=8)
-    assert (plain.dq_stages, wide.dq_stages) == (4, 3) and wide.dkv_stages == plain.dkv_stages
+    assert (plain.dq_stages, wide.dq_stages) == (4, 4) and wide.dkv_stages == plain.dkv_stages
 
 
 def test_head_dim_256_takes_one_consumer_and_two_dkv_parts_and_with_arrays_two_dq_parts():
     """No kernel runs: at head dim 256 the backward's one tiling is one 64-row consumer warpgroup, 64-wide tiles,
     two-slot rings (its 192 KB of tiles leave no room for a third), dK/dV in two halves; with a document slot too;
     with a T5 table's 32 entries dQ in two halves as well (its gradient tile beside the whole accumulator spilled
-    registers); more entries than 32 (a table chained with slopes) do not fit shared memory: Triton, saying why."""
+    registers), and with a table chained with slopes (33 entries: a 64-wide gradient tile); that beside a document
+    slot's ids spilled registers: Triton, saying why."""
     want = BackwardTiles(64, 64, 2, 64, 64, 2, consumers=1, dkv_parts=2)
     assert backward_candidates(256, jnp.bfloat16, 128, 128) == [want]
     assert backward_candidates(256, jnp.bfloat16, 128, 128, slots=1, groups=4) == [want]
@@ -122,12 +124,16 @@ def test_head_dim_256_takes_one_consumer_and_two_dkv_parts_and_with_arrays_two_d
         BackwardTiles(64, 64, 2, 64, 64, 2, consumers=3)
     assert supports_backward(_Static256(pk.relative_bias(jnp.zeros((2, 32)))), jnp.bfloat16, 256) is None
     chained = pk.chain(pk.relative_bias(jnp.zeros((2, 32))), pk.learned_alibi(jnp.zeros(2)))  # 33 entries
-    assert "do not fit shared memory" in supports_backward(_Static256(chained), jnp.bfloat16, 256)
+    assert backward_candidates(256, jnp.bfloat16, 128, 128, entries=33, groups=2) == [table]
+    assert supports_backward(_Static256(chained), jnp.bfloat16, 256) is None
+    documents = _Static256(chained, pk.causal() & pk.document(jnp.zeros((1, 128), jnp.int32)))
+    assert "1 document / position slots and 33 captured" in supports_backward(documents, jnp.bfloat16, 256)
     assert supports_backward(_Static256(None), jnp.bfloat16, 256) is None
 
 
 class _Static256:
     """What supports_backward reads of a kernel's static description."""
 
-    def __init__(self, score_mod):
-        self.score_mod, self.template, self.groups, self.block_q, self.block_kv = score_mod, pk.causal(), 1, 128, 128
+    def __init__(self, score_mod, mask=None):
+        self.score_mod, self.groups, self.block_q, self.block_kv = score_mod, 1, 128, 128
+        self.template = split_documents(mask)[0] if mask is not None else pk.causal()
