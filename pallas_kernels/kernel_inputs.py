@@ -111,6 +111,7 @@ LAYOUTS = ("BHTE", "BTHE")
 
 
 def check_layout(name: str, layout: str) -> None:
+    """ValueError naming ``name`` unless ``layout`` is one of LAYOUTS."""
     if layout not in LAYOUTS:
         raise ValueError(f"{name}: unknown layout {layout!r}; choose one of {LAYOUTS}")
 

@@ -207,7 +207,14 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_a_checkpoint(tm
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (losses(workdir) if (workdir / "metrics.jsonl").exists() else {}):
         time.sleep(0.01)
-    os.kill(pid_of_process(workdir, JAXLM_PROCESS_ID=1), signal.SIGTERM)
+    pid = pid_of_process(workdir, JAXLM_PROCESS_ID=1)
+    if pid is None:  # the run ended (or never logged) before the signal: say how
+        launcher.kill()
+        pytest.fail(
+            f"process 1 was not running {time.monotonic() - deadline + 120:.0f} s after the launch:\n"
+            + launcher.communicate()[0][-3000:]
+        )
+    os.kill(pid, signal.SIGTERM)
     out, _ = launcher.communicate(timeout=180)
     assert launcher.returncode == 75, out
     stopped = re.search(r"\[p0\] tiny_lm: stopped: SIGTERM / SIGINT to another process after step (\d+)", out)
