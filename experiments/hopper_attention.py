@@ -10,8 +10,8 @@ length and score mods (a T5 bias table: the Mosaic forward, dQ with the table's 
 ``speed`` times forward and forward + backward for the full and causal masks at T = 2k and 8k, head dims 64 and 128
 (``--head-dims``: 256 too, whose backward runs one consumer warpgroup), and prints the Mosaic rows' ratio to cuDNN and
 Triton (``mosaic_fused``: the backward summing dQ across programs, ``deterministic=False``; ``check`` runs every
-case's gradients through it too; ``--layout BTHE``: the Pallas rows read q, k, v as the model holds them, as cuDNN's
-does); ``mods`` times causal attention with a soft-cap and a T5
+case's gradients through it too; ``--layout BTHE``: the kernels read q, k, v as the model holds them, as cuDNN's
+does, in the checks too); ``mods`` times causal attention with a soft-cap and a T5
 bias table against the same on Triton. ``documents`` does the same for 8 packed documents per
 sequence against cuDNN given the equivalent dense mask; ``sweep`` times the Mosaic kernels' candidate tiles.
 Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
@@ -98,7 +98,21 @@ def causal_document_pairs(ids: np.ndarray) -> int:
     return int((lengths * (lengths + 1) // 2).sum())
 
 
-def _grad_errors(q, k, v, bm, mask, mod, deterministic: bool = True) -> list[float]:
+def _mosaic(bm, layout: str = "BHTE", **options):
+    """The Mosaic kernels as a function of [B, H, T, E] q, k, v (and a score mod): with ``layout`` "BTHE" they take
+    them in the model's layout, transposed outside the kernels, and give out back as [B, H, T, E]."""
+
+    def attend(q, k, v, mod=None):
+        kernels = functools.partial(pk.block_sparse_attention, block_mask=bm, score_mod=mod, lowering="mosaic")
+        if layout == "BHTE":
+            return kernels(q, k, v, **options)
+        out, lse = kernels(*(x.swapaxes(1, 2) for x in (q, k, v)), layout=layout, **options)
+        return out.swapaxes(1, 2), lse
+
+    return attend
+
+
+def _grad_errors(q, k, v, bm, mask, mod, deterministic: bool = True, layout: str = "BHTE") -> list[float]:
     """Relative L2 errors of dQ, dK, dV (Mosaic forward and backward; the Triton backward for a mod that captures
     arrays) against the float32 reference's, and of the gradients to the mod's captured arrays when it has some. Not
     ``deterministic``: the backward summing dQ across dK/dV's programs, where it takes the case."""
@@ -108,10 +122,8 @@ def _grad_errors(q, k, v, bm, mask, mod, deterministic: bool = True) -> list[flo
     def loss(fn):
         return lambda q, k, v, arrays: (fn(q, k, v, mod and mod.with_arrays(arrays)).astype(jnp.float32) * d_out).sum()
 
-    def mosaic(q, k, v, m):
-        return pk.block_sparse_attention(q, k, v, bm, score_mod=m, lowering="mosaic", deterministic=deterministic)[0]
-
-    kernel = loss(mosaic)
+    attend = _mosaic(bm, layout, deterministic=deterministic)
+    kernel = loss(lambda q, k, v, m: attend(q, k, v, m)[0])
     ref = loss(lambda q, k, v, m: pk.reference_attention(q, k, v, mask, score_mod=m)[0])
     got = jax.jit(jax.grad(kernel, argnums=(0, 1, 2, 3)))(q, k, v, arrays)
     want = jax.grad(ref, argnums=(0, 1, 2, 3))(*(x.astype(jnp.float32) for x in (q, k, v)), arrays)
@@ -119,7 +131,9 @@ def _grad_errors(q, k, v, bm, mask, mod, deterministic: bool = True) -> list[flo
     return [float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b)) for a, b in pairs]
 
 
-def run_check(log=print) -> list[dict]:
+def run_check(layout: str = "BHTE", log=print) -> list[dict]:
+    """Each case's output and gradients (both backwards) against the float32 reference; ``layout`` "BTHE": the
+    kernels read and write the model's layout."""
     rows = []
     for name, (mask, T, S, H, K, E, mod) in check_cases().items():
         r = np.random.default_rng(len(rows))
@@ -127,17 +141,14 @@ def run_check(log=print) -> list[dict]:
         k, v = (jnp.asarray(r.normal(size=(2, K, S, E)), jnp.bfloat16) for _ in range(2))
         bm = pk.make_block_mask(mask, T, S, pk.BlockSizes(128, 128))
         try:
-            fn = jax.jit(
-                lambda q, k, v, bm=bm, mod=mod: pk.block_sparse_attention(q, k, v, bm, score_mod=mod, lowering="mosaic")
-            )
-            out, lse = fn(q, k, v)
+            out, lse = jax.jit(lambda q, k, v, bm=bm, mod=mod: _mosaic(bm, layout)(q, k, v, mod))(q, k, v)
             f32 = (x.astype(jnp.float32) for x in (q, k, v))
             ref_out, ref_lse = pk.reference_attention(*f32, mask, score_mod=mod)
             err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref_out) / jnp.linalg.norm(ref_out))
             lse_err = float(jnp.max(jnp.abs(lse - ref_lse)))
-            row = {"case": name, "rel_error": err, "lse_max_error": lse_err}
-            row["grad_rel_errors"] = _grad_errors(q, k, v, bm, mask, mod)
-            row["fused_grad_rel_errors"] = _grad_errors(q, k, v, bm, mask, mod, deterministic=False)
+            row = {"case": name, "layout": layout, "rel_error": err, "lse_max_error": lse_err}
+            row["grad_rel_errors"] = _grad_errors(q, k, v, bm, mask, mod, layout=layout)
+            row["fused_grad_rel_errors"] = _grad_errors(q, k, v, bm, mask, mod, deterministic=False, layout=layout)
             worst = max(err, *row["grad_rel_errors"], *row["fused_grad_rel_errors"])
             row["ok"] = worst < TOLERANCE and lse_err < 0.05 and bool(jnp.isfinite(out).all())
         except Exception as e:  # noqa: BLE001 - a failing case is recorded and the check goes on
@@ -337,7 +348,8 @@ def main(argv=None) -> int:
         "--layout",
         choices=LAYOUTS,
         default="BHTE",
-        help="speed's Pallas rows: q, k, v as [B, H, T, E] or the model's [B, T, H, E] (cuDNN's row reads that)",
+        help="check's and speed's Pallas kernels: q, k, v as [B, H, T, E] or the model's [B, T, H, E] (which speed's "
+        "cuDNN row reads)",
     )
     args = p.parse_args(argv)
     only = set(args.only.split(","))
@@ -368,7 +380,7 @@ def main(argv=None) -> int:
                 json.dump(result, f, indent=1)
 
     if "check" in only:
-        result["check"] = run_check()
+        result["check"] = run_check(layout=args.layout)
         save()
     if "speed" in only:
         result["speed"] = run_speed(head_dims=args.head_dims, impls=impls, layout=args.layout)
