@@ -290,17 +290,14 @@ def _forward(static, q, k, v, mask_arrays, doc_arrays, mod_arrays=()):
     if static.mosaic is not None:
         interpret = static.backend == "interpret"
         return mosaic_forward(static, static.mosaic, q, k, v, mask_arrays, doc_arrays, mod_arrays, interpret=interpret)
-    if static.layout != "BHTE":  # the Triton kernels' layout
-        q, k, v = (to_bhte(x, static.layout) for x in (q, k, v))
-        out, lse = _forward(dataclasses.replace(static, layout="BHTE"), q, k, v, mask_arrays, doc_arrays, mod_arrays)
-        return from_bhte(out, static.layout), lse
+    q, k, v = (to_bhte(x, static.layout) for x in (q, k, v))  # the Triton kernels' layout
     B, H, Tp, E = q.shape
     Sp = k.shape[2]
     G, tq = static.groups, static.tiles.forward.rows
     q_spec = pl.BlockSpec((None, None, tq, E), lambda b, h, i: (b, h, i, 0))
     kv_spec = pl.BlockSpec((None, None, Sp, E), lambda b, h, i: (b, h // G, 0, 0))
     doc_specs = _row_doc_specs(static, tq, Sp)
-    return pl.pallas_call(
+    out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, static),
         grid=(B, H, Tp // tq),
         in_specs=[q_spec, kv_spec, kv_spec, *[_index_spec(static)] * 3, *doc_specs, *_mod_specs(mod_arrays)],
@@ -310,6 +307,7 @@ def _forward(static, q, k, v, mask_arrays, doc_arrays, mod_arrays=()):
         compiler_params=_compiler_params(static, static.tiles.forward),
         name="block_sparse_attention_fwd",
     )(q, k, v, *mask_arrays[:3], *doc_arrays, *mod_arrays)
+    return from_bhte(out, static.layout), lse
 
 
 # ----------------------------------------------------------------------------- backward: dQ
