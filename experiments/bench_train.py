@@ -14,8 +14,9 @@ step's model FLOPs are 6*N*tokens plus attention (12*L*H*E*T per token). The las
 from __future__ import annotations
 
 import argparse
+import collections
 import json
-import os
+import re
 import subprocess
 import sys
 import time
@@ -107,7 +108,7 @@ def measure_train_step(
     step = CompiledStep(cfg)
     best = min(step.window(steps) for _ in range(windows))
     if profile_dir:
-        print_profile(lambda: step.step_fn(step.state, step.batch), profile_dir)
+        print_profile(step, profile_dir)
     T, B = cfg.data.seq_len, cfg.data.batch_size
     flops_per_token = model_flops_per_token(cfg.model, step.program.num_params, T)
     tokens_per_s = B * T / best
@@ -124,32 +125,23 @@ def measure_train_step(
     }
 
 
-def print_profile(run_step, profile_dir: str, top: int = 15) -> None:
-    """Traces one step with jax.profiler (view it with xprof / TensorBoard) and prints the ops that took longest,
-    summed over threads: the quickest way to see whether time goes to matmuls, layout copies or scan buffers."""
-    import collections
-    import glob
+def print_profile(step: CompiledStep, profile_dir: str, top: int = 15) -> None:
+    """Traces one step with jax.profiler (view it with xprof / TensorBoard) and prints the kinds of op that took
+    longest, summed over threads: the quickest way to see whether time goes to matmuls, layout copies or scan
+    buffers."""
+    from experiments.trace_times import op_times, trace
+    from sharding.hlo import kernel_kinds
 
-    from jax._src.lib import _profile_data
-
-    jax.profiler.start_trace(profile_dir)
-    jax.block_until_ready(run_step())
-    jax.profiler.stop_trace()
-    trace = sorted(glob.glob(f"{profile_dir}/**/*.xplane.pb", recursive=True), key=os.path.getmtime)[-1]
-    per_op: collections.Counter = collections.Counter()
-    for plane in _profile_data.ProfileData.from_file(trace).planes:
-        for line in plane.lines:
-            for event in line.events:
-                if "Execute" not in event.name and not line.name.startswith("python"):
-                    per_op[event.name] += event.duration_ns
+    path = trace(lambda: step.window(1), profile_dir)
+    times, kinds = op_times(path), kernel_kinds(step.step_fn.as_text())
     per_kind: collections.Counter = collections.Counter()
-    for name, ns in per_op.items():
-        per_kind[name.split(".")[0]] += ns
-    print(f"profile of one step ({trace}), thread-time per op kind (total {sum(per_kind.values()) / 1e6:.0f} ms):")
+    for op, ns in times.ns.items():
+        per_kind[kinds.get(op, re.sub(r"\.\d+$", "", op))] += ns
+    print(f"profile of one step ({path}), thread-time per op kind (total {sum(per_kind.values()) / 1e6:.0f} ms):")
     for name, ns in per_kind.most_common(top):
         print(f"  {ns / 1e6:9.1f} ms  {name}")
     print("slowest single ops:")
-    for name, ns in per_op.most_common(top):
+    for name, ns in times.ns.most_common(top):
         print(f"  {ns / 1e6:9.1f} ms  {name}")
 
 

@@ -218,9 +218,42 @@ def traffic(hlo_text: str) -> Counter:
                 nbytes = 2 * (sum(ins) - max(ins, default=0))
             else:
                 nbytes = out + sum(ins)
-            target = _CUSTOM_CALL.search(rest)
-            kernel = target.group(1) if target else ""
-            if kernel in KERNELS or kernel.startswith("__cublas") or _GEMM.search(rest):
-                label = PRODUCTS
-            total[re.sub(r"\.\d+$", "", label)] += runs[name] * nbytes
+            kind = _kernel_kind(label, rest)
+            total[PRODUCTS if kind in _PRODUCT_KINDS else kind] += runs[name] * nbytes
     return total
+
+
+_PRODUCT_KINDS = {*KERNELS.values(), "cuBLAS product", "XLA GEMM fusion"}
+
+
+def _kernel_kind(label: str, rest: str) -> str:
+    """A custom kernel by what ``KERNELS`` calls it, cuBLAS's calls and XLA's GEMM fusions as such, anything else by
+    its instruction name without its number (``loop_convert_fusion``, ``copy``)."""
+    target = _CUSTOM_CALL.search(rest)
+    kernel = target.group(1) if target else ""
+    if kernel in KERNELS:
+        return KERNELS[kernel]
+    if kernel.startswith("__cublas"):
+        return "cuBLAS product"
+    if _GEMM.search(rest):
+        return "XLA GEMM fusion"
+    return re.sub(r"\.\d+$", "", label)
+
+
+def kernel_kinds(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> the kind of kernel it launches (as ``traffic`` names them, products told apart), for
+    every instruction outside a fusion's insides that launches one; control flow (a loop, a call) launches none.
+
+    Why: a profile's events name the HLO instructions they ran, whose numbers differ from one compile to the next;
+    their kinds line two programs' times up."""
+    computations, _ = computation_runs(hlo_text)
+    fused = _fused(computations)
+    kinds = {}
+    for name, text in computations.items():
+        if name in fused:
+            continue
+        for line in text.splitlines()[1:]:
+            m = _INSTRUCTION.match(line)
+            if m and m.group(3) not in _NO_TRAFFIC:
+                kinds[m.group(1)] = _kernel_kind(m.group(1), m.group(4))
+    return kinds

@@ -2,7 +2,7 @@
 a TPU loop's condition), collectives (async tuples, all-to-all's included, TPU's mesh replica groups,
 reduce-scatter's input), kernels."""
 
-from sharding.hlo import PRODUCTS, Collective, collectives, computation_runs, custom_kernels, traffic
+from sharding.hlo import PRODUCTS, Collective, collectives, computation_runs, custom_kernels, kernel_kinds, traffic
 
 LOOP = """HloModule m
 
@@ -102,3 +102,16 @@ def test_traffic_counts_each_kernel_s_operands_and_results_per_run():
     assert t[PRODUCTS] == 4 * (128 + 2 * 64) + (256 + 4096)  # mosaic_gpu_v2 in the loop, the GEMM fusion once
     assert t["loop_dynamic_update_slice_fusion"] == 4 * 2 * (128 + 4)  # the 128-byte row and the index, not the stack
     assert t["copy"] == 2 * 4096 and "big_inside" not in t and "t" not in t
+
+
+def test_kernel_kinds_name_every_launch_and_tell_the_products_apart():
+    """Each instruction outside a fusion's insides that launches a kernel, by kind: a Pallas kernel and XLA's GEMM
+    fusion each their own (not ``PRODUCTS``), the rest without its number; control flow and tuples launch none."""
+    assert kernel_kinds(STEP) == {
+        "layer": "layer",
+        "q": "q",
+        "mm.3": "Mosaic GPU (Pallas)",
+        "loop_dynamic_update_slice_fusion.7": "loop_dynamic_update_slice_fusion",
+        "gemm_fusion.2": "XLA GEMM fusion",
+        "copy.1": "copy",
+    }

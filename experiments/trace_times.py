@@ -1,0 +1,69 @@
+"""Time per compiled HLO instruction, read from a ``jax.profiler`` trace: what ``bench_train --profile`` and
+``step_profile`` print.
+
+Why our own reader: xprof's views need TensorBoard, while jax's ``ProfileData`` reads the trace's XSpace as it is.
+On a GPU, kernels are events on the device plane's stream lines; on a CPU, thunks are events on the host's XLA
+threads. Either way each event names the instruction it ran (its ``hlo_op`` stat) and its program (``hlo_module``).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import jax
+
+
+@dataclass
+class OpTimes:
+    """Nanoseconds per HLO instruction over a trace, where they were read (``device`` or ``host``), and the name of
+    each instruction's longest event (on a GPU, the CUDA kernel's name)."""
+
+    ns: Counter = field(default_factory=Counter)
+    source: str = "host"
+    kernel_names: dict[str, str] = field(default_factory=dict)
+
+
+def trace(run, trace_dir: str) -> str:
+    """Runs ``run()`` (which must block until its work is done) under the profiler; the trace file's path."""
+    jax.profiler.start_trace(trace_dir)
+    try:
+        run()
+    finally:
+        jax.profiler.stop_trace()
+    found = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not found:
+        raise RuntimeError(f"the profiler wrote no trace under {trace_dir}")
+    return max(found, key=os.path.getmtime)
+
+
+def op_times(xplane_path: str, module: str | None = None) -> OpTimes:
+    """The time of each HLO instruction in the trace, from the device planes where any has events naming one, else
+    from the host's. ``module``: only events of that program (the name after ``HloModule`` in its HLO text), where
+    the device's events say their program at all."""
+    from jax._src.lib import _profile_data
+
+    planes = list(_profile_data.ProfileData.from_file(xplane_path).planes)  # an iterator
+    device = [p for p in planes if p.name.startswith("/device:")]
+    host = [p for p in planes if p.name.startswith("/host:")]
+    for source, chosen, program in (("device", device, module), ("device", device, None), ("host", host, module)):
+        times = OpTimes(source=source)
+        longest: Counter = Counter()
+        for plane in chosen:
+            for line in plane.lines:
+                if line.name.startswith("python") or line.name in {"XLA Ops", "XLA Modules", "Steps"}:
+                    continue  # the Python stack, and lines derived from the streams (they would count twice)
+                for event in line.events:
+                    stats = dict(event.stats)
+                    op = stats.get("hlo_op")
+                    if not op or (program and stats.get("hlo_module", program) != program):
+                        continue
+                    times.ns[op] += event.duration_ns
+                    if event.duration_ns >= longest[op]:
+                        longest[op] = event.duration_ns
+                        times.kernel_names[op] = event.name
+        if times.ns:
+            return times
+    return OpTimes()

@@ -1,0 +1,80 @@
+"""experiments.step_profile and experiments.trace_times: a trace's time lands on the instructions that ran, the
+report lines variants up by kind, and the tiny model's step profiles end to end on a CPU."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from experiments import step_profile
+from experiments.trace_times import op_times, trace
+from sharding.hlo import kernel_kinds
+
+
+def test_a_trace_puts_a_program_s_time_on_the_instruction_that_did_the_work(tmp_path):
+    """A 768^3 product beside a 768-element add: nearly all the traced time is the product's instruction's."""
+    a = jnp.ones((768, 768))
+    compiled = jax.jit(lambda a: (a @ a, a[0] + 1)).lower(a).compile()
+    jax.block_until_ready(compiled(a))
+    hlo = compiled.as_text()
+    module = re.search(r"^HloModule ([\w.\-]+)", hlo, re.M).group(1)
+    times = op_times(trace(lambda: jax.block_until_ready(compiled(a)), str(tmp_path)), module)
+    heaviest, ns = times.ns.most_common(1)[0]
+    assert times.source == "host" and heaviest in kernel_kinds(hlo)
+    assert ns > 0.8 * sum(times.ns.values())
+    line = next(x for x in hlo.splitlines() if re.match(rf"\s*(ROOT )?%{re.escape(heaviest)} = ", x))
+    called = re.search(r"calls=%([\w.\-]+)", line)
+    body = re.search(rf"^%{re.escape(called.group(1))} .*?^}}$", hlo, re.M | re.S).group(0) if called else line
+    assert " dot(" in body
+
+
+def test_the_report_lines_variants_up_by_kind():
+    def result(step, kinds):
+        top = [{"op": "custom-call.7", "kind": "cuDNN attention", "kernel": "sdpa", "ms": 1.5}]
+        return {
+            "step_ms": step,
+            "kernels_ms": sum(kinds.values()),
+            "source": "device",
+            "kinds_ms": kinds,
+            "top_ops": top,
+        }
+
+    lines = step_profile.report(
+        {
+            "a": result(10.0, {"cuDNN attention": 2.0, "copy": 1.0}),
+            "b": result(11.0, {"Mosaic GPU (Pallas)": 1.5, "copy": 3.0}),
+        },
+        top=2,
+    )
+    assert lines[0] == "a: step 10.0 ms, kernels 3.0 ms a step (device)"
+    assert lines[6:9] == [
+        "b - a: step +1.0 ms, kernels +1.5 ms",
+        "      +2.00 ms  copy (1.00 -> 3.00)",
+        "      -2.00 ms  cuDNN attention (2.00 -> 0.00)",
+    ]
+    assert lines[-1] == "       1.50 ms  custom-call.7 (cuDNN attention) sdpa"
+
+
+def test_an_unknown_variant_gets_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        step_profile.main(["--variant", "attention cudnn"])
+    assert exit_info.value.code == 2
+    assert "unknown variant 'attention cudnn'" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_tiny_step_profiles_end_to_end(tmp_path, capsys):
+    """Two variants of the tiny model on a CPU (Pallas in the interpreter): each variant's kinds sum to its kernels'
+    time, its slowest instructions are the step's own, and the JSON holds what was printed."""
+    out = tmp_path / "profile.json"
+    names = ["attention jax, matmuls default", "attention pallas, matmuls default"]
+    assert step_profile.main(["--quick", "--steps", "1", "--json", str(out), *[f"--variant={n}" for n in names]]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())["variants"]
+    assert list(results) == names
+    for name, r in results.items():
+        assert r["kernels_ms"] > 0 and r["kernels_ms"] == pytest.approx(sum(r["kinds_ms"].values()))
+        assert r["top_ops"] and all(o["kind"] in r["kinds_ms"] for o in r["top_ops"])
+        assert f"{name}: step {r['step_ms']:.1f} ms, kernels {r['kernels_ms']:.1f} ms a step (host)" in printed
+    assert f"{names[1]} - {names[0]}: step " in printed
