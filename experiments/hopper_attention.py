@@ -11,9 +11,10 @@ length and score mods (a T5 bias table: the Mosaic forward, dQ with the table's 
 (``--head-dims``: 256 too, whose backward runs one consumer warpgroup), and prints the Mosaic rows' ratio to cuDNN and
 Triton (``mosaic_fused``: the backward summing dQ across programs, ``deterministic=False``; ``check`` runs every
 case's gradients through it too; ``--layout BTHE``: the kernels read q, k, v as the model holds them, as cuDNN's
-does, in the checks too); ``mods`` times causal attention with a soft-cap and a T5
-bias table against the same on Triton. ``documents`` does the same for 8 packed documents per
-sequence against cuDNN given the equivalent dense mask; ``sweep`` times the Mosaic kernels' candidate tiles.
+does, in the checks too; ``--group 2 --seqs 2048``: the ~1B step's attention, GQA 2 heads a key / value head);
+``mods`` times causal attention with a soft-cap and a T5 bias table against the same on Triton. ``documents`` does
+the same for 8 packed documents per sequence against cuDNN given the equivalent dense mask; ``sweep`` times the
+Mosaic kernels' candidate tiles.
 Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
 """
 
@@ -169,13 +170,16 @@ def run_speed(
     repeats=10,
     impls=SPEED_IMPLS,
     layout="BHTE",
+    group=1,
     log=print,
 ) -> list[dict]:
-    """``layout``: of the Pallas rows' q, k, v ("BTHE": the model's, which cuDNN's row reads too)."""
+    """``layout``: of the Pallas rows' q, k, v ("BTHE": the model's, which cuDNN's row reads too). ``group``: query
+    heads per key / value head (GQA; the GPU report's ~1B model has 2)."""
     rows = []
     for T in seqs:
         for E in head_dims:
             B, H, q, k, v = _qkv(T, E, tokens, width)
+            k, v = k[:, : H // group], v[:, : H // group]
             q_t, k_t, v_t = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
             pallas_args = (q, k, v) if layout == "BHTE" else (q_t, k_t, v_t)
             for mask_name, mask in {"full": pk.full(), "causal": pk.causal()}.items():
@@ -193,7 +197,8 @@ def run_speed(
                 impls_here = {name: impl for name, impl in candidates.items() if name in impls}
                 flops = kept_pairs(mask_name, T, 0) * B * H * E
                 for impl, (fn, args) in impls_here.items():
-                    row = {"T": T, "E": E, "B": B, "H": H, "mask": mask_name, "impl": impl, "layout": layout}
+                    row = {"T": T, "E": E, "B": B, "H": H, "K": H // group, "mask": mask_name, "impl": impl}
+                    row["layout"] = layout
                     rows.append(_time_row(row, fn, args, flops, repeats, log))
     return rows
 
@@ -351,6 +356,10 @@ def main(argv=None) -> int:
         help="check's and speed's Pallas kernels: q, k, v as [B, H, T, E] or the model's [B, T, H, E] (which speed's "
         "cuDNN row reads)",
     )
+    p.add_argument("--seqs", type=csv_of(int), default=(2048, 8192), help="speed's T, comma-separated (2048,8192)")
+    p.add_argument(
+        "--group", type=int, default=1, help="speed's query heads per key / value head (GQA; the ~1B step's: 2)"
+    )
     args = p.parse_args(argv)
     only = set(args.only.split(","))
     if not only or only - {"check", "speed", "mods", "documents", "sweep"}:
@@ -362,6 +371,13 @@ def main(argv=None) -> int:
     impls = tuple(args.impls.split(","))
     if unknown := [i for i in impls if i not in SPEED_IMPLS]:
         print(f"hopper_attention: error: --impls {unknown[0]!r}: choose from {', '.join(SPEED_IMPLS)}", file=sys.stderr)
+        return 2
+    if args.group < 1 or any((2048 // E) % args.group for E in args.head_dims) or min(args.seqs) < 1:
+        print(
+            f"hopper_attention: error: --group {args.group} must divide the head count of every head dim "
+            f"({', '.join(str(2048 // E) for E in args.head_dims)}) and --seqs be positive",
+            file=sys.stderr,
+        )
         return 2
     if jax.devices()[0].platform != "gpu":
         print(
@@ -383,7 +399,7 @@ def main(argv=None) -> int:
         result["check"] = run_check(layout=args.layout)
         save()
     if "speed" in only:
-        result["speed"] = run_speed(head_dims=args.head_dims, impls=impls, layout=args.layout)
+        result["speed"] = run_speed(args.seqs, args.head_dims, impls=impls, layout=args.layout, group=args.group)
         result["ratios"] = ratios(result["speed"])
         save()
     if "mods" in only:

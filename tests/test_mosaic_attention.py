@@ -421,6 +421,11 @@ def test_the_device_benchmark_refuses_a_machine_without_a_gpu(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "hopper_attention: error: --impls 'fused': choose from mosaic, mosaic_fused, triton, cudnn"
     ]
+    assert hopper_attention.main(["--group", "3"]) == 2  # 3 divides neither 32 nor 16 heads
+    assert capsys.readouterr().err.splitlines() == [
+        "hopper_attention: error: --group 3 must divide the head count of every head dim (32, 16) and --seqs be "
+        "positive"
+    ]
 
 
 def test_the_device_benchmark_says_how_the_backward_compares_per_product():
