@@ -103,7 +103,9 @@ def quick_sizes() -> Sizes:
 
 def llama_1b():
     """1.01B parameters, Llama-shaped: 20 layers of width 2048, 16 heads of 128 (8 kv heads), SwiGLU 5632, a tied
-    32k vocab; T = 2048, 8 sequences a step."""
+    32k vocab; T = 2048, 8 sequences a step. Layers unrolled, as the library runs them on one device: compiled for
+    an H100, the scanned stack moved 128 GB a step more (its stacked residuals zero-filled, written and sliced) and
+    took 10 GiB more temporaries (docs/results/scan-traffic-2026-11-28.md); the variant "layers scanned" times it."""
     from jaxlm.config import DataConfig, ModelConfig, OptimConfig, TrainConfig
 
     return TrainConfig(
@@ -116,7 +118,7 @@ def llama_1b():
             mlp_dim=5632,
             max_seq_len=2048,
             dtype="bfloat16",
-            scan_layers=True,  # 20 layers: compile time flat in depth
+            scan_layers=False,
         ),
         optim=OptimConfig(learning_rate=3e-4, warmup_steps=5),
         data=DataConfig(seq_len=2048, batch_size=8),
@@ -139,6 +141,9 @@ def llama_tiny():
 
 TRAIN_VARIANTS = {  # name: --set style overrides of the base config
     "attention jax, matmuls default": {"attention_impl": "jax"},
+    # the layers in a scan, as every report before 2026-11-28 ran them (a pipeline stage's and FSDP with gradient
+    # accumulation's way): what the scan costs the step
+    "attention jax, matmuls default, layers scanned": {"attention_impl": "jax", "scan_layers": True},
     "attention pallas, matmuls default": {"attention_impl": "pallas"},
     # the Mosaic backward summing dQ across programs: 5 products a score pair, not 7
     "attention pallas (dQ summed across programs), matmuls default": {
@@ -172,11 +177,12 @@ QUICK_TRAIN_VARIANTS = ("attention jax, matmuls default", "attention pallas, mat
 class Report:
     """Collects every item's rows and failures; a failing item is recorded and the report goes on."""
 
-    def __init__(self, log=print, tracebacks: bool = False):
+    def __init__(self, log=print, tracebacks: bool = False, after_rows=None):
         self.log, self.tracebacks = log, tracebacks
         self.sections: dict[str, list[dict]] = {s: [] for s in SECTIONS}
         self.failures: list[dict] = []
         self.peak_flops: float | None = None
+        self.after_rows = after_rows  # called once an item's rows are in: main writes the files there
 
     def item(self, section: str, name: str, fn):
         t0 = time.perf_counter()
@@ -200,6 +206,8 @@ class Report:
             if row.get("ok") is False:
                 self.failures.append({"section": section, "item": row.get("check", name), "error": row["detail"]})
                 self.log(f"FAIL {section}: {row.get('check', name)}: {row['detail']}")
+        if self.after_rows:
+            self.after_rows()
 
 
 def run_kernels(report: Report, sizes: Sizes) -> None:
@@ -468,6 +476,33 @@ def main(argv=None) -> int:
     from experiments.report_speed import matmul_peak
 
     lowerings = _Lowerings.attach()
+    date = datetime.date.today().isoformat()
+    meta = {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "host": platform.node(),
+        "date": date,
+        "quick": args.quick,
+        "peer": peer,
+        "command": "python -m experiments.gpu_report " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "peak_tflops": None,
+        "lowerings": lowerings.seen,
+    }
+    stem = out_dir / f"gpu-{device_slug(device.device_kind)}-{date}"
+    merged = merge_earlier_sections(report, stem.with_suffix(".json"), only, args.quick)
+
+    def write() -> dict:
+        """The report as it stands, after every item: a run stopped by a command's time limit keeps what it
+        measured."""
+        meta["peak_tflops"] = None if report.peak_flops is None else report.peak_flops / 1e12
+        ratios = headline_ratios(report, sizes, peer)
+        stem.with_suffix(".md").write_text(render_markdown(report, meta, ratios))
+        payload = {"meta": meta, "targets": TARGETS, "ratios": ratios, "failures": report.failures, **report.sections}
+        stem.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=float))
+        return ratios
+
+    report.after_rows = write
     peak = report.item("peak", f"bf16 matmul peak {sizes.peak_n}^3", lambda: matmul_peak(sizes.peak_n))
     report.peak_flops = peak
     if "kernels" in only:
@@ -479,25 +514,7 @@ def main(argv=None) -> int:
     if "train" in only:
         run_train(report, sizes, args.quick)
 
-    date = datetime.date.today().isoformat()
-    meta = {
-        "device": device.device_kind,
-        "platform": device.platform,
-        "jax": jax.__version__,
-        "host": platform.node(),
-        "date": date,
-        "quick": args.quick,
-        "peer": peer,
-        "command": "python -m experiments.gpu_report " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "peak_tflops": None if peak is None else peak / 1e12,
-        "lowerings": lowerings.seen,
-    }
-    stem = out_dir / f"gpu-{device_slug(device.device_kind)}-{date}"
-    merged = merge_earlier_sections(report, stem.with_suffix(".json"), only, args.quick)
-    ratios = headline_ratios(report, sizes, peer)
-    stem.with_suffix(".md").write_text(render_markdown(report, meta, ratios))
-    payload = {"meta": meta, "targets": TARGETS, "ratios": ratios, "failures": report.failures, **report.sections}
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=float))
+    ratios = write()
     kept = f" (sections {', '.join(merged)} kept from the earlier run of the day)" if merged else ""
     print(f"gpu_report: {len(report.failures)} failed; wrote {stem}.md and .json{kept}")
     for name, got in ratios.items():

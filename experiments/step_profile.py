@@ -1,7 +1,7 @@
 """Where the GPU report's ~1B train step spends its device time, kind of kernel by kind, for several variants of it
 traced in one run, and how each variant's kinds differ from the first's.
 
-    python -m experiments.step_profile            # on a GPU: cuDNN against Pallas attention (both backwards), bf16
+    python -m experiments.step_profile            # on a GPU: cuDNN (layers unrolled, scanned) against Pallas attention
     python -m experiments.step_profile --variant "attention jax, matmuls fp8" \\
         --variant "attention jax, matmuls fp8 pallas, e4m3 gradients"
     python -m experiments.step_profile --quick    # the tiny model: the code paths, on a CPU in seconds
@@ -30,6 +30,7 @@ from experiments.cli import exit_with
 
 DEFAULT_VARIANTS = (
     "attention jax, matmuls default",
+    "attention jax, matmuls default, layers scanned",
     "attention pallas, matmuls default",
     "attention pallas (dQ summed across programs), matmuls default",
 )

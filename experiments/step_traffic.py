@@ -25,6 +25,7 @@ FP8 = {"attention_impl": "pallas", "matmul_precision": "fp8"}
 VARIANTS = {  # name: overrides of gpu_report.llama_1b's model
     "bf16": {"attention_impl": "pallas"},
     "bf16-dq-summed": {"attention_impl": "pallas", "attention_deterministic": False},  # one backward kernel
+    "bf16-scanned": {"attention_impl": "pallas", "scan_layers": True},  # the layers in a scan (the base unrolls them)
     "fp8-xla": FP8,
     "fp8-xla-e4m3": {**FP8, "quant_backward": "e4m3"},
     "fp8-pallas-e4m3": {**FP8, "quant_backward": "e4m3", "matmul_impl": "pallas"},  # every product on Mosaic GPU

@@ -141,3 +141,23 @@ def test_tile_sweep_refuses_bad_usage_and_a_cpu_in_one_line(capsys, argv, messag
     assert tune_gpu_tiles.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_a_report_stopped_mid_section_keeps_what_it_measured(tmp_path, monkeypatch):
+    """The files are written after every item: a lease's timeout that kills the run in its third train variant
+    leaves the first two in the .json and the .md."""
+
+    def two_variants_then_killed(report, sizes, quick):
+        row = {"ok": True, "mfu": 0.5, "params": 1e6, "tokens_per_s": 1e3, "step_s": 0.1, "compile_s": 1.0}
+        for name in ("first", "second"):
+            report.rows("train", name, lambda name=name: [{**row, "variant": name, "check": name, "detail": "loss"}])
+        raise KeyboardInterrupt  # what the timeout's signal does to the third
+
+    monkeypatch.setattr(gpu_report, "run_train", two_variants_then_killed)
+    monkeypatch.setattr("experiments.report_speed.matmul_peak", lambda n: 1e12)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_report.main(["--quick", "--only", "train", "--out", str(tmp_path)])
+    (json_path,) = tmp_path.glob("gpu-cpu-*.json")
+    data = json.loads(json_path.read_text())
+    assert [r["variant"] for r in data["train"]] == ["first", "second"] and data["meta"]["peak_tflops"] == 1.0
+    assert "first" in json_path.with_suffix(".md").read_text()

@@ -34,7 +34,7 @@ def test_bad_arguments_get_one_line_and_exit_2(capsys):
     assert capsys.readouterr().err.strip() == "step_traffic: error: --top and --bandwidth must be positive"
 
 
-@pytest.mark.slow  # ~25 s: two compiles of the 1B step; the fast cover is tests/test_hlo.py's traffic test
+@pytest.mark.slow  # ~120 s: two compiles of the unrolled 1B step; the fast cover is tests/test_hlo.py's traffic test
 def test_the_all_mosaic_fp8_step_moves_about_what_xla_s_fp8_step_moves():
     """Compiled for an H100, the 1B step with every fp8 product on the Mosaic GPU kernel moves at most 10% more
     bytes than with XLA's fp8 products (with its 8-bit operands transposed by XLA, 1.28x on 2026-11-27; with
