@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .kernel_inputs import bhte_shape, head_rows, like
+from .kernel_inputs import ROW_ORDER, bhte_shape, head_rows, like
 from .kernel_mask import DocumentSlot, PositionSlot
 from .masks import And, Or
 from .score_tables import pack_rows, packed_rows, packed_width, row_entries
@@ -130,6 +130,18 @@ class BlockList:
 
     def start(self, j):
         return self.idx_ref[self.bm, self.line, lax.div(j, self.sub)] * self.block + lax.rem(j, self.sub) * self.tile
+
+
+def program_line(order_ref, bm, prog, rows: int, block: int):
+    """(the block line program ``prog`` of a kernel walks, its first row): lines in ``kernel_inputs.heavy_first``
+    order (``order_ref`` [Bm, lines]), ``rows`` rows a program, ``block`` rows a line (a line may take several
+    programs, in index order)."""
+    per_line = block // rows
+    if per_line == 1:
+        line = order_ref[bm, prog]
+        return line, line * block
+    line = order_ref[bm, lax.div(prog, per_line)]
+    return line, line * block + lax.rem(prog, per_line) * rows
 
 
 def over_tiles(static, step, n_partial, n_tiles, carry, padding_matters: bool = True):
@@ -321,7 +333,8 @@ def mosaic_forward(
     """(out [B, H, Tp, E] in q.dtype, lse [B, H, Tp, 1] float32) over the padded q/k/v, like the Triton forward;
     q, k, v and out in ``static.layout`` (out [B, Tp, H, E] in "BTHE").
 
-    ``mask_arrays`` are ``kernel_inputs.list_arrays``' first three (kv block indices, partial counts, counts);
+    ``mask_arrays`` are ``kernel_inputs.list_arrays``' and ``line_orders``' (kv block indices, partial counts,
+    counts, ..., the rows' order: programs take the rows with the most tiles first);
     ``doc_arrays`` per document / position slot of ``static.template``, in slot order, its q ids [1 or B, Tp] and
     kv ids [1 or B, Sp] (int32, zero-padded: ``kernel_inputs.segment_arrays``), 2-D or as the Triton kernels'
     [.., Tp, 1] / [.., 1, Sp] views. ``mod_arrays``: the [H, n] arrays a score mod captures (``score_tables.
@@ -335,7 +348,7 @@ def mosaic_forward(
     G = static.groups
     rows, tkv, stages = tiles.rows, tiles.kv, tiles.stages
     dtype = q.dtype
-    kv_idx, kv_np, kv_cnt = mask_arrays[:3]
+    kv_idx, kv_np, kv_cnt, kv_order = (mask_arrays[i] for i in (0, 1, 2, ROW_ORDER))
     n_ids, id_arrays, ids_batched = id_inputs("mosaic_forward", static, doc_arrays, Tp, Sp)
     packed = (pack_rows(mod_arrays),) if mod_arrays else ()
     modes = Modes(plgpu, interpret)
@@ -344,13 +357,16 @@ def mosaic_forward(
     # 232 / 40, and at head dim 128 a T5 bias table 72 bytes.
     consumer_regs, producer_regs = (240, 24) if n_ids or packed else (232, 40)
 
-    def kernel(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, qid_ref, kvid_ref, mod_ref, out_ref, lse_ref, scoped):
+    def kernel(
+        q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, order_ref, qid_ref, kvid_ref, mod_ref, out_ref, lse_ref, scoped
+    ):
         smem, (k_ready, v_ready, q_ready), (k_free, v_free), turn, (kvid_ready, qid_ready), mod_ready = scoped
         qo_smem2, k_smem, v_smem, lse_smem2, kt_smem, p_smem, qid_smem2, kvid_smem, mod_smem2 = smem
-        b, h, row = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
+        b, h, prog = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
         wg = lax.axis_index("wg")
         bm = b if static.mask_batched else 0
         bd = b if ids_batched else 0
+        row, first_row = program_line(order_ref, bm, prog, 2 * rows, static.block_q)
         blocks = BlockList(idx_ref, np_ref, cnt_ref, bm, row, static.block_kv, tkv)
         n_tiles, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
 
@@ -362,7 +378,7 @@ def mosaic_forward(
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
             qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
-            q_base = row * (2 * rows) + wg * rows
+            q_base = first_row + wg * rows
             plgpu.copy_gmem_to_smem(head_rows(q_ref, layout, b, h, pl.ds(q_base, rows)), qo_smem, q_ready.at[wg])
             if n_ids:
                 at = (bd, slice(None), pl.ds(q_base, rows))
@@ -472,7 +488,7 @@ def mosaic_forward(
             kv = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))
             stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids, layout)
 
-    def entry(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, *refs):
+    def entry(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, order_ref, *refs):
         qid_ref, kvid_ref = refs[:2] if n_ids else (None, None)
         mod_ref = refs[-3] if packed else None
         out_ref, lse_ref = refs[-2:]
@@ -488,7 +504,7 @@ def mosaic_forward(
             plgpu.SMEM((stages, n_ids, tkv), jnp.int32) if n_ids else None,
             plgpu.SMEM((2, packed_width(mod_arrays)), jnp.float32) if packed else None,
         )
-        refs = (q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, qid_ref, kvid_ref, mod_ref, out_ref, lse_ref)
+        refs = (q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, order_ref, qid_ref, kvid_ref, mod_ref, out_ref, lse_ref)
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped),
             scratch,
@@ -516,5 +532,5 @@ def mosaic_forward(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **interpret_params(interpret),
-    )(q, k, v, kv_idx.astype(jnp.int32), kv_np.astype(jnp.int32), kv_cnt.astype(jnp.int32), *id_arrays, *packed)
+    )(q, k, v, *(a.astype(jnp.int32) for a in (kv_idx, kv_np, kv_cnt, kv_order)), *id_arrays, *packed)
     return vary_like(out, q), vary_like(lse[..., None], q)

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .kernel_inputs import bhte_shape, head_rows, like
+from .kernel_inputs import ROW_ORDER, bhte_shape, head_rows, like
 from .mosaic_attention import (
     _LN2,
     _LOG2E,
@@ -64,6 +64,7 @@ from .mosaic_attention import (
     id_inputs,
     interpret_params,
     over_tiles,
+    program_line,
     stream_kv,
     vary_like,
 )
@@ -178,7 +179,7 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
     E_out = E // tiles.dq_parts  # the part's columns of dQ
 
     dtype = q.dtype
-    kv_idx, kv_np, kv_cnt = (a.astype(jnp.int32) for a in mask_arrays[:3])
+    kv_idx, kv_np, kv_cnt, kv_order = (mask_arrays[i].astype(jnp.int32) for i in (0, 1, 2, ROW_ORDER))
     n_ids, id_arrays, ids_batched = id_inputs("mosaic_dq", static, doc_arrays, Tp, Sp)
     packed = (pack_rows(mod_arrays),) if mod_arrays else ()
     row_grads = bool(packed) and part == 0  # this launch forms the arrays' gradients
@@ -204,6 +205,7 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
         idx_ref,
         np_ref,
         cnt_ref,
+        order_ref,
         qid_ref,
         kvid_ref,
         mod_ref,
@@ -216,8 +218,9 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
         mod_smem2, out_smem2 = smem[10:]
         b, h, prog, wg = (lax.axis_index(n) for n in ("batch", "heads", "rows", "wg"))
         bd = b if ids_batched else 0
-        row = lax.div(prog * (n_wg * rows), static.block_q)  # the program's block row
-        blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, row, static.block_kv, tkv)
+        bm = b if static.mask_batched else 0
+        row, first_row = program_line(order_ref, bm, prog, n_wg * rows, static.block_q)  # heaviest rows first
+        blocks = BlockList(idx_ref, np_ref, cnt_ref, bm, row, static.block_kv, tkv)
         n_tiles, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
 
         @pl.when(wg < n_wg)
@@ -225,7 +228,7 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
             if n_wg == 2:  # one consumer and the producer have 255 registers a thread each without reallocation
                 plgpu.set_max_registers(consumer_regs, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-            base = prog * (n_wg * rows) + wg * rows
+            base = first_row + wg * rows
             own_rows = pl.ds(base, rows)
             copies = [(head_rows(x, layout, b, h, own_rows), own) for x, own in ((q_ref, q_smem), (do_ref, do_smem))]
             vectors = ((lse_ref, lse_smem2), (delta_ref, delta_smem2))
@@ -357,5 +360,5 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **interpret_params(interpret),
-    )(q, k, v, d_out, lse[..., 0], delta[..., 0], kv_idx, kv_np, kv_cnt, *id_arrays, *packed)
+    )(q, k, v, d_out, lse[..., 0], delta[..., 0], kv_idx, kv_np, kv_cnt, kv_order, *id_arrays, *packed)
     return (vary_like(out[0], q), vary_like(out[1], q)) if row_grads else (vary_like(out, q), None)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .kernel_inputs import bhte_shape, head_rows, like
+from .kernel_inputs import COLUMN_ORDER, bhte_shape, head_rows, like
 from .mosaic_attention import (
     _LOG2E,
     BlockList,
@@ -31,6 +31,7 @@ from .mosaic_attention import (
     id_inputs,
     interpret_params,
     over_tiles,
+    program_line,
     stream,
     vary_like,
 )
@@ -119,7 +120,7 @@ def _dkv_part(
         return _part_columns(ref, part, E_out)
 
     dtype = q.dtype
-    q_idx, q_np, q_cnt = (a.astype(jnp.int32) for a in mask_arrays[3:6])
+    q_idx, q_np, q_cnt, q_order = (mask_arrays[i].astype(jnp.int32) for i in (3, 4, 5, COLUMN_ORDER))
     n_ids, id_arrays, ids_batched = id_inputs("mosaic_dkv", static, doc_arrays, Tp, Sp)
     packed = (pack_rows(mod_arrays),) if mod_arrays else ()
     n_ready = 2 + bool(n_ids) + bool(packed)  # a consumer's own copies: k, v (its kv ids, its heads' mod rows)
@@ -149,6 +150,7 @@ def _dkv_part(
         idx_ref,
         np_ref,
         cnt_ref,
+        order_ref,
         qid_ref,
         kvid_ref,
         mod_ref,
@@ -162,12 +164,13 @@ def _dkv_part(
         mod_smem2, out_smem2, ds_smem2, dq_smem2, dst_smem2 = smem[10:]
         b, hk, prog, wg = (lax.axis_index(n) for n in ("batch", "heads", "cols", "wg"))
         bd = b if ids_batched else 0
-        col = lax.div(prog * (n_wg * rows), static.block_kv)  # the program's block column
+        bm = b if static.mask_batched else 0
+        col, first_row = program_line(order_ref, bm, prog, n_wg * rows, static.block_kv)  # heaviest columns first
 
         # The column's block list is read in each warpgroup's branch: read before it, its counts were held across
         # both (sm_90 ptxas, the fused kernel at head dim 128 with GQA and documents: 12 bytes of spills -> 0)
         def column():
-            blocks = BlockList(idx_ref, np_ref, cnt_ref, b if static.mask_batched else 0, col, static.block_q, tq)
+            blocks = BlockList(idx_ref, np_ref, cnt_ref, bm, col, static.block_q, tq)
             return blocks.count, blocks.partial, blocks.start
 
         @pl.when(wg < n_wg)
@@ -176,7 +179,7 @@ def _dkv_part(
             if n_wg == 2:  # one consumer and the producer have 255 registers a thread each without reallocation
                 plgpu.set_max_registers(consumer_regs, action="increase")
             k_own, v_own = k_smem2.at[wg], v_smem2.at[wg]
-            base = prog * (n_wg * rows) + wg * rows
+            base = first_row + wg * rows
             own_rows = pl.ds(base, rows)
             copies = [(head_rows(src, layout, b, hk, own_rows), dst) for src, dst in ((k_ref, k_own), (v_ref, v_own))]
             if n_ids:
@@ -375,7 +378,7 @@ def _dkv_part(
     out = like((*k.shape[:3], E_out), k.dtype, k)
     grid = dict(grid=(K, Sp // (n_wg * rows), B), grid_names=("heads", "cols", "batch"), num_threads=n_wg + 1)
     params = dict(compiler_params=plgpu.CompilerParams(approx_math=True), **interpret_params(interpret))
-    args = (q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt, *id_arrays, *packed)
+    args = (q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt, q_order, *id_arrays, *packed)
     if fused:  # pl.kernel: plgpu.kernel's vmap rule cannot take a Ref operand (which it aliases in and out)
         mesh = plgpu.Mesh(**grid, thread_name="wg")
         dk, dv = pl.kernel(entry, out_type=(out, out), mesh=mesh, **params)(*args, dq_sum)

@@ -42,6 +42,7 @@ from .kernel_inputs import (
     check_attention_inputs,
     from_bhte,
     like,
+    line_orders,
     list_arrays,
     pad_axis,
     resolve_backend,
@@ -138,7 +139,7 @@ def block_sparse_attention(
     Tp, Sp = block_mask.padded_q_len, block_mask.padded_kv_len
     segments = segment_arrays("block_sparse_attention", docs, block_mask, B)
     doc_arrays = [a for q_ids, kv_ids in segments for a in (q_ids[:, :, None], kv_ids[:, None, :])]
-    mask_arrays = list_arrays(block_mask)
+    mask_arrays = list_arrays(block_mask) + line_orders(block_mask)  # the orders: the Mosaic GPU kernels'
     static = _Static(
         **AttentionStatic.shared(template, score_mod, scale, block_mask, E),
         groups=H // K,
@@ -463,7 +464,7 @@ def _backward_dkv(static, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays, m
         interpret=static.backend == "interpret",
         compiler_params=_compiler_params(static, static.tiles.dkv),
         name="block_sparse_attention_dkv",
-    )(grouped(q), k, v, grouped(d_out), grouped(lse), grouped(delta), *mask_arrays[3:], *doc_arrays, *mod_arrays)
+    )(grouped(q), k, v, grouped(d_out), grouped(lse), grouped(delta), *mask_arrays[3:6], *doc_arrays, *mod_arrays)
 
 
 # ----------------------------------------------------------------------------- backends

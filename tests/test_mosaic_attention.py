@@ -449,6 +449,24 @@ def test_the_device_benchmark_says_how_the_backward_compares_per_product():
     assert by_e[256]["fused_backward_products_vs_cudnn"] == pytest.approx(2 / 4 * 9 / 5)
 
 
+def test_programs_take_the_lines_with_the_most_tiles_first():
+    """The order the Mosaic kernels' programs walk a block mask in: a causal mask's rows last to first (the longest
+    first), its columns first to last; ties in index order; a traced (document) mask's order, sorted on the device,
+    equals the host's."""
+    from pallas_kernels.kernel_inputs import heavy_first, line_orders
+
+    rows, cols = line_orders(pk.make_block_mask(pk.causal(), 512, 512, pk.BlockSizes(128, 128)))
+    assert rows.tolist() == [[3, 2, 1, 0]] and cols.tolist() == [[0, 1, 2, 3]]
+    counts = np.array([[2, 5, 5, 1, 5], [1, 1, 3, 0, 2]], np.int32)
+    assert heavy_first(counts).tolist() == [[1, 2, 4, 0, 3], [2, 4, 0, 1, 3]]
+    assert jax.jit(heavy_first)(jnp.asarray(counts)).tolist() == heavy_first(counts).tolist()
+    # and why: started heavy first on 132 SMs, a causal kernel's programs end sooner (experiments.program_order)
+    from experiments.program_order import causal_programs, end_time
+
+    index_order, heaviest_first = (end_time(causal_programs(8, 16, 16, 1.0, h), 132) for h in (False, True))
+    assert heaviest_first < index_order / 1.03
+
+
 def test_interpret_mode_picks_triton_unless_told():
     """Traced only: lowering=None in interpret mode is the Triton forward (a pallas_call), "mosaic" the Mosaic kernel
     (three warpgroups on the "wg" axis)."""
