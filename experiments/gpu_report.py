@@ -3,6 +3,7 @@
     python -m experiments.gpu_report                       # on a GPU: the whole report (docs/gpu.md)
     python -m experiments.gpu_report --only kernels,train  # some sections
     python -m experiments.gpu_report --quick               # tiny sizes; on CPU the kernels run in interpret mode
+    python -m experiments.gpu_report --only train --variant "attention pallas, matmuls default"   # some variants
 
 Sections, each item of which is recorded with its error's first line when it fails, the report going on:
   kernels    every Pallas kernel against its reference on the device (experiments.report_kernels)
@@ -249,13 +250,15 @@ def run_matmul(report: Report, sizes: Sizes) -> None:
         )
 
 
-def run_train(report: Report, sizes: Sizes, quick: bool) -> None:
+def run_train(report: Report, sizes: Sizes, quick: bool, names: tuple[str, ...] | None = None) -> None:
+    """The train variants ``names`` (default: all; with --quick two, which cover every code path: jax and pallas
+    attention, default and fp8 matmuls)."""
     from experiments.bench_train import measure_train_step
     from jaxlm.config import validate
 
     base = llama_tiny() if quick else llama_1b()
-    # --quick: two variants cover every code path (jax and pallas attention, default and fp8 matmuls)
-    variants = {k: TRAIN_VARIANTS[k] for k in QUICK_TRAIN_VARIANTS} if quick else TRAIN_VARIANTS
+    names = names or (QUICK_TRAIN_VARIANTS if quick else tuple(TRAIN_VARIANTS))
+    variants = {k: TRAIN_VARIANTS[k] for k in names}
     for name, overrides in variants.items():
 
         def measure(overrides=overrides, name=name):
@@ -323,10 +326,13 @@ def headline_ratios(report: Report, sizes: Sizes, peer: str) -> dict[str, float 
 # ----------------------------------------------------------------------------- writing
 
 
-def merge_earlier_sections(report: Report, json_path: Path, only: list[str], quick: bool) -> list[str]:
+def merge_earlier_sections(
+    report: Report, json_path: Path, only: list[str], quick: bool, variants: tuple[str, ...] = ()
+) -> list[str]:
     """Sections this run skipped (--only) are taken from the same day's earlier report of this device and size, so
-    a report run in parts (one command limit each) ends as one file. Returns the sections taken."""
-    if set(only) == set(SECTIONS) or not json_path.exists():
+    a report run in parts (one command limit each) ends as one file; with ``variants`` (--variant) the train
+    section's rows of other variants too. Returns what was taken."""
+    if (set(only) == set(SECTIONS) and not variants) or not json_path.exists():
         return []
     try:
         earlier = json.loads(json_path.read_text())
@@ -338,6 +344,14 @@ def merge_earlier_sections(report: Report, json_path: Path, only: list[str], qui
     for section in taken:
         report.sections[section] = earlier[section]
         report.failures += [f for f in earlier.get("failures", []) if f.get("section") == section]
+    if "train" in only and variants:
+        others = [r for r in earlier.get("train", []) if r.get("variant") not in variants]
+        report.sections["train"] = others + report.sections["train"]
+        rerun = {*variants, *(f"train {v}" for v in variants)}  # an item's failures name it either way
+        report.failures += [
+            f for f in earlier.get("failures", []) if f.get("section") == "train" and f["item"] not in rerun
+        ]
+        taken += [f"train ({len(others)} other variants)"] if others else []
     return taken
 
 
@@ -448,11 +462,17 @@ def main(argv=None) -> int:
         "--only", default=",".join(SECTIONS), metavar="S,S", help=f"sections to run, of {','.join(SECTIONS)}"
     )
     p.add_argument("--traceback", action="store_true", help="also print each failure's traceback")
+    p.add_argument(
+        "--variant", action="append", metavar="NAME", help="a train variant to run (repeat it; default: every one)"
+    )
     args = p.parse_args(argv)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in only if s not in SECTIONS]
     if unknown or not only:
         print(f"gpu_report: error: --only {args.only!r}: sections are {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    if bad := [v for v in args.variant or () if v not in TRAIN_VARIANTS]:
+        print(f"gpu_report: error: --variant {bad[0]!r}: variants are {'; '.join(TRAIN_VARIANTS)}", file=sys.stderr)
         return 2
     device = jax.devices()[0]
     if device.platform != "gpu" and not args.quick:
@@ -490,7 +510,7 @@ def main(argv=None) -> int:
         "lowerings": lowerings.seen,
     }
     stem = out_dir / f"gpu-{device_slug(device.device_kind)}-{date}"
-    merged = merge_earlier_sections(report, stem.with_suffix(".json"), only, args.quick)
+    merged = merge_earlier_sections(report, stem.with_suffix(".json"), only, args.quick, tuple(args.variant or ()))
 
     def write() -> dict:
         """The report as it stands, after every item: a run stopped by a command's time limit keeps what it
@@ -512,7 +532,7 @@ def main(argv=None) -> int:
     if "matmul" in only:
         run_matmul(report, sizes)
     if "train" in only:
-        run_train(report, sizes, args.quick)
+        run_train(report, sizes, args.quick, tuple(args.variant or ()))
 
     ratios = write()
     kept = f" (sections {', '.join(merged)} kept from the earlier run of the day)" if merged else ""

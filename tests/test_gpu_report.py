@@ -91,6 +91,7 @@ def test_a_failing_item_is_recorded_and_the_report_goes_on():
             ["--quick", "--only", "kernels,speed"],
             "--only 'kernels,speed': sections are kernels, attention, matmul, train",
         ),
+        (["--quick", "--variant", "attention cudnn"], "--variant 'attention cudnn': variants are attention jax, "),
     ],
 )
 def test_bad_usage_is_one_line_and_exit_2(capsys, argv, message):
@@ -147,7 +148,7 @@ def test_a_report_stopped_mid_section_keeps_what_it_measured(tmp_path, monkeypat
     """The files are written after every item: a lease's timeout that kills the run in its third train variant
     leaves the first two in the .json and the .md."""
 
-    def two_variants_then_killed(report, sizes, quick):
+    def two_variants_then_killed(report, sizes, quick, names):
         row = {"ok": True, "mfu": 0.5, "params": 1e6, "tokens_per_s": 1e3, "step_s": 0.1, "compile_s": 1.0}
         for name in ("first", "second"):
             report.rows("train", name, lambda name=name: [{**row, "variant": name, "check": name, "detail": "loss"}])
@@ -161,3 +162,38 @@ def test_a_report_stopped_mid_section_keeps_what_it_measured(tmp_path, monkeypat
     data = json.loads(json_path.read_text())
     assert [r["variant"] for r in data["train"]] == ["first", "second"] and data["meta"]["peak_tflops"] == 1.0
     assert "first" in json_path.with_suffix(".md").read_text()
+
+
+def test_variant_picks_the_train_variants_that_run(tmp_path, monkeypatch):
+    ran = []
+
+    def measure(cfg, steps, windows):
+        ran.append((cfg.model.attention_impl, cfg.model.scan_layers))
+        return {"model_gflops_per_s": 1.0, "loss": 1.0, "first_loss": 2.0, "params": 1e6, "tokens_per_s": 1.0}
+
+    monkeypatch.setattr("experiments.bench_train.measure_train_step", measure)
+    monkeypatch.setattr("experiments.report_speed.matmul_peak", lambda n: 1e12)
+    monkeypatch.setattr(gpu_report, "render_markdown", lambda *a: "")
+    argv = ["--quick", "--only", "train", "--out", str(tmp_path), "--variant"]
+    assert gpu_report.main([*argv, "attention jax, matmuls default, layers scanned"]) == 0
+    assert ran == [("jax", True)]  # that one alone, on the tiny model with its layers in a scan
+
+
+def test_train_variants_run_in_parts_end_as_one_section(tmp_path):
+    """--only train --variant A after a run of A and B the same day: B's row and failure stay, A's are the new."""
+    earlier = {
+        "meta": {"quick": True},
+        "train": [{"variant": "A", "check": "train A", "mfu": 0.1}, {"variant": "B", "check": "train B", "mfu": 0.2}],
+        "failures": [
+            {"section": "train", "item": "train A", "error": "old"},
+            {"section": "train", "item": "B", "error": "compile"},
+        ],
+    }
+    path = tmp_path / "gpu-x-d.json"
+    path.write_text(json.dumps(earlier))
+    report = gpu_report.Report(log=lambda line: None)
+    report.sections["train"] = [{"variant": "A", "check": "train A", "mfu": 0.3}]
+    taken = gpu_report.merge_earlier_sections(report, path, ["train"], quick=True, variants=("A",))
+    assert taken == ["train (1 other variants)"]
+    assert [(r["variant"], r["mfu"]) for r in report.sections["train"]] == [("B", 0.2), ("A", 0.3)]
+    assert report.failures == [{"section": "train", "item": "B", "error": "compile"}]
