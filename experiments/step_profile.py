@@ -52,6 +52,8 @@ def profile_variant(cfg, steps: int, trace_dir: str) -> dict:
         step.window(steps)
 
     times = op_times(trace(run, trace_dir), module.group(1) if module else None)
+    if times.source == "device kernels":  # events named by their CUDA kernel, not an instruction
+        kinds = {op: "kernel " + re.sub(r"[_.]?\d+$", "", op)[:60] for op in times.ns}
     by_kind: Counter = Counter()
     for op, ns in times.ns.items():
         if op in kinds:  # control flow and ops of other programs launch nothing of the step's

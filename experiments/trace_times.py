@@ -42,28 +42,41 @@ def trace(run, trace_dir: str) -> str:
 def op_times(xplane_path: str, module: str | None = None) -> OpTimes:
     """The time of each HLO instruction in the trace, from the device planes where any has events naming one, else
     from the host's. ``module``: only events of that program (the name after ``HloModule`` in its HLO text), where
-    the device's events say their program at all."""
+    the device's events say their program at all. A device whose events name no instruction gives its kernels'
+    times by kernel name instead (source ``device kernels``): the host's launch times would say nothing of them."""
     from jax._src.lib import _profile_data
 
-    planes = list(_profile_data.ProfileData.from_file(xplane_path).planes)  # an iterator
+    return times_from_planes(list(_profile_data.ProfileData.from_file(xplane_path).planes), module)
+
+
+def times_from_planes(planes, module: str | None = None) -> OpTimes:
+    """``op_times`` of a trace's planes (objects with ``name`` and ``lines``, each line ``name`` and ``events``,
+    each event ``name``, ``duration_ns`` and ``stats`` pairs, as jax's ``ProfileData`` gives them)."""
     device = [p for p in planes if p.name.startswith("/device:")]
     host = [p for p in planes if p.name.startswith("/host:")]
-    for source, chosen, program in (("device", device, module), ("device", device, None), ("host", host, module)):
-        times = OpTimes(source=source)
-        longest: Counter = Counter()
-        for plane in chosen:
-            for line in plane.lines:
-                if line.name.startswith("python") or line.name in {"XLA Ops", "XLA Modules", "Steps"}:
-                    continue  # the Python stack, and lines derived from the streams (they would count twice)
-                for event in line.events:
-                    stats = dict(event.stats)
-                    op = stats.get("hlo_op")
-                    if not op or (program and stats.get("hlo_module", program) != program):
-                        continue
-                    times.ns[op] += event.duration_ns
-                    if event.duration_ns >= longest[op]:
-                        longest[op] = event.duration_ns
-                        times.kernel_names[op] = event.name
-        if times.ns:
+    for source, chosen, program in (("device", device, module), ("device", device, None)):
+        if (times := _collect(source, chosen, program)).ns:
             return times
-    return OpTimes()
+    if (times := _collect("device kernels", device, None, by_kernel=True)).ns:
+        return times
+    return _collect("host", host, module)
+
+
+def _collect(source: str, planes, program: str | None, by_kernel: bool = False) -> OpTimes:
+    """Nanoseconds per instruction (``by_kernel``: per event name) over ``planes``' events of ``program``."""
+    times = OpTimes(source=source)
+    longest: Counter = Counter()
+    for plane in planes:
+        for line in plane.lines:
+            if line.name.startswith("python") or line.name in {"XLA Ops", "XLA Modules", "Steps"}:
+                continue  # the Python stack, and lines derived from the streams (they would count twice)
+            for event in line.events:
+                stats = dict(event.stats)
+                op = event.name if by_kernel else stats.get("hlo_op")
+                if not op or (program and stats.get("hlo_module", program) != program):
+                    continue
+                times.ns[op] += event.duration_ns
+                if event.duration_ns >= longest[op]:
+                    longest[op] = event.duration_ns
+                    times.kernel_names[op] = event.name
+    return times

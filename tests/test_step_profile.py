@@ -78,3 +78,30 @@ def test_the_tiny_step_profiles_end_to_end(tmp_path, capsys):
         assert r["top_ops"] and all(o["kind"] in r["kinds_ms"] for o in r["top_ops"])
         assert f"{name}: step {r['step_ms']:.1f} ms, kernels {r['kernels_ms']:.1f} ms a step (host)" in printed
     assert f"{names[1]} - {names[0]}: step " in printed
+
+
+def test_device_events_come_first_by_instruction_else_by_kernel_name():
+    """A GPU trace: the device's stream events by the instruction they ran, not the host's launches, nor the lines
+    derived from the streams; where the device's events name no instruction, by kernel name."""
+    from types import SimpleNamespace as NS
+
+    from experiments.trace_times import times_from_planes
+
+    def event(name, ns, **stats):
+        return NS(name=name, duration_ns=ns, stats=list(stats.items()))
+
+    def planes(with_ops: bool):
+        ops = {"hlo_op": "fusion.3", "hlo_module": "jit_step"} if with_ops else {}
+        stream = NS(name="Stream #7", events=[event("loop_fusion_kernel", 5.0, **ops), event("sm90_gemm", 7.0)])
+        derived = NS(name="XLA Ops", events=[event("fusion.3", 5.0, hlo_op="fusion.3")])
+        host = NS(name="tf_XLA", events=[event("launch", 1.0, hlo_op="fusion.3", hlo_module="jit_step")])
+        return [NS(name="/device:GPU:0", lines=[stream, derived]), NS(name="/host:CPU", lines=[host])]
+
+    by_op = times_from_planes(planes(True), "jit_step")
+    assert (by_op.source, dict(by_op.ns), by_op.kernel_names) == (
+        "device",
+        {"fusion.3": 5.0},
+        {"fusion.3": "loop_fusion_kernel"},
+    )
+    by_kernel = times_from_planes(planes(False), "jit_step")
+    assert (by_kernel.source, dict(by_kernel.ns)) == ("device kernels", {"loop_fusion_kernel": 5.0, "sm90_gemm": 7.0})
