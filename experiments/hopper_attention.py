@@ -113,21 +113,32 @@ def _mosaic(bm, layout: str = "BHTE", **options):
     return attend
 
 
-def _grad_errors(q, k, v, bm, mask, mod, deterministic: bool = True, layout: str = "BHTE") -> list[float]:
-    """Relative L2 errors of dQ, dK, dV (Mosaic forward and backward; the Triton backward for a mod that captures
-    arrays) against the float32 reference's, and of the gradients to the mod's captured arrays when it has some. Not
-    ``deterministic``: the backward summing dQ across dK/dV's programs, where it takes the case."""
-    d_out = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
+def _loss(fn, d_out, mod):
+    """sum(fn(q, k, v, mod with ``arrays``) * d_out) as a function of (q, k, v, arrays)."""
+    return lambda q, k, v, arrays: (fn(q, k, v, mod and mod.with_arrays(arrays)).astype(jnp.float32) * d_out).sum()
+
+
+def _reference(q, k, v, mask, mod, d_out):
+    """The float32 reference's (out, lse, grads to q, k, v and the mod's arrays), as one compiled program: run op by
+    op, its dozens of primitives each compiled anew for a case's shapes took most of the check's time on a GPU."""
     arrays = mod.arrays() if mod is not None else ()
 
-    def loss(fn):
-        return lambda q, k, v, arrays: (fn(q, k, v, mod and mod.with_arrays(arrays)).astype(jnp.float32) * d_out).sum()
+    def run(q, k, v, arrays):
+        ref = _loss(lambda q, k, v, m: pk.reference_attention(q, k, v, mask, score_mod=m)[0], d_out, mod)
+        m = mod and mod.with_arrays(arrays)
+        return pk.reference_attention(q, k, v, mask, score_mod=m), jax.grad(ref, argnums=(0, 1, 2, 3))(q, k, v, arrays)
 
+    return jax.jit(run)(*(x.astype(jnp.float32) for x in (q, k, v)), arrays)
+
+
+def _grad_errors(q, k, v, bm, mod, want, d_out, deterministic: bool = True, layout: str = "BHTE") -> list[float]:
+    """Relative L2 errors of dQ, dK, dV (Mosaic forward and backward; the Triton backward for a mod that captures
+    arrays) against the float32 reference's ``want``, and of the gradients to the mod's captured arrays when it has
+    some. Not ``deterministic``: the backward summing dQ across dK/dV's programs, where it takes the case."""
+    arrays = mod.arrays() if mod is not None else ()
     attend = _mosaic(bm, layout, deterministic=deterministic)
-    kernel = loss(lambda q, k, v, m: attend(q, k, v, m)[0])
-    ref = loss(lambda q, k, v, m: pk.reference_attention(q, k, v, mask, score_mod=m)[0])
+    kernel = _loss(lambda q, k, v, m: attend(q, k, v, m)[0], d_out, mod)
     got = jax.jit(jax.grad(kernel, argnums=(0, 1, 2, 3)))(q, k, v, arrays)
-    want = jax.grad(ref, argnums=(0, 1, 2, 3))(*(x.astype(jnp.float32) for x in (q, k, v)), arrays)
     pairs = list(zip(got[:3], want[:3])) + list(zip(got[3], want[3]))
     return [float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b)) for a, b in pairs]
 
@@ -141,15 +152,17 @@ def run_check(layout: str = "BHTE", log=print) -> list[dict]:
         q = jnp.asarray(r.normal(size=(2, H, T, E)), jnp.bfloat16)
         k, v = (jnp.asarray(r.normal(size=(2, K, S, E)), jnp.bfloat16) for _ in range(2))
         bm = pk.make_block_mask(mask, T, S, pk.BlockSizes(128, 128))
+        d_out = jax.random.normal(jax.random.key(1), q.shape, jnp.float32)
         try:
             out, lse = jax.jit(lambda q, k, v, bm=bm, mod=mod: _mosaic(bm, layout)(q, k, v, mod))(q, k, v)
-            f32 = (x.astype(jnp.float32) for x in (q, k, v))
-            ref_out, ref_lse = pk.reference_attention(*f32, mask, score_mod=mod)
+            (ref_out, ref_lse), want = _reference(q, k, v, mask, mod, d_out)
             err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref_out) / jnp.linalg.norm(ref_out))
             lse_err = float(jnp.max(jnp.abs(lse - ref_lse)))
             row = {"case": name, "layout": layout, "rel_error": err, "lse_max_error": lse_err}
-            row["grad_rel_errors"] = _grad_errors(q, k, v, bm, mask, mod, layout=layout)
-            row["fused_grad_rel_errors"] = _grad_errors(q, k, v, bm, mask, mod, deterministic=False, layout=layout)
+            row["grad_rel_errors"] = _grad_errors(q, k, v, bm, mod, want, d_out, layout=layout)
+            row["fused_grad_rel_errors"] = _grad_errors(
+                q, k, v, bm, mod, want, d_out, deterministic=False, layout=layout
+            )
             worst = max(err, *row["grad_rel_errors"], *row["fused_grad_rel_errors"])
             row["ok"] = worst < TOLERANCE and lse_err < 0.05 and bool(jnp.isfinite(out).all())
         except Exception as e:  # noqa: BLE001 - a failing case is recorded and the check goes on

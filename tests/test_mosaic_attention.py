@@ -428,6 +428,27 @@ def test_the_device_benchmark_refuses_a_machine_without_a_gpu(capsys):
     ]
 
 
+@pytest.mark.parametrize("scale, ok", [(1.0, True), (1.1, False)])
+def test_the_device_check_passes_right_kernels_and_fails_wrong_ones(monkeypatch, scale, ok):
+    """hopper_attention's check on CPU with the kernels swapped for the bfloat16-rounded reference (scaled by
+    ``scale``): outputs and every gradient, a T5 table's included, against the compiled float32 reference."""
+    from experiments import hopper_attention
+
+    def kernels(bm, layout="BHTE", **options):
+        def attend(q, k, v, mod=None):
+            out, lse = pk.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), bm.mask, score_mod=mod)
+            return (out * scale).astype(q.dtype), lse
+
+        return attend
+
+    table = pk.relative_bias(hopper_attention._table(2, 8))
+    monkeypatch.setattr(hopper_attention, "_mosaic", kernels)
+    monkeypatch.setattr(hopper_attention, "check_cases", lambda: {"t5": (pk.causal(), 256, 256, 2, 1, 64, table)})
+    (row,) = hopper_attention.run_check(layout="BTHE", log=lambda line: None)
+    assert row["ok"] is ok and len(row["grad_rel_errors"]) == len(row["fused_grad_rel_errors"]) == 4, row
+    assert (max(row["rel_error"], *row["grad_rel_errors"]) < 0.01) is ok
+
+
 def test_the_device_benchmark_says_how_the_backward_compares_per_product():
     """The backward alone against cuDNN's, and per product: the Mosaic backward makes 7 products a pair (9 at head
     dim 256: dK/dV in two parts), cuDNN's 5, as the Mosaic backward summing dQ across programs does."""
