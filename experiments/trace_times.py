@@ -18,8 +18,9 @@ import jax
 
 @dataclass
 class OpTimes:
-    """Nanoseconds per HLO instruction over a trace, where they were read (``device`` or ``host``), and the name of
-    each instruction's longest event (on a GPU, the CUDA kernel's name)."""
+    """Nanoseconds per HLO instruction over a trace (per kernel name where ``source`` is ``device kernels``), where
+    they were read (``device``, ``device kernels`` or ``host``), and each one's longest event's name (on a GPU, the
+    CUDA kernel's)."""
 
     ns: Counter = field(default_factory=Counter)
     source: str = "host"
