@@ -356,10 +356,9 @@ def _compile_small_step(quant_backward: str = "quantized") -> str:
     # the scanned layer body once: 3 attention kernels (causal bf16: the forward on Mosaic GPU, dQ and dK/dV on
     # either) and 4 fp8 matmuls x (forward on Mosaic GPU; dX, dW, mixed e5m2 x e4m3, on Triton); the lm_head's 3.
     # With fp8's dY in e4m3 every matmul product is on Mosaic GPU (so at most attention's dQ and dK/dV on Triton)
-    import dataclasses
+    from experiments.gpu_report import with_model
 
-    cfg = small_llama()
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quant_backward=quant_backward))
+    cfg = with_model(small_llama(), {"quant_backward": quant_backward})
     if quant_backward == "e4m3":
         return _kernels_in(compile_step(cfg), mosaic=1 + 4 * 3 + 3, total=3 + 4 * 3 + 3)
     return _kernels_in(compile_step(cfg), triton=4 * 2 + 2, mosaic=1 + 4 + 1, total=3 + 4 * 3 + 3)
@@ -368,13 +367,11 @@ def _compile_small_step(quant_backward: str = "quantized") -> str:
 def _compile_report_step(overrides: dict, mosaic: int = 3) -> str:
     """The GPU report's 1B model: it must compile, hold at least ``mosaic`` Mosaic GPU kernels (sm_90) and its state
     plus temporaries fit the H100's memory."""
-    import dataclasses
-
-    from experiments.gpu_report import llama_1b
+    from experiments.gpu_report import llama_1b, with_model
     from pallas_kernels.targets import H100_MEMORY
 
     base = llama_1b()
-    compiled = compile_step(dataclasses.replace(base, model=dataclasses.replace(base.model, **overrides)))
+    compiled = compile_step(with_model(base, overrides))
     memory = compiled.memory_analysis()
     used = memory.argument_size_in_bytes + memory.temp_size_in_bytes
     if used > H100_MEMORY:

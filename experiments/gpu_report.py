@@ -102,6 +102,11 @@ def quick_sizes() -> Sizes:
     )
 
 
+def with_model(cfg, overrides: dict):
+    """``cfg`` with ``overrides`` of its model config (a train variant's, ``TRAIN_VARIANTS``)."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **overrides))
+
+
 def llama_1b():
     """1.01B parameters, Llama-shaped: 20 layers of width 2048, 16 heads of 128 (8 kv heads), SwiGLU 5632, a tied
     32k vocab; T = 2048, 8 sequences a step. Layers unrolled, as the library runs them on one device: compiled for
@@ -262,7 +267,7 @@ def run_train(report: Report, sizes: Sizes, quick: bool, names: tuple[str, ...] 
     for name, overrides in variants.items():
 
         def measure(overrides=overrides, name=name):
-            cfg = validate(dataclasses.replace(base, model=dataclasses.replace(base.model, **overrides)))
+            cfg = validate(with_model(base, overrides))
             r = measure_train_step(cfg, sizes.train_steps, sizes.train_windows)
             r.update(
                 variant=name,

@@ -17,7 +17,6 @@ Exit 2 when a variant is unknown.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import tempfile
@@ -98,7 +97,7 @@ def report(results: dict[str, dict], top: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from experiments.gpu_report import TRAIN_VARIANTS, llama_1b, llama_tiny
+    from experiments.gpu_report import TRAIN_VARIANTS, llama_1b, llama_tiny, with_model
 
     p = argparse.ArgumentParser(
         prog="python -m experiments.step_profile",
@@ -132,7 +131,7 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         for name in names:
-            cfg = validate(dataclasses.replace(base, model=dataclasses.replace(base.model, **TRAIN_VARIANTS[name])))
+            cfg = validate(with_model(base, TRAIN_VARIANTS[name]))
             t0 = time.perf_counter()
             results[name] = profile_variant(cfg, args.steps, f"{args.trace_dir or scratch}/{len(results)}")
             print(f"done {name} ({time.perf_counter() - t0:.1f} s)", flush=True)

@@ -15,7 +15,6 @@ Exit 2 when an argument is wrong or the CUDA plugin cannot be set up.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections import Counter
 
@@ -35,11 +34,11 @@ VARIANTS = {  # name: overrides of gpu_report.llama_1b's model
 def step_traffic(overrides: dict) -> Counter:
     """Bytes per step by kind of kernel of the 1B step with ``overrides``, compiled for an H100."""
     from experiments.gpu_compile import compile_step
-    from experiments.gpu_report import llama_1b
+    from experiments.gpu_report import llama_1b, with_model
     from sharding.hlo import traffic
 
     base = llama_1b()
-    compiled = compile_step(dataclasses.replace(base, model=dataclasses.replace(base.model, **overrides)))
+    compiled = compile_step(with_model(base, overrides))
     return traffic(compiled.as_text())
 
 

@@ -230,7 +230,12 @@ def list_arrays(block_mask: BlockMask) -> tuple:
         block_mask.q_partial_counts,
         block_mask.q_block_counts,
     )
-    return tuple(jnp.asarray(a) if block_mask.batch_shape else jnp.asarray(a)[None] for a in arrays)
+    return tuple(_batched(block_mask, a) for a in arrays)
+
+
+def _batched(block_mask: BlockMask, a):
+    """``a`` (one of the block mask's arrays, or made from one) with a leading batch dim: the mask's, else 1."""
+    return jnp.asarray(a) if block_mask.batch_shape else jnp.asarray(a)[None]
 
 
 #: where ``line_orders``' two arrays sit in the mask arrays the Pallas GPU kernels take, after ``list_arrays``' six
@@ -255,8 +260,8 @@ def heavy_first(counts):
 def line_orders(block_mask: BlockMask) -> tuple:
     """(the q block rows' order, the kv block columns'), ``heavy_first``, with ``list_arrays``' leading batch dim:
     the Mosaic GPU kernels' programs walk the block mask's lines in these orders."""
-    orders = (heavy_first(block_mask.kv_block_counts), heavy_first(block_mask.q_block_counts))
-    return tuple(jnp.asarray(o) if block_mask.batch_shape else jnp.asarray(o)[None] for o in orders)
+    counts = (block_mask.kv_block_counts, block_mask.q_block_counts)
+    return tuple(_batched(block_mask, heavy_first(c)) for c in counts)
 
 
 def segment_arrays(name: str, docs: list[Document], block_mask: BlockMask, batch: int) -> list:
