@@ -297,6 +297,10 @@ def _dkv_part(
             if ds_barriers:  # the other warpgroup's last dS K has read this one's K
                 plgpu.barrier_arrive(ds_ready.at[loop_end])
                 plgpu.barrier_wait(ds_ready.at[loop_end])
+            # the rows read from the order again: held from the prologue (as the loops hold the line), they took dK/dV
+            # with a T5 table chained with learned slopes at head dim 128 to 4 bytes of spills; read again in each
+            # step as well, the fused kernel at the ~1B step's shape to 4 (sm_90 ptxas)
+            own_rows = pl.ds(program_line(order_ref, bm, prog, n_wg * rows, static.block_kv)[1] + wg * rows, rows)
             if E_out == E:  # K and V are read no more: their tiles take dK and dV
                 k_own[...] = (dk * static.scale).astype(dtype)
                 v_own[...] = dv.astype(dtype)
