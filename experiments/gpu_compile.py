@@ -31,6 +31,7 @@ from experiments.cli import exit_with
 TRITON_CALL = "__gpu$xla.gpu.triton"
 # A Mosaic GPU kernel's custom call target: "mosaic_gpu_v2" in jax 0.10 ("mosaic_gpu" before); any version counts.
 MOSAIC_CALL = re.compile(r'custom_call_target="mosaic_gpu(_v\d+)?"')
+CUDNN_ATTENTION_CALL = re.compile(r'custom_call_target="__cudnn\$fmhaSoftmax(Backward)?"')
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("bfloat16", "float32")
 SEQ, BLOCK, HEADS, KV_HEADS = 512, 128, 4, 2
@@ -109,6 +110,27 @@ def _compile_attention(mask, E: int, dtype: str, deterministic: bool = True) -> 
     if not deterministic:
         return _kernels_in(compiled, mosaic=2)
     return _kernels_in(compiled, triton=3) if dtype == "float32" else _kernels_in(compiled, total=3)
+
+
+def _compile_cudnn_attention() -> str:
+    """cuDNN's fused attention, the GPU report's peer (``jax.nn.dot_product_attention``), causal with GQA in the
+    model's [B, T, H, E], forward and backward: traced for the H100 without one (``targets.tracing_for``), it
+    compiles to cuDNN's two custom calls."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.targets import compile_for_gpu
+
+    def loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return jnp.sum(out.astype(jnp.float32))
+
+    q = jax.ShapeDtypeStruct((1, SEQ, HEADS, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, SEQ, KV_HEADS, 128), jnp.bfloat16)
+    found = len(CUDNN_ATTENTION_CALL.findall(compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv).as_text()))
+    if found != 2:
+        raise RuntimeError(f"expected cuDNN's forward and backward attention calls, found {found}")
+    return f"{found} cuDNN attention kernels"
 
 
 def _compile_relative_bias(E: int = 128, slopes: bool = False, batch: int = 1, kv_heads: int = KV_HEADS) -> str:
@@ -193,6 +215,8 @@ def attention_cases(quick: bool, core: bool = False) -> list[Case]:
                         lambda mask=mask, E=E, dtype=dtype: _compile_attention(mask, E, dtype),
                     )
                 )
+    name = "cuDNN's fused attention (the report's peer), causal, GQA, head dim 128"
+    cases.append(Case("attention", name, _compile_cudnn_attention))
     if not quick:  # the default suite's interpreter tests cover its math; this, the sm_90 lowering (--core: at 256,
         # where dQ runs in head-dim halves beside the table's gradient tile)
         for E in (256,) if core else (128, 256):
@@ -342,8 +366,7 @@ def compile_step(cfg):
 
     from jaxlm.config import validate
     from jaxlm.train import Program
-    from pallas_kernels.kernel_inputs import compile_target
-    from pallas_kernels.targets import h100_mesh
+    from pallas_kernels.targets import h100_mesh, tracing_for
     from sharding import MeshLayout, build_mesh
 
     validate(cfg)
@@ -353,7 +376,7 @@ def compile_step(cfg):
         name: jax.ShapeDtypeStruct((B, T), dtype, sharding=program.batch_sharding)
         for name, dtype in (("inputs", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))
     }
-    with compile_target("gpu"):
+    with tracing_for("gpu"):
         return program.train_step.lower(program.abstract_with_shardings(), batch).compile()
 
 

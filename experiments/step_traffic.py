@@ -8,7 +8,8 @@ Why: on an H200 the step with fp8 products on the Pallas (Mosaic GPU) kernels ra
 products (docs/results/hopper-h200-2026-11-27.md); the compiled programs say where the bytes around the products go
 (``sharding.hlo.traffic``: an estimate, which says how it counts). ``--bandwidth`` (bytes per second) also prints
 the time that much traffic takes at it: a bound on how much of two steps' gap the bytes explain. Attention is the
-Pallas kernel in every variant: cuDNN's cannot be compiled without a GPU (jax asks the driver for its version).
+Pallas kernel in every variant but ``cudnn`` (cuDNN's fused attention, ``targets.tracing_for``; its custom
+calls are counted by their operands and outputs, as the Pallas kernels are).
 Exit 2 when an argument is wrong or the CUDA plugin cannot be set up.
 """
 
@@ -23,6 +24,7 @@ from experiments.cli import csv_of, exit_with
 FP8 = {"attention_impl": "pallas", "matmul_precision": "fp8"}
 VARIANTS = {  # name: overrides of gpu_report.llama_1b's model
     "bf16": {"attention_impl": "pallas"},
+    "cudnn": {"attention_impl": "jax"},  # the report's peer: cuDNN's fused attention, bf16 matmuls
     "bf16-dq-summed": {"attention_impl": "pallas", "attention_deterministic": False},  # one backward kernel
     "bf16-scanned": {"attention_impl": "pallas", "scan_layers": True},  # the layers in a scan (the base unrolls them)
     "fp8-xla": FP8,

@@ -22,9 +22,8 @@ from flax import nnx
 from jaxlm import generate
 from jaxlm.config import TrainConfig, validate
 from jaxlm.train import Program, step_microbatches
-from pallas_kernels.kernel_inputs import compile_target
 from pallas_kernels.mask_spec import parse_mask, uses_documents
-from pallas_kernels.targets import first_line
+from pallas_kernels.targets import first_line, tracing_for
 from sharding import MeshLayout, build_mesh
 from sharding.clusters import Cluster, cluster_devices
 from sharding.hlo import Collective, collectives, custom_kernels
@@ -88,7 +87,7 @@ def compile_train_step(cfg: TrainConfig, layout: MeshLayout, cluster: Cluster) -
     _planner_figures(report, cfg, layout, cluster)
     t0 = time.perf_counter()
     try:
-        with compile_target(cluster.platform), jax.set_mesh(mesh):
+        with tracing_for(cluster.platform), jax.set_mesh(mesh):
             compiled = program.train_step.lower(program.abstract_with_shardings(), batch_specs(program, cfg)).compile()
     except Exception as e:  # XLA's RESOURCE_EXHAUSTED and friends: the row says why
         report.compile_s, report.error = time.perf_counter() - t0, first_line(e)
@@ -123,7 +122,7 @@ def compile_decode_step(
     sampler = sampler or generate.Sampler()
     t0 = time.perf_counter()
     try:
-        with compile_target(cluster.platform):
+        with tracing_for(cluster.platform):
             lowered, args = generate.lower_decode_step(model, rows, cache_len, sampler, layout.rules)
             compiled = lowered.compile()
     except Exception as e:  # as in compile_train_step

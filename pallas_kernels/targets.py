@@ -19,6 +19,7 @@ Pallas TPU lowering asks the mesh in context which TPU generation it compiles fo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
@@ -202,6 +203,7 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 H100_SHARED_MEMORY_PER_BLOCK = 232448  # bytes: what a kernel may ask for, and what the compile checks against
 H100_SMS = 132  # streaming multiprocessors (core_count above): how many resident CTAs fill one
 H100_MEMORY = 84942979072  # bytes of HBM3 (device_memory_size above)
+H100_CUDNN = (91000, "9.0")  # cuDNN 9.10 and sm_90 (dnn_version_info and cuda_compute_capability above)
 
 
 @functools.cache
@@ -228,13 +230,49 @@ def on_h100(x: jax.ShapeDtypeStruct, mesh: jax.sharding.Mesh | None = None) -> j
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
+@contextlib.contextmanager
+def tracing_for(platform: str):
+    """Trace for ``platform``, "gpu" (the H100 that H100_SXM describes) or "tpu", whatever this machine has: kernels
+    lower for it (``kernel_inputs.compile_target``), and on "gpu" jax's cuDNN attention (``attention_impl=jax``,
+    what ``auto`` picks for causal bf16 attention) traces without a GPU. While it traces, jax asks the local cuDNN
+    for its version and the local GPU for its compute capability, and refuses ("cuDNN is not detected") where there
+    is none; told H100_SXM's, it emits the custom calls, which XLA compiles deviceless: their HLO, layouts and the
+    kernels around them, not cuDNN's own graph, whose workspace is sized on a device. Where a GPU is here, jax asks
+    it as usual."""
+    from .kernel_inputs import compile_target
+
+    if platform != "gpu" or jax.default_backend() == "gpu":
+        with compile_target(platform):
+            yield
+        return
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # private: where jax 0.10 asks
+
+    version, capability = H100_CUDNN
+    answers = {
+        "check_cudnn_version": lambda: version,
+        "check_compute_capability": lambda wanted: _capability(capability) >= _capability(wanted),
+        "is_cuda_compute_capability_equal": lambda wanted: _capability(capability) == _capability(wanted),
+    }
+    saved = {name: getattr(cudnn, name) for name in answers}
+    for name, answer in answers.items():
+        setattr(cudnn, name, answer)
+    try:
+        with compile_target("gpu"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(cudnn, name, fn)
+
+
+def _capability(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+
 def compile_for_gpu(fn, *args):
     """Lower and compile ``fn`` for the H100; ``args`` are ShapeDtypeStructs (None passes through). Returns the
     compiled executable; raises XLA's error (e.g. RESOURCE_EXHAUSTED: shared memory) when it does not compile."""
-    from .kernel_inputs import compile_target
-
     placed = [None if a is None else on_h100(a) for a in args]
-    with compile_target("gpu"):
+    with tracing_for("gpu"):
         return jax.jit(fn).lower(*placed).compile()
 
 
@@ -302,8 +340,6 @@ def compile_on(mesh: jax.sharding.Mesh, fn, *args, platform: str | None = None):
     """Lower and compile ``fn`` for ``mesh``'s devices; ``args`` are ShapeDtypeStructs (placed whole on the mesh
     unless they carry a sharding; None passes through). The mesh is set while tracing, which Pallas TPU lowering
     reads for the generation, and kernels trace for the mesh's platform. Raises XLA's error when it does not fit."""
-    from .kernel_inputs import compile_target
-
     platform = platform or ("tpu" if mesh.devices.flat[0].platform == "tpu" else "gpu")
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
@@ -312,7 +348,7 @@ def compile_on(mesh: jax.sharding.Mesh, fn, *args, platform: str | None = None):
             return a
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole)
 
-    with compile_target(platform), jax.set_mesh(mesh):
+    with tracing_for(platform), jax.set_mesh(mesh):
         return jax.jit(fn).lower(*(place(a) for a in args)).compile()
 
 

@@ -54,6 +54,20 @@ def test_a_1b_llama_step_compiles_and_fits_on_64_v5p_chips_and_64_h100s(tmp_path
     assert proc.stdout.strip().splitlines()[-1] == '{"layouts": 1, "fit": 1, "nothing_fits": []}'
 
 
+def test_a_config_with_the_default_attention_compiles_for_h100s_with_cudnns_kernels(tmp_path):
+    """``attention_impl=auto`` takes cuDNN's fused attention for causal bf16 attention on a GPU. jax asks the local
+    cuDNN and GPU while it traces that, and refused here ("cuDNN is not detected"): a user's config was reported as
+    not compiling for any H100 cluster. ``targets.tracing_for`` answers for the H100 described."""
+    out = tmp_path / "auto"
+    sets = ["--set", "model.vocab_size=512", "--set", "model.dtype=bfloat16"]
+    args = ["--model", "experiments/configs/tiny_lm.py", "--cluster", "h100x8", "--seq", "256", "--layout", "auto:1"]
+    proc = _run([*args, *sets, "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert row["compiled"] and row["fits"], row
+    assert row["kernels"].get("cuDNN attention", 0) >= 2, row["kernels"]  # a layer's forward and backward at least
+
+
 @pytest.mark.slow
 def test_a_1b_llama_decode_step_compiles_beside_its_train_step_on_8_h100s(tmp_path):
     """--decode: generate's decode step for 8 rows (one per FSDP shard) over a 2048-slot KV cache. Its arguments are

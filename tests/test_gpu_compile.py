@@ -65,6 +65,7 @@ def test_every_mask_at_every_head_dim_compiles_for_h100(tmp_path):
     tables = {r["case"]: r["detail"] for r in rows if "relative_bias" in r["case"]}
     # dQ too, which forms the arrays' gradients; at 256 dQ and dK/dV in head-dim halves
     assert sorted(tables.values()) == ["0 Triton + 3 Mosaic GPU kernels"] * 2 + ["0 Triton + 5 Mosaic GPU kernels"] * 2
+    assert [r["detail"] for r in rows if "cuDNN" in r["case"]] == ["2 cuDNN attention kernels"]
     small, e4m3, *report_model = [r for r in rows if r["group"] == "train step"]
     assert len(report_model) == 3 and all("of 84.9 GB" in r["detail"] for r in report_model)  # fits the H100
     (fused,) = [r for r in report_model if "dQ summed across programs" in r["case"]]
@@ -90,7 +91,8 @@ def test_every_kernel_compiles_for_h100(tmp_path):
     Head dim 64 in bfloat16 is test_mosaic_attention.py's compile. The slow test above compiles every mask
     everywhere and the train steps that hold the kernels. And causal documents at 128 with dQ summed across dK/dV's
     programs (``deterministic=False``): the forward and one backward kernel; and causal at 256 with a T5 bias
-    table, whose dQ runs in head-dim halves too. No Mosaic GPU kernel spills registers (ptxas): the attention
+    table, whose dQ runs in head-dim halves too; cuDNN's fused attention, the report's peer, traced for the H100
+    without one (its forward and backward custom calls). No Mosaic GPU kernel spills registers (ptxas): the attention
     kernels at head dim 128 with GQA and a document slot, the fused backward's two warpgroups sharing dS^T, at 256
     the backward's one consumer warpgroup and dK/dV's (with the table also dQ's) two head-dim halves, the
     matmuls."""
@@ -102,6 +104,8 @@ def test_every_kernel_compiles_for_h100(tmp_path):
     assert fused["detail"] == "0 Triton + 2 Mosaic GPU kernels"
     assert [c.split(",")[0] for c in _attention_cases(rows, 256, "bfloat16")] == ["document", "causal"]
     (table,) = [r for r in rows if "relative_bias" in r["case"]]
+    (cudnn,) = [r for r in rows if "cuDNN" in r["case"]]
+    assert cudnn["detail"] == "2 cuDNN attention kernels"
     assert table["detail"] == "0 Triton + 5 Mosaic GPU kernels"  # forward, dQ and dK/dV in halves
     assert [c.split(",")[0] for c in _attention_cases(rows, 256, "float32")] == ["causal"]
     assert not [
