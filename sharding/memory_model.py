@@ -54,16 +54,29 @@ def dtype_bytes(cfg: ModelShape) -> int:
     return {"float32": 4, "bfloat16": 2}[cfg.dtype]
 
 
-def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1, hidden: int = 1) -> float:
+def keeps_scores(cfg: ModelShape, platform: str) -> bool:
+    """Whether attention keeps every query x key pair for its backward: ``reference`` does, and ``jax`` too but on
+    a GPU, where cuDNN's fused kernel takes it (bfloat16, head dim a multiple of 8 up to 128, as
+    ``jaxlm.attention.cudnn_fits``) and keeps a row's softmax statistics, as the flash-style kernels do. On H100s
+    the dense residuals had the planner at 11x XLA's memory for ``jax`` (tiny_lm at T = 4096, 2026-11-28)."""
+    if cfg.attention_impl == "jax" and platform == "gpu":
+        E = cfg.resolved_head_dim
+        return not (cfg.dtype == "bfloat16" and E % 8 == 0 and E <= 128)
+    return cfg.attention_impl in ("reference", "jax")
+
+
+def layer_residual_bytes(
+    cfg: ModelShape, seq_len: int, tensor: int = 1, hidden: int = 1, platform: str = "cpu"
+) -> float:
     """Bytes per token one transformer layer keeps from its forward for its backward (no remat), on one device of
     a `tensor`-way split: what jax's reverse mode saves for this block (`jax.ad_checkpoint.print_saved_residuals`),
     minus what no backward rule reads (the masked scores, the boolean mask), which XLA drops.
 
     - each RMSNorm: its input and the normalised x in fp32, its output (compute dtype), rsqrt and mean (fp32)
-    - dense attention (reference / jax): q, k, v and the attention output, the fp32 exp and the (compute dtype)
-      probabilities of every query x key pair, the softmax max and sum; flash-style kernels (xla_blocksparse /
-      pallas): q, k, v and the output in the kernel's [B, H, T, E] layout, the log-sum-exp, and the output again as
-      the output projection's input
+    - dense attention (reference; jax but on a GPU, ``keeps_scores``): q, k, v and the attention output, the fp32
+      exp and the (compute dtype) probabilities of every query x key pair, the softmax max and sum; flash-style
+      kernels (xla_blocksparse / pallas; cuDNN's for jax on a GPU): q, k, v and the output in the kernel's [B, H, T,
+      E] layout, the log-sum-exp, and the output again as the output projection's input
     - SwiGLU: the gate and up halves, sigmoid and silu of the gate (silu's derivative), silu(gate) * up
     Heads and the MLP hidden size split over `tensor` (an MoE layer's experts' width `hidden` ways); d_model-sized
     tensors are replicated across it.
@@ -72,7 +85,7 @@ def layer_residual_bytes(cfg: ModelShape, seq_len: int, tensor: int = 1, hidden:
     D, E = cfg.d_model, cfg.resolved_head_dim
     h, k, f = cfg.num_heads / tensor, cfg.num_kv_heads / tensor, cfg.mlp_dim / tensor
     norms = 2 * (D * (4 + 4 + cb) + 2 * 4)
-    if cfg.attention_impl in ("reference", "jax"):
+    if keeps_scores(cfg, platform):
         attention = (2 * h + 2 * k) * E * cb + h * seq_len * (4 + cb) + 2 * h * 4
     else:
         attention = (3 * h + 2 * k) * E * cb + h * 4
@@ -191,7 +204,7 @@ def memory_per_device(
     layers = cfg.num_layers // S  # sharding.pipeline runs L/S layers per stage, whatever the `layers` rule
     hidden = expert_hidden_shards(cfg, layout) if cfg.num_experts else 1
     E = logical_shards("expert", layout) if cfg.num_experts else 1  # devices an MoE layer's experts split over
-    residuals = layer_residual_bytes(cfg, seq_len, logical_shards("heads", layout), hidden) * tokens  # one layer
+    residuals = layer_residual_bytes(cfg, seq_len, logical_shards("heads", layout), hidden, platform) * tokens
     exchange = 0.0
     if E > 1:  # worst-case exchange buffers (sharding.experts)
         widths = TPU_EXCHANGE_SWIGLU_WIDTHS if platform == "tpu" else 6

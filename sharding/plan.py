@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from sharding.hardware import PRESETS, get_hardware
+from sharding.memory_model import keeps_scores
 from sharding.mesh import LayoutError
 from sharding.model_shape import MODEL_PRESETS, ModelShape, active_params, count_params
 from sharding.planner import REMAT_CHOICES, Plan, describe, plan
@@ -150,7 +151,7 @@ def table(p: Plan, top: int) -> str:
 
 def summary(p: Plan, name: str) -> str:
     cfg, hw = p.cfg, p.hardware
-    attention = "dense attention" if cfg.attention_impl in ("reference", "jax") else "flash attention"
+    attention = "dense attention" if keeps_scores(cfg, hw.platform) else "flash attention"
     active = f" ({active_params(cfg) / 1e9:.2f}B active: {cfg.experts_per_token} of {cfg.num_experts} experts)"
     return (
         f"model {name}: {count_params(cfg) / 1e9:.2f}B params{active if cfg.num_experts else ''}, {cfg.dtype} "

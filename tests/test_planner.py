@@ -18,7 +18,13 @@ from jaxlm.model import count_params as model_count_params
 from sharding import LayoutError, MeshLayout, build_mesh, load_layout
 from sharding import plan as plan_cli
 from sharding.hardware import Hardware, get_hardware, torus_dims
-from sharding.memory_model import TPU_PADDED_HEAD_BYTES, memory_per_device, padded_gathers
+from sharding.memory_model import (
+    TPU_PADDED_HEAD_BYTES,
+    keeps_scores,
+    layer_residual_bytes,
+    memory_per_device,
+    padded_gathers,
+)
 from sharding.model_shape import MODEL_PRESETS, active_params, count_params, largest_gathered_param, param_specs
 from sharding.planner import (
     attention_flops_per_token,
@@ -362,6 +368,18 @@ def test_a_gpu_layer_backward_holds_one_whole_gradient_the_largest(layout, shard
     gpu = memory_per_device(shape, layout, 8, 8192, "full", 1, "gpu")
     tpu = memory_per_device(shape, layout, 8, 8192, "full", 1, "tpu")
     assert gpu.layer_phase < tpu.layer_phase
+
+
+def test_jax_attention_keeps_its_scores_but_on_a_gpu_where_cudnn_takes_it():
+    """``attention_impl=jax`` is cuDNN's fused kernel on a GPU (bf16, head dim up to 128), which keeps no query x key
+    residuals; XLA's dense attention elsewhere. Counted dense on H100s, the planner read 11x XLA's memory (tiny_lm at
+    T = 4096)."""
+    jax_attention = dataclasses.replace(MODEL_PRESETS["llama3-8b"], attention_impl="jax")
+    flash = dataclasses.replace(jax_attention, attention_impl="pallas")
+    on = {p: layer_residual_bytes(jax_attention, 8192, platform=p) for p in ("gpu", "tpu", "cpu")}
+    assert on["gpu"] == layer_residual_bytes(flash, 8192) < on["tpu"] / 5 and on["tpu"] == on["cpu"]
+    assert keeps_scores(dataclasses.replace(jax_attention, dtype="float32"), "gpu")  # cuDNN takes 16-bit floats
+    assert keeps_scores(dataclasses.replace(jax_attention, attention_impl="reference"), "gpu")
 
 
 def test_tpu_gathers_over_a_whole_v5p_slice_are_padded_all_reduces_and_hold_a_padded_head():
