@@ -27,7 +27,7 @@ class ModelShape:
     head_dim: int = 0  # 0 -> d_model // num_heads
     tie_embeddings: bool = True
     dtype: str = "float32"  # the compute dtype: float32 | bfloat16
-    attention_impl: str = "reference"  # reference / jax keep T x T residuals; the block-sparse ones do not
+    attention_impl: str = "reference"  # reference keeps T x T residuals, jax too but on a GPU (keeps_scores)
     remat: str = "none"
     context_parallel: str = "ring"  # under a context axis: ring (two K/V shards in hand) | all_gather (all of them)
     qk_norm: bool = False  # per-head query / key RMSNorm scales (Qwen3)
