@@ -241,18 +241,17 @@ def tracing_for(platform: str):
     it as usual."""
     from .kernel_inputs import compile_target
 
-    if platform != "gpu" or jax.default_backend() == "gpu":
-        with compile_target(platform):
-            yield
-        return
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # private: where jax 0.10 asks
-
     version, capability = H100_CUDNN
     answers = {
         "check_cudnn_version": lambda: version,
         "check_compute_capability": lambda wanted: _capability(capability) >= _capability(wanted),
         "is_cuda_compute_capability_equal": lambda wanted: _capability(capability) == _capability(wanted),
     }
+    cudnn = _cudnn_attention_module() if platform == "gpu" and jax.default_backend() != "gpu" else None
+    if cudnn is None or not all(hasattr(cudnn, name) for name in answers):  # nothing to answer, or a jax that
+        with compile_target(platform):  # asks elsewhere: cuDNN's attention then fails as jax makes it
+            yield
+        return
     saved = {name: getattr(cudnn, name) for name in answers}
     for name, answer in answers.items():
         setattr(cudnn, name, answer)
@@ -262,6 +261,15 @@ def tracing_for(platform: str):
     finally:
         for name, fn in saved.items():
             setattr(cudnn, name, fn)
+
+
+def _cudnn_attention_module():
+    """jax's cuDNN attention module, where jax 0.10 asks its questions (a private path), or None."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo
+    except ImportError:
+        return None
+    return fused_attention_stablehlo
 
 
 def _capability(text: str) -> tuple[int, ...]:
