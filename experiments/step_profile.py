@@ -9,9 +9,9 @@ traced in one run, and how each variant's kinds differ from the first's.
 Why: on an H100 (2026-11-28) the step with Pallas attention ran 4.5 ms slower than cuDNN's, yet its attention
 kernels, timed alone at the step's shape, are 1.0-2.4 ms faster (docs/results/hopper-h100-2026-11-28.md): the time
 goes somewhere else, and a trace says where. Variants are ``experiments.gpu_report.TRAIN_VARIANTS``' names. Kinds
-are ``sharding.hlo.kernel_kinds``' (the custom kernels by name, cuBLAS, XLA's GEMM fusions, the rest by instruction
-name). Each variant is timed untraced first; its kernels' time is per step, from ``--steps`` traced steps.
-Exit 2 when a variant is unknown.
+are ``sharding.hlo.kernel_kinds``' (the custom kernels by name, a Pallas kernel with its own, e.g. the attention's
+forward, dQ and dK/dV apart; cuBLAS, XLA's GEMM fusions, the rest by instruction name). Each variant is timed
+untraced first; its kernels' time is per step, from ``--steps`` traced steps. Exit 2 when a variant is unknown.
 """
 
 from __future__ import annotations

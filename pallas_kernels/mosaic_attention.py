@@ -488,7 +488,8 @@ def mosaic_forward(
             kv = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))
             stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids, layout)
 
-    def entry(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, order_ref, *refs):
+    def attention_forward(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, order_ref, *refs):  # the name a profile
+        # reads off the instruction's op_name (sharding.hlo.kernel_kinds), as dQ's and dK/dV's
         qid_ref, kvid_ref = refs[:2] if n_ids else (None, None)
         mod_ref = refs[-3] if packed else None
         out_ref, lse_ref = refs[-2:]
@@ -521,7 +522,7 @@ def mosaic_forward(
         )
 
     out, lse = plgpu.kernel(
-        entry,
+        attention_forward,
         out_type=(
             like(q.shape, dtype, q),
             like((B, H, Tp), jnp.float32, q),

@@ -318,7 +318,7 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
             kv = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))
             stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids, layout)
 
-    def entry(*refs):
+    def attention_dq(*refs):
         n_out = 1 + row_grads
         ins, outs = refs[:-n_out], refs[-n_out:]
         ins, mod = (ins[:-1], ins[-1:]) if packed else (ins, (None,))
@@ -352,7 +352,7 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
     if row_grads:
         out_type = (out_type, like((B, H, Tp, width), jnp.float32, q))
     out = plgpu.kernel(
-        entry,
+        attention_dq,
         out_type=out_type,
         grid=(H, Tp // (n_wg * rows), B),
         grid_names=("heads", "rows", "batch"),

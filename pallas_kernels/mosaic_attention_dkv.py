@@ -345,7 +345,7 @@ def _dkv_part(
 
             stream(plgpu, n_steps, stages, load, slot_free)
 
-    def entry(*refs):
+    def attention_dkv(*refs):
         ins, outs = refs[:-2], refs[-2:]
         ins, dq = (ins[:-1], ins[-1:]) if fused else (ins, (None,))
         ins, mod = (ins[:-1], ins[-1:]) if packed else (ins, (None,))
@@ -385,7 +385,9 @@ def _dkv_part(
     args = (q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt, q_order, *id_arrays, *packed)
     if fused:  # pl.kernel: plgpu.kernel's vmap rule cannot take a Ref operand (which it aliases in and out)
         mesh = plgpu.Mesh(**grid, thread_name="wg")
-        dk, dv = pl.kernel(entry, out_type=(out, out), mesh=mesh, **params)(*args, dq_sum)
+        dk, dv = pl.kernel(attention_dkv, out_type=(out, out), mesh=mesh, name="attention_dkv_dq", **params)(
+            *args, dq_sum
+        )
     else:
-        dk, dv = plgpu.kernel(entry, out_type=(out, out), **grid, thread_name="wg", **params)(*args)
+        dk, dv = plgpu.kernel(attention_dkv, out_type=(out, out), **grid, thread_name="wg", **params)(*args)
     return vary_like(dk, k), vary_like(dv, k)

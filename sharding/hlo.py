@@ -242,7 +242,9 @@ def _kernel_kind(label: str, rest: str) -> str:
 
 def kernel_kinds(hlo_text: str) -> dict[str, str]:
     """Instruction name -> the kind of kernel it launches (as ``traffic`` names them, products told apart), for
-    every instruction outside a fusion's insides that launches one; control flow (a loop, a call) launches none.
+    every instruction outside a fusion's insides that launches one; control flow (a loop, a call) launches none. A
+    Pallas kernel's kind carries its own name where jax wrote it into the op_name (its body function's, e.g.
+    "Mosaic GPU (Pallas) attention_dq"): the kernels of one kind are then told apart.
 
     Why: a profile's events name the HLO instructions they ran, whose numbers differ from one compile to the next;
     their kinds line two programs' times up."""
@@ -255,5 +257,21 @@ def kernel_kinds(hlo_text: str) -> dict[str, str]:
         for line in text.splitlines()[1:]:
             m = _INSTRUCTION.match(line)
             if m and m.group(3) not in _NO_TRAFFIC:
-                kinds[m.group(1)] = _kernel_kind(m.group(1), m.group(4))
+                kind = _kernel_kind(m.group(1), m.group(4))
+                name = _pallas_name(m.group(4)) if kind in KERNELS.values() else ""
+                kinds[m.group(1)] = f"{kind} {name}" if name else kind
     return kinds
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+# op_name segments that are jax's transforms and wrappers around a Pallas call, not its name
+_WRAPPER = re.compile(
+    r"^(jit|jvp|transpose|vmap|checkpoint|remat|custom_jvp_call|custom_vjp_call)\b|^(mpmd_map|shard_map|pallas_call)$"
+)
+
+
+def _pallas_name(rest: str) -> str:
+    """A Pallas call's name from its op_name: the last segment that is not a transform or wrapper ("" if none)."""
+    m = _OP_NAME.search(rest)
+    segments = [s for s in (m.group(1).split("/") if m else []) if s and not _WRAPPER.search(s)]
+    return segments[-1] if segments else ""

@@ -104,6 +104,22 @@ def test_traffic_counts_each_kernel_s_operands_and_results_per_run():
     assert t["copy"] == 2 * 4096 and "big_inside" not in t and "t" not in t
 
 
+def test_a_pallas_kernel_s_kind_carries_the_name_jax_wrote_into_its_op_name():
+    """The three Mosaic attention kernels are one kind by custom call; their body functions' names, in the op_name
+    past jax's transforms and the shard_map around them, tell them apart in a profile."""
+    named = STEP.replace(
+        'custom_call_target="mosaic_gpu_v2"',
+        'custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/transpose(jvp())/attention_dq/mpmd_map"}',
+    )
+    assert kernel_kinds(named)["mm.3"] == "Mosaic GPU (Pallas) attention_dq"
+    bare = STEP.replace(
+        'custom_call_target="mosaic_gpu_v2"',
+        'custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(step)/jvp()/mpmd_map"}',
+    )
+    assert kernel_kinds(bare)["mm.3"] == "Mosaic GPU (Pallas)"  # nothing past the wrappers
+    assert traffic(named) == traffic(STEP)  # traffic keeps one kind for every product
+
+
 def test_kernel_kinds_name_every_launch_and_tell_the_products_apart():
     """Each instruction outside a fusion's insides that launches a kernel, by kind: a Pallas kernel and XLA's GEMM
     fusion each their own (not ``PRODUCTS``), the rest without its number; control flow and tuples launch none."""
