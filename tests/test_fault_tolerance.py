@@ -386,11 +386,12 @@ def test_an_abandoned_writes_error_collected_after_the_failure_line_is_not_print
         gc.collect()
         loop.close()
 
+    gc.collect()  # futures earlier tests in this worker abandoned go to the process's filter, not this one (once 4)
     kept, log.filters = log.filters, [quiet]  # a Checkpointer of an earlier test installed the process's one
     try:
         with caplog.at_level(logging.ERROR, logger="asyncio"):
             abandon_a_failed_write()
-            assert caplog.records == [] and len(quiet.held) == 1 and "File too large" in quiet.held[0]
+            assert caplog.records == [] and quiet.held and all("File too large" in h for h in quiet.held)
             quiet.held_back()  # a failed save reports its line
             abandon_a_failed_write()
             assert caplog.records == [] and quiet.held == []
