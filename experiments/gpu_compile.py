@@ -31,7 +31,6 @@ from experiments.cli import exit_with
 TRITON_CALL = "__gpu$xla.gpu.triton"
 # A Mosaic GPU kernel's custom call target: "mosaic_gpu_v2" in jax 0.10 ("mosaic_gpu" before); any version counts.
 MOSAIC_CALL = re.compile(r'custom_call_target="mosaic_gpu(_v\d+)?"')
-CUDNN_ATTENTION_CALL = re.compile(r'custom_call_target="__cudnn\$fmhaSoftmax(Backward)?"')
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("bfloat16", "float32")
 SEQ, BLOCK, HEADS, KV_HEADS = 512, 128, 4, 2
@@ -120,6 +119,7 @@ def _compile_cudnn_attention() -> str:
     import jax.numpy as jnp
 
     from pallas_kernels.targets import compile_for_gpu
+    from sharding.hlo import custom_kernels
 
     def loss(q, k, v):
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -127,7 +127,8 @@ def _compile_cudnn_attention() -> str:
 
     q = jax.ShapeDtypeStruct((1, SEQ, HEADS, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, SEQ, KV_HEADS, 128), jnp.bfloat16)
-    found = len(CUDNN_ATTENTION_CALL.findall(compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv).as_text()))
+    compiled = compile_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    found = custom_kernels(compiled.as_text())["cuDNN attention"]
     if found != 2:
         raise RuntimeError(f"expected cuDNN's forward and backward attention calls, found {found}")
     return f"{found} cuDNN attention kernels"
@@ -397,6 +398,7 @@ def _compile_report_step(overrides: dict, mosaic: int = 3, cudnn: int = 0) -> st
     cuDNN attention calls, and its state plus temporaries fit the H100's memory."""
     from experiments.gpu_report import llama_1b, with_model
     from pallas_kernels.targets import H100_MEMORY
+    from sharding.hlo import custom_kernels
 
     base = llama_1b()
     compiled = compile_step(with_model(base, overrides))
@@ -407,7 +409,7 @@ def _compile_report_step(overrides: dict, mosaic: int = 3, cudnn: int = 0) -> st
     # attention's forward, dQ and dK/dV (and with Pallas matmuls their fp8 forwards) on Mosaic GPU
     kernels = _kernels_in(compiled, mosaic=mosaic)
     if cudnn:
-        found = len(CUDNN_ATTENTION_CALL.findall(compiled.as_text()))
+        found = custom_kernels(compiled.as_text())["cuDNN attention"]
         if found < cudnn:
             raise RuntimeError(f"expected at least {cudnn} cuDNN attention calls, found {found}")
         kernels += f" + {found} cuDNN attention"

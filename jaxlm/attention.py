@@ -31,6 +31,7 @@ import pallas_kernels as pk
 from jaxlm.config import ATTENTION_IMPLS as IMPLEMENTATIONS
 from pallas_kernels.kernel_inputs import target_platform
 from pallas_kernels.mask_spec import bind_segments, parse_mask, uses_documents
+from pallas_kernels.targets import cudnn_attention_takes
 from pallas_kernels.xla_tiled_attention import STRIPS_MAX_LEN
 from sharding.context import context_attention
 from sharding.rules import active_mesh_axes, dividing_axes
@@ -180,10 +181,9 @@ def causal_window(mask: pk.Mask) -> int | None:
 
 
 def cudnn_fits(q_BTHE) -> bool:
-    """cuDNN's fused attention serves this query: traced for a GPU, bf16 or fp16, head dim a multiple of 8 up to 128
-    (its forward and backward both support those on Ampere and Hopper)."""
-    E = q_BTHE.shape[-1]
-    return target_platform() == "gpu" and q_BTHE.dtype in (jnp.bfloat16, jnp.float16) and E % 8 == 0 and E <= 128
+    """cuDNN's fused attention serves this query: traced for a GPU, and a dtype and head dim it takes
+    (``pallas_kernels.targets.cudnn_attention_takes``)."""
+    return target_platform() == "gpu" and cudnn_attention_takes(q_BTHE.dtype, q_BTHE.shape[-1])
 
 
 def _dense_mask(mask: pk.Mask, T: int, S: int):

@@ -206,6 +206,13 @@ H100_MEMORY = 84942979072  # bytes of HBM3 (device_memory_size above)
 H100_CUDNN = (91000, "9.0")  # cuDNN 9.10 and sm_90 (dnn_version_info and cuda_compute_capability above)
 
 
+def cudnn_attention_takes(dtype, head_dim: int) -> bool:
+    """Whether cuDNN's fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``) takes queries of
+    this dtype and head dim: bf16 or fp16, head dim a multiple of 8 up to 128 (its forward and backward both
+    support those on Ampere and Hopper). The model's attention and the planner's memory ask the same question."""
+    return jax.numpy.dtype(dtype) in (jax.numpy.bfloat16, jax.numpy.float16) and head_dim % 8 == 0 and head_dim <= 128
+
+
 @functools.cache
 def h100_devices(count: int = 1) -> tuple:
     """``count`` deviceless H100s described by H100_SXM, 8 to a host (topology slices x hosts x GPUs per host)."""

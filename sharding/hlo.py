@@ -258,8 +258,8 @@ def kernel_kinds(hlo_text: str) -> dict[str, str]:
             m = _INSTRUCTION.match(line)
             if m and m.group(3) not in _NO_TRAFFIC:
                 kind = _kernel_kind(m.group(1), m.group(4))
-                name = _pallas_name(m.group(4)) if kind in KERNELS.values() else ""
-                kinds[m.group(1)] = f"{kind} {name}" if name else kind
+                own = _pallas_name(m.group(4)) if kind in KERNELS.values() else ""
+                kinds[m.group(1)] = f"{kind} {own}" if own else kind
     return kinds
 
 

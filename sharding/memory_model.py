@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pallas_kernels.targets import cudnn_attention_takes
 from sharding.mesh import MeshLayout
 from sharding.model_shape import (
     ModelShape,
@@ -56,13 +57,12 @@ def dtype_bytes(cfg: ModelShape) -> int:
 
 def keeps_scores(cfg: ModelShape, platform: str) -> bool:
     """Whether attention keeps every query x key pair for its backward: ``reference`` does, and ``jax`` too but on
-    a GPU, where cuDNN's fused kernel takes it (a causal mask, the default, or a sliding window; bfloat16, head dim
-    a multiple of 8 up to 128, as ``jaxlm.attention.cudnn_fits``) and keeps a row's softmax statistics, as the
+    a GPU, where cuDNN's fused kernel takes it (a causal mask, the default, or a sliding window; a dtype and head
+    dim ``pallas_kernels.targets.cudnn_attention_takes``) and keeps a row's softmax statistics, as the
     flash-style kernels do. On H100s the dense residuals had the planner at 11x XLA's memory for ``jax`` (tiny_lm
     at T = 4096, 2026-11-28). The shape carries no mask: other masks under ``jax`` on a GPU are dense (XLA's)."""
     if cfg.attention_impl == "jax" and platform == "gpu":
-        E = cfg.resolved_head_dim
-        return not (cfg.dtype == "bfloat16" and E % 8 == 0 and E <= 128)
+        return not cudnn_attention_takes(cfg.dtype, cfg.resolved_head_dim)
     return cfg.attention_impl in ("reference", "jax")
 
 
