@@ -183,6 +183,10 @@ def main(argv=None) -> int:
         print(f"bench_train: error: {e}", file=sys.stderr)
         return 2
 
+    if args.profile:  # before the backend starts: a GPU's kernels traced one by one, not inside CUDA graphs
+        from experiments.trace_times import trace_kernels_one_by_one
+
+        trace_kernels_one_by_one()
     device = jax.devices()[0]
     peak = matmul_peak_flops()
     print(

@@ -12,12 +12,17 @@ goes somewhere else, and a trace says where. Variants are ``experiments.gpu_repo
 are ``sharding.hlo.kernel_kinds``' (the custom kernels by name, a Pallas kernel with its own, e.g. the attention's
 forward, dQ and dK/dV apart; cuBLAS, XLA's GEMM fusions, the rest by instruction name). Each variant is timed
 untraced first; its kernels' time is per step, from ``--steps`` traced steps. Exit 2 when a variant is unknown.
+
+On a GPU the steps run without CUDA graphs (XLA's command buffers): a kernel traced inside one names the graph's
+call, not its own instruction, so the 2026-11-28 H200 trace placed none of its kernels. Step times here are
+therefore a little apart from the report's, which keeps the graphs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import tempfile
 import time
@@ -50,7 +55,7 @@ def profile_variant(cfg, steps: int, trace_dir: str) -> dict:
     def run():
         step.window(steps)
 
-    times = op_times(trace(run, trace_dir), module.group(1) if module else None)
+    times = op_times(trace(run, trace_dir), module.group(1) if module else None, known=set(kinds))
     if times.source == "device kernels":  # events named by their CUDA kernel, not an instruction
         kinds = {op: "kernel " + re.sub(r"[_.]?\d+$", "", op)[:60] for op in times.ns}
     by_kind: Counter = Counter()
@@ -123,8 +128,10 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.top < 1:
         p.error("--steps and --top must be >= 1")
 
+    from experiments.trace_times import trace_kernels_one_by_one
     from jaxlm.config import validate
 
+    trace_kernels_one_by_one()
     base = llama_tiny() if args.quick else llama_1b()
     device = jax.devices()[0]
     print(f"step_profile: {device.device_kind} ({device.platform}), jax {jax.__version__}, {args.steps} steps a window")
@@ -137,7 +144,8 @@ def main(argv=None) -> int:
             print(f"done {name} ({time.perf_counter() - t0:.1f} s)", flush=True)
             if args.json:  # after every variant: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
-                    json.dump({"device": device.device_kind, "jax": jax.__version__, "variants": results}, f, indent=1)
+                    meta = {"device": device.device_kind, "jax": jax.__version__, "xla_flags": os.environ["XLA_FLAGS"]}
+                    json.dump({**meta, "variants": results}, f, indent=1)
     print("\n".join(report(results, args.top)))
     return 0
 

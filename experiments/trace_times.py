@@ -27,6 +27,19 @@ class OpTimes:
     kernel_names: dict[str, str] = field(default_factory=dict)
 
 
+#: XLA_FLAGS that keep XLA's GPU compiler from gathering kernels into CUDA graphs (its command buffers)
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
+
+
+def trace_kernels_one_by_one() -> None:
+    """No CUDA graphs in this process's GPU programs, unless XLA_FLAGS already says otherwise. Why: a kernel traced
+    inside a graph names the graph's call, not its own instruction. Takes effect only before JAX starts its backend,
+    which reads XLA_FLAGS once; a program then runs a little apart from one with graphs."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_command_buffer" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {NO_COMMAND_BUFFERS}".strip()
+
+
 def trace(run, trace_dir: str) -> str:
     """Runs ``run()`` (which must block until its work is done) under the profiler; the trace file's path."""
     jax.profiler.start_trace(trace_dir)
@@ -40,23 +53,26 @@ def trace(run, trace_dir: str) -> str:
     return max(found, key=os.path.getmtime)
 
 
-def op_times(xplane_path: str, module: str | None = None) -> OpTimes:
+def op_times(xplane_path: str, module: str | None = None, known=None) -> OpTimes:
     """The time of each HLO instruction in the trace, from the device planes where any has events naming one, else
     from the host's. ``module``: only events of that program (the name after ``HloModule`` in its HLO text), where
     the device's events say their program at all. A device whose events name no instruction gives its kernels'
-    times by kernel name instead (source ``device kernels``): the host's launch times would say nothing of them."""
+    times by kernel name instead (source ``device kernels``): the host's launch times would say nothing of them.
+    ``known``: the instructions the caller can place; device events naming none of them count as naming none. (A
+    kernel run inside a CUDA graph names the graph's call, not its own instruction.)"""
     from jax._src.lib import _profile_data
 
-    return times_from_planes(list(_profile_data.ProfileData.from_file(xplane_path).planes), module)
+    return times_from_planes(list(_profile_data.ProfileData.from_file(xplane_path).planes), module, known)
 
 
-def times_from_planes(planes, module: str | None = None) -> OpTimes:
+def times_from_planes(planes, module: str | None = None, known=None) -> OpTimes:
     """``op_times`` of a trace's planes (objects with ``name`` and ``lines``, each line ``name`` and ``events``,
     each event ``name``, ``duration_ns`` and ``stats`` pairs, as jax's ``ProfileData`` gives them)."""
     device = [p for p in planes if p.name.startswith("/device:")]
     host = [p for p in planes if p.name.startswith("/host:")]
     for source, chosen, program in (("device", device, module), ("device", device, None)):
-        if (times := _collect(source, chosen, program)).ns:
+        times = _collect(source, chosen, program)
+        if times.ns and (known is None or not known.isdisjoint(times.ns)):
             return times
     if (times := _collect("device kernels", device, None, by_kernel=True)).ns:
         return times

@@ -174,9 +174,17 @@ PRODUCTS = "products"  # traffic()'s label for matrix products: custom kernels a
 
 
 def _fused(computations: dict[str, str]) -> set[str]:
-    """Computations that are a fusion's or a reduction's insides: their instructions move nothing of their own."""
+    """Computations that are a fusion's or a reduction's insides: their instructions move nothing of their own. A
+    ``call``'s computation is not one: its instructions launch their kernels (on a GPU, XLA gathers runs of kernels
+    into a CUDA graph as a call of a ``command_buffer`` computation)."""
     inside = re.compile(r"\b(?:calls|to_apply)=%([\w.\-]+)")
-    return {m.group(1) for text in computations.values() for m in inside.finditer(text)}
+    fused = set()
+    for text in computations.values():
+        for line in text.splitlines():
+            m = _INSTRUCTION.match(line)
+            if not (m and m.group(3) == "call"):
+                fused.update(inside.findall(line))
+    return fused
 
 
 def _operand_bytes(shape: str, runs: int) -> int:

@@ -131,3 +131,15 @@ def test_kernel_kinds_name_every_launch_and_tell_the_products_apart():
         "gemm_fusion.2": "XLA GEMM fusion",
         "copy.1": "copy",
     }
+
+
+def test_kernels_inside_a_gpu_command_buffer_still_count():
+    """On a GPU, XLA puts runs of kernels into a CUDA graph: a ``call`` of a ``command_buffer`` computation. Its
+    kernels are launched all the same: the step keeps its kinds and its bytes, and the call launches none."""
+    kernels = STEP[STEP.index("  %gemm_fusion.2") : STEP.rindex("}")]  # the entry's last two instructions
+    gathered = STEP.replace(kernels, "  ROOT %call.9 = f32[4,256]{1,0} call(%a), to_apply=%command_buffer\n") + (
+        "\n%command_buffer (a: f32[4,256]) -> f32[4,256] {\n  %a = f32[4,256]{1,0} parameter(0)\n" + kernels + "}\n"
+    )
+    assert "command_buffer" in gathered
+    assert kernel_kinds(gathered) == kernel_kinds(STEP)
+    assert traffic(gathered) == traffic(STEP)
