@@ -197,3 +197,34 @@ def test_train_variants_run_in_parts_end_as_one_section(tmp_path):
     assert taken == ["train (1 other variants)"]
     assert [(r["variant"], r["mfu"]) for r in report.sections["train"]] == [("B", 0.2), ("A", 0.3)]
     assert report.failures == [{"section": "train", "item": "B", "error": "compile"}]
+
+
+def test_the_targets_are_read_off_the_rows_they_name():
+    """Issue 37's figures: the lowest Pallas / cuDNN row over full and causal at T >= 2k and both head dims, causal's
+    speed-up at 8k, fp8 at 8192^3, the best Pallas step's MFU and the best bf16 Pallas step against cuDNN's."""
+    report = gpu_report.Report(log=lambda _: None)
+    sizes = gpu_report.full_sizes()
+    for T in sizes.attention_seqs:
+        for E in sizes.attention_head_dims:
+            for mask, full_ms in (("full", 2.0), ("causal", 1.1), ("sliding_window(1024)", 0.1)):
+                worst = T == 8192 and E == 64 and mask == "full"
+                for impl, rate in (("pallas", 85.0 if worst else 95.0), ("cudnn", 100.0)):
+                    row = {"T": T, "E": E, "mask": mask, "impl": impl, "train_tflops": rate, "train_ms": full_ms}
+                    report.sections["attention"].append(row)
+    report.sections["matmul"] += [
+        {"n": 8192, "impl": "fp8 pallas (per tensor)", "tflops": 1080.0},
+        {"n": 8192, "impl": "bf16 jnp.dot", "tflops": 660.0},
+    ]
+    for variant, mfu in (
+        ("attention jax, matmuls default", 0.875),
+        ("attention pallas, matmuls default", 0.870),
+        ("attention pallas (dQ summed across programs), matmuls default", 0.873),
+        ("attention pallas, matmuls fp8", 0.90),
+        ("attention jax, matmuls fp8", 0.94),
+    ):
+        report.sections["train"].append({"variant": variant, "mfu": mfu})
+    got = list(gpu_report.headline_ratios(report, sizes, "cudnn").values())
+    assert got == pytest.approx([0.85, 2.0 / 1.1, 20.0, 1080 / 660, 0.90, 0.873 / 0.875])
+    gone = {"T": 32768, "E": 128, "mask": "causal", "impl": "cudnn"}  # a target without its rows is not guessed
+    report.sections["attention"] = [r for r in report.sections["attention"] if gone.items() - r.items()]
+    assert gpu_report.headline_ratios(report, sizes, "cudnn")[list(gpu_report.TARGETS)[0]] is None
