@@ -14,7 +14,8 @@ case's gradients through it too; ``--layout BTHE``: the kernels read q, k, v as 
 does, in the checks too; ``--group 2 --seqs 2048``: the ~1B step's attention, GQA 2 heads a key / value head);
 ``mods`` times causal attention with a soft-cap and a T5 bias table against the same on Triton. ``documents`` does
 the same for 8 packed documents per sequence against cuDNN given the equivalent dense mask; ``sweep`` times the
-Mosaic kernels' candidate tiles.
+Mosaic kernels' candidate tiles at the last of ``--seqs``, each against cuDNN in the same run (``--head-dims``,
+``--layout``).
 Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
 """
 
@@ -289,39 +290,56 @@ def _time_row(row: dict, fn, args, flops: int, repeats: int, log) -> dict:
     return row
 
 
-def run_sweep(T=8192, head_dims=(64, 128), width=2048, tokens=16384, backward_top=4, repeats=10, log=print):
+def run_sweep(
+    T=8192, head_dims=(64, 128), width=2048, tokens=16384, backward_top=4, repeats=10, layout="BHTE", log=print,
+    on_row=lambda rows: None,
+):  # fmt: skip
     """Every forward tiling (timed forward only) and the first ``backward_top`` backward tilings (timed forward +
     backward with the default forward) of the Mosaic kernels, full and causal masks; the same for the backward
-    summing dQ across programs (``fused``). The first candidate of each list is what the kernels use today."""
+    summing dQ across programs (``fused``). The first candidate of each list is what the kernels use today. Each
+    (head dim, mask) starts with cuDNN's row (pass ``cudnn``: its forward and forward + backward), so every tiling
+    has its peer in the same run. ``layout``: the kernels' q, k, v (cuDNN reads [B, T, H, E]). ``on_row(rows)``
+    after every row: a sweep cut by a lease's timeout keeps what it timed."""
     rows = []
     for E in head_dims:
         B, H, q, k, v = _qkv(T, E, tokens, width)
+        bthe = tuple(x.transpose(0, 2, 1, 3) for x in (q, k, v))
+        args = q, k, v = (q, k, v) if layout == "BHTE" else bthe
         for mask_name, mask in {"full": pk.full(), "causal": pk.causal()}.items():
             bm = pk.make_block_mask(mask, T, T, pk.BlockSizes(128, 128))
             flops = kept_pairs(mask_name, T, 0) * B * H * E
+            peer = {"T": T, "E": E, "B": B, "H": H, "mask": mask_name, "impl": "cudnn", "pass": "cudnn"}
+            rows.append(_time_row(peer, _peer("cudnn", mask_name, 0), bthe, flops, repeats, log))
+            on_row(rows)
             fwd = forward_candidates(E, jnp.bfloat16, 128, 128)
             bwd = backward_candidates(E, jnp.bfloat16, 128, 128)[:backward_top]
             fused = backward_candidates(E, jnp.bfloat16, 128, 128, fused=True)[:backward_top]
             for kind, candidates in (("forward", fwd), ("backward", bwd), ("fused", fused)):
                 for rank, tiles in enumerate(candidates):
-                    fn = functools.partial(_attend_with, bm, tiles, deterministic=kind != "fused")
+                    fn = functools.partial(_attend_with, bm, tiles, deterministic=kind != "fused", layout=layout)
                     if kind != "forward":
                         fn = jax.grad(lambda q, k, v, f=fn: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
                     row = {"T": T, "E": E, "mask": mask_name, "pass": kind, "rank": rank, "tiles": repr(tiles)}
+                    row["layout"] = layout
                     try:
-                        t = best_time(jax.jit(fn), q, k, v, repeats=repeats)
+                        t = best_time(jax.jit(fn), *args, repeats=repeats)
                         row |= {"ms": t * 1e3, "tflops": (4 if kind == "forward" else 14) * flops / t / 1e12}
-                        detail = f"{row['tflops']:7.1f} TFLOP/s"
+                        if base := peer.get("forward_ms" if kind == "forward" else "train_ms"):
+                            row["vs_cudnn"] = base / row["ms"]
+                        detail = f"{row['tflops']:7.1f} TFLOP/s" + (
+                            f", {row['vs_cudnn']:.3f}x cuDNN" if "vs_cudnn" in row else ""
+                        )
                     except Exception as e:  # noqa: BLE001
                         row["error"] = first_line(e)
                         detail = f"FAILED {row['error']}"
                     log(f"sweep E={E} {mask_name:6s} {kind:8s} #{rank} {tiles} {detail}")
                     rows.append(row)
+                    on_row(rows)
     return rows
 
 
-def _attend_with(bm, tiles, q, k, v, deterministic=True):
-    return pk.block_sparse_attention(q, k, v, bm, tiles=tiles, deterministic=deterministic)[0]
+def _attend_with(bm, tiles, q, k, v, deterministic=True, layout="BHTE"):
+    return pk.block_sparse_attention(q, k, v, bm, tiles=tiles, deterministic=deterministic, layout=layout)[0]
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -426,8 +444,12 @@ def main(argv=None) -> int:
     for r in result.get("ratios", []):
         print("ratio", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
     if "sweep" in only:
-        result["sweep"] = run_sweep()
-        save()
+
+        def keep(rows):
+            result["sweep"] = rows
+            save()
+
+        run_sweep(T=args.seqs[-1], head_dims=args.head_dims, layout=args.layout, on_row=keep)
     return 0 if all(r["ok"] for r in result.get("check", [])) else 1
 
 

@@ -136,11 +136,11 @@ def auto_impl(template: pk.Mask, q_BTHE, score_mod=None, block_sizes: pk.BlockSi
     as strips of `auto_block_sizes`, 1.1-1.7x the dense reference at T=128-256: docs/results/bench_attention.md),
     else `reference` (one tile: nothing to skip).
     GPU: cuDNN's fused kernel (`jax`) where it serves the query (causal, or causal within a sliding window;
-    bf16/fp16; `cudnn_fits`): on an H100 the Mosaic GPU kernels' forward + backward ran 0.90-1.04x its own for
-    causal at T = 2k-8k, head dim 128 (0.99-1.08x with the backward summing dQ across programs), yet the ~1B step
-    with them 0.98x cuDNN's, though the programs around the kernels are the same (docs/results/hopper-h100-2026-11-28.md
-    and cudnn-step-traffic-2026-11-28.md; on GPUs before Hopper the Triton kernels, 0.3x). The Pallas kernels for
-    every other mask. TPU: the Pallas kernels.
+    bf16/fp16; `cudnn_fits`): on an H200 the Mosaic GPU kernels' forward + backward ran 0.94-1.25x its own for
+    causal at T = 2k-8k (with the backward summing dQ across programs; 1.18x at the ~1B step's GQA shape), yet
+    that step with them ran 0.994-0.997x cuDNN's, though the programs around the kernels are the same
+    (docs/results/hopper-h200-2026-11-28.md and cudnn-step-traffic-2026-11-28.md; on GPUs before Hopper the Triton
+    kernels, 0.3x). The Pallas kernels for every other mask. TPU: the Pallas kernels.
     """
     platform = target_platform()
     if platform == "cpu":

@@ -603,3 +603,40 @@ def test_the_ptx_markers_tell_the_mosaic_forward_from_the_triton_one(tmp_path):
     assert ".entry block_sparse_attention_fwd" in triton
     assert [m for m in MARKERS if m not in mosaic] == []
     assert [m for m in MARKERS if m in triton] == ["wgmma.mma_async"]
+
+
+def test_the_tile_sweep_times_each_tiling_against_cudnn_and_keeps_its_rows_as_it_goes(monkeypatch):
+    """hopper_attention's sweep on CPU with the kernels and cuDNN swapped for the reference: each (head dim, mask)
+    starts with cuDNN's row, each tiling's row carries its ratio to it, in the layout asked for, and every row is
+    handed on as soon as it is timed (a lease's timeout keeps them)."""
+    from experiments import hopper_attention
+
+    def reference(q, k, v, layout):
+        if layout == "BTHE":
+            q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
+        out = pk.reference_attention(q, k, v, pk.causal())[0]
+        return out.swapaxes(1, 2) if layout == "BTHE" else out
+
+    layouts = []
+
+    def attend_with(bm, tiles, q, k, v, deterministic=True, layout="BHTE"):
+        layouts.append(layout)
+        return reference(q, k, v, layout)
+
+    monkeypatch.setattr(hopper_attention, "_attend_with", attend_with)
+    monkeypatch.setattr(hopper_attention, "_peer", lambda *a: lambda q, k, v: reference(q, k, v, "BTHE"))
+    monkeypatch.setattr(hopper_attention, "forward_candidates", lambda *a: ["f0", "f1"])
+    monkeypatch.setattr(hopper_attention, "backward_candidates", lambda *a, fused=False: ["b0", "b1", "b2"])
+    seen = []
+    rows = hopper_attention.run_sweep(
+        T=128, head_dims=(32,), width=64, tokens=256, backward_top=2, repeats=1, layout="BTHE",
+        log=lambda line: None, on_row=lambda rows: seen.append(len(rows)),
+    )  # fmt: skip
+    assert seen == list(range(1, len(rows) + 1)) and len(rows) == 2 * (1 + 2 + 2 + 2)
+    assert [(r["mask"], r["pass"]) for r in rows[:2]] == [("full", "cudnn"), ("full", "forward")]
+    assert set(layouts) == {"BTHE"} and all("error" not in r for r in rows)
+    for r in rows:
+        if r["pass"] != "cudnn":
+            peer = next(p for p in rows if p["pass"] == "cudnn" and p["mask"] == r["mask"])
+            base = peer["forward_ms"] if r["pass"] == "forward" else peer["train_ms"]
+            assert r["vs_cudnn"] == pytest.approx(base / r["ms"]) and r["layout"] == "BTHE"
