@@ -11,7 +11,10 @@ kernels, timed alone at the step's shape, are 1.0-2.4 ms faster (docs/results/ho
 goes somewhere else, and a trace says where. Variants are ``experiments.gpu_report.TRAIN_VARIANTS``' names. Kinds
 are ``sharding.hlo.kernel_kinds``' (the custom kernels by name, a Pallas kernel with its own, e.g. the attention's
 forward, dQ and dK/dV apart; cuBLAS, XLA's GEMM fusions, the rest by instruction name). Each variant is timed
-untraced first; its kernels' time is per step, from ``--steps`` traced steps. Exit 2 when a variant is unknown.
+untraced first; its kernels' time is per step, from ``--steps`` traced steps. Then its attention alone (one layer's
+forward + backward at the step's shape, the model's own call) is traced too, and its kinds, times the layers, are
+printed beside the same kinds in the step: whether the kernels run slower inside the step is then read off one run.
+Exit 2 when a variant is unknown.
 
 On a GPU the steps run without CUDA graphs (XLA's command buffers): a kernel traced inside one names the graph's
 call, not its own instruction, so the 2026-11-28 H200 trace placed none of its kernels. Step times here are
@@ -41,27 +44,13 @@ DEFAULT_VARIANTS = (
 
 
 def profile_variant(cfg, steps: int, trace_dir: str) -> dict:
-    """One config's step: untraced seconds a step, and per kind and per instruction the device time a step."""
+    """One config's step: untraced seconds a step, per kind and per instruction the device time a step, and its
+    attention alone (``attention_alone``)."""
     from experiments.bench_train import CompiledStep
-    from experiments.trace_times import op_times, trace
-    from sharding.hlo import kernel_kinds
 
     step = CompiledStep(cfg)
     step_s = min(step.window(steps) for _ in range(2))
-    hlo = step.step_fn.as_text()
-    module = re.search(r"^HloModule ([\w.\-]+)", hlo, re.M)
-    kinds = kernel_kinds(hlo)
-
-    def run():
-        step.window(steps)
-
-    times = op_times(trace(run, trace_dir), module.group(1) if module else None, known=set(kinds))
-    if times.source == "device kernels":  # events named by their CUDA kernel, not an instruction
-        kinds = {op: "kernel " + re.sub(r"[_.]?\d+$", "", op)[:60] for op in times.ns}
-    by_kind: Counter = Counter()
-    for op, ns in times.ns.items():
-        if op in kinds:  # control flow and ops of other programs launch nothing of the step's
-            by_kind[kinds[op]] += ns / steps
+    by_kind, times, kinds = kind_times(step.step_fn.as_text(), lambda: step.window(steps), steps, trace_dir)
     top = sorted(((ns / steps, op) for op, ns in times.ns.items() if op in kinds), reverse=True)
     return {
         "step_ms": step_s * 1e3,
@@ -72,6 +61,66 @@ def profile_variant(cfg, steps: int, trace_dir: str) -> dict:
             {"op": op, "kind": kinds[op], "kernel": times.kernel_names.get(op, ""), "ms": ns / 1e6}
             for ns, op in top[:40]
         ],
+        "alone": attention_alone(cfg, steps, f"{trace_dir}-alone"),
+    }
+
+
+def kind_times(hlo: str, run, calls: int, trace_dir: str):
+    """(nanoseconds per kind of kernel a call, the trace's ``OpTimes``, instruction -> kind) of the program whose
+    optimized HLO is ``hlo``, traced over ``run()``, which makes ``calls`` calls of it."""
+    from experiments.trace_times import op_times, trace
+    from sharding.hlo import kernel_kinds
+
+    module = re.search(r"^HloModule ([\w.\-]+)", hlo, re.M)
+    kinds = kernel_kinds(hlo)
+    times = op_times(trace(run, trace_dir), module.group(1) if module else None, known=set(kinds))
+    if times.source == "device kernels":  # events named by their CUDA kernel, not an instruction
+        kinds = {op: "kernel " + re.sub(r"[_.]?\d+$", "", op)[:60] for op in times.ns}
+    by_kind: Counter = Counter()
+    for op, ns in times.ns.items():
+        if op in kinds:  # control flow and ops of other programs launch nothing of the program's
+            by_kind[kinds[op]] += ns / calls
+    return by_kind, times, kinds
+
+
+def attention_alone(cfg, calls: int, trace_dir: str) -> dict:
+    """One layer's attention, forward + backward, at the step's shape and with the model's own call of it, traced
+    alone: its device time per kind, times the layers a step has. Why: the step's attention kinds inside the step
+    against these, in one run, say whether the kernels run slower inside the step or the time goes elsewhere."""
+    import jax.numpy as jnp
+
+    from jaxlm.attention import attention
+    from jaxlm.model import attention_score_mod
+    from pallas_kernels import BlockSizes
+
+    m = cfg.model
+    B, T, H, K, E = cfg.data.batch_size, cfg.data.seq_len, m.num_heads, m.num_kv_heads, m.resolved_head_dim
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, d_out = (
+        jax.random.normal(key, (B, T, heads, E), jnp.dtype(m.dtype)) for key, heads in zip(keys, (H, K, K, H))
+    )
+
+    def loss(q, k, v):
+        out = attention(
+            q, k, v, mask=m.attention_mask, impl=m.attention_impl, score_mod=attention_score_mod(m),
+            block_sizes=BlockSizes(m.attention_block_q, m.attention_block_kv),
+            deterministic=m.attention_deterministic,
+        )  # fmt: skip
+        return jnp.vdot(out.astype(jnp.float32), d_out.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
+
+    def run():
+        for _ in range(calls):
+            jax.block_until_ready(grads(q, k, v))
+
+    run()
+    by_kind, times, _ = kind_times(grads.as_text(), run, calls, trace_dir)
+    layers = m.num_layers
+    return {
+        "layers": layers,
+        "source": times.source,
+        "kinds_ms": {kind: ns * layers / 1e6 for kind, ns in by_kind.most_common()},
     }
 
 
@@ -95,6 +144,14 @@ def report(results: dict[str, dict], top: int) -> list[str]:
         for kind in sorted(diff, key=lambda k: (-abs(diff[k]), k))[:top]:
             was, now = base["kinds_ms"].get(kind, 0.0), r["kinds_ms"].get(kind, 0.0)
             lines.append(f"  {diff[kind]:+9.2f} ms  {kind} ({was:.2f} -> {now:.2f})")
+    for name, r in results.items():
+        if alone := r.get("alone"):
+            total = sum(alone["kinds_ms"].values())
+            lines.append(f"{name}: its attention alone, x{alone['layers']} layers: {total:.1f} ms a step")
+            lines += [
+                f"  {ms:9.2f} ms alone, {r['kinds_ms'].get(kind, 0.0):9.2f} ms in the step  {kind}"
+                for kind, ms in list(alone["kinds_ms"].items())[:top]
+            ]
     for name, r in results.items():
         lines.append(f"{name}: slowest instructions")
         lines += [f"  {o['ms']:9.2f} ms  {o['op']} ({o['kind']}) {o['kernel'][:80]}" for o in r["top_ops"][:top]]

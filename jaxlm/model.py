@@ -119,6 +119,11 @@ def apply_rotary(x_BTHE: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array
     return rotated.astype(x_BTHE.dtype)
 
 
+def attention_score_mod(cfg: ModelConfig):
+    """The score mod the model's attention runs with: a soft-cap where the config sets one, else None."""
+    return soft_cap(cfg.attention_softcap) if cfg.attention_softcap else None
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with one fused QKV projection.
 
@@ -154,7 +159,7 @@ class Attention(nnx.Module):
             mask=cfg.attention_mask,
             segment_ids_BT=segment_ids_BT,
             impl=cfg.attention_impl,
-            score_mod=self._score_mod(),
+            score_mod=attention_score_mod(cfg),
             block_sizes=BlockSizes(cfg.attention_block_q, cfg.attention_block_kv),
             positions_BT=positions_BT,
             context_parallel=cfg.context_parallel,
@@ -172,7 +177,7 @@ class Attention(nnx.Module):
         k_PSE, v_PSE = write_cache(k_BKSE, v_BKSE, k_BTKE, v_BTKE, positions_BT)
         mask = one_document(parse_mask(self.cfg.attention_mask))
         mask_BTS = mask(positions_BT[:, :, None], jnp.arange(v_BKSE.shape[-2])[None, None, :])
-        out_BTHE = cached_attention(q_BTHE, k_PSE, v_PSE, mask_BTS, positions_BT, self._score_mod())
+        out_BTHE = cached_attention(q_BTHE, k_PSE, v_PSE, mask_BTS, positions_BT, attention_score_mod(self.cfg))
         k_BKSE, v_BKSE = k_PSE.reshape(k_BKSE.shape), v_PSE.reshape(v_BKSE.shape)  # a one-row cache stays [K, ..]
         if wo_DX is not None:
             return jnp.einsum("btx,dx->btd", out_BTHE.reshape(B, T, -1), wo_DX), k_BKSE, v_BKSE
@@ -194,9 +199,6 @@ class Attention(nnx.Module):
         if self.cfg.qk_norm:
             q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
         return apply_rotary(q_BTHE, sin, cos), apply_rotary(k_BTKE, sin, cos), v_BTKE
-
-    def _score_mod(self):
-        return soft_cap(self.cfg.attention_softcap) if self.cfg.attention_softcap else None
 
     def _out(self, out_BTHE):
         return project("bthe,hed->btd", out_BTHE, self.wo[...], self.recipe, _value(self.out_amax))

@@ -82,6 +82,9 @@ def test_the_tiny_step_profiles_end_to_end(tmp_path, capsys, monkeypatch):
         assert r["kernels_ms"] > 0 and r["kernels_ms"] == pytest.approx(sum(r["kinds_ms"].values()))
         assert r["top_ops"] and all(o["kind"] in r["kinds_ms"] for o in r["top_ops"])
         assert f"{name}: step {r['step_ms']:.1f} ms, kernels {r['kernels_ms']:.1f} ms a step (host)" in printed
+        alone = r["alone"]  # one layer's attention traced by itself, times the model's 2 layers
+        assert alone["layers"] == 2 and alone["source"] == "host" and sum(alone["kinds_ms"].values()) > 0
+        assert f"{name}: its attention alone, x2 layers: {sum(alone['kinds_ms'].values()):.1f} ms a step" in printed
     assert f"{names[1]} - {names[0]}: step " in printed
 
 
