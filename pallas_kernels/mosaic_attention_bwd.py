@@ -148,7 +148,7 @@ def mosaic_dq(
     interpret: bool = False,
 ):
     """dQ [B, H, Tp, E] in q.dtype (q, k, v, dO and dQ in ``static.layout``); lse and delta [B, H, Tp, 1] float32
-    as the Triton kernels take them.
+    as the Triton kernels take them, but lse in log2 units (lse * log2(e): dK/dV then scales no score's).
     ``doc_arrays``: the forward's (``mosaic_forward``), per document / position slot its q ids and kv ids.
     ``mod_arrays``: the mod's captured arrays as ``mosaic_forward`` takes them; with them the result is (dQ, their
     gradients per query row [B, H, Tp, packed entries] float32: each entry's share of dS summed over the row's keys,
@@ -238,7 +238,7 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
             if packed:
                 copies.append((mod_ref.at[h], mod_smem2.at[wg]))
             _load_resident(plgpu, copies, ready, n_ready, wg)
-            lse2 = lax.broadcast_in_dim(modes.vector(lse_smem2.at[wg], 0), (rows, tkv), [0]) * _LOG2E
+            lse2 = lax.broadcast_in_dim(modes.vector(lse_smem2.at[wg], 0), (rows, tkv), [0])  # log2 units
             delta = lax.broadcast_in_dim(modes.vector(delta_smem2.at[wg], 0), (rows, tkv), [0])
             # [rows] per slot, read once; broadcast over a tile's columns where a PARTIAL tile needs them
             q_ids = [modes.vector(qid_smem2.at[wg, i], 0) for i in range(n_ids)]

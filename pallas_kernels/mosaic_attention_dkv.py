@@ -64,7 +64,8 @@ def mosaic_dkv(
     interpret: bool = False,
 ):
     """(dK, dV) [B, K, Sp, E] in k.dtype (q, k, v, dO, dK and dV in ``static.layout``), summed over each kv head's
-    query heads. ``doc_arrays`` as ``mosaic_dq``'s; ``mod_arrays`` as ``mosaic_forward``'s: each consumer
+    query heads; lse in log2 units as ``mosaic_dq`` takes it. ``doc_arrays`` as ``mosaic_dq``'s; ``mod_arrays`` as
+    ``mosaic_forward``'s: each consumer
     warpgroup copies the packed rows of the kv head's query heads to shared memory once (the arrays' own gradients
     are ``mosaic_dq``'s). With ``tiles.dkv_parts`` > 1 each part of the head dim is a launch of its own,
     concatenated here."""
@@ -220,7 +221,7 @@ def _dkv_part(
                     d_mod = None
                     s2 = s * (static.scale * _LOG2E)
                 # lse is read after the mask: read before it, its [q] vector was held beside a tile's q ids
-                lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1]) * _LOG2E
+                lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1])  # log2 units
                 p = jnp.exp2(s2 - lse2)
                 p16 = modes.operand(p.astype(dtype), a_smem2, wg)
                 dv = _accumulate(plgpu, dv, p16, cols(do_smem.at[slot]), lambda: None, interpret)
@@ -229,7 +230,7 @@ def _dkv_part(
                 delta = lax.broadcast_in_dim(modes.vector(delta_smem.at[slot], 1), (rows, tq), [1])
                 ds = p * (dp - delta)
                 if static.score_mod is not None and _output_derivative(static) is not None:  # lse read again
-                    lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1]) * _LOG2E
+                    lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1])
                     d_mod = _rebuilt_derivative(static, p, lse2, d_mod)
                 if d_mod is not None:
                     ds = ds * d_mod

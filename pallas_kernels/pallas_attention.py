@@ -52,7 +52,7 @@ from .kernel_inputs import (
 )
 from .kernel_mask import split_documents
 from .masks import ScoreMod
-from .mosaic_attention import MosaicTiles, mosaic_forward
+from .mosaic_attention import _LOG2E, MosaicTiles, mosaic_forward
 from .mosaic_attention_bwd import mosaic_dq
 from .mosaic_attention_dkv import mosaic_dkv, mosaic_fused_backward
 from .mosaic_backward_tiles import BackwardTiles
@@ -183,7 +183,8 @@ def _attention_bwd(static, residuals, cotangents):
     row_sums = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
     delta = to_bhte(row_sums, static.layout) - d_lse
     interpret = static.backend == "interpret"
-    args = (static, static.mosaic_bwd, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays)
+    # the Mosaic kernels take lse in log2 units, made once here rather than a multiply per score in dK/dV
+    args = (static, static.mosaic_bwd, q, k, v, d_out, lse * _LOG2E, delta, mask_arrays, doc_arrays)
     # a mod's captured arrays: their gradients are sums per entry over every score, formed by the dQ kernels (the
     # Triton one per program, the Mosaic one per query row); dK/dV only reads them
     if static.mosaic_bwd is not None and static.mosaic_bwd.fused_dq:
