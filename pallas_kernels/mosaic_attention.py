@@ -8,7 +8,8 @@ FlashAttention-3 is, and walks only the tiles the block mask keeps:
 - warpgroup 2, the producer, gives most of its registers away and streams the row's K/V tiles, in the order of the
   mask's list (PARTIAL blocks first, then FULL ones), through a ring of ``stages`` shared-memory slots with TMA;
 - warpgroups 0 and 1 each own half of the rows and take turns on the tensor cores (one runs its softmax while the
-  other's wgmma runs), synchronised by a schedule barrier; both walk the same list, so their turns stay paired;
+  other's wgmma runs), synchronised by a schedule barrier; both walk the same list, so their turns stay paired
+  (``MosaicTiles.turns`` off: no turns, each runs as it comes, for the sweep to time);
 - the element mask and score mod run on PARTIAL tiles only; FULL tiles go straight from wgmma to the online softmax,
   kept in base 2 so each exponential is one ``ex2``.
 
@@ -51,11 +52,15 @@ _SHARED_MEMORY = H100_SHARED_MEMORY_PER_BLOCK - 4096
 
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
-    """Rows per compute warpgroup (half the mask's block_q), kv columns per tile, and K/V ring slots."""
+    """Rows per compute warpgroup (half the mask's block_q), kv columns per tile, and K/V ring slots. ``turns``:
+    the two compute warpgroups take turns on the tensor cores (FlashAttention-3's ping-pong, the default); without
+    them each runs its steps as they come. Why both: turns pay where a warpgroup's softmax is shorter than the
+    other's products; at head dim 64 a tile's products are half as long, its 66 exponentials a warp the same."""
 
     rows: int
     kv: int
     stages: int
+    turns: bool = True
 
 
 def _smem_bytes(tiles: MosaicTiles, head_dim: int, itemsize: int, n_slots: int = 0) -> int:
@@ -80,7 +85,10 @@ def forward_candidates(head_dim: int, dtype, block_q: int, block_kv: int, entrie
     rows = block_q // 2
     widths = (64, 128) if entries and head_dim >= 128 else (128, 64)
     candidates = [MosaicTiles(rows, kv, stages) for kv in widths if block_kv % kv == 0 for stages in (4, 3, 2)]
-    return [t for t in candidates if _smem_bytes(t, head_dim, itemsize) <= _SHARED_MEMORY]
+    fitting = [t for t in candidates if _smem_bytes(t, head_dim, itemsize) <= _SHARED_MEMORY]
+    # then, for the sweep, each width's deepest ring without turns
+    untaken = [dataclasses.replace(t, turns=False) for t in fitting if t == next(u for u in fitting if u.kv == t.kv)]
+    return fitting + untaken
 
 
 def mosaic_tiles(head_dim: int, dtype, block_q: int, block_kv: int, entries: int = 0) -> MosaicTiles | None:
@@ -371,8 +379,9 @@ def mosaic_forward(
         n_tiles, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
 
         def take_turn():
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
+            if tiles.turns:
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
 
         @pl.when(wg < 2)
         def _consumer():
@@ -400,7 +409,8 @@ def mosaic_forward(
             def _():
                 plgpu.barrier_wait(k_ready.at[0])
 
-            pl.when(wg == 1)(take_turn)  # warpgroup 1 starts half a turn behind
+            if tiles.turns:
+                pl.when(wg == 1)(take_turn)  # warpgroup 1 starts half a turn behind
 
             def step(j, carry, masked: bool):
                 acc, m, l = carry
@@ -456,9 +466,11 @@ def mosaic_forward(
                 l = l * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
                 acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                plgpu.barrier_arrive(turn)  # softmax done
+                if tiles.turns:
+                    plgpu.barrier_arrive(turn)  # softmax done
                 plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(turn)  # the tensor cores are ours
+                if tiles.turns:
+                    plgpu.barrier_wait(turn)  # the tensor cores are ours
 
                 def wait_next_k():
                     nxt = j + 1
@@ -473,7 +485,8 @@ def mosaic_forward(
                 return acc, m_new, l
 
             acc, m, l = over_tiles(static, step, n_partial, n_tiles, (acc, m, l))
-            pl.when(wg == 0)(take_turn)  # pair warpgroup 1's first half turn
+            if tiles.turns:
+                pl.when(wg == 0)(take_turn)  # pair warpgroup 1's first half turn
 
             seen = l > 0.0  # False on padding rows and rows the mask empties
             l_safe = jnp.where(seen, l, 1.0)

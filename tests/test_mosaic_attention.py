@@ -380,15 +380,16 @@ def test_a_padded_full_mask_with_a_table_equals_the_reference():
         _close(g, w, 2e-2, name)
 
 
-def test_rows_longer_than_the_ring_with_given_tiles_forward_and_backward():
+@pytest.mark.parametrize("turns", [True, False])
+def test_rows_longer_than_the_ring_with_given_tiles_forward_and_backward(turns):
     """The tile sweep's override, and rows of more tiles than ring slots (the producer reuses each slot; every other
     case here fits its ring): 64-wide tiles in two-slot rings, so the forward, dQ and dK/dV kernels each walk four
     tiles per row (or column) of T = S = 200, padded to 256. A soft-cap, whose derivative the backward rebuilds from
     the probabilities: 0 on the padding rows, whose lse is inf. Equal to the reference, forward and gradients,
-    without asking for lowering="mosaic"."""
+    without asking for lowering="mosaic"; the forward's warpgroups with and without turns on the tensor cores."""
     q, k, v = _qkv(1, 1, 1, 200, 200, seed=3)
     bm = pk.make_block_mask(pk.full(), 200, 200, BLOCKS)
-    tiles = (MosaicTiles(64, 64, 2), BackwardTiles(64, 64, 2, 64, 64, 2))
+    tiles = (MosaicTiles(64, 64, 2, turns=turns), BackwardTiles(64, 64, 2, 64, 64, 2))
     mod = pk.soft_cap(2.0)
 
     def kernel(q, k, v):

@@ -10,7 +10,7 @@ import pytest
 import pallas_kernels as pk
 from pallas_kernels.gpu_tiles import mosaic_lowerings
 from pallas_kernels.kernel_mask import split_documents
-from pallas_kernels.mosaic_attention import MosaicTiles, mosaic_tiles
+from pallas_kernels.mosaic_attention import MosaicTiles, forward_candidates, mosaic_tiles
 from pallas_kernels.mosaic_backward_tiles import (
     BackwardTiles,
     backward_candidates,
@@ -97,6 +97,12 @@ def test_tiles_make_room_for_captured_arrays():
     per head and a document slot, dQ and dK/dV keep the rings they have without them (dQ's gradient tile goes from
     registers to global memory, not through shared memory)."""
     assert [mosaic_tiles(E, jnp.bfloat16, 128, 128, n).kv for E in (64, 128) for n in (0, 33)] == [128, 128, 128, 64]
+    # the table's picks take turns; the sweep's list ends with each width's deepest ring without them
+    candidates = forward_candidates(64, jnp.bfloat16, 128, 128)
+    assert mosaic_tiles(64, jnp.bfloat16, 128, 128).turns and [t for t in candidates if not t.turns] == [
+        MosaicTiles(64, 128, 4, turns=False),
+        MosaicTiles(64, 64, 4, turns=False),
+    ]
 
     plain64, table64 = (backward_tiles(64, jnp.bfloat16, 128, 128, entries=n) for n in (0, 33))
     assert (plain64.dq_kv, plain64.dkv_q, table64.dq_kv, table64.dkv_q) == (128, 128, 64, 64)
