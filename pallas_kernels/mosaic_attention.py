@@ -40,7 +40,7 @@ from .kernel_inputs import ROW_ORDER, bhte_shape, head_rows, like
 from .kernel_mask import DocumentSlot, PositionSlot
 from .masks import And, Or
 from .score_tables import pack_rows, packed_rows, packed_width, row_entries
-from .targets import H100_SHARED_MEMORY_PER_BLOCK
+from .targets import H100_SHARED_MEMORY_PER_BLOCK, sm_count
 from .tile_math import tile_bounds
 
 _LOG2E = math.log2(math.e)
@@ -55,12 +55,17 @@ class MosaicTiles:
     """Rows per compute warpgroup (half the mask's block_q), kv columns per tile, and K/V ring slots. ``turns``:
     the two compute warpgroups take turns on the tensor cores (FlashAttention-3's ping-pong, the default); without
     them each runs its steps as they come. Why both: turns pay where a warpgroup's softmax is shorter than the
-    other's products; at head dim 64 a tile's products are half as long, its 66 exponentials a warp the same."""
+    other's products; at head dim 64 a tile's products are half as long, its 66 exponentials a warp the same.
+    ``ctas``: 0, a CTA per program, as many as the grid has, which the GPU starts as SMs free up; n > 0, n CTAs
+    that stay resident and each take every n-th program (persistent, as FlashAttention-3's), the K/V ring running
+    on from one program into the next: no wave of CTAs half full at the end, and no program's start waiting on its
+    first loads."""
 
     rows: int
     kv: int
     stages: int
     turns: bool = True
+    ctas: int = 0
 
 
 def _smem_bytes(tiles: MosaicTiles, head_dim: int, itemsize: int, n_slots: int = 0) -> int:
@@ -86,9 +91,10 @@ def forward_candidates(head_dim: int, dtype, block_q: int, block_kv: int, entrie
     widths = (64, 128) if entries and head_dim >= 128 else (128, 64)
     candidates = [MosaicTiles(rows, kv, stages) for kv in widths if block_kv % kv == 0 for stages in (4, 3, 2)]
     fitting = [t for t in candidates if _smem_bytes(t, head_dim, itemsize) <= _SHARED_MEMORY]
-    # then, for the sweep, each width's deepest ring without turns
+    # then, for the sweep, each width's deepest ring without turns, and the first tiling in resident CTAs
     untaken = [dataclasses.replace(t, turns=False) for t in fitting if t == next(u for u in fitting if u.kv == t.kv)]
-    return fitting + untaken
+    resident = [dataclasses.replace(fitting[0], ctas=sm_count())] if fitting else []
+    return fitting + untaken + resident
 
 
 def mosaic_tiles(head_dim: int, dtype, block_q: int, block_kv: int, entries: int = 0) -> MosaicTiles | None:
@@ -174,17 +180,28 @@ def fresh_zero(tile_first):
     return jnp.minimum(tile_first, 0)
 
 
-def stream(plgpu, n_steps, stages: int, load, free) -> None:
+def stream(plgpu, n_steps, stages: int, load, free, offset=None) -> None:
     """The producer warpgroup's loop: fill the ring's ``stages`` slots, then refill each slot once both consumer
     warpgroups have arrived on its ``free`` barriers; at the end, wait for the last ``stages`` steps' releases too,
     so that every arrival is observed (the interpreter checks this once a row is longer than the ring).
-    ``load(j, slot)`` issues step j's TMA copies."""
-    for i in range(stages):
-        pl.when(i < n_steps)(functools.partial(load, i, i))
+    ``load(j, slot)`` issues step j's TMA copies. ``offset``: with resident CTAs, the ring steps of the CTA's
+    earlier programs; the ring runs on from them, and the waits at the end are ``drain``'s, after the last."""
 
     def release(j):  # step j - stages has left its slot
         for barrier in free:
             plgpu.barrier_wait(barrier.at[lax.rem(j, stages)])
+
+    if offset is not None:
+
+        @pl.loop(0, n_steps)
+        def _(j):
+            g = offset + j
+            pl.when(g >= stages)(functools.partial(release, g))
+            load(j, lax.rem(g, stages))
+
+        return
+    for i in range(stages):
+        pl.when(i < n_steps)(functools.partial(load, i, i))
 
     @pl.loop(stages, jnp.maximum(n_steps, stages))
     def _(j):
@@ -195,7 +212,20 @@ def stream(plgpu, n_steps, stages: int, load, free) -> None:
         pl.when(n_steps + i >= stages)(functools.partial(release, n_steps + i))
 
 
-def stream_kv(plgpu, blocks: BlockList, stages: int, b, kv_head, kv, free, ids=None, layout: str = "BHTE") -> None:
+def drain(plgpu, steps, stages: int, free) -> None:
+    """After a resident CTA's last program: wait for the ring's last ``stages`` releases of its ``steps`` in all
+    (``stream``'s end, once)."""
+    for i in range(stages):
+
+        @pl.when(steps + i >= stages)
+        def _(i=i):
+            for barrier in free:
+                plgpu.barrier_wait(barrier.at[lax.rem(steps + i, stages)])
+
+
+def stream_kv(
+    plgpu, blocks: BlockList, stages: int, b, kv_head, kv, free, ids=None, layout: str = "BHTE", offset=None
+) -> None:
     """The producer of the forward and dQ kernels: each tile of the row's list, K then V, into the ring
     (``kv`` = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready)), K and V in ``layout``); on PARTIAL tiles every
     slot's kv ids too, beside K (``ids`` = (this batch row's ids [slots, Sp], their ring, its barriers); their slot
@@ -215,7 +245,7 @@ def stream_kv(plgpu, blocks: BlockList, stages: int, b, kv_head, kv, free, ids=N
 
         plgpu.copy_gmem_to_smem(head_rows(v_ref, layout, b, kv_head, tile), v_smem.at[slot], v_ready.at[slot])
 
-    stream(plgpu, blocks.count, stages, load, free)
+    stream(plgpu, blocks.count, stages, load, free, offset)
 
 
 def _accumulate(plgpu, acc, a, b, then, interpret: bool):
@@ -364,19 +394,36 @@ def mosaic_forward(
     # mod's arrays the consumers take FlashAttention-3's 240 / 24: at head dim 256 two slots' ids spilled 8 bytes at
     # 232 / 40, and at head dim 128 a T5 bias table 72 bytes.
     consumer_regs, producer_regs = (240, 24) if n_ids or packed else (232, 40)
+    lines = Tp // (2 * rows)  # programs per (batch row, head)
+    ctas = min(tiles.ctas, H * lines * B)
 
     def kernel(
         q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, order_ref, qid_ref, kvid_ref, mod_ref, out_ref, lse_ref, scoped
     ):
         smem, (k_ready, v_ready, q_ready), (k_free, v_free), turn, (kvid_ready, qid_ready), mod_ready = scoped
         qo_smem2, k_smem, v_smem, lse_smem2, kt_smem, p_smem, qid_smem2, kvid_smem, mod_smem2 = smem
-        b, h, prog = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
         wg = lax.axis_index("wg")
-        bm = b if static.mask_batched else 0
-        bd = b if ids_batched else 0
-        row, first_row = program_line(order_ref, bm, prog, 2 * rows, static.block_q)
-        blocks = BlockList(idx_ref, np_ref, cnt_ref, bm, row, static.block_kv, tkv)
-        n_tiles, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
+
+        def program(i):
+            """(b, h, its mask's batch row, its ids' batch row, first row, block list) of this CTA's i-th program:
+            the grid's own, or with resident CTAs the one i x ctas programs on, in the grid's order."""
+            if not ctas:
+                b, h, prog = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
+            else:
+                n = lax.axis_index("cta") + i * ctas
+                b, h, prog = lax.div(n, H * lines), lax.rem(n, H), lax.rem(lax.div(n, H), lines)
+            bm = b if static.mask_batched else 0
+            row, first_row = program_line(order_ref, bm, prog, 2 * rows, static.block_q)
+            blocks = BlockList(idx_ref, np_ref, cnt_ref, bm, row, static.block_kv, tkv)
+            return b, h, bm, b if ids_batched else 0, first_row, blocks
+
+        # this CTA's programs: 1, or every ctas-th from its index on
+        n_programs = lax.div(H * lines * B - lax.axis_index("cta") + ctas - 1, ctas) if ctas else 1
+
+        def over_programs(body):
+            """``body(i, g)`` for each of this CTA's programs, ``g`` the ring steps before it (it returns g plus its
+            own); the steps of all of them."""
+            return lax.fori_loop(0, n_programs, body, jnp.int32(0)) if ctas else body(0, jnp.int32(0))
 
         def take_turn():
             if tiles.turns:
@@ -386,124 +433,139 @@ def mosaic_forward(
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
-            qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
-            q_base = first_row + wg * rows
-            plgpu.copy_gmem_to_smem(head_rows(q_ref, layout, b, h, pl.ds(q_base, rows)), qo_smem, q_ready.at[wg])
-            if n_ids:
-                at = (bd, slice(None), pl.ds(q_base, rows))
-                plgpu.copy_gmem_to_smem(qid_ref.at[at], qid_smem2.at[wg], qid_ready.at[wg])
-            if packed:
-                plgpu.copy_gmem_to_smem(mod_ref.at[h], mod_smem2.at[wg], mod_ready.at[wg])
-                plgpu.barrier_wait(mod_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
-            q_ids = []
-            if n_ids:  # [rows] per slot, read once; broadcast over a tile's columns where a PARTIAL tile needs them
-                plgpu.barrier_wait(qid_ready.at[wg])
-                q_ids = [modes.vector(qid_smem2.at[wg, i], 0) for i in range(n_ids)]
 
-            m = modes.cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l = modes.cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            acc = modes.zeros((rows, E))
+            def consume(i, g0):
+                b, h, _, bd, first_row, blocks = program(i)
+                n_tiles, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
+                qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+                q_base = first_row + wg * rows
+                plgpu.copy_gmem_to_smem(head_rows(q_ref, layout, b, h, pl.ds(q_base, rows)), qo_smem, q_ready.at[wg])
+                if n_ids:
+                    at = (bd, slice(None), pl.ds(q_base, rows))
+                    plgpu.copy_gmem_to_smem(qid_ref.at[at], qid_smem2.at[wg], qid_ready.at[wg])
+                if packed:
+                    plgpu.copy_gmem_to_smem(mod_ref.at[h], mod_smem2.at[wg], mod_ready.at[wg])
+                    plgpu.barrier_wait(mod_ready.at[wg])
+                plgpu.barrier_wait(q_ready.at[wg])
+                q_ids = []
+                if n_ids:  # [rows] per slot, read once; broadcast over a tile's columns where a PARTIAL tile needs them
+                    plgpu.barrier_wait(qid_ready.at[wg])
+                    q_ids = [modes.vector(qid_smem2.at[wg, i], 0) for i in range(n_ids)]
 
-            @pl.when(n_tiles > 0)
-            def _():
-                plgpu.barrier_wait(k_ready.at[0])
+                m = modes.cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                l = modes.cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                acc = modes.zeros((rows, E))
 
-            if tiles.turns:
-                pl.when(wg == 1)(take_turn)  # warpgroup 1 starts half a turn behind
+                @pl.when(n_tiles > 0)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(g0, stages)])
 
-            def step(j, carry, masked: bool):
-                acc, m, l = carry
-                slot = lax.rem(j, stages)
-
-                k_t = modes.transposed(k_smem.at[slot], kt_smem, wg)
-
-                # at head dim 256 Q's wgmma descriptors (16 k-steps) are made anew each step (sm_90 ptxas, documents
-                # with GQA: 12 bytes of spills -> 0); head dims 64 and 128, measured on a GPU, keep their code
-                z = fresh_zero(tile_start(j)) if E > 128 else 0
-
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, qo_smem2.at[wg + z], k_t)
-                    take_turn()
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((rows, tkv), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                if masked or static.score_mod is not None:
-                    kv_first = tile_start(j)
-
-                    def make_q_pos():
-                        return modes.iota((rows, tkv), 0) + q_base
-
-                    def make_kv_pos():
-                        return modes.iota((rows, tkv), 1) + kv_first
-
-                    # the mod's entries are read from shared memory on every tile (inside the branch that reads
-                    # them, with a tile shortcut), not held in registers
-                    def read_entries():
-                        return packed_rows(static.score_mod, mod_smem2.at[wg]) if packed else ()
-
-                    bounds = tile_bounds(q_base, rows, kv_first, tkv)
-                    scaled = s * static.scale
-                    s, _ = static.mod_scores(scaled, make_q_pos, make_kv_pos, h, arrays=read_entries, tile=bounds)
-                    if masked:
-                        # the kv ids are read here, where the mask needs them (their ring slot frees with V's;
-                        # read sooner, two slots' ids held 64 more registers across the wgmma wait and spilled)
-                        ids = modes.id_tiles(q_ids, kvid_smem, kvid_ready, slot, s.shape, True)
-                        s = jnp.where(static.keep(ids, make_q_pos(), make_kv_pos()), s, -jnp.inf)
-                    to_log2 = _LOG2E
-                else:
-                    to_log2 = static.scale * _LOG2E
-                # in log2 units: the row max taken on s and scaled once a row (to_log2 > 0, so it is the max of the
-                # scaled scores), and each score scaled inside its exponent's fma: one multiply a score less (at head
-                # dim 64, 491 -> 427 instructions a tile, sm_90, where the issue slots are as scarce as the tensor
-                # cores' time)
-                m_new = jnp.maximum(m, s.max(axis=1) * to_log2)
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
-                alpha = jnp.exp2(m - m_safe)
-                p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                 if tiles.turns:
-                    plgpu.barrier_arrive(turn)  # softmax done
-                plgpu.barrier_wait(v_ready.at[slot])
+                    pl.when(wg == 1)(take_turn)  # warpgroup 1 starts half a turn behind
+
+                def step(j, carry, masked: bool):
+                    acc, m, l = carry
+                    slot = lax.rem(g0 + j, stages)  # the ring runs on from the CTA's earlier programs
+
+                    k_t = modes.transposed(k_smem.at[slot], kt_smem, wg)
+
+                    # at head dim 256 Q's wgmma descriptors (16 k-steps) are made anew each step (sm_90 ptxas, documents
+                    # with GQA: 12 bytes of spills -> 0); head dims 64 and 128, measured on a GPU, keep their code
+                    z = fresh_zero(tile_start(j)) if E > 128 else 0
+
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, qo_smem2.at[wg + z], k_t)
+                        take_turn()
+                        return acc_ref[...]
+
+                    s = pl.run_scoped(qk, plgpu.ACC((rows, tkv), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    if masked or static.score_mod is not None:
+                        kv_first = tile_start(j)
+
+                        def make_q_pos():
+                            return modes.iota((rows, tkv), 0) + q_base
+
+                        def make_kv_pos():
+                            return modes.iota((rows, tkv), 1) + kv_first
+
+                        # the mod's entries are read from shared memory on every tile (inside the branch that reads
+                        # them, with a tile shortcut), not held in registers
+                        def read_entries():
+                            return packed_rows(static.score_mod, mod_smem2.at[wg]) if packed else ()
+
+                        bounds = tile_bounds(q_base, rows, kv_first, tkv)
+                        scaled = s * static.scale
+                        s, _ = static.mod_scores(scaled, make_q_pos, make_kv_pos, h, arrays=read_entries, tile=bounds)
+                        if masked:
+                            # the kv ids are read here, where the mask needs them (their ring slot frees with V's;
+                            # read sooner, two slots' ids held 64 more registers across the wgmma wait and spilled)
+                            ids = modes.id_tiles(q_ids, kvid_smem, kvid_ready, slot, s.shape, True)
+                            s = jnp.where(static.keep(ids, make_q_pos(), make_kv_pos()), s, -jnp.inf)
+                        to_log2 = _LOG2E
+                    else:
+                        to_log2 = static.scale * _LOG2E
+                    # in log2 units: the row max taken on s and scaled once a row (to_log2 > 0, so it is the max
+                    # of the scaled scores), and each score scaled inside its exponent's fma: one multiply a score
+                    # less (sm_90, head dim 64: 491 -> 429 instructions a tile)
+                    m_new = jnp.maximum(m, s.max(axis=1) * to_log2)
+                    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
+                    alpha = jnp.exp2(m - m_safe)
+                    p = jnp.exp2(s * to_log2 - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    l = l * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    if tiles.turns:
+                        plgpu.barrier_arrive(turn)  # softmax done
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    if tiles.turns:
+                        plgpu.barrier_wait(turn)  # the tensor cores are ours
+
+                    def wait_next_k():
+                        nxt = j + 1
+
+                        @pl.when(nxt < n_tiles)
+                        def _():
+                            plgpu.barrier_wait(k_ready.at[lax.rem(g0 + nxt, stages)])
+
+                    p16 = modes.operand(p16, p_smem, wg)
+                    acc = _accumulate(plgpu, acc, p16, v_smem.at[slot], wait_next_k, interpret)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, l
+
+                acc, m, l = over_tiles(static, step, n_partial, n_tiles, (acc, m, l))
                 if tiles.turns:
-                    plgpu.barrier_wait(turn)  # the tensor cores are ours
+                    pl.when(wg == 0)(take_turn)  # pair warpgroup 1's first half turn
 
-                def wait_next_k():
-                    nxt = j + 1
+                seen = l > 0.0  # False on padding rows and rows the mask empties
+                l_safe = jnp.where(seen, l, 1.0)
+                acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+                qo_smem[...] = acc.astype(dtype)
+                lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qo_smem, head_rows(out_ref, layout, b, h, pl.ds(q_base, rows)))
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, rows)])
+                plgpu.wait_smem_to_gmem(0)
+                return g0 + n_tiles
 
-                    @pl.when(nxt < n_tiles)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[lax.rem(nxt, stages)])
-
-                p16 = modes.operand(p16, p_smem, wg)
-                acc = _accumulate(plgpu, acc, p16, v_smem.at[slot], wait_next_k, interpret)
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l
-
-            acc, m, l = over_tiles(static, step, n_partial, n_tiles, (acc, m, l))
-            if tiles.turns:
-                pl.when(wg == 0)(take_turn)  # pair warpgroup 1's first half turn
-
-            seen = l > 0.0  # False on padding rows and rows the mask empties
-            l_safe = jnp.where(seen, l, 1.0)
-            acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-            qo_smem[...] = acc.astype(dtype)
-            lse_smem[...] = jnp.where(seen, (m + jnp.log2(l_safe)) * _LN2, jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, head_rows(out_ref, layout, b, h, pl.ds(q_base, rows)))
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, rows)])
-            plgpu.wait_smem_to_gmem(0)
+            over_programs(consume)
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(producer_regs, action="decrease")
-            ids = (kvid_ref.at[bd], kvid_smem, kvid_ready) if n_ids else None
             kv = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))
-            stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids, layout)
+
+            def produce(i, g):
+                b, h, _, bd, _, blocks = program(i)
+                ids = (kvid_ref.at[bd], kvid_smem, kvid_ready) if n_ids else None
+                free = (k_free, v_free)
+                stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, free, ids, layout, g if ctas else None)
+                return g + blocks.count
+
+            steps = over_programs(produce)
+            if ctas:
+                drain(plgpu, steps, stages, (k_free, v_free))
 
     def attention_forward(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, order_ref, *refs):  # the name a profile
         # reads off the instruction's op_name (sharding.hlo.kernel_kinds), as dQ's and dK/dV's
@@ -544,8 +606,8 @@ def mosaic_forward(
             like(q.shape, dtype, q),
             like((B, H, Tp), jnp.float32, q),
         ),
-        grid=(H, Tp // (2 * rows), B),
-        grid_names=("heads", "rows", "batch"),
+        grid=(ctas,) if ctas else (H, lines, B),
+        grid_names=("cta",) if ctas else ("heads", "rows", "batch"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

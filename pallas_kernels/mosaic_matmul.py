@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_inputs import like
-from .targets import H100_SHARED_MEMORY_PER_BLOCK, H100_SMS
+from .targets import H100_SHARED_MEMORY_PER_BLOCK, sm_count
 
 FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -141,12 +141,6 @@ def _transforms(minor: int, dtype):
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(minor * bits)
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
-
-
-def _sm_count() -> int:
-    """The SMs the resident CTAs fill: the local GPU's, else an H100's (compiling for one, or the interpreter)."""
-    device = jax.devices()[0]
-    return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or H100_SMS
 
 
 def _load(ref, layout, interpret: bool):
@@ -274,7 +268,7 @@ def mosaic_scaled_matmul(
             interpret=params is not None,
         ),
         out_type=like((Mp, Np), out_dtype, a_MK),
-        grid=(min(_sm_count(), Mp // tiles.cta_m * (Np // tiles.tile_n)),),
+        grid=(min(sm_count(), Mp // tiles.cta_m * (Np // tiles.tile_n)),),
         grid_names=("sm",),
         num_threads=tiles.consumers + 1,
         thread_name="wg",

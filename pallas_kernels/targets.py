@@ -206,6 +206,12 @@ H100_MEMORY = 84942979072  # bytes of HBM3 (device_memory_size above)
 H100_CUDNN = (91000, "9.0")  # cuDNN 9.10 and sm_90 (dnn_version_info and cuda_compute_capability above)
 
 
+def sm_count() -> int:
+    """The SMs that resident CTAs fill: the local GPU's, else an H100's (compiling for one, or the interpreter)."""
+    device = jax.devices()[0]
+    return (getattr(device, "core_count", None) if device.platform == "gpu" else None) or H100_SMS
+
+
 def cudnn_attention_takes(dtype, head_dim: int) -> bool:
     """Whether cuDNN's fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``) takes queries of
     this dtype and head dim: bf16 or fp16, head dim a multiple of 8 up to 128 (its forward and backward both

@@ -380,16 +380,17 @@ def test_a_padded_full_mask_with_a_table_equals_the_reference():
         _close(g, w, 2e-2, name)
 
 
-@pytest.mark.parametrize("turns", [True, False])
-def test_rows_longer_than_the_ring_with_given_tiles_forward_and_backward(turns):
+@pytest.mark.parametrize("turns, ctas", [(True, 0), (False, 0), (True, 1)])
+def test_rows_longer_than_the_ring_with_given_tiles_forward_and_backward(turns, ctas):
     """The tile sweep's override, and rows of more tiles than ring slots (the producer reuses each slot; every other
     case here fits its ring): 64-wide tiles in two-slot rings, so the forward, dQ and dK/dV kernels each walk four
     tiles per row (or column) of T = S = 200, padded to 256. A soft-cap, whose derivative the backward rebuilds from
     the probabilities: 0 on the padding rows, whose lse is inf. Equal to the reference, forward and gradients,
-    without asking for lowering="mosaic"; the forward's warpgroups with and without turns on the tensor cores."""
+    without asking for lowering="mosaic"; the forward's warpgroups with and without turns on the tensor cores, and
+    one resident CTA taking both programs, its ring running on from the first into the second."""
     q, k, v = _qkv(1, 1, 1, 200, 200, seed=3)
     bm = pk.make_block_mask(pk.full(), 200, 200, BLOCKS)
-    tiles = (MosaicTiles(64, 64, 2, turns=turns), BackwardTiles(64, 64, 2, 64, 64, 2))
+    tiles = (MosaicTiles(64, 64, 2, turns=turns, ctas=ctas), BackwardTiles(64, 64, 2, 64, 64, 2))
     mod = pk.soft_cap(2.0)
 
     def kernel(q, k, v):
@@ -408,6 +409,23 @@ def test_rows_longer_than_the_ring_with_given_tiles_forward_and_backward(turns):
         ("dq", "dk", "dv"), vjp((d_out, zero_lse)), ref_vjp((d_out.astype(jnp.float32), zero_lse))
     ):
         _close(got, want, 2e-2, name)
+
+
+def test_resident_ctas_take_every_nth_program_of_the_grid():
+    """Persistent forward (``MosaicTiles(ctas=3)``): 16 programs (2 batch rows x 4 heads x 2 block rows) over 3
+    CTAs, 6 / 5 / 5 each, in the model's layout, GQA 2 on 1 and causal documents that differ by batch row: each CTA
+    walks its programs in turn, its K/V ring and kv ids' ring running on from one into the next, and every output
+    row and lse equals the reference's."""
+    B, H, K, T = 2, 4, 2, 256
+    q, k, v = _qkv(B, H, K, T, T, seed=4)
+    ids = jnp.asarray(np.stack([np.repeat([0, 1, 2], [60, 120, 76]), np.repeat([0, 1], [150, 106])]), jnp.int32)
+    mask = pk.causal() & pk.document(ids)
+    bm = pk.make_block_mask(mask, T, T, BLOCKS)
+    tiles = MosaicTiles(64, 64, 3, ctas=3)  # rows of 2 or 4 tiles in a ring of 3: each program starts elsewhere
+    out, lse = pk.block_sparse_attention(*(x.swapaxes(1, 2) for x in (q, k, v)), bm, tiles=tiles, layout="BTHE")
+    ref_out, ref_lse = pk.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
+    _close(out.swapaxes(1, 2), ref_out, 1e-2, "out")
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-3)
 
 
 def test_the_device_benchmark_refuses_a_machine_without_a_gpu(capsys):

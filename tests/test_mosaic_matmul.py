@@ -72,7 +72,7 @@ def test_resident_ctas_walk_several_output_tiles(monkeypatch, consumers, band):
     tile's scales and out tile pass through the same shared buffers and barriers, and each lands in its place."""
     from pallas_kernels import mosaic_matmul
 
-    monkeypatch.setattr(mosaic_matmul, "_sm_count", lambda: 2)
+    monkeypatch.setattr(mosaic_matmul, "sm_count", lambda: 2)
     tiles = MosaicTiles(64, 64, 64, 2, consumers=consumers, band=band)
     M, N, K = 64 * consumers * 2, 192, 128
     a, b, a_scale, b_scale = _operands(M, N, K, jnp.float8_e4m3fn, seed=3)
