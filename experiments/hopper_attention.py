@@ -290,16 +290,20 @@ def _time_row(row: dict, fn, args, flops: int, repeats: int, log) -> dict:
     return row
 
 
+SWEEP_PASSES = ("forward", "backward", "fused")
+
+
 def run_sweep(
     T=8192, head_dims=(64, 128), width=2048, tokens=16384, backward_top=4, repeats=10, layout="BHTE", log=print,
-    on_row=lambda rows: None,
+    on_row=lambda rows: None, passes=SWEEP_PASSES,
 ):  # fmt: skip
     """Every forward tiling (timed forward only) and the first ``backward_top`` backward tilings (timed forward +
     backward with the default forward) of the Mosaic kernels, full and causal masks; the same for the backward
     summing dQ across programs (``fused``). The first candidate of each list is what the kernels use today. Each
     (head dim, mask) starts with cuDNN's row (pass ``cudnn``: its forward and forward + backward), so every tiling
     has its peer in the same run. ``layout``: the kernels' q, k, v (cuDNN reads [B, T, H, E]). ``on_row(rows)``
-    after every row: a sweep cut by a lease's timeout keeps what it timed."""
+    after every row: a sweep cut by a lease's timeout keeps what it timed. ``passes``: which of forward, backward and
+    fused to time."""
     rows = []
     for E in head_dims:
         B, H, q, k, v = _qkv(T, E, tokens, width)
@@ -315,6 +319,8 @@ def run_sweep(
             bwd = backward_candidates(E, jnp.bfloat16, 128, 128)[:backward_top]
             fused = backward_candidates(E, jnp.bfloat16, 128, 128, fused=True)[:backward_top]
             for kind, candidates in (("forward", fwd), ("backward", bwd), ("fused", fused)):
+                if kind not in passes:
+                    continue
                 for rank, tiles in enumerate(candidates):
                     fn = functools.partial(_attend_with, bm, tiles, deterministic=kind != "fused", layout=layout)
                     if kind != "forward":
@@ -391,6 +397,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--group", type=int, default=1, help="speed's query heads per key / value head (GQA; the ~1B step's: 2)"
     )
+    p.add_argument(
+        "--passes",
+        type=csv_of(str, SWEEP_PASSES),
+        default=SWEEP_PASSES,
+        help="sweep's passes, comma-separated: forward, backward, fused (all)",
+    )
     args = p.parse_args(argv)
     only = set(args.only.split(","))
     if not only or only - {"check", "speed", "mods", "documents", "sweep"}:
@@ -449,7 +461,7 @@ def main(argv=None) -> int:
             result["sweep"] = rows
             save()
 
-        run_sweep(T=args.seqs[-1], head_dims=args.head_dims, layout=args.layout, on_row=keep)
+        run_sweep(T=args.seqs[-1], head_dims=args.head_dims, layout=args.layout, on_row=keep, passes=args.passes)
     return 0 if all(r["ok"] for r in result.get("check", [])) else 1
 
 

@@ -91,10 +91,10 @@ def forward_candidates(head_dim: int, dtype, block_q: int, block_kv: int, entrie
     widths = (64, 128) if entries and head_dim >= 128 else (128, 64)
     candidates = [MosaicTiles(rows, kv, stages) for kv in widths if block_kv % kv == 0 for stages in (4, 3, 2)]
     fitting = [t for t in candidates if _smem_bytes(t, head_dim, itemsize) <= _SHARED_MEMORY]
-    # then, for the sweep, each width's deepest ring without turns, and the first tiling in resident CTAs
+    # for the sweep, right after the first: each width's deepest ring without turns, and the first in resident CTAs
     untaken = [dataclasses.replace(t, turns=False) for t in fitting if t == next(u for u in fitting if u.kv == t.kv)]
     resident = [dataclasses.replace(fitting[0], ctas=sm_count())] if fitting else []
-    return fitting + untaken + resident
+    return fitting[:1] + untaken + resident + fitting[1:]
 
 
 def mosaic_tiles(head_dim: int, dtype, block_q: int, block_kv: int, entries: int = 0) -> MosaicTiles | None:

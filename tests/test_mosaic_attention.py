@@ -440,6 +440,9 @@ def test_the_device_benchmark_refuses_a_machine_without_a_gpu(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "hopper_attention: error: --impls 'fused': choose from mosaic, mosaic_fused, triton, cudnn"
     ]
+    with pytest.raises(SystemExit) as bad_pass:
+        hopper_attention.main(["--only", "sweep", "--passes", "forward,dkv"])
+    assert bad_pass.value.code == 2 and "'forward,dkv': choose from forward, backward, fused" in capsys.readouterr().err
     assert hopper_attention.main(["--group", "3"]) == 2  # 3 divides neither 32 nor 16 heads
     assert capsys.readouterr().err.splitlines() == [
         "hopper_attention: error: --group 3 must divide the head count of every head dim (32, 16) and --seqs be "
@@ -659,3 +662,7 @@ def test_the_tile_sweep_times_each_tiling_against_cudnn_and_keeps_its_rows_as_it
             peer = next(p for p in rows if p["pass"] == "cudnn" and p["mask"] == r["mask"])
             base = peer["forward_ms"] if r["pass"] == "forward" else peer["train_ms"]
             assert r["vs_cudnn"] == pytest.approx(base / r["ms"]) and r["layout"] == "BTHE"
+    forward_only = hopper_attention.run_sweep(
+        T=128, head_dims=(32,), width=64, tokens=256, repeats=1, log=lambda line: None, passes=("forward",)
+    )
+    assert [r["pass"] for r in forward_only] == ["cudnn", "forward", "forward"] * 2
