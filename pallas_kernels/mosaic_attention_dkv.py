@@ -27,6 +27,7 @@ from .mosaic_attention import (
     BlockList,
     Modes,
     _accumulate,
+    drain,
     fresh_zero,
     id_inputs,
     interpret_params,
@@ -140,6 +141,8 @@ def _dkv_part(
     # With the soft-cap's derivative rebuilt from p (``_rebuilt_derivative``), 0 at both head dims; with the
     # resident K and V's descriptors made each step (``fresh_zero``), GQA and a document slot 0 too.
     consumer_regs, producer_regs = (240, 24)
+    lines = Sp // (n_wg * rows)  # programs per (batch row, kv head)
+    ctas = min(tiles.ctas, K * lines * B)
 
     def kernel(
         q_ref,
@@ -163,188 +166,220 @@ def _dkv_part(
         smem, ready, slot_ready, slot_free, qid_ready, ds_ready = scoped
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, t_smem2, a_smem2, kvid_smem2, qid_smem = smem[:10]
         mod_smem2, out_smem2, ds_smem2, dq_smem2, dst_smem2 = smem[10:]
-        b, hk, prog, wg = (lax.axis_index(n) for n in ("batch", "heads", "cols", "wg"))
-        bd = b if ids_batched else 0
-        bm = b if static.mask_batched else 0
-        col, first_row = program_line(order_ref, bm, prog, n_wg * rows, static.block_kv)  # heaviest columns first
+        wg = lax.axis_index("wg")
+
+        def program(i):
+            """(b, kv head, program, ids' batch row, mask's batch row) of this CTA's i-th program: the grid's own,
+            or with resident CTAs the one i x ctas programs on, in the grid's order."""
+            if not ctas:
+                b, hk, prog = (lax.axis_index(n) for n in ("batch", "heads", "cols"))
+            else:
+                n = lax.axis_index("cta") + i * ctas
+                b, hk, prog = lax.div(n, K * lines), lax.rem(n, K), lax.rem(lax.div(n, K), lines)
+            return b, hk, prog, b if ids_batched else 0, b if static.mask_batched else 0
+
+        # this CTA's programs: 1, or every ctas-th from its index on
+        n_programs = lax.div(K * lines * B - lax.axis_index("cta") + ctas - 1, ctas) if ctas else 1
+
+        def over_programs(body):
+            """``body(i, g)`` for each of this CTA's programs, ``g`` the ring steps before it (it returns g plus its
+            own); the steps of all of them."""
+            return lax.fori_loop(0, n_programs, body, jnp.int32(0)) if ctas else body(0, jnp.int32(0))
 
         # The column's block list is read in each warpgroup's branch: read before it, its counts were held across
         # both (sm_90 ptxas, the fused kernel at head dim 128 with GQA and documents: 12 bytes of spills -> 0)
-        def column():
+        def column(bm, col):
             blocks = BlockList(idx_ref, np_ref, cnt_ref, bm, col, static.block_q, tq)
             return blocks.count, blocks.partial, blocks.start
 
         @pl.when(wg < n_wg)
         def _consumer():
-            per_head, n_partial, tile_start = column()
             if n_wg == 2:  # one consumer and the producer have 255 registers a thread each without reallocation
                 plgpu.set_max_registers(consumer_regs, action="increase")
-            k_own, v_own = k_smem2.at[wg], v_smem2.at[wg]
-            base = first_row + wg * rows
-            own_rows = pl.ds(base, rows)
-            copies = [(head_rows(src, layout, b, hk, own_rows), dst) for src, dst in ((k_ref, k_own), (v_ref, v_own))]
-            if n_ids:
-                copies.append((kvid_ref.at[bd, slice(None), pl.ds(base, rows)], kvid_smem2.at[wg]))
-            if packed:
-                copies.append((mod_ref.at[pl.ds(hk * G, G)], mod_smem2.at[wg]))
-            _load_resident(plgpu, copies, ready, n_ready, wg)
-            # [kv rows] per slot, read once; broadcast over a tile's q columns where a PARTIAL tile needs them
-            kv_ids = [modes.vector(kvid_smem2.at[wg, i], 0) for i in range(n_ids)]
 
-            def step(t, carry, g, masked):
-                dk, dv = carry
-                j = g * per_head + t
-                slot = lax.rem(j, stages)
-                for r in slot_ready:
-                    plgpu.barrier_wait(r.at[slot])
-                q_t = modes.transposed(q_smem.at[slot], t_smem2, wg)
-                q_first = tile_start(t)
-                z = fresh_zero(q_first)
-                s = modes.product(k_smem2.at[wg + z], q_t, (rows, tq))  # s^T [kv rows, q]
-                head = hk * G + g
-                if masked or static.score_mod is not None:
+            def consume(i, g0):
+                b, hk, prog, bd, bm = program(i)
+                col, first_row = program_line(order_ref, bm, prog, n_wg * rows, static.block_kv)  # heaviest first
+                per_head, n_partial, tile_start = column(bm, col)
+                k_own, v_own = k_smem2.at[wg], v_smem2.at[wg]
+                base = first_row + wg * rows
+                own_rows = pl.ds(base, rows)
+                pairs = ((k_ref, k_own), (v_ref, v_own))
+                copies = [(head_rows(src, layout, b, hk, own_rows), dst) for src, dst in pairs]
+                if n_ids:
+                    copies.append((kvid_ref.at[bd, slice(None), pl.ds(base, rows)], kvid_smem2.at[wg]))
+                if packed:
+                    copies.append((mod_ref.at[pl.ds(hk * G, G)], mod_smem2.at[wg]))
+                _load_resident(plgpu, copies, ready, n_ready, wg)
+                # [kv rows] per slot, read once; broadcast over a tile's q columns where a PARTIAL tile needs them
+                kv_ids = [modes.vector(kvid_smem2.at[wg, i], 0) for i in range(n_ids)]
 
-                    def kv_pos():
-                        return modes.iota((rows, tq), 0) + base
+                def step(t, carry, g, masked):
+                    dk, dv = carry
+                    j = g0 + g * per_head + t  # the ring runs on from the CTA's earlier programs
+                    slot = lax.rem(j, stages)
+                    for r in slot_ready:
+                        plgpu.barrier_wait(r.at[slot])
+                    q_t = modes.transposed(q_smem.at[slot], t_smem2, wg)
+                    q_first = tile_start(t)
+                    z = fresh_zero(q_first)
+                    s = modes.product(k_smem2.at[wg + z], q_t, (rows, tq))  # s^T [kv rows, q]
+                    head = hk * G + g
+                    if masked or static.score_mod is not None:
 
-                    def q_pos():
-                        return modes.iota((rows, tq), 1) + q_first
+                        def kv_pos():
+                            return modes.iota((rows, tq), 0) + base
 
-                    def entries():
-                        return packed_rows(static.score_mod, mod_smem2.at[wg, g]) if packed else ()
+                        def q_pos():
+                            return modes.iota((rows, tq), 1) + q_first
 
-                    ids = functools.partial(modes.id_tiles, kv_ids, qid_smem, qid_ready, slot, s.shape, False)
-                    bounds = tile_bounds(q_first, tq, base, rows)
-                    s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked, ids, entries, bounds)
-                    s2 = s * _LOG2E
-                else:
-                    d_mod = None
-                    s2 = s * (static.scale * _LOG2E)
-                # lse is read after the mask: read before it, its [q] vector was held beside a tile's q ids
-                lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1])  # log2 units
-                p = jnp.exp2(s2 - lse2)
-                p16 = modes.operand(p.astype(dtype), a_smem2, wg)
-                dv = _accumulate(plgpu, dv, p16, cols(do_smem.at[slot]), lambda: None, interpret)
-                do_t = modes.transposed(do_smem.at[slot], t_smem2, wg)
-                dp = modes.product(v_smem2.at[wg + z], do_t, (rows, tq))
-                delta = lax.broadcast_in_dim(modes.vector(delta_smem.at[slot], 1), (rows, tq), [1])
-                ds = p * (dp - delta)
-                if static.score_mod is not None and _output_derivative(static) is not None:  # lse read again
-                    lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1])
-                    d_mod = _rebuilt_derivative(static, p, lse2, d_mod)
-                if d_mod is not None:
-                    ds = ds * d_mod
-                if fused:  # dS^T to shared memory: dK's left operand as it is, dQ's transposed
-                    # (the buffer and warpgroup indices carry the step's zero: the stores' addresses are made
-                    # each step, not held across the loop: at head dim 128 with GQA 132 -> 44 bytes of spills)
+                        def entries():
+                            return packed_rows(static.score_mod, mod_smem2.at[wg, g]) if packed else ()
+
+                        ids = functools.partial(modes.id_tiles, kv_ids, qid_smem, qid_ready, slot, s.shape, False)
+                        bounds = tile_bounds(q_first, tq, base, rows)
+                        s, d_mod = _scores(static, s, q_pos, kv_pos, head, masked, ids, entries, bounds)
+                        s2 = s * _LOG2E
+                    else:
+                        d_mod = None
+                        s2 = s * (static.scale * _LOG2E)
+                    # lse is read after the mask: read before it, its [q] vector was held beside a tile's q ids
+                    lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1])  # log2 units
+                    p = jnp.exp2(s2 - lse2)
+                    p16 = modes.operand(p.astype(dtype), a_smem2, wg)
+                    dv = _accumulate(plgpu, dv, p16, cols(do_smem.at[slot]), lambda: None, interpret)
+                    do_t = modes.transposed(do_smem.at[slot], t_smem2, wg)
+                    dp = modes.product(v_smem2.at[wg + z], do_t, (rows, tq))
+                    delta = lax.broadcast_in_dim(modes.vector(delta_smem.at[slot], 1), (rows, tq), [1])
+                    ds = p * (dp - delta)
+                    if static.score_mod is not None and _output_derivative(static) is not None:  # lse read again
+                        lse2 = lax.broadcast_in_dim(modes.vector(lse_smem.at[slot], 1), (rows, tq), [1])
+                        d_mod = _rebuilt_derivative(static, p, lse2, d_mod)
+                    if d_mod is not None:
+                        ds = ds * d_mod
+                    if fused:  # dS^T to shared memory: dK's left operand as it is, dQ's transposed
+                        # (the buffer and warpgroup indices carry the step's zero: the stores' addresses are made
+                        # each step, not held across the loop: at head dim 128 with GQA 132 -> 44 bytes of spills)
+                        buf = lax.rem(j, 2) + z
+                        ds_smem2.at[buf, wg + z][...] = ds.astype(dtype)
+                        plgpu.commit_smem()
+                        ds = ds_smem2.at[buf, wg + z]
+                    else:
+                        ds = modes.operand(ds.astype(dtype), a_smem2, wg)
+                    dk = _accumulate(plgpu, dk, ds, cols(q_smem.at[slot]), lambda: None, interpret)
+                    for f in slot_free:
+                        plgpu.barrier_arrive(f.at[slot])
+                    if fused:
+                        add_dq(j, head, t, z)
+                    return dk, dv
+
+                def add_dq(j, head, t, z):
+                    """This warpgroup's share of dS K [tq, dq_cols] over the program's keys (the scale applied
+                    outside), added to the tile's rows of ``dq_sum``: dS^T is read from shared memory transposed as
+                    wgmma's left operand (its registers held dS^T's layout, not dS's). Shared across warpgroups, it is
+                    double-buffered: a warpgroup writes a buffer again two steps on, past the barrier of the step
+                    between, which the other arrives on only once it has read it."""
                     buf = lax.rem(j, 2) + z
-                    ds_smem2.at[buf, wg + z][...] = ds.astype(dtype)
-                    plgpu.commit_smem()
-                    ds = ds_smem2.at[buf, wg + z]
-                else:
-                    ds = modes.operand(ds.astype(dtype), a_smem2, wg)
-                dk = _accumulate(plgpu, dk, ds, cols(q_smem.at[slot]), lambda: None, interpret)
-                for f in slot_free:
-                    plgpu.barrier_arrive(f.at[slot])
-                if fused:
-                    add_dq(j, head, t, z)
-                return dk, dv
+                    plgpu.barrier_arrive(ds_ready.at[buf])
+                    plgpu.barrier_wait(ds_ready.at[buf])
+                    part_cols = pl.ds(wg * dq_cols if dq_cols < E else 0, dq_cols)
 
-            def add_dq(j, head, t, z):
-                """This warpgroup's share of dS K [tq, dq_cols] over the program's keys (the scale applied
-                outside), added to the tile's rows of ``dq_sum``: dS^T is read from shared memory transposed as
-                wgmma's left operand (its registers held dS^T's layout, not dS's). Shared across warpgroups, it is
-                double-buffered: a warpgroup writes a buffer again two steps on, past the barrier of the step
-                between, which the other arrives on only once it has read it."""
-                buf = lax.rem(j, 2) + z
-                plgpu.barrier_arrive(ds_ready.at[buf])
-                plgpu.barrier_wait(ds_ready.at[buf])
-                part_cols = pl.ds(wg * dq_cols if dq_cols < E else 0, dq_cols)
+                    def make_and_add():
+                        dq = modes.zeros((tq, dq_cols))
+                        for i in range(n_wg):
+                            ds_t = modes.transposed(ds_smem2.at[buf, i + z], dst_smem2, wg)
+                            k_cols = k_smem2.at[i + z].at[:, part_cols]
+                            dq = _accumulate(plgpu, dq, ds_t, k_cols, lambda: None, interpret)
+                        add(dq, head, t, z, part_cols)
 
-                def make_and_add():
-                    dq = modes.zeros((tq, dq_cols))
-                    for i in range(n_wg):
-                        ds_t = modes.transposed(ds_smem2.at[buf, i + z], dst_smem2, wg)
-                        k_cols = k_smem2.at[i + z].at[:, part_cols]
-                        dq = _accumulate(plgpu, dq, ds_t, k_cols, lambda: None, interpret)
-                    add(dq, head, t, z, part_cols)
+                    if dq_cols < E:  # each warpgroup its columns
+                        make_and_add()
+                    else:  # the warpgroups take turns
+                        pl.when(lax.rem(j, n_wg) == wg)(make_and_add)
 
-                if dq_cols < E:  # each warpgroup its columns
-                    make_and_add()
-                else:  # the warpgroups take turns
-                    pl.when(lax.rem(j, n_wg) == wg)(make_and_add)
-
-            def add(dq, head, t, z, part_cols):
-                """``dq`` added to the tile's rows and ``part_cols`` of ``dq_sum``: staged in shared memory for a
-                TMA reduce-add, whose last one must have read the stage before it is written again."""
-                dq_own = dq_smem2.at[wg + z]
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dq_own[...] = dq
-                plgpu.commit_smem()
-                dst = head_rows(dq_ref, layout, b, head, pl.ds(tile_start(t), tq), part_cols)
-                if interpret:  # the interpreter has no TMA reductions; it runs one program at a time
-                    dst[...] = dst[...] + dq_own[...]
-                else:
-                    plgpu.copy_smem_to_gmem(dq_own, dst, reduction_op="add")
-
-            def per_group(g, carry):
-                # Padding needs no mask here: a padded query's lse is inf (p = 0, so it adds nothing), a padded
-                # key's dK and dV rows are cut off.
-                step_g = functools.partial(step, g=g)
-                return over_tiles(static, step_g, n_partial, per_head, carry, padding_matters=False)
-
-            zeros = modes.zeros((rows, E_out))
-            dk, dv = lax.fori_loop(0, G, per_group, (zeros, zeros))
-            if ds_barriers:  # the other warpgroup's last dS K has read this one's K
-                plgpu.barrier_arrive(ds_ready.at[loop_end])
-                plgpu.barrier_wait(ds_ready.at[loop_end])
-            # the rows read from the order again: held from the prologue (as the loops hold the line), they took dK/dV
-            # with a T5 table chained with learned slopes at head dim 128 to 4 bytes of spills; read again in each
-            # step as well, the fused kernel at the ~1B step's shape to 4 (sm_90 ptxas)
-            own_rows = pl.ds(program_line(order_ref, bm, prog, n_wg * rows, static.block_kv)[1] + wg * rows, rows)
-            if E_out == E:  # K and V are read no more: their tiles take dK and dV
-                k_own[...] = (dk * static.scale).astype(dtype)
-                v_own[...] = dv.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(k_own, head_rows(dk_ref, layout, b, hk, own_rows))
-                plgpu.copy_smem_to_gmem(v_own, head_rows(dv_ref, layout, b, hk, own_rows))
-            else:  # a TMA store reads contiguous shared memory, not a part's columns: one tile, dK's then dV's
-                out_own = out_smem2.at[wg]
-                for acc, ref, factor in ((dk, dk_ref, static.scale), (dv, dv_ref, 1.0)):
-                    out_own[...] = (acc * factor).astype(dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_own, head_rows(ref, layout, b, hk, own_rows))
+                def add(dq, head, t, z, part_cols):
+                    """``dq`` added to the tile's rows and ``part_cols`` of ``dq_sum``: staged in shared memory for a
+                    TMA reduce-add, whose last one must have read the stage before it is written again."""
+                    dq_own = dq_smem2.at[wg + z]
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            plgpu.wait_smem_to_gmem(0)
+                    dq_own[...] = dq
+                    plgpu.commit_smem()
+                    dst = head_rows(dq_ref, layout, b, head, pl.ds(tile_start(t), tq), part_cols)
+                    if interpret:  # the interpreter has no TMA reductions; it runs one program at a time
+                        dst[...] = dst[...] + dq_own[...]
+                    else:
+                        plgpu.copy_smem_to_gmem(dq_own, dst, reduction_op="add")
+
+                def per_group(g, carry):
+                    # Padding needs no mask here: a padded query's lse is inf (p = 0, so it adds nothing), a padded
+                    # key's dK and dV rows are cut off.
+                    step_g = functools.partial(step, g=g)
+                    return over_tiles(static, step_g, n_partial, per_head, carry, padding_matters=False)
+
+                zeros = modes.zeros((rows, E_out))
+                dk, dv = lax.fori_loop(0, G, per_group, (zeros, zeros))
+                if ds_barriers:  # the other warpgroup's last dS K has read this one's K
+                    plgpu.barrier_arrive(ds_ready.at[loop_end])
+                    plgpu.barrier_wait(ds_ready.at[loop_end])
+                # the rows read from the order again: held from the prologue (as the loops hold the line), they took
+                # dK/dV with a T5 table chained with learned slopes at head dim 128 to 4 bytes of spills; read again in
+                # each step as well, the fused kernel at the ~1B step's shape to 4 (sm_90 ptxas)
+                own_rows = pl.ds(program_line(order_ref, bm, prog, n_wg * rows, static.block_kv)[1] + wg * rows, rows)
+                if E_out == E:  # K and V are read no more: their tiles take dK and dV
+                    k_own[...] = (dk * static.scale).astype(dtype)
+                    v_own[...] = dv.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(k_own, head_rows(dk_ref, layout, b, hk, own_rows))
+                    plgpu.copy_smem_to_gmem(v_own, head_rows(dv_ref, layout, b, hk, own_rows))
+                else:  # a TMA store reads contiguous shared memory, not a part's columns: one tile, dK's then dV's
+                    out_own = out_smem2.at[wg]
+                    for acc, ref, factor in ((dk, dk_ref, static.scale), (dv, dv_ref, 1.0)):
+                        out_own[...] = (acc * factor).astype(dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_own, head_rows(ref, layout, b, hk, own_rows))
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.wait_smem_to_gmem(0)
+                return g0 + G * per_head
+
+            over_programs(consume)
 
         @pl.when(wg == n_wg)
         def _producer():
-            per_head, n_partial, tile_start = column()
             if n_wg == 2:
                 plgpu.set_max_registers(producer_regs, action="decrease")
-            n_steps = G * per_head
 
-            def load(j, slot):
-                head = hk * G + lax.div(j, jnp.maximum(per_head, 1))
-                t = lax.rem(j, jnp.maximum(per_head, 1))
-                start = tile_start(t)
-                tile = pl.ds(start, tq)
-                sources = (
-                    head_rows(q_ref, layout, b, head, tile),
-                    head_rows(do_ref, layout, b, head, tile),
-                    lse_ref.at[b, head, tile],
-                    delta_ref.at[b, head, tile],
-                )
-                for src, dst, r in zip(sources, (q_smem, do_smem, lse_smem, delta_smem), slot_ready):
-                    plgpu.copy_gmem_to_smem(src, dst.at[slot], r.at[slot])
-                if n_ids:  # every slot's q ids of a PARTIAL q tile, beside its Q (the slot frees with Q's)
+            def produce(i, g0):
+                b, hk, prog, bd, bm = program(i)
+                col = program_line(order_ref, bm, prog, n_wg * rows, static.block_kv)[0]
+                per_head, n_partial, tile_start = column(bm, col)
+                n_steps = G * per_head
 
-                    @pl.when(t < n_partial)
-                    def _():
-                        ids_at = (bd, slice(None), pl.ds(start, tq))
-                        plgpu.copy_gmem_to_smem(qid_ref.at[ids_at], qid_smem.at[slot], qid_ready.at[slot])
+                def load(j, slot):
+                    head = hk * G + lax.div(j, jnp.maximum(per_head, 1))
+                    t = lax.rem(j, jnp.maximum(per_head, 1))
+                    start = tile_start(t)
+                    tile = pl.ds(start, tq)
+                    sources = (
+                        head_rows(q_ref, layout, b, head, tile),
+                        head_rows(do_ref, layout, b, head, tile),
+                        lse_ref.at[b, head, tile],
+                        delta_ref.at[b, head, tile],
+                    )
+                    for src, dst, r in zip(sources, (q_smem, do_smem, lse_smem, delta_smem), slot_ready):
+                        plgpu.copy_gmem_to_smem(src, dst.at[slot], r.at[slot])
+                    if n_ids:  # every slot's q ids of a PARTIAL q tile, beside its Q (the slot frees with Q's)
 
-            stream(plgpu, n_steps, stages, load, slot_free)
+                        @pl.when(t < n_partial)
+                        def _():
+                            ids_at = (bd, slice(None), pl.ds(start, tq))
+                            plgpu.copy_gmem_to_smem(qid_ref.at[ids_at], qid_smem.at[slot], qid_ready.at[slot])
+
+                stream(plgpu, n_steps, stages, load, slot_free, g0 if ctas else None)
+                return g0 + n_steps
+
+            steps = over_programs(produce)
+            if ctas:
+                drain(plgpu, steps, stages, slot_free)
 
     def attention_dkv(*refs):
         ins, outs = refs[:-2], refs[-2:]
@@ -381,7 +416,11 @@ def _dkv_part(
         )
 
     out = like((*k.shape[:3], E_out), k.dtype, k)
-    grid = dict(grid=(K, Sp // (n_wg * rows), B), grid_names=("heads", "cols", "batch"), num_threads=n_wg + 1)
+    grid = dict(
+        grid=(ctas,) if ctas else (K, lines, B),
+        grid_names=("cta",) if ctas else ("heads", "cols", "batch"),
+        num_threads=n_wg + 1,
+    )
     params = dict(compiler_params=plgpu.CompilerParams(approx_math=True), **interpret_params(interpret))
     args = (q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt, q_order, *id_arrays, *packed)
     if fused:  # pl.kernel: plgpu.kernel's vmap rule cannot take a Ref operand (which it aliases in and out)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from .mosaic_attention import _SHARED_MEMORY, id_slots
 from .score_tables import PACKED_ALIGN, packed_entries, row_entries
+from .targets import sm_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +20,8 @@ class BackwardTiles:
     only with two), and launches of dK/dV over parts of the head dim (at 256 two: the whole dK and dV accumulators
     took 256 registers a thread), and of dQ (at 256 two where a mod's captured arrays take gradients: their
     gradient tile beside the whole dQ accumulator spilled registers). ``fused_dq``: dK/dV also sums dQ across its
-    programs (``mosaic_fused_backward``; the dQ fields unused)."""
+    programs (``mosaic_fused_backward``; the dQ fields unused). ``ctas``: dK/dV in that many resident CTAs, as
+    ``MosaicTiles.ctas`` (0: a CTA per program)."""
 
     dq_rows: int
     dq_kv: int
@@ -31,6 +33,7 @@ class BackwardTiles:
     dkv_parts: int = 1
     fused_dq: bool = False
     dq_parts: int = 1
+    ctas: int = 0
 
     def __post_init__(self):
         if self.consumers not in (1, 2) or self.dkv_parts not in (1, 2) or self.dq_parts not in (1, 2):
@@ -127,7 +130,9 @@ def backward_candidates(
             return []
         dkv_rows = block_kv // 2
         tiles = [BackwardTiles(block_q // 2, w, b, dkv_rows, w, b, fused_dq=True) for w in (64, 128) for b in (4, 3, 2)]
-        return [t for t in tiles if _dkv_smem(t, head_dim, itemsize, slots, entries, groups) <= _SHARED_MEMORY]
+        return _with_resident(
+            [t for t in tiles if _dkv_smem(t, head_dim, itemsize, slots, entries, groups) <= _SHARED_MEMORY]
+        )
     if head_dim == 256 and slots and packed_entries(entries) > PACKED_ALIGN:
         # dQ's gradient tile of 64 entries (a table chained with slopes) beside a slot's ids spilled 8 bytes (sm_90
         # ptxas; 32 entries, or no slot: 0)
@@ -149,7 +154,13 @@ def backward_candidates(
             and _dkv_smem(t, head_dim, itemsize, slots, entries, groups) <= _SHARED_MEMORY
         ]
         out += sorted(fitting, key=lambda t: -(t.dq_stages + t.dkv_stages))  # the deepest rings first
-    return out
+    return out if head_dim == 256 else _with_resident(out)
+
+
+def _with_resident(candidates: list[BackwardTiles]) -> list[BackwardTiles]:
+    """``candidates`` with, right after the first, the first with dK/dV in resident CTAs, one per SM, for the sweep
+    to time (two consumer warpgroups only)."""
+    return candidates[:1] + [dataclasses.replace(candidates[0], ctas=sm_count())] + candidates[1:] if candidates else []
 
 
 def backward_tiles(head_dim: int, dtype, block_q: int, block_kv: int, **footprint) -> BackwardTiles | None:

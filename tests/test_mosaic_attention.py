@@ -411,21 +411,36 @@ def test_rows_longer_than_the_ring_with_given_tiles_forward_and_backward(turns, 
         _close(got, want, 2e-2, name)
 
 
-def test_resident_ctas_take_every_nth_program_of_the_grid():
-    """Persistent forward (``MosaicTiles(ctas=3)``): 16 programs (2 batch rows x 4 heads x 2 block rows) over 3
-    CTAs, 6 / 5 / 5 each, in the model's layout, GQA 2 on 1 and causal documents that differ by batch row: each CTA
-    walks its programs in turn, its K/V ring and kv ids' ring running on from one into the next, and every output
-    row and lse equals the reference's."""
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_resident_ctas_take_every_nth_program_of_the_grid(deterministic):
+    """Persistent kernels (``ctas=3``): the forward's 16 programs (2 batch rows x 4 heads x 2 block rows) and dK/dV's
+    8 (2 kv heads) over 3 resident CTAs each, in the model's layout, GQA 2 on 1 and causal documents that differ by
+    batch row, rings of 3 that each program enters at a different slot: each CTA walks its programs in turn, its
+    rings running on from one into the next. Output, lse and gradients equal the reference's, with the two-kernel
+    backward and with dQ summed across programs."""
     B, H, K, T = 2, 4, 2, 256
     q, k, v = _qkv(B, H, K, T, T, seed=4)
     ids = jnp.asarray(np.stack([np.repeat([0, 1, 2], [60, 120, 76]), np.repeat([0, 1], [150, 106])]), jnp.int32)
     mask = pk.causal() & pk.document(ids)
     bm = pk.make_block_mask(mask, T, T, BLOCKS)
-    tiles = MosaicTiles(64, 64, 3, ctas=3)  # rows of 2 or 4 tiles in a ring of 3: each program starts elsewhere
-    out, lse = pk.block_sparse_attention(*(x.swapaxes(1, 2) for x in (q, k, v)), bm, tiles=tiles, layout="BTHE")
-    ref_out, ref_lse = pk.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask)
-    _close(out.swapaxes(1, 2), ref_out, 1e-2, "out")
+    tiles = (MosaicTiles(64, 64, 3, ctas=3), BackwardTiles(64, 64, 2, 64, 64, 3, fused_dq=not deterministic, ctas=3))
+
+    def kernels(q, k, v):
+        bthe = (x.swapaxes(1, 2) for x in (q, k, v))
+        out, lse = pk.block_sparse_attention(*bthe, bm, tiles=tiles, layout="BTHE", deterministic=deterministic)
+        return out.swapaxes(1, 2), lse
+
+    (out, lse), vjp = jax.vjp(kernels, q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (ref_out, ref_lse), ref_vjp = jax.vjp(lambda q, k, v: pk.reference_attention(q, k, v, mask), *f32)
+    _close(out, ref_out, 1e-2, "out")
     np.testing.assert_allclose(lse, ref_lse, atol=1e-3)
+    d_out = jnp.asarray(np.random.default_rng(6).normal(size=q.shape), jnp.bfloat16)
+    zero_lse = jnp.zeros(q.shape[:3], jnp.float32)
+    for name, got, want in zip(
+        ("dq", "dk", "dv"), vjp((d_out, zero_lse)), ref_vjp((d_out.astype(jnp.float32), zero_lse))
+    ):
+        _close(got, want, 2e-2, name)
 
 
 def test_the_device_benchmark_refuses_a_machine_without_a_gpu(capsys):

@@ -109,6 +109,11 @@ def test_tiles_make_room_for_captured_arrays():
         dataclasses.replace(first, ctas=132),
     ]
     assert all(t.turns and not t.ctas for t in candidates[4:])
+    # the backward's lists (head dims 64 and 128): dK/dV in resident CTAs right after the pick
+    for fused in (False, True):
+        listed = backward_candidates(128, jnp.bfloat16, 128, 128, fused=fused)
+        assert listed[1] == dataclasses.replace(listed[0], ctas=132) and not any(t.ctas for t in listed[2:])
+    assert not any(t.ctas for t in backward_candidates(256, jnp.bfloat16, 128, 128))
 
     plain64, table64 = (backward_tiles(64, jnp.bfloat16, 128, 128, entries=n) for n in (0, 33))
     assert (plain64.dq_kv, plain64.dkv_q, table64.dq_kv, table64.dkv_q) == (128, 128, 64, 64)
