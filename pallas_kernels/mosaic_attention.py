@@ -158,6 +158,43 @@ def program_line(order_ref, bm, prog, rows: int, block: int):
     return line, line * block + lax.rem(prog, per_line) * rows
 
 
+class Programs:
+    """A kernel's programs, (head, line, batch row) over a grid of ``heads`` x ``lines`` x ``batch``: a CTA each
+    (grid axes named ``names``), or with ``ctas`` > 0 that many resident CTAs, each taking every ctas-th program in
+    the grid's order (heads fastest) and running its rings on from one into the next (``MosaicTiles.ctas``)."""
+
+    def __init__(self, ctas: int, heads: int, lines: int, batch: int, names: tuple[str, str, str]):
+        self.ctas = min(ctas, heads * lines * batch)
+        self.heads, self.lines, self.batch, self.names = heads, lines, batch, names
+
+    @property
+    def grid(self) -> dict:
+        """``plgpu.kernel``'s grid and grid_names."""
+        if self.ctas:
+            return {"grid": (self.ctas,), "grid_names": ("cta",)}
+        return {"grid": (self.heads, self.lines, self.batch), "grid_names": self.names}
+
+    def at(self, i):
+        """(head, line, batch row) of this CTA's i-th program: the grid's own, or i x ctas programs on."""
+        if not self.ctas:
+            return tuple(lax.axis_index(n) for n in self.names)
+        n = lax.axis_index("cta") + i * self.ctas
+        return lax.rem(n, self.heads), lax.rem(lax.div(n, self.heads), self.lines), lax.div(n, self.heads * self.lines)
+
+    def over(self, body):
+        """``body(i, g)`` for each of this CTA's programs, ``g`` the ring steps before it (it returns g plus its own);
+        the steps of all of them."""
+        if not self.ctas:
+            return body(0, jnp.int32(0))
+        total = self.heads * self.lines * self.batch
+        mine = lax.div(total - lax.axis_index("cta") + self.ctas - 1, self.ctas)  # every ctas-th from its index on
+        return lax.fori_loop(0, mine, body, jnp.int32(0))
+
+    def offset(self, g):
+        """``stream``'s offset: the ring steps before a program, where the ring runs on across programs."""
+        return g if self.ctas else None
+
+
 def over_tiles(static, step, n_partial, n_tiles, carry, padding_matters: bool = True):
     """A kernel's loop over its row's (or column's) tiles: ``step(j, carry, masked)`` on the PARTIAL ones, which
     come first, then on the FULL ones. Where ``static.masks_nothing`` no tile is PARTIAL, and where the kernel's
@@ -394,8 +431,7 @@ def mosaic_forward(
     # mod's arrays the consumers take FlashAttention-3's 240 / 24: at head dim 256 two slots' ids spilled 8 bytes at
     # 232 / 40, and at head dim 128 a T5 bias table 72 bytes.
     consumer_regs, producer_regs = (240, 24) if n_ids or packed else (232, 40)
-    lines = Tp // (2 * rows)  # programs per (batch row, head)
-    ctas = min(tiles.ctas, H * lines * B)
+    programs = Programs(tiles.ctas, H, Tp // (2 * rows), B, ("heads", "rows", "batch"))
 
     def kernel(
         q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, order_ref, qid_ref, kvid_ref, mod_ref, out_ref, lse_ref, scoped
@@ -405,25 +441,12 @@ def mosaic_forward(
         wg = lax.axis_index("wg")
 
         def program(i):
-            """(b, h, its mask's batch row, its ids' batch row, first row, block list) of this CTA's i-th program:
-            the grid's own, or with resident CTAs the one i x ctas programs on, in the grid's order."""
-            if not ctas:
-                b, h, prog = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("rows")
-            else:
-                n = lax.axis_index("cta") + i * ctas
-                b, h, prog = lax.div(n, H * lines), lax.rem(n, H), lax.rem(lax.div(n, H), lines)
+            """(b, h, its mask's batch row, its ids' batch row, first row, block list) of this CTA's i-th program."""
+            h, prog, b = programs.at(i)
             bm = b if static.mask_batched else 0
             row, first_row = program_line(order_ref, bm, prog, 2 * rows, static.block_q)
             blocks = BlockList(idx_ref, np_ref, cnt_ref, bm, row, static.block_kv, tkv)
             return b, h, bm, b if ids_batched else 0, first_row, blocks
-
-        # this CTA's programs: 1, or every ctas-th from its index on
-        n_programs = lax.div(H * lines * B - lax.axis_index("cta") + ctas - 1, ctas) if ctas else 1
-
-        def over_programs(body):
-            """``body(i, g)`` for each of this CTA's programs, ``g`` the ring steps before it (it returns g plus its
-            own); the steps of all of them."""
-            return lax.fori_loop(0, n_programs, body, jnp.int32(0)) if ctas else body(0, jnp.int32(0))
 
         def take_turn():
             if tiles.turns:
@@ -549,7 +572,7 @@ def mosaic_forward(
                 plgpu.wait_smem_to_gmem(0)
                 return g0 + n_tiles
 
-            over_programs(consume)
+            programs.over(consume)
 
         @pl.when(wg == 2)
         def _producer():
@@ -560,11 +583,11 @@ def mosaic_forward(
                 b, h, _, bd, _, blocks = program(i)
                 ids = (kvid_ref.at[bd], kvid_smem, kvid_ready) if n_ids else None
                 free = (k_free, v_free)
-                stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, free, ids, layout, g if ctas else None)
+                stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, free, ids, layout, programs.offset(g))
                 return g + blocks.count
 
-            steps = over_programs(produce)
-            if ctas:
+            steps = programs.over(produce)
+            if programs.ctas:
                 drain(plgpu, steps, stages, (k_free, v_free))
 
     def attention_forward(q_ref, k_ref, v_ref, idx_ref, np_ref, cnt_ref, order_ref, *refs):  # the name a profile
@@ -606,8 +629,7 @@ def mosaic_forward(
             like(q.shape, dtype, q),
             like((B, H, Tp), jnp.float32, q),
         ),
-        grid=(ctas,) if ctas else (H, lines, B),
-        grid_names=("cta",) if ctas else ("heads", "rows", "batch"),
+        **programs.grid,
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

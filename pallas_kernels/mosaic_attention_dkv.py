@@ -26,6 +26,7 @@ from .mosaic_attention import (
     _LOG2E,
     BlockList,
     Modes,
+    Programs,
     _accumulate,
     drain,
     fresh_zero,
@@ -141,8 +142,7 @@ def _dkv_part(
     # With the soft-cap's derivative rebuilt from p (``_rebuilt_derivative``), 0 at both head dims; with the
     # resident K and V's descriptors made each step (``fresh_zero``), GQA and a document slot 0 too.
     consumer_regs, producer_regs = (240, 24)
-    lines = Sp // (n_wg * rows)  # programs per (batch row, kv head)
-    ctas = min(tiles.ctas, K * lines * B)
+    programs = Programs(tiles.ctas, K, Sp // (n_wg * rows), B, ("heads", "cols", "batch"))
 
     def kernel(
         q_ref,
@@ -169,22 +169,9 @@ def _dkv_part(
         wg = lax.axis_index("wg")
 
         def program(i):
-            """(b, kv head, program, ids' batch row, mask's batch row) of this CTA's i-th program: the grid's own,
-            or with resident CTAs the one i x ctas programs on, in the grid's order."""
-            if not ctas:
-                b, hk, prog = (lax.axis_index(n) for n in ("batch", "heads", "cols"))
-            else:
-                n = lax.axis_index("cta") + i * ctas
-                b, hk, prog = lax.div(n, K * lines), lax.rem(n, K), lax.rem(lax.div(n, K), lines)
+            """(b, kv head, program, ids' batch row, mask's batch row) of this CTA's i-th program."""
+            hk, prog, b = programs.at(i)
             return b, hk, prog, b if ids_batched else 0, b if static.mask_batched else 0
-
-        # this CTA's programs: 1, or every ctas-th from its index on
-        n_programs = lax.div(K * lines * B - lax.axis_index("cta") + ctas - 1, ctas) if ctas else 1
-
-        def over_programs(body):
-            """``body(i, g)`` for each of this CTA's programs, ``g`` the ring steps before it (it returns g plus its
-            own); the steps of all of them."""
-            return lax.fori_loop(0, n_programs, body, jnp.int32(0)) if ctas else body(0, jnp.int32(0))
 
         # The column's block list is read in each warpgroup's branch: read before it, its counts were held across
         # both (sm_90 ptxas, the fused kernel at head dim 128 with GQA and documents: 12 bytes of spills -> 0)
@@ -341,7 +328,7 @@ def _dkv_part(
                 plgpu.wait_smem_to_gmem(0)
                 return g0 + G * per_head
 
-            over_programs(consume)
+            programs.over(consume)
 
         @pl.when(wg == n_wg)
         def _producer():
@@ -374,11 +361,11 @@ def _dkv_part(
                             ids_at = (bd, slice(None), pl.ds(start, tq))
                             plgpu.copy_gmem_to_smem(qid_ref.at[ids_at], qid_smem.at[slot], qid_ready.at[slot])
 
-                stream(plgpu, n_steps, stages, load, slot_free, g0 if ctas else None)
+                stream(plgpu, n_steps, stages, load, slot_free, programs.offset(g0))
                 return g0 + n_steps
 
-            steps = over_programs(produce)
-            if ctas:
+            steps = programs.over(produce)
+            if programs.ctas:
                 drain(plgpu, steps, stages, slot_free)
 
     def attention_dkv(*refs):
@@ -416,11 +403,7 @@ def _dkv_part(
         )
 
     out = like((*k.shape[:3], E_out), k.dtype, k)
-    grid = dict(
-        grid=(ctas,) if ctas else (K, lines, B),
-        grid_names=("cta",) if ctas else ("heads", "cols", "batch"),
-        num_threads=n_wg + 1,
-    )
+    grid = dict(**programs.grid, num_threads=n_wg + 1)
     params = dict(compiler_params=plgpu.CompilerParams(approx_math=True), **interpret_params(interpret))
     args = (q, k, v, d_out, lse[..., 0], delta[..., 0], q_idx, q_np, q_cnt, q_order, *id_arrays, *packed)
     if fused:  # pl.kernel: plgpu.kernel's vmap rule cannot take a Ref operand (which it aliases in and out)
