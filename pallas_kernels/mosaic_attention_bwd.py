@@ -59,7 +59,9 @@ from .mosaic_attention import (
     _LOG2E,
     BlockList,
     Modes,
+    Programs,
     _accumulate,
+    drain,
     fresh_zero,
     id_inputs,
     interpret_params,
@@ -194,6 +196,7 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
     # with document and position slots spilled 20 bytes at 232 / 40, 4 at 240 / 24; with a soft-cap 308 and 272 (0
     # since its derivative is rebuilt from p).
     consumer_regs, producer_regs = (240, 24)
+    programs = Programs(tiles.ctas, H, Tp // (n_wg * rows), B, ("heads", "rows", "batch"))
 
     def kernel(
         q_ref,
@@ -216,107 +219,128 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
         smem, ready, (k_ready, v_ready), (k_free, v_free), kvid_ready = scoped
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, t_smem2, a_smem2, qid_smem2, kvid_smem = smem[:10]
         mod_smem2, out_smem2 = smem[10:]
-        b, h, prog, wg = (lax.axis_index(n) for n in ("batch", "heads", "rows", "wg"))
-        bd = b if ids_batched else 0
-        bm = b if static.mask_batched else 0
-        row, first_row = program_line(order_ref, bm, prog, n_wg * rows, static.block_q)  # heaviest rows first
-        blocks = BlockList(idx_ref, np_ref, cnt_ref, bm, row, static.block_kv, tkv)
-        n_tiles, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
+        wg = lax.axis_index("wg")
+
+        def program(i):
+            """(b, h, ids' batch row, first row, block list) of this CTA's i-th program."""
+            h, prog, b = programs.at(i)
+            bm = b if static.mask_batched else 0
+            row, first_row = program_line(order_ref, bm, prog, n_wg * rows, static.block_q)  # heaviest rows first
+            blocks = BlockList(idx_ref, np_ref, cnt_ref, bm, row, static.block_kv, tkv)
+            return b, h, b if ids_batched else 0, first_row, blocks
 
         @pl.when(wg < n_wg)
         def _consumer():
             if n_wg == 2:  # one consumer and the producer have 255 registers a thread each without reallocation
                 plgpu.set_max_registers(consumer_regs, action="increase")
-            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-            base = first_row + wg * rows
-            own_rows = pl.ds(base, rows)
-            copies = [(head_rows(x, layout, b, h, own_rows), own) for x, own in ((q_ref, q_smem), (do_ref, do_smem))]
-            vectors = ((lse_ref, lse_smem2), (delta_ref, delta_smem2))
-            copies += [(x.at[b, h, own_rows], own.at[wg]) for x, own in vectors]
-            if n_ids:
-                copies.append((qid_ref.at[bd, slice(None), pl.ds(base, rows)], qid_smem2.at[wg]))
-            if packed:
-                copies.append((mod_ref.at[h], mod_smem2.at[wg]))
-            _load_resident(plgpu, copies, ready, n_ready, wg)
-            lse2 = lax.broadcast_in_dim(modes.vector(lse_smem2.at[wg], 0), (rows, tkv), [0])  # log2 units
-            delta = lax.broadcast_in_dim(modes.vector(delta_smem2.at[wg], 0), (rows, tkv), [0])
-            # [rows] per slot, read once; broadcast over a tile's columns where a PARTIAL tile needs them
-            q_ids = [modes.vector(qid_smem2.at[wg, i], 0) for i in range(n_ids)]
 
-            def entries():
-                return packed_rows(static.score_mod, mod_smem2.at[wg]) if packed else ()
+            def consume(i, g0):
+                b, h, bd, first_row, blocks = program(i)
+                n_tiles, n_partial, tile_start = blocks.count, blocks.partial, blocks.start
+                q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+                base = first_row + wg * rows
+                own_rows = pl.ds(base, rows)
+                pairs = ((q_ref, q_smem), (do_ref, do_smem))
+                copies = [(head_rows(x, layout, b, h, own_rows), own) for x, own in pairs]
+                vectors = ((lse_ref, lse_smem2), (delta_ref, delta_smem2))
+                copies += [(x.at[b, h, own_rows], own.at[wg]) for x, own in vectors]
+                if n_ids:
+                    copies.append((qid_ref.at[bd, slice(None), pl.ds(base, rows)], qid_smem2.at[wg]))
+                if packed:
+                    copies.append((mod_ref.at[h], mod_smem2.at[wg]))
+                _load_resident(plgpu, copies, ready, n_ready, wg)
+                lse2 = lax.broadcast_in_dim(modes.vector(lse_smem2.at[wg], 0), (rows, tkv), [0])  # log2 units
+                delta = lax.broadcast_in_dim(modes.vector(delta_smem2.at[wg], 0), (rows, tkv), [0])
+                # [rows] per slot, read once; broadcast over a tile's columns where a PARTIAL tile needs them
+                q_ids = [modes.vector(qid_smem2.at[wg, i], 0) for i in range(n_ids)]
 
-            def step(j, carry, masked):
-                dq, d_rows = carry
-                slot = lax.rem(j, stages)
-                plgpu.barrier_wait(k_ready.at[slot])
-                plgpu.barrier_wait(v_ready.at[slot])
-                k_t = modes.transposed(k_smem.at[slot], t_smem2, wg)
-                # the tile start read again below where the mask and mod need it: held from here, it spilled 88
-                # bytes beside a T5 table and learned slopes at head dim 128 (sm_90 ptxas; 8 read twice)
-                z = fresh_zero(tile_start(j))
-                s = modes.product(q_smem2.at[wg + z], k_t, (rows, tkv))
-                if masked or static.score_mod is not None:
-                    kv_first = tile_start(j)
+                def entries():
+                    return packed_rows(static.score_mod, mod_smem2.at[wg]) if packed else ()
 
-                    def q_pos():
-                        return modes.iota((rows, tkv), 0) + base
+                def step(j, carry, masked):
+                    dq, d_rows = carry
+                    slot = lax.rem(g0 + j, stages)  # the ring runs on from the CTA's earlier programs
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    k_t = modes.transposed(k_smem.at[slot], t_smem2, wg)
+                    # the tile start read again below where the mask and mod need it: held from here, it spilled 88
+                    # bytes beside a T5 table and learned slopes at head dim 128 (sm_90 ptxas; 8 read twice)
+                    z = fresh_zero(tile_start(j))
+                    s = modes.product(q_smem2.at[wg + z], k_t, (rows, tkv))
+                    if masked or static.score_mod is not None:
+                        kv_first = tile_start(j)
 
-                    def kv_pos():
-                        return modes.iota((rows, tkv), 1) + kv_first
+                        def q_pos():
+                            return modes.iota((rows, tkv), 0) + base
 
-                    ids = functools.partial(modes.id_tiles, q_ids, kvid_smem, kvid_ready, slot, s.shape, True)
-                    bounds = tile_bounds(base, rows, kv_first, tkv)
-                    scaled = s * static.scale
-                    s, d_mod = _scores(static, s, q_pos, kv_pos, h, masked, ids, entries, bounds)
-                    p = jnp.exp2(s * _LOG2E - lse2)
-                else:
-                    s, d_mod = s, None
-                    p = jnp.exp2(s * (static.scale * _LOG2E) - lse2)
-                v_t = modes.transposed(v_smem.at[slot], t_smem2, wg)
-                dp = modes.product(do_smem2.at[wg + z], v_t, (rows, tkv))
-                plgpu.barrier_arrive(v_free.at[slot])
-                ds = p * (dp - delta)  # d loss / d (modded scores)
-                if static.score_mod is not None:
-                    d_mod = _rebuilt_derivative(static, p, lse2, d_mod)
-                if row_grads and added is None:
-                    args = (static.score_mod, entries, scaled, q_pos, kv_pos, h, ds, d_rows, add_entry, bounds)
-                    d_rows = add_row_grads_per_row(*args)
-                if d_mod is not None:
-                    ds = ds * d_mod  # d loss / d (scaled scores): of the terms the arrays add to them too
-                if row_grads and added is not None:
-                    args = (added, entries, scaled, q_pos, kv_pos, h, ds, d_rows, add_entry, bounds)
-                    d_rows = add_row_grads_per_row(*args)
-                ds = modes.operand(ds.astype(dtype), a_smem2, wg)
-                dq = _accumulate(plgpu, dq, ds, _part_columns(k_smem.at[slot], part, E_out), lambda: None, interpret)
-                plgpu.barrier_arrive(k_free.at[slot])
-                return dq, d_rows
+                        def kv_pos():
+                            return modes.iota((rows, tkv), 1) + kv_first
 
-            def add_entry(d_rows, i, vector):  # entry i's column: a [rows, width] tile holds 4x fewer registers
-                # than a [rows] vector per entry (each of those is held by the 4 threads of its rows)
-                column = modes.iota(d_rows.shape, 1) == i
-                return d_rows + jnp.where(column, lax.broadcast_in_dim(vector, d_rows.shape, [0]), 0.0)
+                        ids = functools.partial(modes.id_tiles, q_ids, kvid_smem, kvid_ready, slot, s.shape, True)
+                        bounds = tile_bounds(base, rows, kv_first, tkv)
+                        scaled = s * static.scale
+                        s, d_mod = _scores(static, s, q_pos, kv_pos, h, masked, ids, entries, bounds)
+                        p = jnp.exp2(s * _LOG2E - lse2)
+                    else:
+                        s, d_mod = s, None
+                        p = jnp.exp2(s * (static.scale * _LOG2E) - lse2)
+                    v_t = modes.transposed(v_smem.at[slot], t_smem2, wg)
+                    dp = modes.product(do_smem2.at[wg + z], v_t, (rows, tkv))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    ds = p * (dp - delta)  # d loss / d (modded scores)
+                    if static.score_mod is not None:
+                        d_mod = _rebuilt_derivative(static, p, lse2, d_mod)
+                    if row_grads and added is None:
+                        args = (static.score_mod, entries, scaled, q_pos, kv_pos, h, ds, d_rows, add_entry, bounds)
+                        d_rows = add_row_grads_per_row(*args)
+                    if d_mod is not None:
+                        ds = ds * d_mod  # d loss / d (scaled scores): of the terms the arrays add to them too
+                    if row_grads and added is not None:
+                        args = (added, entries, scaled, q_pos, kv_pos, h, ds, d_rows, add_entry, bounds)
+                        d_rows = add_row_grads_per_row(*args)
+                    ds = modes.operand(ds.astype(dtype), a_smem2, wg)
+                    k_cols = _part_columns(k_smem.at[slot], part, E_out)
+                    dq = _accumulate(plgpu, dq, ds, k_cols, lambda: None, interpret)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    return dq, d_rows
 
-            carry = (modes.zeros((rows, E_out)), modes.zeros((rows, width)) if row_grads else ())
-            # Padding needs no mask here unless captured arrays take gradients: a padded key's K row is zeros, so
-            # its dS adds nothing to dQ (but would to the arrays'), and a padded query's row is cut off.
-            dq, d_rows = over_tiles(static, step, n_partial, n_tiles, carry, padding_matters=row_grads)
-            out_own = q_smem if E_out == E else out_smem2.at[wg]  # Q is read no more; a part's has its own tile
-            out_own[...] = (dq * static.scale).astype(dtype)
-            if row_grads:  # straight from registers: a shared-memory stage for its TMA store took 16 KB, which at
-                # head dim 256 left a table chained with slopes 2.2 KB over the H100's 227 KB
-                rows_ref.at[b, h, pl.ds(base, rows)][...] = d_rows
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_own, head_rows(dq_ref, layout, b, h, pl.ds(base, rows)))
-            plgpu.wait_smem_to_gmem(0)
+                def add_entry(d_rows, i, vector):  # entry i's column: a [rows, width] tile holds 4x fewer registers
+                    # than a [rows] vector per entry (each of those is held by the 4 threads of its rows)
+                    column = modes.iota(d_rows.shape, 1) == i
+                    return d_rows + jnp.where(column, lax.broadcast_in_dim(vector, d_rows.shape, [0]), 0.0)
+
+                carry = (modes.zeros((rows, E_out)), modes.zeros((rows, width)) if row_grads else ())
+                # Padding needs no mask here unless captured arrays take gradients: a padded key's K row is zeros, so
+                # its dS adds nothing to dQ (but would to the arrays'), and a padded query's row is cut off.
+                dq, d_rows = over_tiles(static, step, n_partial, n_tiles, carry, padding_matters=row_grads)
+                out_own = q_smem if E_out == E else out_smem2.at[wg]  # Q is read no more; a part's has its own tile
+                out_own[...] = (dq * static.scale).astype(dtype)
+                if row_grads:  # straight from registers: a shared-memory stage for its TMA store took 16 KB, which at
+                    # head dim 256 left a table chained with slopes 2.2 KB over the H100's 227 KB
+                    rows_ref.at[b, h, pl.ds(base, rows)][...] = d_rows
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_own, head_rows(dq_ref, layout, b, h, pl.ds(base, rows)))
+                plgpu.wait_smem_to_gmem(0)
+                return g0 + n_tiles
+
+            programs.over(consume)
 
         @pl.when(wg == n_wg)
         def _producer():
             if n_wg == 2:
                 plgpu.set_max_registers(producer_regs, action="decrease")
-            ids = (kvid_ref.at[bd], kvid_smem, kvid_ready) if n_ids else None
             kv = ((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))
-            stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, (k_free, v_free), ids, layout)
+
+            def produce(i, g):
+                b, h, bd, _, blocks = program(i)
+                ids = (kvid_ref.at[bd], kvid_smem, kvid_ready) if n_ids else None
+                free = (k_free, v_free)
+                stream_kv(plgpu, blocks, stages, b, lax.div(h, G), kv, free, ids, layout, programs.offset(g))
+                return g + blocks.count
+
+            steps = programs.over(produce)
+            if programs.ctas:
+                drain(plgpu, steps, stages, (k_free, v_free))
 
     def attention_dq(*refs):
         n_out = 1 + row_grads
@@ -354,8 +378,7 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
     out = plgpu.kernel(
         attention_dq,
         out_type=out_type,
-        grid=(H, Tp // (n_wg * rows), B),
-        grid_names=("heads", "rows", "batch"),
+        **programs.grid,
         num_threads=n_wg + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -20,8 +20,8 @@ class BackwardTiles:
     only with two), and launches of dK/dV over parts of the head dim (at 256 two: the whole dK and dV accumulators
     took 256 registers a thread), and of dQ (at 256 two where a mod's captured arrays take gradients: their
     gradient tile beside the whole dQ accumulator spilled registers). ``fused_dq``: dK/dV also sums dQ across its
-    programs (``mosaic_fused_backward``; the dQ fields unused). ``ctas``: dK/dV in that many resident CTAs, as
-    ``MosaicTiles.ctas`` (0: a CTA per program)."""
+    programs (``mosaic_fused_backward``; the dQ fields unused). ``ctas``: dQ and dK/dV each in that many resident
+    CTAs, as ``MosaicTiles.ctas`` (0: a CTA per program)."""
 
     dq_rows: int
     dq_kv: int

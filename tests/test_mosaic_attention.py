@@ -429,7 +429,7 @@ def test_resident_ctas_take_every_nth_program_of_the_grid(deterministic):
     ids = jnp.asarray(np.stack([np.repeat([0, 1, 2], [60, 120, 76]), np.repeat([0, 1], [150, 106])]), jnp.int32)
     mask = pk.causal() & pk.document(ids)
     bm = pk.make_block_mask(mask, T, T, BLOCKS)
-    tiles = (MosaicTiles(64, 64, 3, ctas=3), BackwardTiles(64, 64, 2, 64, 64, 3, fused_dq=not deterministic, ctas=3))
+    tiles = (MosaicTiles(64, 64, 3, ctas=3), BackwardTiles(64, 64, 3, 64, 64, 3, fused_dq=not deterministic, ctas=3))
 
     def kernels(q, k, v):
         bthe = (x.swapaxes(1, 2) for x in (q, k, v))
