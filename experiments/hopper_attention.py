@@ -16,7 +16,8 @@ does, in the checks too; ``--group 2 --seqs 2048``: the ~1B step's attention, GQ
 the same for 8 packed documents per sequence against cuDNN given the equivalent dense mask; ``sweep`` times the
 Mosaic kernels' candidate tiles at the last of ``--seqs``, each against cuDNN in the same run (``--head-dims``,
 ``--layout``).
-Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exits 1 if a check fails.
+Throughput counts the score pairs the mask keeps, as ``report_speed`` does. Exits 1 if a check fails, or a swept
+tiling's result is not cuDNN's.
 """
 
 from __future__ import annotations
@@ -301,9 +302,11 @@ def run_sweep(
     backward with the default forward) of the Mosaic kernels, full and causal masks; the same for the backward
     summing dQ across programs (``fused``). The first candidate of each list is what the kernels use today. Each
     (head dim, mask) starts with cuDNN's row (pass ``cudnn``: its forward and forward + backward), so every tiling
-    has its peer in the same run. ``layout``: the kernels' q, k, v (cuDNN reads [B, T, H, E]). ``on_row(rows)``
-    after every row: a sweep cut by a lease's timeout keeps what it timed. ``passes``: which of forward, backward and
-    fused to time."""
+    has its peer in the same run, and each tiling's output (forward) or gradients (backward) are compared with cuDNN's
+    on the same inputs (``err_vs_cudnn``, relative L2; over SWEEP_TOLERANCE the row says ok False): an option tried
+    on a device for the first time is checked in the run that times it. ``layout``: the kernels' q, k, v (cuDNN reads
+    [B, T, H, E]). ``on_row(rows)`` after every row: a sweep cut by a lease's timeout keeps what it timed.
+    ``passes``: which of forward, backward and fused to time."""
     rows = []
     for E in head_dims:
         B, H, q, k, v = _qkv(T, E, tokens, width)
@@ -313,8 +316,10 @@ def run_sweep(
             bm = pk.make_block_mask(mask, T, T, pk.BlockSizes(128, 128))
             flops = kept_pairs(mask_name, T, 0) * B * H * E
             peer = {"T": T, "E": E, "B": B, "H": H, "mask": mask_name, "impl": "cudnn", "pass": "cudnn"}
-            rows.append(_time_row(peer, _peer("cudnn", mask_name, 0), bthe, flops, repeats, log))
+            cudnn = _peer("cudnn", mask_name, 0)
+            rows.append(_time_row(peer, cudnn, bthe, flops, repeats, log))
             on_row(rows)
+            wanted = {}  # cuDNN's output and gradients, [B, T, H, E], made when a pass first needs them
             fwd = forward_candidates(E, jnp.bfloat16, 128, 128)
             bwd = backward_candidates(E, jnp.bfloat16, 128, 128)[:backward_top]
             fused = backward_candidates(E, jnp.bfloat16, 128, 128, fused=True)[:backward_top]
@@ -335,6 +340,9 @@ def run_sweep(
                         detail = f"{row['tflops']:7.1f} TFLOP/s" + (
                             f", {row['vs_cudnn']:.3f}x cuDNN" if "vs_cudnn" in row else ""
                         )
+                        row["err_vs_cudnn"] = _error_against(cudnn, bthe, wanted, kind == "forward", fn, args, layout)
+                        row["ok"] = row["err_vs_cudnn"] <= SWEEP_TOLERANCE
+                        detail += f", err {row['err_vs_cudnn']:.1e}" + ("" if row["ok"] else " WRONG")
                     except Exception as e:  # noqa: BLE001
                         row["error"] = first_line(e)
                         detail = f"FAILED {row['error']}"
@@ -342,6 +350,27 @@ def run_sweep(
                     rows.append(row)
                     on_row(rows)
     return rows
+
+
+#: the largest relative L2 error of a tiling's output or gradients against cuDNN's the sweep accepts (bfloat16
+#: kernels against a bfloat16 peer: the check's tolerance, ``run_check``)
+SWEEP_TOLERANCE = 0.02
+
+
+def _error_against(cudnn, bthe, wanted: dict, forward: bool, fn, args, layout: str) -> float:
+    """The largest relative L2 error of ``fn(*args)`` (the output, or the gradients) against cuDNN's on the same
+    inputs, each in [B, T, H, E]; cuDNN's kept in ``wanted``."""
+    key = "forward" if forward else "grads"
+    if key not in wanted:
+        peer = cudnn if forward else jax.grad(lambda q, k, v: cudnn(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
+        wanted[key] = jax.jit(peer)(*bthe)
+    got = jax.jit(fn)(*args)
+    pairs = [(got, wanted[key])] if forward else list(zip(got, wanted[key]))
+    errors = []
+    for g, w in pairs:
+        g, w = (np.asarray(x, np.float32) for x in (g.swapaxes(1, 2) if layout == "BHTE" else g, w))
+        errors.append(float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)))
+    return max(errors)
 
 
 def _attend_with(bm, tiles, q, k, v, deterministic=True, layout="BHTE"):
@@ -462,7 +491,8 @@ def main(argv=None) -> int:
             save()
 
         run_sweep(T=args.seqs[-1], head_dims=args.head_dims, layout=args.layout, on_row=keep, passes=args.passes)
-    return 0 if all(r["ok"] for r in result.get("check", [])) else 1
+    checked = result.get("check", []) + [r for r in result.get("sweep", []) if "ok" in r]
+    return 0 if all(r["ok"] for r in checked) else 1
 
 
 if __name__ == "__main__":

@@ -640,8 +640,9 @@ def test_the_ptx_markers_tell_the_mosaic_forward_from_the_triton_one(tmp_path):
 
 def test_the_tile_sweep_times_each_tiling_against_cudnn_and_keeps_its_rows_as_it_goes(monkeypatch):
     """hopper_attention's sweep on CPU with the kernels and cuDNN swapped for the reference: each (head dim, mask)
-    starts with cuDNN's row, each tiling's row carries its ratio to it, in the layout asked for, and every row is
-    handed on as soon as it is timed (a lease's timeout keeps them)."""
+    starts with cuDNN's row, each tiling's row carries its ratio to it and its error against cuDNN's output or
+    gradients, in the layout asked for, and every row is handed on as soon as it is timed (a lease's timeout keeps
+    them). A tiling whose output is 10% off is marked wrong, in either layout."""
     from experiments import hopper_attention
 
     def reference(q, k, v, layout):
@@ -654,7 +655,7 @@ def test_the_tile_sweep_times_each_tiling_against_cudnn_and_keeps_its_rows_as_it
 
     def attend_with(bm, tiles, q, k, v, deterministic=True, layout="BHTE"):
         layouts.append(layout)
-        return reference(q, k, v, layout)
+        return reference(q, k, v, layout) * (1.1 if tiles == "wrong" else 1.0)
 
     monkeypatch.setattr(hopper_attention, "_attend_with", attend_with)
     monkeypatch.setattr(hopper_attention, "_peer", lambda *a: lambda q, k, v: reference(q, k, v, "BTHE"))
@@ -673,7 +674,10 @@ def test_the_tile_sweep_times_each_tiling_against_cudnn_and_keeps_its_rows_as_it
             peer = next(p for p in rows if p["pass"] == "cudnn" and p["mask"] == r["mask"])
             base = peer["forward_ms"] if r["pass"] == "forward" else peer["train_ms"]
             assert r["vs_cudnn"] == pytest.approx(base / r["ms"]) and r["layout"] == "BTHE"
+            assert r["ok"] and r["err_vs_cudnn"] < 0.01
+    monkeypatch.setattr(hopper_attention, "forward_candidates", lambda *a: ["f0", "wrong"])
     forward_only = hopper_attention.run_sweep(
         T=128, head_dims=(32,), width=64, tokens=256, repeats=1, log=lambda line: None, passes=("forward",)
-    )
+    )  # the kernels' own layout, [B, H, T, E], against cuDNN's
     assert [r["pass"] for r in forward_only] == ["cudnn", "forward", "forward"] * 2
+    assert [r["ok"] for r in forward_only if r["pass"] == "forward"] == [True, False] * 2
