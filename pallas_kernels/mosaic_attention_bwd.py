@@ -54,9 +54,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .kernel_inputs import ROW_ORDER, bhte_shape, head_rows, like
-from .mosaic_attention import (
-    _LN2,
-    _LOG2E,
+from .mosaic_attention import _LN2, _LOG2E
+from .mosaic_backward_tiles import BackwardTiles
+from .mosaic_pipeline import (
     BlockList,
     Modes,
     Programs,
@@ -70,7 +70,6 @@ from .mosaic_attention import (
     stream_kv,
     vary_like,
 )
-from .mosaic_backward_tiles import BackwardTiles
 from .score_tables import (
     add_row_grads_per_row,
     added_part,
@@ -270,11 +269,7 @@ def _dq_part(static, tiles, q, k, v, d_out, lse, delta, mask_arrays, doc_arrays,
                     if masked or static.score_mod is not None:
                         kv_first = tile_start(j)
 
-                        def q_pos():
-                            return modes.iota((rows, tkv), 0) + base
-
-                        def kv_pos():
-                            return modes.iota((rows, tkv), 1) + kv_first
+                        q_pos, kv_pos = modes.positions((rows, tkv), base, kv_first)
 
                         ids = functools.partial(modes.id_tiles, q_ids, kvid_smem, kvid_ready, slot, s.shape, True)
                         bounds = tile_bounds(base, rows, kv_first, tkv)

@@ -22,8 +22,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .kernel_inputs import COLUMN_ORDER, bhte_shape, head_rows, like
-from .mosaic_attention import (
-    _LOG2E,
+from .mosaic_attention import _LOG2E
+from .mosaic_attention_bwd import (
+    _layout,
+    _load_resident,
+    _output_derivative,
+    _part_columns,
+    _rebuilt_derivative,
+    _scores,
+)
+from .mosaic_backward_tiles import BackwardTiles, fused_dq_columns
+from .mosaic_pipeline import (
     BlockList,
     Modes,
     Programs,
@@ -37,15 +46,6 @@ from .mosaic_attention import (
     stream,
     vary_like,
 )
-from .mosaic_attention_bwd import (
-    _layout,
-    _load_resident,
-    _output_derivative,
-    _part_columns,
-    _rebuilt_derivative,
-    _scores,
-)
-from .mosaic_backward_tiles import BackwardTiles, fused_dq_columns
 from .score_tables import pack_rows, packed_rows, packed_width
 from .tile_math import tile_bounds
 
@@ -213,12 +213,7 @@ def _dkv_part(
                     s = modes.product(k_smem2.at[wg + z], q_t, (rows, tq))  # s^T [kv rows, q]
                     head = hk * G + g
                     if masked or static.score_mod is not None:
-
-                        def kv_pos():
-                            return modes.iota((rows, tq), 0) + base
-
-                        def q_pos():
-                            return modes.iota((rows, tq), 1) + q_first
+                        kv_pos, q_pos = modes.positions((rows, tq), base, q_first)  # s^T: kv rows, q columns
 
                         def entries():
                             return packed_rows(static.score_mod, mod_smem2.at[wg, g]) if packed else ()

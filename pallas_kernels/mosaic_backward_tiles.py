@@ -8,7 +8,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from .mosaic_attention import _SHARED_MEMORY, id_slots
+from .mosaic_attention import _SHARED_MEMORY
+from .mosaic_pipeline import id_slots
 from .score_tables import PACKED_ALIGN, packed_entries, row_entries
 from .targets import sm_count
 
@@ -158,8 +159,8 @@ def backward_candidates(
 
 
 def _with_resident(candidates: list[BackwardTiles]) -> list[BackwardTiles]:
-    """``candidates`` with, right after the first, the first with dK/dV in resident CTAs, one per SM, for the sweep
-    to time (two consumer warpgroups only)."""
+    """``candidates`` with, right after the first, the first with dQ and dK/dV in resident CTAs, one per SM, for
+    the sweep to time (two consumer warpgroups only)."""
     return candidates[:1] + [dataclasses.replace(candidates[0], ctas=sm_count())] + candidates[1:] if candidates else []
 
 
