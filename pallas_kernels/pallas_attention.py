@@ -183,13 +183,13 @@ def _attention_bwd(static, residuals, cotangents):
     row_sums = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
     delta = to_bhte(row_sums, static.layout) - d_lse
     interpret = static.backend == "interpret"
-    # the Mosaic kernels take lse in log2 units, made once here rather than a multiply per score in dK/dV
-    args = (static, static.mosaic_bwd, q, k, v, d_out, lse * _LOG2E, delta, mask_arrays, doc_arrays)
     # a mod's captured arrays: their gradients are sums per entry over every score, formed by the dQ kernels (the
     # Triton one per program, the Mosaic one per query row); dK/dV only reads them
-    if static.mosaic_bwd is not None and static.mosaic_bwd.fused_dq:
-        return (*mosaic_fused_backward(*args, interpret=interpret), None, None, ())
     if static.mosaic_bwd is not None:
+        # the Mosaic kernels take lse in log2 units, made once here rather than a multiply per score in dK/dV
+        args = (static, static.mosaic_bwd, q, k, v, d_out, lse * _LOG2E, delta, mask_arrays, doc_arrays)
+        if static.mosaic_bwd.fused_dq:
+            return (*mosaic_fused_backward(*args, interpret=interpret), None, None, ())
         dq = mosaic_dq(*args, mod_arrays, interpret=interpret)
         dk, dv = mosaic_dkv(*args, mod_arrays, interpret=interpret)
         if not mod_arrays:
