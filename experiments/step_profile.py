@@ -89,9 +89,7 @@ def attention_alone(cfg, calls: int, trace_dir: str) -> dict:
     against these, in one run, say whether the kernels run slower inside the step or the time goes elsewhere."""
     import jax.numpy as jnp
 
-    from jaxlm.attention import attention
-    from jaxlm.model import attention_score_mod
-    from pallas_kernels import BlockSizes
+    from jaxlm.model import attend
 
     m = cfg.model
     B, T, H, K, E = cfg.data.batch_size, cfg.data.seq_len, m.num_heads, m.num_kv_heads, m.resolved_head_dim
@@ -101,12 +99,7 @@ def attention_alone(cfg, calls: int, trace_dir: str) -> dict:
     )
 
     def loss(q, k, v):
-        out = attention(
-            q, k, v, mask=m.attention_mask, impl=m.attention_impl, score_mod=attention_score_mod(m),
-            block_sizes=BlockSizes(m.attention_block_q, m.attention_block_kv),
-            deterministic=m.attention_deterministic,
-        )  # fmt: skip
-        return jnp.vdot(out.astype(jnp.float32), d_out.astype(jnp.float32))
+        return jnp.vdot(attend(m, q, k, v).astype(jnp.float32), d_out.astype(jnp.float32))
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
 

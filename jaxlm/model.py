@@ -124,6 +124,25 @@ def attention_score_mod(cfg: ModelConfig):
     return soft_cap(cfg.attention_softcap) if cfg.attention_softcap else None
 
 
+def attend(cfg: ModelConfig, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT=None, positions_BT=None):
+    """The model's attention within a block, as the config sets it up (mask, implementation, mod, tiles, context
+    parallelism, determinism): what a layer runs in training and prefill, and what ``experiments.step_profile``
+    times alone."""
+    return attention(
+        q_BTHE,
+        k_BTKE,
+        v_BTKE,
+        mask=cfg.attention_mask,
+        segment_ids_BT=segment_ids_BT,
+        impl=cfg.attention_impl,
+        score_mod=attention_score_mod(cfg),
+        block_sizes=BlockSizes(cfg.attention_block_q, cfg.attention_block_kv),
+        positions_BT=positions_BT,
+        context_parallel=cfg.context_parallel,
+        deterministic=cfg.attention_deterministic,
+    )
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with one fused QKV projection.
 
@@ -150,21 +169,8 @@ class Attention(nnx.Module):
         """Attention within the block, as in training; also returns the block's rotated keys and its values
         ([B, T, K, E] each), which generation keeps as its KV cache. `positions_BT` place the tokens for the mask
         when the sequence is split (context parallelism); None: 0..T-1."""
-        cfg = self.cfg
         q_BTHE, k_BTKE, v_BTKE = self._qkv(x_BTD, sin, cos)
-        out_BTHE = attention(
-            q_BTHE,
-            k_BTKE,
-            v_BTKE,
-            mask=cfg.attention_mask,
-            segment_ids_BT=segment_ids_BT,
-            impl=cfg.attention_impl,
-            score_mod=attention_score_mod(cfg),
-            block_sizes=BlockSizes(cfg.attention_block_q, cfg.attention_block_kv),
-            positions_BT=positions_BT,
-            context_parallel=cfg.context_parallel,
-            deterministic=cfg.attention_deterministic,
-        )
+        out_BTHE = attend(self.cfg, q_BTHE, k_BTKE, v_BTKE, segment_ids_BT, positions_BT)
         return self._out(out_BTHE), k_BTKE, v_BTKE
 
     def decode(self, x_BTD, sin, cos, positions_BT, k_BKSE, v_BKSE, wo_DX=None):
