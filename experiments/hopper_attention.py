@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from experiments.bench_matmul import rel_err
 from experiments.cli import csv_of, exit_with
 from experiments.report_speed import _peer, kept_pairs
 from experiments.timing import best_time
@@ -142,7 +143,7 @@ def _grad_errors(q, k, v, bm, mod, want, d_out, deterministic: bool = True, layo
     kernel = _loss(lambda q, k, v, m: attend(q, k, v, m)[0], d_out, mod)
     got = jax.jit(jax.grad(kernel, argnums=(0, 1, 2, 3)))(q, k, v, arrays)
     pairs = list(zip(got[:3], want[:3])) + list(zip(got[3], want[3]))
-    return [float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b)) for a, b in pairs]
+    return [rel_err(a, b) for a, b in pairs]
 
 
 def run_check(layout: str = "BHTE", log=print) -> list[dict]:
@@ -158,7 +159,7 @@ def run_check(layout: str = "BHTE", log=print) -> list[dict]:
         try:
             out, lse = jax.jit(lambda q, k, v, bm=bm, mod=mod: _mosaic(bm, layout)(q, k, v, mod))(q, k, v)
             (ref_out, ref_lse), want = _reference(q, k, v, mask, mod, d_out)
-            err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref_out) / jnp.linalg.norm(ref_out))
+            err = rel_err(out, ref_out)
             lse_err = float(jnp.max(jnp.abs(lse - ref_lse)))
             row = {"case": name, "layout": layout, "rel_error": err, "lse_max_error": lse_err}
             row["grad_rel_errors"] = _grad_errors(q, k, v, bm, mod, want, d_out, layout=layout)
@@ -366,11 +367,7 @@ def _error_against(cudnn, bthe, wanted: dict, forward: bool, fn, args, layout: s
         wanted[key] = jax.jit(peer)(*bthe)
     got = jax.jit(fn)(*args)
     pairs = [(got, wanted[key])] if forward else list(zip(got, wanted[key]))
-    errors = []
-    for g, w in pairs:
-        g, w = (np.asarray(x, np.float32) for x in (g.swapaxes(1, 2) if layout == "BHTE" else g, w))
-        errors.append(float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)))
-    return max(errors)
+    return max(rel_err(g.swapaxes(1, 2) if layout == "BHTE" else g, w) for g, w in pairs)
 
 
 def _attend_with(bm, tiles, q, k, v, deterministic=True, layout="BHTE"):
